@@ -1,0 +1,94 @@
+//! `CpuBackend`: the `Backend` implementation for host memory: locking, dispatch
+//! to the kernels, transfers and the in-place `assign` primitive.
+use crate::kernels::{self, Input};
+use kiln_tensor::{Backend, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
+use std::sync::{Arc, RwLockReadGuard};
+
+/// The CPU backend. Stateless: storage is plain host memory (`HostBuffer`).
+#[derive(Debug, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+/// Read-locks each distinct storage of `inputs` once, in address order
+/// (see Note [Storage mutability] in kiln-tensor).
+pub(crate) fn lock_inputs<'a>(inputs: &[&'a Tensor]) -> Vec<(usize, RwLockReadGuard<'a, StorageData>)> {
+    let mut addrs: Vec<(usize, &'a Storage)> = inputs.iter().map(|t| (t.storage().addr(), &**t.storage())).collect();
+    addrs.sort_by_key(|a| a.0);
+    addrs.dedup_by_key(|a| a.0);
+    addrs.into_iter().map(|(a, s)| (a, s.read())).collect()
+}
+
+fn host<'a>(guards: &'a [(usize, RwLockReadGuard<'_, StorageData>)], t: &Tensor) -> Result<&'a HostBuffer> {
+    let addr = t.storage().addr();
+    let g = guards.iter().find(|g| g.0 == addr).expect("storage was locked");
+    g.1.as_host().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn from_host(&self, buf: HostBuffer, device: Device) -> Result<Arc<Storage>> {
+        if device != Device::Cpu {
+            return Err(Error::device("from_host", format!("the CPU backend cannot allocate on {device}")));
+        }
+        Ok(Arc::new(Storage::from_host(buf, Device::Cpu)))
+    }
+
+    fn to_host(&self, t: &Tensor) -> Result<HostBuffer> {
+        let guards = lock_inputs(&[t]);
+        let buf = host(&guards, t)?;
+        Ok(kernels::materialize(&Input { buf, layout: t.layout() }))
+    }
+
+    fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], _device: Device) -> Result<Vec<Arc<Storage>>> {
+        let guards = lock_inputs(inputs);
+        let ins: Vec<Input<'_>> =
+            inputs.iter().map(|t| Ok(Input { buf: host(&guards, t)?, layout: t.layout() })).collect::<Result<_>>()?;
+        let bufs = kernels::exec(op, &ins, outs)?;
+        drop(guards);
+        Ok(bufs.into_iter().map(|b| Arc::new(Storage::from_host(b, Device::Cpu))).collect())
+    }
+
+    fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        if dst.dtype() != src.dtype() || dst.shape() != src.shape() {
+            return Err(Error::invalid(
+                "assign",
+                format!("needs equal shapes and dtypes, got {:?} {} and {:?} {}", dst.shape(), dst.dtype(), src.shape(), src.dtype()),
+            ));
+        }
+        if src.shares_storage(dst) {
+            // Snapshot the source first, so reading and writing never alias.
+            let vals = self.to_host(src)?;
+            let layout = kiln_tensor::Layout::contiguous(src.shape());
+            let mut g = dst.storage().write();
+            let dst_buf = g.as_host_mut().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))?;
+            return kernels::assign(dst_buf, dst.layout(), &Input { buf: &vals, layout: &layout });
+        }
+        // Two distinct storages: lock them in address order (deadlock freedom).
+        let (src_guard, mut dst_guard) = if src.storage().addr() < dst.storage().addr() {
+            let s = src.storage().read();
+            (s, dst.storage().write())
+        } else {
+            let d = dst.storage().write();
+            (src.storage().read(), d)
+        };
+        let dst_buf = dst_guard.as_host_mut().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))?;
+        let src_buf = src_guard.as_host().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))?;
+        kernels::assign(dst_buf, dst.layout(), &Input { buf: src_buf, layout: src.layout() })
+    }
+
+    fn nonzero(&self, t: &Tensor) -> Result<Tensor> {
+        let guards = lock_inputs(&[t]);
+        let buf = host(&guards, t)?;
+        let (v, n) = kernels::nonzero(&Input { buf, layout: t.layout() });
+        drop(guards);
+        Tensor::from_vec(v, &[n, t.ndim()])
+    }
+}

@@ -1,0 +1,131 @@
+//! Conversions: `to_dtype`, `to_device`, `to_vec`, `item`, ndarray in and out,
+//! and `TensorData` for `Tensor::new([[1.0, 2.0], [3.0, 4.0]])`.
+use crate::{DType, Device, Error, HostBuffer, HostElement, Op, Result, Tensor};
+use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
+
+/// Nested arrays, slices, vectors and scalars that can become a tensor.
+pub trait TensorData {
+    /// The row-major data and the shape.
+    fn into_host(self) -> (HostBuffer, Vec<usize>);
+}
+
+macro_rules! tensor_data {
+    ($($t:ty),*) => {$(
+        impl TensorData for $t {
+            fn into_host(self) -> (HostBuffer, Vec<usize>) {
+                (<$t>::into_buffer(vec![self]), vec![])
+            }
+        }
+        impl<const N: usize> TensorData for [$t; N] {
+            fn into_host(self) -> (HostBuffer, Vec<usize>) {
+                (<$t>::into_buffer(self.to_vec()), vec![N])
+            }
+        }
+        impl<const N: usize, const M: usize> TensorData for [[$t; N]; M] {
+            fn into_host(self) -> (HostBuffer, Vec<usize>) {
+                (<$t>::into_buffer(self.iter().flatten().copied().collect()), vec![M, N])
+            }
+        }
+        impl<const N: usize, const M: usize, const K: usize> TensorData for [[[$t; N]; M]; K] {
+            fn into_host(self) -> (HostBuffer, Vec<usize>) {
+                (<$t>::into_buffer(self.iter().flatten().flatten().copied().collect()), vec![K, M, N])
+            }
+        }
+        impl TensorData for Vec<$t> {
+            fn into_host(self) -> (HostBuffer, Vec<usize>) {
+                let n = self.len();
+                (<$t>::into_buffer(self), vec![n])
+            }
+        }
+        impl TensorData for &[$t] {
+            fn into_host(self) -> (HostBuffer, Vec<usize>) {
+                (<$t>::into_buffer(self.to_vec()), vec![self.len()])
+            }
+        }
+    )*};
+}
+tensor_data!(bool, u8, i8, i16, i32, i64, f32, f64, half::f16, half::bf16);
+
+impl Tensor {
+    /// Casts to `dtype` (PyTorch's `.to(dtype)`); returns the same tensor when the dtype matches.
+    /// Float to int truncates toward zero; into bf16/f16 rounds to nearest even.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        Tensor::apply1(Op::Cast(dtype), &[self])
+    }
+
+    /// Copies to `device` (PyTorch's `.to(device)`); returns the same tensor when already there.
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        let host = self.backend().to_host(self)?;
+        Tensor::from_host(host, self.shape(), device)
+    }
+
+    /// The elements in row-major order, copied to the host as a contiguous buffer.
+    pub fn to_host(&self) -> Result<HostBuffer> {
+        self.backend().to_host(self)
+    }
+
+    /// The elements in row-major order. `T` must be this tensor's element type
+    /// (convert first with [`Tensor::to_dtype`]); see [`Tensor::to_vec_f64`] for any dtype.
+    pub fn to_vec<T: HostElement>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::dtype(
+                "to_vec",
+                format!("asked for {} elements but the tensor has dtype {}; call to_dtype({:?}) first", T::DTYPE, self.dtype(), T::DTYPE),
+            ));
+        }
+        Ok(T::vec(self.to_host()?).expect("backend returned a buffer of the tensor's dtype"))
+    }
+
+    /// The elements converted to f64, whatever the dtype.
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        let h = self.to_host()?;
+        Ok((0..h.len()).map(|i| h.get_f64(i)).collect())
+    }
+
+    /// The single value of a one-element tensor (`.item()`), as `T` (must match the dtype).
+    pub fn item<T: HostElement>(&self) -> Result<T> {
+        if self.numel() != 1 {
+            return Err(Error::invalid(
+                "item",
+                format!("a Tensor with {} elements cannot be converted to Scalar", self.numel()),
+            ));
+        }
+        Ok(self.to_vec::<T>()?[0])
+    }
+
+    /// The single value of a one-element tensor as f64, whatever the dtype.
+    pub fn item_f64(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            return Err(Error::invalid(
+                "item",
+                format!("a Tensor with {} elements cannot be converted to Scalar", self.numel()),
+            ));
+        }
+        Ok(self.to_vec_f64()?[0])
+    }
+
+    /// A CPU tensor copied from an ndarray array of any dimensionality and layout.
+    pub fn from_ndarray<T: HostElement, S: Data<Elem = T>, D: Dimension>(a: &ArrayBase<S, D>) -> Result<Tensor> {
+        let shape = a.shape().to_vec();
+        Tensor::from_vec(a.iter().copied().collect(), &shape)
+    }
+
+    /// The data as an owned ndarray array (`T` must match the dtype).
+    pub fn to_ndarray<T: HostElement>(&self) -> Result<ArrayD<T>> {
+        let v = self.to_vec::<T>()?;
+        ArrayD::from_shape_vec(IxDyn(self.shape()), v).map_err(|e| Error::shape("to_ndarray", e.to_string()))
+    }
+}
+
+impl<T: HostElement, S: Data<Elem = T>, D: Dimension> TryFrom<&ArrayBase<S, D>> for Tensor {
+    type Error = Error;
+    fn try_from(a: &ArrayBase<S, D>) -> Result<Tensor> {
+        Tensor::from_ndarray(a)
+    }
+}

@@ -1,0 +1,166 @@
+//! `Device` and the backend registry: devices are runtime values resolved to a
+//! registered `Backend`, so out-of-tree backends plug in (PyTorch's PrivateUse1 idea).
+use crate::{DType, Error, HostBuffer, Layout, Op, Result, Shape, Storage, Tensor};
+use std::fmt;
+use std::sync::{Arc, RwLock};
+
+/// Where a tensor lives. `Tpu(n)` is served by the PJRT backend once it is registered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    Tpu(usize),
+    /// A device of an out-of-tree backend registered under [`DeviceKind::PrivateUse1`].
+    PrivateUse1(usize),
+}
+
+/// The kind of a device, the key of the backend registry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeviceKind {
+    Cpu,
+    Tpu,
+    PrivateUse1,
+}
+
+impl Device {
+    pub fn kind(self) -> DeviceKind {
+        match self {
+            Device::Cpu => DeviceKind::Cpu,
+            Device::Tpu(_) => DeviceKind::Tpu,
+            Device::PrivateUse1(_) => DeviceKind::PrivateUse1,
+        }
+    }
+    pub fn index(self) -> usize {
+        match self {
+            Device::Cpu => 0,
+            Device::Tpu(i) | Device::PrivateUse1(i) => i,
+        }
+    }
+    /// The backend serving this device, or an error saying how to register one.
+    pub fn backend(self) -> Result<&'static dyn Backend> {
+        let b = backend_for(self.kind()).ok_or_else(|| {
+            Error::device(
+                "device",
+                format!(
+                    "no backend is registered for device {self}; use the `kiln` crate (it registers the CPU backend) or the crate of the backend for {self} and call its `register()`"
+                ),
+            )
+        })?;
+        let n = b.device_count();
+        if self.index() >= n {
+            return Err(Error::device(
+                "device",
+                format!("device {self} does not exist: the {} backend has {n} device(s)", b.name()),
+            ));
+        }
+        Ok(b)
+    }
+    /// Parses `cpu`, `tpu`, `tpu:1`.
+    pub fn parse(s: &str) -> Result<Device> {
+        let (k, i) = match s.split_once(':') {
+            Some((k, i)) => {
+                (k, i.parse::<usize>().map_err(|_| Error::invalid("device", format!("bad device index in {s:?}")))?)
+            }
+            None => (s, 0),
+        };
+        match k {
+            "cpu" if i == 0 => Ok(Device::Cpu),
+            "tpu" => Ok(Device::Tpu(i)),
+            "privateuse1" => Ok(Device::PrivateUse1(i)),
+            _ => Err(Error::invalid("device", format!("unknown device {s:?} (expected cpu, tpu or tpu:N)"))),
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Tpu(i) => write!(f, "tpu:{i}"),
+            Device::PrivateUse1(i) => write!(f, "privateuse1:{i}"),
+        }
+    }
+}
+
+/// Shape and dtype of an op's output, as computed by [`Op::infer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Meta {
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+/// A backend executes primitive ops on its devices. View ops never reach it:
+/// they are `Layout` transforms, so every backend reads strided inputs
+/// (`Tensor::layout()` over `Tensor::storage()`).
+pub trait Backend: Send + Sync + 'static {
+    /// Short name used in errors (`cpu`, `pjrt`).
+    fn name(&self) -> &'static str;
+    /// Number of devices of this kind.
+    fn device_count(&self) -> usize {
+        1
+    }
+    /// Moves host data onto `device` as a new storage.
+    fn from_host(&self, buf: HostBuffer, device: Device) -> Result<Arc<Storage>>;
+    /// Reads the elements of `t` (any layout) into a contiguous host buffer, row-major.
+    fn to_host(&self, t: &Tensor) -> Result<HostBuffer>;
+    /// Runs a non-view primitive on `inputs` (all on `device`), returning one
+    /// fresh contiguous storage per output, each of the shape and dtype in `outs`.
+    fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>>;
+    /// Writes `src` into the memory `dst` views (same shape and dtype): the one
+    /// in-place primitive. `src` may alias `dst`'s storage.
+    fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;
+    /// Indices of the non-zero elements, shape `[n, ndim]` (int64): the one op
+    /// whose output shape depends on the data.
+    fn nonzero(&self, t: &Tensor) -> Result<Tensor>;
+    /// Waits until all queued work on `device` is done (a no-op for synchronous backends).
+    fn synchronize(&self, _device: Device) -> Result<()> {
+        Ok(())
+    }
+}
+
+type Registry = RwLock<Vec<(DeviceKind, &'static dyn Backend)>>;
+static REGISTRY: Registry = RwLock::new(Vec::new());
+
+/// Registers (or replaces) the backend for a device kind. Backends live for the
+/// whole process, so registration leaks one small allocation per call.
+pub fn register_backend(kind: DeviceKind, backend: Box<dyn Backend>) {
+    let b: &'static dyn Backend = Box::leak(backend);
+    let mut reg = REGISTRY.write().unwrap_or_else(|e| e.into_inner());
+    reg.retain(|(k, _)| *k != kind);
+    reg.push((kind, b));
+}
+
+/// The backend registered for `kind`, if any.
+pub fn backend_for(kind: DeviceKind) -> Option<&'static dyn Backend> {
+    let reg = REGISTRY.read().unwrap_or_else(|e| e.into_inner());
+    reg.iter().find(|(k, _)| *k == kind).map(|(_, b)| *b)
+}
+
+/// Whether a backend is registered for `kind`.
+pub fn is_registered(kind: DeviceKind) -> bool {
+    backend_for(kind).is_some()
+}
+
+/// The devices of every registered backend (the conformance suite runs on each).
+pub fn registered_devices() -> Vec<Device> {
+    let reg = REGISTRY.read().unwrap_or_else(|e| e.into_inner());
+    let mut out = vec![];
+    for (k, b) in reg.iter() {
+        for i in 0..b.device_count() {
+            out.push(match k {
+                DeviceKind::Cpu => Device::Cpu,
+                DeviceKind::Tpu => Device::Tpu(i),
+                DeviceKind::PrivateUse1 => Device::PrivateUse1(i),
+            });
+            if *k == DeviceKind::Cpu {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Makes the layout check every backend needs before touching memory.
+pub fn check_layout(op: &'static str, layout: &Layout, storage: &Storage) -> Result<()> {
+    layout.check_bounds(op, storage.len())
+}

@@ -1,0 +1,438 @@
+//! Elementwise math: unary ops, binary ops with broadcasting and PyTorch type
+//! promotion (scalars included), comparisons, logical ops, `where`, `clamp`,
+//! activations, and the `std::ops` operators.
+use crate::{BinaryOp, CmpOp, DType, Error, Op, Result, Scalar, Tensor, UnaryOp};
+use std::ops;
+
+/// The second operand of a binary op: a tensor or a Python-like scalar.
+/// `x.add(&y)`, `x.add(2.5)`, `x.mul(3)` all work.
+#[derive(Debug, Clone, Copy)]
+pub enum Operand<'a> {
+    Tensor(&'a Tensor),
+    Scalar(Scalar),
+}
+
+impl<'a> From<&'a Tensor> for Operand<'a> {
+    fn from(t: &'a Tensor) -> Self {
+        Operand::Tensor(t)
+    }
+}
+impl From<Scalar> for Operand<'_> {
+    fn from(s: Scalar) -> Self {
+        Operand::Scalar(s)
+    }
+}
+macro_rules! operand_from {
+    ($($t:ty),*) => {$(
+        impl From<$t> for Operand<'_> {
+            fn from(x: $t) -> Self {
+                Operand::Scalar(Scalar::from(x))
+            }
+        }
+    )*};
+}
+operand_from!(f64, f32, i64, i32, u8, usize, bool);
+
+/// PyTorch's `result_type` over tensors and scalars: dimensioned tensors win over
+/// 0-d tensors, which win over scalars, unless a lower-priority operand is of a
+/// higher category (bool < int < float).
+pub fn result_type(ops: &[Operand<'_>]) -> DType {
+    let mut dim: Option<DType> = None;
+    let mut zero: Option<DType> = None;
+    let mut wrapped: Option<DType> = None;
+    let merge = |slot: &mut Option<DType>, d: DType| *slot = Some(slot.map_or(d, |s| DType::promote(s, d)));
+    for o in ops {
+        match o {
+            Operand::Tensor(t) if t.ndim() > 0 => merge(&mut dim, t.dtype()),
+            Operand::Tensor(t) => merge(&mut zero, t.dtype()),
+            Operand::Scalar(s) => merge(&mut wrapped, s.dtype()),
+        }
+    }
+    // PyTorch's combine_categories.
+    fn combine(higher: Option<DType>, lower: Option<DType>) -> Option<DType> {
+        match (higher, lower) {
+            (None, l) => l,
+            (h, None) => h,
+            (Some(h), Some(_)) if h.is_float() => Some(h),
+            (Some(h), Some(l)) if h == DType::Bool || l.is_float() => Some(DType::promote(h, l)),
+            (h, _) => h,
+        }
+    }
+    combine(dim, combine(zero, wrapped)).unwrap_or(DType::F32)
+}
+
+impl Tensor {
+    /// Materialises a scalar operand as a 0-d tensor of `dtype` on this tensor's device.
+    pub(crate) fn operand_tensor(&self, o: Operand<'_>, dtype: DType) -> Result<Tensor> {
+        match o {
+            Operand::Tensor(t) => t.to_dtype(dtype),
+            Operand::Scalar(s) => Tensor::full(&[], s, (dtype, self.device())),
+        }
+    }
+
+    /// Broadcasts two tensors to a common shape (free stride-0 views).
+    pub fn broadcast_pair(op: &'static str, a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+        if a.shape() == b.shape() {
+            return Ok((a.clone(), b.clone()));
+        }
+        let shape = crate::broadcast_shapes(op, a.shape(), b.shape())?;
+        Ok((a.broadcast_to(&shape)?, b.broadcast_to(&shape)?))
+    }
+
+    /// Runs a binary primitive on `self` and `other` computed in `compute` dtype after
+    /// broadcasting; `compute` defaults to the promoted type.
+    pub(crate) fn binary_in(&self, op: BinaryOp, other: Operand<'_>, compute: DType) -> Result<Tensor> {
+        let a = self.to_dtype(compute)?;
+        let b = self.operand_tensor(other, compute)?;
+        let (a, b) = Tensor::broadcast_pair(op.name(), &a, &b)?;
+        Tensor::apply1(Op::Binary(op), &[&a, &b])
+    }
+
+    fn binary(&self, op: BinaryOp, other: Operand<'_>) -> Result<Tensor> {
+        let dt = result_type(&[Operand::Tensor(self), other]);
+        self.binary_in(op, other, dt)
+    }
+
+    fn unary(&self, op: UnaryOp) -> Result<Tensor> {
+        Tensor::apply1(Op::Unary(op), &[self])
+    }
+
+    /// A float op on an int/bool tensor first promotes to float32 (like `torch.exp(int_tensor)`).
+    fn unary_float(&self, op: UnaryOp) -> Result<Tensor> {
+        self.to_dtype(self.dtype().to_float())?.unary(op)
+    }
+
+    // ---- binary arithmetic ------------------------------------------------------
+
+    /// `self + other` with broadcasting and type promotion.
+    pub fn add<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::Add, other.into())
+    }
+    pub fn sub<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::Sub, other.into())
+    }
+    pub fn mul<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::Mul, other.into())
+    }
+    /// True division: integer inputs give float32, like PyTorch's `/`.
+    pub fn div<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        let o = other.into();
+        let dt = result_type(&[Operand::Tensor(self), o]).to_float();
+        self.binary_in(BinaryOp::Div, o, dt)
+    }
+    /// `torch.div(a, b, rounding_mode="trunc")`.
+    pub fn div_trunc<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        let o = other.into();
+        let dt = result_type(&[Operand::Tensor(self), o]);
+        if dt.is_float() {
+            self.binary_in(BinaryOp::Div, o, dt)?.trunc()
+        } else {
+            self.binary_in(BinaryOp::Div, o, dt)
+        }
+    }
+    /// Floor division, Python's `//` (`torch.floor_divide`, `rounding_mode="floor"`).
+    pub fn floor_divide<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::FloorDiv, other.into())
+    }
+    /// Remainder with the sign of the divisor (Python's `%`).
+    pub fn remainder<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::Remainder, other.into())
+    }
+    /// Remainder with the sign of the dividend (C's `fmod`).
+    pub fn fmod<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::Fmod, other.into())
+    }
+    pub fn pow<'o>(&self, exponent: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::Pow, exponent.into())
+    }
+    /// Elementwise maximum, propagating NaN.
+    pub fn maximum(&self, other: &Tensor) -> Result<Tensor> {
+        self.binary(BinaryOp::Maximum, other.into())
+    }
+    pub fn minimum(&self, other: &Tensor) -> Result<Tensor> {
+        self.binary(BinaryOp::Minimum, other.into())
+    }
+    /// Elementwise maximum, ignoring NaN when the other value is a number.
+    pub fn fmax(&self, other: &Tensor) -> Result<Tensor> {
+        self.binary(BinaryOp::Fmax, other.into())
+    }
+    pub fn fmin(&self, other: &Tensor) -> Result<Tensor> {
+        self.binary(BinaryOp::Fmin, other.into())
+    }
+    pub fn atan2(&self, other: &Tensor) -> Result<Tensor> {
+        let o = Operand::Tensor(other);
+        let dt = result_type(&[Operand::Tensor(self), o]).to_float();
+        self.binary_in(BinaryOp::Atan2, o, dt)
+    }
+
+    // ---- logical and comparison -------------------------------------------------
+
+    pub fn logical_and<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::And, other.into())
+    }
+    pub fn logical_or<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::Or, other.into())
+    }
+    pub fn logical_xor<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::Xor, other.into())
+    }
+    pub fn logical_not(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Not)
+    }
+
+    fn compare(&self, op: CmpOp, other: Operand<'_>) -> Result<Tensor> {
+        let dt = result_type(&[Operand::Tensor(self), other]);
+        let a = self.to_dtype(dt)?;
+        let b = self.operand_tensor(other, dt)?;
+        let (a, b) = Tensor::broadcast_pair(op.name(), &a, &b)?;
+        Tensor::apply1(Op::Compare(op), &[&a, &b])
+    }
+    pub fn eq<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.compare(CmpOp::Eq, other.into())
+    }
+    pub fn ne<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.compare(CmpOp::Ne, other.into())
+    }
+    pub fn lt<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.compare(CmpOp::Lt, other.into())
+    }
+    pub fn le<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.compare(CmpOp::Le, other.into())
+    }
+    pub fn gt<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.compare(CmpOp::Gt, other.into())
+    }
+    pub fn ge<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.compare(CmpOp::Ge, other.into())
+    }
+
+    /// `torch.where(cond, self, other)`: elements of `self` where `cond`, else of `other`.
+    pub fn where_<'o>(cond: &Tensor, a: impl Into<Operand<'o>>, b: impl Into<Operand<'o>>) -> Result<Tensor> {
+        let (a, b) = (a.into(), b.into());
+        if cond.dtype() != DType::Bool {
+            return Err(Error::dtype("where", format!("where expected condition to be a boolean tensor, but got a tensor with dtype {}", cond.dtype())));
+        }
+        let dt = result_type(&[a, b]);
+        let ta = cond.operand_tensor(a, dt)?;
+        let tb = cond.operand_tensor(b, dt)?;
+        let shape = crate::broadcast_shapes("where", cond.shape(), ta.shape())?;
+        let shape = crate::broadcast_shapes("where", &shape, tb.shape())?;
+        let (c, ta, tb) = (cond.broadcast_to(&shape)?, ta.broadcast_to(&shape)?, tb.broadcast_to(&shape)?);
+        Tensor::apply1(Op::Where, &[&c, &ta, &tb])
+    }
+
+    /// Clamps into `[min, max]` (either bound optional); NaN stays NaN.
+    pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
+        let mut out = self.clone();
+        let s = |v: f64| if self.dtype().is_float() { Scalar::Float(v) } else { Scalar::Int(v as i64) };
+        if let Some(lo) = min {
+            let lo_t = self.operand_tensor(Operand::Scalar(s(lo)), self.dtype())?;
+            out = out.maximum(&lo_t)?;
+        }
+        if let Some(hi) = max {
+            let hi_t = self.operand_tensor(Operand::Scalar(s(hi)), self.dtype())?;
+            out = out.minimum(&hi_t)?;
+        }
+        if min.is_none() && max.is_none() {
+            return Err(Error::invalid("clamp", "at least one of 'min' or 'max' must not be None"));
+        }
+        Ok(out)
+    }
+    /// `torch.clamp` with tensor bounds.
+    pub fn clamp_tensor(&self, min: Option<&Tensor>, max: Option<&Tensor>) -> Result<Tensor> {
+        let mut out = self.clone();
+        if let Some(lo) = min {
+            out = out.maximum(lo)?;
+        }
+        if let Some(hi) = max {
+            out = out.minimum(hi)?;
+        }
+        Ok(out)
+    }
+
+    // ---- unary ---------------------------------------------------------------------
+
+    pub fn neg(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Neg)
+    }
+    pub fn abs(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Abs)
+    }
+    pub fn sign(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Sign)
+    }
+    pub fn exp(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Exp)
+    }
+    pub fn log(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Log)
+    }
+    pub fn log1p(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Log1p)
+    }
+    pub fn expm1(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Expm1)
+    }
+    pub fn sqrt(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Sqrt)
+    }
+    pub fn rsqrt(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Rsqrt)
+    }
+    pub fn reciprocal(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Recip)
+    }
+    pub fn tanh(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Tanh)
+    }
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Sigmoid)
+    }
+    pub fn sin(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Sin)
+    }
+    pub fn cos(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Cos)
+    }
+    pub fn erf(&self) -> Result<Tensor> {
+        self.unary_float(UnaryOp::Erf)
+    }
+    pub fn floor(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Floor)
+    }
+    pub fn ceil(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Ceil)
+    }
+    /// Rounds half to even, like `torch.round`.
+    pub fn round(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Round)
+    }
+    pub fn trunc(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Trunc)
+    }
+    pub fn isnan(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::IsNan)
+    }
+    pub fn isinf(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::IsInf)
+    }
+    pub fn square(&self) -> Result<Tensor> {
+        self.mul(self)
+    }
+    /// `max(x, 0)`, keeping NaN.
+    pub fn relu(&self) -> Result<Tensor> {
+        let zero = Tensor::zeros(&[], (self.dtype(), self.device()))?;
+        self.maximum(&zero)
+    }
+    /// `x * sigmoid(x)`.
+    pub fn silu(&self) -> Result<Tensor> {
+        self.mul(&self.sigmoid()?)
+    }
+    /// Exact GELU: `x/2 * (1 + erf(x/sqrt(2)))`.
+    pub fn gelu(&self) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let e = x.mul(std::f64::consts::FRAC_1_SQRT_2)?.erf()?.add(1.0)?;
+        x.mul(0.5)?.mul(&e)
+    }
+    /// GELU with the tanh approximation (`approximate='tanh'`).
+    pub fn gelu_tanh(&self) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        let inner = x.mul(&x.mul(&x)?.mul(0.044715)?.add(1.0)?)?.mul(k)?;
+        x.mul(0.5)?.mul(&inner.tanh()?.add(1.0)?)
+    }
+}
+
+// ---- std::ops operators -------------------------------------------------------------
+//
+// The operators panic on error (mismatched shapes, devices or dtypes) with the same
+// message the `Result` methods return. Use the methods (`a.add(&b)?`) to handle errors.
+
+macro_rules! bin_operator {
+    ($trait:ident, $method:ident, $f:ident) => {
+        impl ops::$trait<&Tensor> for &Tensor {
+            type Output = Tensor;
+            fn $method(self, rhs: &Tensor) -> Tensor {
+                Tensor::$f(&self, rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl ops::$trait<Tensor> for &Tensor {
+            type Output = Tensor;
+            fn $method(self, rhs: Tensor) -> Tensor {
+                Tensor::$f(&self, &rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl ops::$trait<&Tensor> for Tensor {
+            type Output = Tensor;
+            fn $method(self, rhs: &Tensor) -> Tensor {
+                Tensor::$f(&self, rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl ops::$trait<Tensor> for Tensor {
+            type Output = Tensor;
+            fn $method(self, rhs: Tensor) -> Tensor {
+                Tensor::$f(&self, &rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        bin_operator!(@scalar $trait, $method, $f, f64, f32, i64, i32);
+    };
+    (@scalar $trait:ident, $method:ident, $f:ident, $($s:ty),*) => {$(
+        impl ops::$trait<$s> for &Tensor {
+            type Output = Tensor;
+            fn $method(self, rhs: $s) -> Tensor {
+                Tensor::$f(&self, rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl ops::$trait<$s> for Tensor {
+            type Output = Tensor;
+            fn $method(self, rhs: $s) -> Tensor {
+                Tensor::$f(&self, rhs).unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl ops::$trait<&Tensor> for $s {
+            type Output = Tensor;
+            fn $method(self, rhs: &Tensor) -> Tensor {
+                rhs.operand_tensor(Operand::Scalar(Scalar::from(self)), result_type(&[Operand::Tensor(rhs), Operand::Scalar(Scalar::from(self))]))
+                    .and_then(|l| Tensor::$f(&l, rhs))
+                    .unwrap_or_else(|e| panic!("{e}"))
+            }
+        }
+        impl ops::$trait<Tensor> for $s {
+            type Output = Tensor;
+            fn $method(self, rhs: Tensor) -> Tensor {
+                self.$method(&rhs)
+            }
+        }
+    )*};
+}
+bin_operator!(Add, add, add);
+bin_operator!(Sub, sub, sub);
+bin_operator!(Mul, mul, mul);
+bin_operator!(Div, div, div);
+bin_operator!(Rem, rem, remainder);
+
+impl ops::Neg for &Tensor {
+    type Output = Tensor;
+    fn neg(self) -> Tensor {
+        Tensor::neg(self).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+impl ops::Neg for Tensor {
+    type Output = Tensor;
+    fn neg(self) -> Tensor {
+        Tensor::neg(&self).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+impl ops::Not for &Tensor {
+    type Output = Tensor;
+    /// Logical not for bool tensors (`~mask` in PyTorch).
+    fn not(self) -> Tensor {
+        self.logical_not().unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+impl ops::Not for Tensor {
+    type Output = Tensor;
+    fn not(self) -> Tensor {
+        self.logical_not().unwrap_or_else(|e| panic!("{e}"))
+    }
+}

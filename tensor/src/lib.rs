@@ -1,0 +1,46 @@
+//! kiln-tensor: the core of kiln. `DType`, `Layout`, `Storage`, `Device` and the
+//! backend registry, the primitive-op IR (`Op`) and the `Tensor` type with its
+//! PyTorch-like API. It knows nothing about gradients or concrete backends.
+//!
+//! The `Tensor` API is split by concern: creation (`create.rs`), conversion
+//! (`convert.rs`), movement and views (`movement.rs`), elementwise math
+//! (`elementwise.rs`), reductions (`reduce.rs`), linear algebra (`linalg.rs`),
+//! indexing (`indexing.rs`), in-place ops (`inplace.rs`), composites
+//! (`composite.rs`) and printing (`display.rs`).
+
+pub use half;
+
+mod composite;
+mod convert;
+mod create;
+pub mod device;
+mod display;
+pub mod dtype;
+mod elementwise;
+pub mod error;
+mod indexing;
+mod inplace;
+pub mod layout;
+mod linalg;
+mod movement;
+pub mod op;
+pub mod random;
+mod reduce;
+pub mod scalar;
+pub mod storage;
+mod tensor;
+
+pub use convert::TensorData;
+pub use create::TensorOptions;
+pub use device::{backend_for, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind, Meta};
+pub use dtype::{Category, DType, Element};
+pub use elementwise::Operand;
+pub use error::{Error, Result};
+pub use indexing::{IndexItem, TensorIndex};
+pub use layout::{broadcast_shapes, contiguous_strides, numel, wrap_dim, Layout, Shape, Strides};
+pub use op::{ArgReduceOp, BinaryOp, CmpOp, Op, ReduceOp, ScatterReduce, UnaryOp, ViewOp};
+pub use random::manual_seed;
+pub use reduce::Dims;
+pub use scalar::Scalar;
+pub use storage::{DeviceBuffer, HostBuffer, HostElement, Storage, StorageData};
+pub use tensor::{is_grad_enabled, set_grad_enabled, Node, Origin, Tensor};

@@ -1,0 +1,645 @@
+//! The primitive-op IR: the one list of operations every backend implements,
+//! with shape/dtype inference in one place (`Op::infer`). Composites (softmax,
+//! gelu, var, ...) are written in terms of these in the tensor API.
+use crate::error::fmt_shape;
+use crate::{DType, Error, Layout, Meta, Result, Scalar, Shape};
+use smallvec::{smallvec, SmallVec};
+
+/// Elementwise ops of one input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Sign,
+    /// Floating-point only (integers are promoted to float32 by the tensor API).
+    Exp,
+    Log,
+    Log1p,
+    Expm1,
+    Sqrt,
+    Rsqrt,
+    Recip,
+    Tanh,
+    /// `1 / (1 + exp(-x))` (lax's `logistic`).
+    Sigmoid,
+    Sin,
+    Cos,
+    Erf,
+    Floor,
+    Ceil,
+    /// Round half to even, like `torch.round`.
+    Round,
+    Trunc,
+    /// Logical not: output bool.
+    Not,
+    /// Outputs bool.
+    IsNan,
+    IsInf,
+}
+
+impl UnaryOp {
+    /// Ops that need a floating input.
+    pub fn is_float_only(self) -> bool {
+        use UnaryOp::*;
+        matches!(self, Exp | Log | Log1p | Expm1 | Sqrt | Rsqrt | Recip | Tanh | Sigmoid | Sin | Cos | Erf)
+    }
+    pub fn name(self) -> &'static str {
+        use UnaryOp::*;
+        match self {
+            Neg => "neg",
+            Abs => "abs",
+            Sign => "sign",
+            Exp => "exp",
+            Log => "log",
+            Log1p => "log1p",
+            Expm1 => "expm1",
+            Sqrt => "sqrt",
+            Rsqrt => "rsqrt",
+            Recip => "reciprocal",
+            Tanh => "tanh",
+            Sigmoid => "sigmoid",
+            Sin => "sin",
+            Cos => "cos",
+            Erf => "erf",
+            Floor => "floor",
+            Ceil => "ceil",
+            Round => "round",
+            Trunc => "trunc",
+            Not => "logical_not",
+            IsNan => "isnan",
+            IsInf => "isinf",
+        }
+    }
+}
+
+/// Elementwise ops of two inputs of equal shape and dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    /// True division on floats; on integers truncating division (the tensor API
+    /// promotes integers to float for `/`, and uses it for `rounding_mode="trunc"`).
+    Div,
+    /// Floor division (Python's `//`).
+    FloorDiv,
+    /// Remainder with the sign of the divisor (Python's `%`, `torch.remainder`).
+    Remainder,
+    /// Remainder with the sign of the dividend (C's `fmod`, `torch.fmod`).
+    Fmod,
+    Pow,
+    /// NaN-propagating maximum (`torch.maximum`).
+    Maximum,
+    Minimum,
+    /// NaN-ignoring maximum (`torch.fmax`).
+    Fmax,
+    Fmin,
+    /// Logical ops: output bool, any input dtype (non-zero is true).
+    And,
+    Or,
+    Xor,
+    Atan2,
+}
+
+impl BinaryOp {
+    pub fn is_logical(self) -> bool {
+        matches!(self, BinaryOp::And | BinaryOp::Or | BinaryOp::Xor)
+    }
+    pub fn name(self) -> &'static str {
+        use BinaryOp::*;
+        match self {
+            Add => "add",
+            Sub => "sub",
+            Mul => "mul",
+            Div => "div",
+            FloorDiv => "floor_divide",
+            Remainder => "remainder",
+            Fmod => "fmod",
+            Pow => "pow",
+            Maximum => "maximum",
+            Minimum => "minimum",
+            Fmax => "fmax",
+            Fmin => "fmin",
+            And => "logical_and",
+            Or => "logical_or",
+            Xor => "logical_xor",
+            Atan2 => "atan2",
+        }
+    }
+}
+
+/// Comparisons: two inputs of equal shape and dtype, output bool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+impl CmpOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            CmpOp::Eq => "eq",
+            CmpOp::Ne => "ne",
+            CmpOp::Lt => "lt",
+            CmpOp::Le => "le",
+            CmpOp::Gt => "gt",
+            CmpOp::Ge => "ge",
+        }
+    }
+}
+
+/// Reductions over a set of dims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Integers and bool accumulate in int64; bf16/f16 in f32.
+    Sum,
+    /// Floating only; accumulates like Sum, rounds once.
+    Mean,
+    Prod,
+    /// NaN-propagating.
+    Max,
+    Min,
+    /// Output bool.
+    Any,
+    All,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ArgReduceOp {
+    ArgMax,
+    ArgMin,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScatterReduce {
+    /// Later writes win (`scatter`).
+    Replace,
+    /// Duplicates accumulate (`scatter_add`).
+    Add,
+}
+
+/// View ops: `Layout` transforms that alias their input's storage. They are part
+/// of the IR so autograd and the compiled backend see them; the tensor layer
+/// applies them itself and backends never execute them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ViewOp {
+    /// A reshape the strides allow without copying.
+    Reshape(Shape),
+    Permute(SmallVec<[usize; 6]>),
+    /// Broadcast to a shape (stride 0 on new or size-1 dims).
+    Expand(Shape),
+    /// `dim`, `start`, `end` (exclusive, clamped), `step >= 1`.
+    Slice { dim: usize, start: usize, end: usize, step: usize },
+    Select { dim: usize, index: usize },
+    Unsqueeze(usize),
+    Squeeze(SmallVec<[usize; 6]>),
+    Diagonal { offset: isize, dim1: usize, dim2: usize },
+    AsStrided { shape: Shape, strides: Shape, offset: usize },
+}
+
+impl ViewOp {
+    pub fn name(&self) -> &'static str {
+        match self {
+            ViewOp::Reshape(_) => "view",
+            ViewOp::Permute(_) => "permute",
+            ViewOp::Expand(_) => "expand",
+            ViewOp::Slice { .. } => "slice",
+            ViewOp::Select { .. } => "select",
+            ViewOp::Unsqueeze(_) => "unsqueeze",
+            ViewOp::Squeeze(_) => "squeeze",
+            ViewOp::Diagonal { .. } => "diagonal",
+            ViewOp::AsStrided { .. } => "as_strided",
+        }
+    }
+
+    /// Applies the view to a layout. Arguments were validated by the tensor API;
+    /// this re-checks what could make the result unsafe to read.
+    pub fn apply(&self, l: &Layout) -> Result<Layout> {
+        Ok(match self {
+            ViewOp::Reshape(s) => l.reshape_view(s).ok_or_else(|| {
+                Error::shape(
+                    "view",
+                    format!(
+                        "view size is not compatible with input tensor's size and stride (at least one dimension spans across two contiguous subspaces); shape {} strides {} to {}; use .reshape(...) instead",
+                        fmt_shape(l.shape()),
+                        fmt_shape(l.strides()),
+                        fmt_shape(s)
+                    ),
+                )
+            })?,
+            ViewOp::Permute(p) => l.permute("permute", p)?,
+            ViewOp::Expand(s) => l.expand("expand", s)?,
+            ViewOp::Slice { dim, start, end, step } => l.slice(*dim, *start, *end, *step),
+            ViewOp::Select { dim, index } => l.select(*dim, *index),
+            ViewOp::Unsqueeze(d) => l.unsqueeze(*d),
+            ViewOp::Squeeze(d) => l.squeeze_dims(d),
+            ViewOp::Diagonal { offset, dim1, dim2 } => l.diagonal(*offset, *dim1, *dim2),
+            ViewOp::AsStrided { shape, strides, offset } => {
+                Layout::new(shape.clone(), strides.iter().copied().collect(), *offset)
+            }
+        })
+    }
+}
+
+/// A primitive op. Each has four homes, each an exhaustive `match`: shape/dtype
+/// inference (here), its gradient rule, its CPU kernel and its StableHLO lowering.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// A tensor filled with one value (no inputs).
+    Full { shape: Shape, value: Scalar, dtype: DType },
+    /// `start + i * step` for `i in 0..len` (no inputs).
+    Arange { start: f64, step: f64, len: usize, dtype: DType },
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    Compare(CmpOp),
+    /// `where(cond, a, b)`: cond bool; a, b of equal dtype; all of equal shape.
+    Where,
+    /// Cast to a dtype (round-to-nearest-even into bf16/f16, truncation into ints).
+    Cast(DType),
+    /// A contiguous copy (materialises any view).
+    Copy,
+    /// Reduce `dims` (sorted, unique); `keepdim` keeps them as size 1.
+    Reduce { op: ReduceOp, dims: SmallVec<[usize; 6]>, keepdim: bool },
+    /// Index (int64) of the max/min along `dim` (or of the flattened tensor when `None`);
+    /// ties give the first index, NaN counts as the extreme.
+    ArgReduce { op: ArgReduceOp, dim: Option<usize>, keepdim: bool },
+    /// Inclusive prefix sum along `dim` (integers and bool accumulate in int64).
+    Cumsum { dim: usize },
+    /// `[..., m, k] @ [..., k, n]`, batch dims equal, same dtype.
+    MatMul,
+    View(ViewOp),
+    /// Concatenation along `dim` of inputs of one dtype.
+    Cat { dim: usize },
+    /// `out[i][j] = x[i][index[i][j]]` (for dim 1); inputs `x`, `index` (int64).
+    Gather { dim: usize },
+    /// Inputs `base`, `index` (int64), `src`: a copy of base with src's elements written
+    /// (or added) at the indexed positions along `dim`.
+    Scatter { dim: usize, reduce: ScatterReduce },
+    /// Inputs `x`, `index` (1-D int64): picks slices along `dim`.
+    IndexSelect { dim: usize },
+    /// Inputs `base`, `index` (1-D int64), `src`: a copy of base with `src` slices added
+    /// at `index` along `dim`.
+    IndexAdd { dim: usize },
+    /// Outputs (values, indices int64) sorted along `dim`.
+    Sort { dim: usize, descending: bool, stable: bool },
+    /// Outputs the `k` largest (or smallest) along `dim`, sorted, and their indices.
+    TopK { k: usize, dim: usize, largest: bool },
+}
+
+fn meta(shape: &[usize], dtype: DType) -> Meta {
+    Meta { shape: shape.into(), dtype }
+}
+
+fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Shape {
+    let mut out = Shape::new();
+    for (i, &d) in shape.iter().enumerate() {
+        if dims.contains(&i) {
+            if keepdim {
+                out.push(1);
+            }
+        } else {
+            out.push(d);
+        }
+    }
+    out
+}
+
+impl Op {
+    /// A short name for errors and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Full { .. } => "full",
+            Op::Arange { .. } => "arange",
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) => b.name(),
+            Op::Compare(c) => c.name(),
+            Op::Where => "where",
+            Op::Cast(_) => "to",
+            Op::Copy => "contiguous",
+            Op::Reduce { op, .. } => match op {
+                ReduceOp::Sum => "sum",
+                ReduceOp::Mean => "mean",
+                ReduceOp::Prod => "prod",
+                ReduceOp::Max => "amax",
+                ReduceOp::Min => "amin",
+                ReduceOp::Any => "any",
+                ReduceOp::All => "all",
+            },
+            Op::ArgReduce { op: ArgReduceOp::ArgMax, .. } => "argmax",
+            Op::ArgReduce { op: ArgReduceOp::ArgMin, .. } => "argmin",
+            Op::Cumsum { .. } => "cumsum",
+            Op::MatMul => "matmul",
+            Op::View(v) => v.name(),
+            Op::Cat { .. } => "cat",
+            Op::Gather { .. } => "gather",
+            Op::Scatter { reduce: ScatterReduce::Replace, .. } => "scatter",
+            Op::Scatter { reduce: ScatterReduce::Add, .. } => "scatter_add",
+            Op::IndexSelect { .. } => "index_select",
+            Op::IndexAdd { .. } => "index_add",
+            Op::Sort { .. } => "sort",
+            Op::TopK { .. } => "topk",
+        }
+    }
+
+    /// Number of inputs the op takes (`None`: any number, for `Cat`).
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            Op::Full { .. } | Op::Arange { .. } => 0,
+            Op::Unary(_) | Op::Cast(_) | Op::Copy | Op::Reduce { .. } | Op::ArgReduce { .. } | Op::Cumsum { .. } => 1,
+            Op::View(_) | Op::Sort { .. } | Op::TopK { .. } => 1,
+            Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
+            Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } => 3,
+            Op::Cat { .. } => return None,
+        })
+    }
+
+    /// Shapes and dtypes of the outputs for inputs of the given shapes and dtypes.
+    /// This is the single place where primitives' typing rules live.
+    pub fn infer(&self, inputs: &[Meta]) -> Result<SmallVec<[Meta; 2]>> {
+        let name = self.name();
+        if let Some(n) = self.arity() {
+            if inputs.len() != n {
+                return Err(Error::invalid(name, format!("expects {n} inputs, got {}", inputs.len())));
+            }
+        }
+        let same_shape = |a: &Meta, b: &Meta| -> Result<()> {
+            if a.shape != b.shape {
+                return Err(Error::shape(
+                    name,
+                    format!("primitive needs equal shapes, got {} and {}", fmt_shape(&a.shape), fmt_shape(&b.shape)),
+                ));
+            }
+            Ok(())
+        };
+        let same_dtype = |a: &Meta, b: &Meta| -> Result<()> {
+            if a.dtype != b.dtype {
+                return Err(Error::dtype(
+                    name,
+                    format!("expected both inputs to have the same dtype, but got {} and {}", a.dtype, b.dtype),
+                ));
+            }
+            Ok(())
+        };
+        let check_dim = |dim: usize, ndim: usize| -> Result<()> {
+            if dim >= ndim.max(1) {
+                return Err(Error::dim_out_of_range(name, dim as isize, ndim));
+            }
+            Ok(())
+        };
+        let index_dtype = |m: &Meta| -> Result<()> {
+            if m.dtype != DType::I64 {
+                return Err(Error::dtype(name, format!("expected index to be of dtype int64, got {}", m.dtype)));
+            }
+            Ok(())
+        };
+        Ok(match self {
+            Op::Full { shape, dtype, .. } => smallvec![meta(shape, *dtype)],
+            Op::Arange { len, dtype, .. } => smallvec![meta(&[*len], *dtype)],
+            Op::Unary(u) => {
+                let x = &inputs[0];
+                if u.is_float_only() && !x.dtype.is_float() {
+                    return Err(Error::unsupported_dtype(name, x.dtype));
+                }
+                let dt = match u {
+                    UnaryOp::Not | UnaryOp::IsNan | UnaryOp::IsInf => DType::Bool,
+                    UnaryOp::Neg if x.dtype == DType::Bool => {
+                        return Err(Error::dtype(
+                            name,
+                            "negation, the `-` operator, on a bool tensor is not supported; use the `!` operator or logical_not() instead",
+                        ))
+                    }
+                    _ => x.dtype,
+                };
+                smallvec![meta(&x.shape, dt)]
+            }
+            Op::Binary(b) => {
+                let (x, y) = (&inputs[0], &inputs[1]);
+                same_shape(x, y)?;
+                same_dtype(x, y)?;
+                if *b == BinaryOp::Sub && x.dtype == DType::Bool {
+                    return Err(Error::dtype(
+                        name,
+                        "subtraction, the `-` operator, with two bool tensors is not supported; use the `^` operator or logical_xor() instead",
+                    ));
+                }
+                if matches!(b, BinaryOp::Atan2) && !x.dtype.is_float() {
+                    return Err(Error::unsupported_dtype(name, x.dtype));
+                }
+                let dt = if b.is_logical() { DType::Bool } else { x.dtype };
+                smallvec![meta(&x.shape, dt)]
+            }
+            Op::Compare(_) => {
+                same_shape(&inputs[0], &inputs[1])?;
+                same_dtype(&inputs[0], &inputs[1])?;
+                smallvec![meta(&inputs[0].shape, DType::Bool)]
+            }
+            Op::Where => {
+                let (c, a, b) = (&inputs[0], &inputs[1], &inputs[2]);
+                if c.dtype != DType::Bool {
+                    return Err(Error::dtype(name, format!("where expected condition to be a boolean tensor, but got a tensor with dtype {}", c.dtype)));
+                }
+                same_shape(c, a)?;
+                same_shape(a, b)?;
+                same_dtype(a, b)?;
+                smallvec![meta(&a.shape, a.dtype)]
+            }
+            Op::Cast(dt) => smallvec![meta(&inputs[0].shape, *dt)],
+            Op::Copy => smallvec![inputs[0].clone()],
+            Op::Reduce { op, dims, keepdim } => {
+                let x = &inputs[0];
+                for &d in dims {
+                    check_dim(d, x.shape.len())?;
+                }
+                let dt = match op {
+                    ReduceOp::Sum | ReduceOp::Prod if !x.dtype.is_float() => DType::I64,
+                    ReduceOp::Mean if !x.dtype.is_float() => {
+                        return Err(Error::dtype(
+                            name,
+                            format!("could not infer output dtype. Input dtype must be either a floating point or complex dtype. Got: {}", x.dtype),
+                        ))
+                    }
+                    ReduceOp::Any | ReduceOp::All => DType::Bool,
+                    _ => x.dtype,
+                };
+                if matches!(op, ReduceOp::Max | ReduceOp::Min) {
+                    for &d in dims {
+                        if x.shape.get(d) == Some(&0) {
+                            return Err(Error::shape(
+                                name,
+                                format!("expected reduction dim {d} to have non-zero size; input shape {}", fmt_shape(&x.shape)),
+                            ));
+                        }
+                    }
+                }
+                smallvec![Meta { shape: reduced_shape(&x.shape, dims, *keepdim), dtype: dt }]
+            }
+            Op::ArgReduce { dim, keepdim, .. } => {
+                let x = &inputs[0];
+                let shape = match dim {
+                    Some(d) => {
+                        check_dim(*d, x.shape.len())?;
+                        if x.shape.get(*d) == Some(&0) {
+                            return Err(Error::shape(name, format!("expected reduction dim {d} to have non-zero size")));
+                        }
+                        if x.shape.is_empty() {
+                            Shape::new()
+                        } else {
+                            reduced_shape(&x.shape, &[*d], *keepdim)
+                        }
+                    }
+                    None => {
+                        if x.shape.iter().product::<usize>() == 0 {
+                            return Err(Error::shape(name, "expected a non-empty tensor: cannot take the arg of an empty sequence"));
+                        }
+                        if *keepdim {
+                            smallvec![1; x.shape.len()]
+                        } else {
+                            Shape::new()
+                        }
+                    }
+                };
+                smallvec![Meta { shape, dtype: DType::I64 }]
+            }
+            Op::Cumsum { dim } => {
+                let x = &inputs[0];
+                check_dim(*dim, x.shape.len())?;
+                let dt = if x.dtype.is_float() { x.dtype } else { DType::I64 };
+                smallvec![meta(&x.shape, dt)]
+            }
+            Op::MatMul => {
+                let (a, b) = (&inputs[0], &inputs[1]);
+                same_dtype(a, b)?;
+                let (ra, rb) = (a.shape.len(), b.shape.len());
+                if ra < 2 || ra != rb || a.shape[..ra - 2] != b.shape[..rb - 2] || a.shape[ra - 1] != b.shape[rb - 2] {
+                    return Err(Error::shape(
+                        name,
+                        format!("mat1 and mat2 shapes cannot be multiplied ({} and {})", fmt_shape(&a.shape), fmt_shape(&b.shape)),
+                    ));
+                }
+                let mut s: Shape = a.shape[..ra - 1].into();
+                s.push(b.shape[rb - 1]);
+                smallvec![Meta { shape: s, dtype: a.dtype }]
+            }
+            Op::View(v) => {
+                let l = v.apply(&Layout::contiguous(&inputs[0].shape))?;
+                smallvec![meta(l.shape(), inputs[0].dtype)]
+            }
+            Op::Cat { dim } => {
+                let first = inputs.first().ok_or_else(|| Error::invalid(name, "expected a non-empty list of tensors"))?;
+                check_dim(*dim, first.shape.len())?;
+                let mut shape = first.shape.clone();
+                shape[*dim] = 0;
+                for m in inputs {
+                    same_dtype(first, m)?;
+                    let ok = m.shape.len() == first.shape.len()
+                        && m.shape.iter().zip(&first.shape).enumerate().all(|(i, (a, b))| i == *dim || a == b);
+                    if !ok {
+                        return Err(Error::shape(
+                            name,
+                            format!(
+                                "sizes of tensors must match except in dimension {dim}; got {} and {}",
+                                fmt_shape(&first.shape),
+                                fmt_shape(&m.shape)
+                            ),
+                        ));
+                    }
+                    shape[*dim] += m.shape[*dim];
+                }
+                smallvec![Meta { shape, dtype: first.dtype }]
+            }
+            Op::Gather { dim } => {
+                let (x, idx) = (&inputs[0], &inputs[1]);
+                index_dtype(idx)?;
+                check_dim(*dim, x.shape.len())?;
+                if idx.shape.len() != x.shape.len() {
+                    return Err(Error::shape(name, "index tensor must have the same number of dimensions as input tensor"));
+                }
+                for i in 0..x.shape.len() {
+                    if i != *dim && idx.shape[i] > x.shape[i] {
+                        return Err(Error::shape(
+                            name,
+                            format!("size of index {} does not fit input {} at dimension {i}", fmt_shape(&idx.shape), fmt_shape(&x.shape)),
+                        ));
+                    }
+                }
+                smallvec![meta(&idx.shape, x.dtype)]
+            }
+            Op::Scatter { dim, .. } => {
+                let (base, idx, src) = (&inputs[0], &inputs[1], &inputs[2]);
+                index_dtype(idx)?;
+                same_dtype(base, src)?;
+                check_dim(*dim, base.shape.len())?;
+                if idx.shape.len() != base.shape.len() || src.shape.len() != base.shape.len() {
+                    return Err(Error::shape(name, "index tensor must have the same number of dimensions as self tensor"));
+                }
+                for i in 0..base.shape.len() {
+                    if idx.shape[i] > src.shape[i] || (i != *dim && idx.shape[i] > base.shape[i]) {
+                        return Err(Error::shape(
+                            name,
+                            format!(
+                                "expected index {} to be smaller than self {} apart from dimension {dim} and to be smaller than src {}",
+                                fmt_shape(&idx.shape),
+                                fmt_shape(&base.shape),
+                                fmt_shape(&src.shape)
+                            ),
+                        ));
+                    }
+                }
+                smallvec![base.clone()]
+            }
+            Op::IndexSelect { dim } => {
+                let (x, idx) = (&inputs[0], &inputs[1]);
+                index_dtype(idx)?;
+                check_dim(*dim, x.shape.len())?;
+                if idx.shape.len() > 1 {
+                    return Err(Error::shape(name, "index_select(): index should be a vector (0-d or 1-d)"));
+                }
+                let mut s = x.shape.clone();
+                if !s.is_empty() {
+                    s[*dim] = idx.shape.iter().product();
+                }
+                smallvec![meta(&s, x.dtype)]
+            }
+            Op::IndexAdd { dim } => {
+                let (base, idx, src) = (&inputs[0], &inputs[1], &inputs[2]);
+                index_dtype(idx)?;
+                same_dtype(base, src)?;
+                check_dim(*dim, base.shape.len())?;
+                let n: usize = idx.shape.iter().product();
+                let mut want = base.shape.clone();
+                if !want.is_empty() {
+                    want[*dim] = n;
+                }
+                if idx.shape.len() > 1 || src.shape != want {
+                    return Err(Error::shape(
+                        name,
+                        format!("source {} must have shape {} (self with dim {dim} of the index's length)", fmt_shape(&src.shape), fmt_shape(&want)),
+                    ));
+                }
+                smallvec![base.clone()]
+            }
+            Op::Sort { dim, .. } => {
+                let x = &inputs[0];
+                check_dim(*dim, x.shape.len())?;
+                smallvec![x.clone(), meta(&x.shape, DType::I64)]
+            }
+            Op::TopK { k, dim, .. } => {
+                let x = &inputs[0];
+                check_dim(*dim, x.shape.len())?;
+                let n = x.shape.get(*dim).copied().unwrap_or(1);
+                if *k > n {
+                    return Err(Error::index(name, format!("selected index k = {k} out of range for a dimension of size {n}")));
+                }
+                let mut s = x.shape.clone();
+                if !s.is_empty() {
+                    s[*dim] = *k;
+                }
+                smallvec![meta(&s, x.dtype), meta(&s, DType::I64)]
+            }
+        })
+    }
+}

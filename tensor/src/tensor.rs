@@ -1,0 +1,318 @@
+//! The `Tensor` handle: storage + layout + autograd metadata, and `apply`, the
+//! single path through which every primitive op runs.
+use crate::{Backend, DType, Device, Error, Layout, Meta, Op, Result, Storage, ViewOp};
+use smallvec::SmallVec;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The record of the primitive op that produced a tensor: what autograd walks
+/// backwards. Recorded only while grad mode is on and an input requires grad.
+#[derive(Debug)]
+pub struct Node {
+    /// The primitive that ran.
+    pub op: Op,
+    /// Its inputs.
+    pub inputs: SmallVec<[Tensor; 3]>,
+    /// The storage version of each input when the op ran: backward compares them
+    /// to detect an input modified in place after it was saved.
+    pub input_versions: SmallVec<[u64; 3]>,
+    /// Shapes and dtypes of all outputs (multi-output ops share one node).
+    pub outputs: SmallVec<[Meta; 2]>,
+    /// A unique, increasing id (creation order), handy for topological sorting.
+    pub id: u64,
+}
+
+/// Which output of a node a tensor is.
+#[derive(Debug, Clone)]
+pub struct Origin {
+    pub node: Arc<Node>,
+    pub output: usize,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether ops record their origin for autograd on this thread (PyTorch's grad mode).
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+/// Sets grad mode on this thread and returns the previous value.
+pub fn set_grad_enabled(on: bool) -> bool {
+    GRAD_ENABLED.with(|g| g.replace(on))
+}
+
+struct Inner {
+    storage: Arc<Storage>,
+    layout: Layout,
+    backend: &'static dyn Backend,
+    requires_grad: AtomicBool,
+    /// Set when this tensor is a view: the tensor it views (its own base when chained).
+    base: Option<Tensor>,
+    origin: Mutex<Option<Origin>>,
+    grad: Mutex<Option<Tensor>>,
+    id: u64,
+}
+
+/// An n-dimensional array with a runtime dtype and device, like `torch.Tensor`.
+///
+/// Cloning a `Tensor` is cheap (an `Arc`): the clone is the *same* tensor, as
+/// when Python binds a second name to it. Use [`Tensor::deep_clone`] (PyTorch's
+/// `clone()`) for a copy of the data.
+///
+/// ```
+/// use kiln::prelude::*;
+/// let x = Tensor::arange(0.0, 6.0, 1.0, DType::F32)?.reshape(&[2, 3])?;
+/// x.narrow(1, 0, 2)?.add_(10.0)?; // writes through the view into `x`
+/// assert_eq!(x.to_vec::<f32>()?, vec![10.0, 11.0, 2.0, 13.0, 14.0, 5.0]);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Tensor(Arc<Inner>);
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor(shape={:?}, dtype={}, device={}, id={})", self.shape(), self.dtype(), self.device(), self.id())
+    }
+}
+
+impl Tensor {
+    /// Wraps a storage and a layout into a tensor (a new base, not a view).
+    /// The layout is checked against the storage size.
+    pub fn from_storage(storage: Arc<Storage>, layout: Layout) -> Result<Tensor> {
+        layout.check_bounds("from_storage", storage.len())?;
+        let backend = storage.device().backend()?;
+        Ok(Tensor::make(storage, layout, backend, None))
+    }
+
+    fn make(storage: Arc<Storage>, layout: Layout, backend: &'static dyn Backend, base: Option<Tensor>) -> Tensor {
+        Tensor(Arc::new(Inner {
+            storage,
+            layout,
+            backend,
+            requires_grad: AtomicBool::new(false),
+            base,
+            origin: Mutex::new(None),
+            grad: Mutex::new(None),
+            id: next_id(),
+        }))
+    }
+
+    // ---- accessors ---------------------------------------------------------
+
+    pub fn shape(&self) -> &[usize] {
+        self.0.layout.shape()
+    }
+    /// PyTorch's `size()`: same as [`Tensor::shape`].
+    pub fn size(&self) -> &[usize] {
+        self.shape()
+    }
+    /// Size of one dim (negative dims count from the end).
+    pub fn dim_size(&self, dim: isize) -> Result<usize> {
+        Ok(self.shape()[crate::wrap_dim("size", dim, self.ndim())?])
+    }
+    pub fn strides(&self) -> &[usize] {
+        self.0.layout.strides()
+    }
+    /// Offset of the first element in the storage, in elements.
+    pub fn storage_offset(&self) -> usize {
+        self.0.layout.offset()
+    }
+    pub fn ndim(&self) -> usize {
+        self.0.layout.ndim()
+    }
+    /// PyTorch's `dim()`.
+    pub fn dim(&self) -> usize {
+        self.ndim()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.storage.dtype()
+    }
+    pub fn device(&self) -> Device {
+        self.0.storage.device()
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+    pub fn storage(&self) -> &Arc<Storage> {
+        &self.0.storage
+    }
+    pub fn backend(&self) -> &'static dyn Backend {
+        self.0.backend
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+    /// True when this tensor was made by a view op of another tensor.
+    pub fn is_view(&self) -> bool {
+        self.0.base.is_some()
+    }
+    /// The tensor this one is a view of (`._base` in PyTorch).
+    pub fn base(&self) -> Option<&Tensor> {
+        self.0.base.as_ref()
+    }
+    /// The version counter of the storage (bumped by every in-place write).
+    pub fn version(&self) -> u64 {
+        self.0.storage.version()
+    }
+    /// A process-unique id of this tensor handle.
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+    /// True when both handles are the same tensor.
+    pub fn same(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+    /// True when both tensors view the same storage.
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+
+    // ---- autograd metadata (the rules and the engine live in kiln-autograd) ----
+
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+    /// Marks a tensor as requiring grad (only floating tensors can).
+    pub fn requires_grad_(&self, on: bool) -> Result<&Tensor> {
+        if on && !self.dtype().is_float() {
+            return Err(Error::dtype(
+                "requires_grad_",
+                format!("only tensors of floating point dtype can require gradients, got {}", self.dtype()),
+            ));
+        }
+        if !on && !self.is_leaf() {
+            return Err(Error::invalid(
+                "requires_grad_",
+                "you can only change requires_grad flags of leaf variables; use detach() to get a tensor that does not require grad",
+            ));
+        }
+        self.0.requires_grad.store(on, Ordering::Relaxed);
+        Ok(self)
+    }
+    /// A leaf has no recorded origin (user-created, or made while grad mode was off).
+    pub fn is_leaf(&self) -> bool {
+        self.origin().is_none()
+    }
+    pub fn origin(&self) -> Option<Origin> {
+        self.lock_origin().clone()
+    }
+    /// Replaces the recorded origin (used by autograd for in-place ops on non-leaves).
+    pub fn set_origin(&self, origin: Option<Origin>) {
+        let rg = origin.is_some();
+        *self.lock_origin() = origin;
+        if rg {
+            self.0.requires_grad.store(true, Ordering::Relaxed);
+        }
+    }
+    fn lock_origin(&self) -> MutexGuard<'_, Option<Origin>> {
+        self.0.origin.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    /// The accumulated gradient (`.grad` in PyTorch).
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    pub fn set_grad(&self, g: Option<Tensor>) {
+        *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = g;
+    }
+    /// A tensor sharing the data but cut from the autograd graph.
+    pub fn detach(&self) -> Tensor {
+        Tensor::make(self.0.storage.clone(), self.0.layout.clone(), self.0.backend, self.0.base.clone())
+    }
+
+    // ---- the op path ---------------------------------------------------------
+
+    /// Runs a primitive op through the backend of the inputs' device, after
+    /// checking devices and inferring output shapes and dtypes, and records the
+    /// origin for autograd when needed. Every op in kiln ends up here.
+    pub fn apply(op: Op, inputs: &[&Tensor]) -> Result<SmallVec<[Tensor; 2]>> {
+        let device = match inputs.first() {
+            Some(t) => t.device(),
+            None => return Err(Error::invalid(op.name(), "apply needs at least one input; use apply_on for creation ops")),
+        };
+        Tensor::apply_on(op, inputs, device)
+    }
+
+    /// [`Tensor::apply`] for ops that may have no inputs (creation ops).
+    pub fn apply_on(op: Op, inputs: &[&Tensor], device: Device) -> Result<SmallVec<[Tensor; 2]>> {
+        for t in inputs {
+            if t.device() != device {
+                return Err(Error::device_mismatch(op.name(), device, t.device()));
+            }
+        }
+        if let Op::View(v) = &op {
+            return Ok(smallvec::smallvec![inputs[0].view_op(v.clone())?]);
+        }
+        let metas: SmallVec<[Meta; 3]> =
+            inputs.iter().map(|t| Meta { shape: t.shape().into(), dtype: t.dtype() }).collect();
+        let outs = op.infer(&metas)?;
+        let backend = match inputs.first() {
+            Some(t) => t.backend(),
+            None => device.backend()?,
+        };
+        let storages = backend.exec(&op, inputs, &outs, device)?;
+        debug_assert_eq!(storages.len(), outs.len());
+        let record = is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
+        let mut result: SmallVec<[Tensor; 2]> = storages
+            .into_iter()
+            .zip(outs.iter())
+            .map(|(s, m)| Tensor::make(s, Layout::contiguous(&m.shape), backend, None))
+            .collect();
+        if record {
+            let node = Arc::new(Node {
+                op,
+                inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+                input_versions: inputs.iter().map(|t| t.version()).collect(),
+                outputs: outs.into_iter().collect(),
+                id: next_id(),
+            });
+            for (i, t) in result.iter_mut().enumerate() {
+                if t.dtype().is_float() {
+                    t.set_origin(Some(Origin { node: node.clone(), output: i }));
+                }
+            }
+        }
+        Ok(result)
+    }
+
+    /// Runs a single-output primitive.
+    pub fn apply1(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
+        Ok(Tensor::apply(op, inputs)?.swap_remove(0))
+    }
+
+    /// Applies a view op: a new tensor over the same storage, recorded like any op.
+    pub fn view_op(&self, v: ViewOp) -> Result<Tensor> {
+        let layout = v.apply(&self.0.layout)?;
+        layout.check_bounds(v.name(), self.0.storage.len())?;
+        let base = Some(self.0.base.clone().unwrap_or_else(|| self.clone()));
+        let t = Tensor::make(self.0.storage.clone(), layout, self.0.backend, base);
+        if is_grad_enabled() && self.requires_grad() {
+            let node = Arc::new(Node {
+                outputs: smallvec::smallvec![Meta { shape: t.shape().into(), dtype: t.dtype() }],
+                op: Op::View(v),
+                inputs: smallvec::smallvec![self.clone()],
+                input_versions: smallvec::smallvec![self.version()],
+                id: next_id(),
+            });
+            t.set_origin(Some(Origin { node, output: 0 }));
+        }
+        Ok(t)
+    }
+}
+
+// SAFETY-free assertion that the handle can cross threads (see Note [Storage mutability]).
+const _: fn() = || {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tensor>();
+};
