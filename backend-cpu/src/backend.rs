@@ -60,7 +60,13 @@ impl Backend for CpuBackend {
         if dst.dtype() != src.dtype() || dst.shape() != src.shape() {
             return Err(Error::invalid(
                 "assign",
-                format!("needs equal shapes and dtypes, got {:?} {} and {:?} {}", dst.shape(), dst.dtype(), src.shape(), src.dtype()),
+                format!(
+                    "needs equal shapes and dtypes, got {:?} {} and {:?} {}",
+                    dst.shape(),
+                    dst.dtype(),
+                    src.shape(),
+                    src.dtype()
+                ),
             ));
         }
         if src.shares_storage(dst) {
@@ -79,7 +85,8 @@ impl Backend for CpuBackend {
             let d = dst.storage().write();
             (src.storage().read(), d)
         };
-        let dst_buf = dst_guard.as_host_mut().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))?;
+        let dst_buf =
+            dst_guard.as_host_mut().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))?;
         let src_buf = src_guard.as_host().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))?;
         kernels::assign(dst_buf, dst.layout(), &Input { buf: src_buf, layout: src.layout() })
     }

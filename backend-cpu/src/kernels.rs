@@ -1,6 +1,9 @@
 //! Reference kernels (straightforward strided loops). Every primitive's CPU
 //! implementation is dispatched from `exec`.
-use kiln_tensor::{with_dtype, with_host_buffer, BinaryOp, CmpOp, DType, Element, Error, HostBuffer, HostElement, Layout, Meta, Op, Result, UnaryOp};
+use kiln_tensor::{
+    with_dtype, with_host_buffer, BinaryOp, CmpOp, DType, Element, Error, HostBuffer, HostElement, Layout, Meta, Op,
+    Result, UnaryOp,
+};
 
 /// A read-only strided input: a host buffer and the layout viewing it.
 pub(crate) struct Input<'a> {
@@ -330,11 +333,8 @@ fn compare(op: CmpOp, a: &Input<'_>, b: &Input<'_>) -> HostBuffer {
     let int = !va.dtype().is_float();
     let r = (0..va.len())
         .map(|i| {
-            let ord = if int {
-                va.get_i64(i).partial_cmp(&vb.get_i64(i))
-            } else {
-                va.get_f64(i).partial_cmp(&vb.get_f64(i))
-            };
+            let ord =
+                if int { va.get_i64(i).partial_cmp(&vb.get_i64(i)) } else { va.get_f64(i).partial_cmp(&vb.get_f64(i)) };
             use std::cmp::Ordering::*;
             match (op, ord) {
                 (CmpOp::Ne, None) => true,
@@ -369,7 +369,9 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
             vec![with_dtype!(*dtype, T => T::into_buffer(vec![value.to_elem::<T>(); n]))]
         }
         Op::Arange { start, step, len, dtype } => {
-            vec![with_dtype!(*dtype, T => T::into_buffer((0..*len).map(|i| T::from_f64(start + step * i as f64)).collect()))]
+            vec![
+                with_dtype!(*dtype, T => T::into_buffer((0..*len).map(|i| T::from_f64(start + step * i as f64)).collect())),
+            ]
         }
         Op::Cast(to) => vec![cast(&ins[0], *to)],
         Op::Copy => vec![materialize(&ins[0])],

@@ -76,7 +76,12 @@ impl Tensor {
         if T::DTYPE != self.dtype() {
             return Err(Error::dtype(
                 "to_vec",
-                format!("asked for {} elements but the tensor has dtype {}; call to_dtype({:?}) first", T::DTYPE, self.dtype(), T::DTYPE),
+                format!(
+                    "asked for {} elements but the tensor has dtype {}; call to_dtype({:?}) first",
+                    T::DTYPE,
+                    self.dtype(),
+                    T::DTYPE
+                ),
             ));
         }
         Ok(T::vec(self.to_host()?).expect("backend returned a buffer of the tensor's dtype"))

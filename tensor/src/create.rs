@@ -91,10 +91,18 @@ impl Tensor {
     pub fn arange(start: f64, end: f64, step: f64, opts: impl Into<TensorOptions>) -> Result<Tensor> {
         let o = opts.into();
         if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
-            return Err(Error::invalid("arange", format!("step must be finite and nonzero, and bounds finite (start {start}, end {end}, step {step})")));
+            return Err(Error::invalid(
+                "arange",
+                format!("step must be finite and nonzero, and bounds finite (start {start}, end {end}, step {step})"),
+            ));
         }
         if (end - start) * step < 0.0 {
-            return Err(Error::invalid("arange", format!("upper bound and larger bound inconsistent with step sign (start {start}, end {end}, step {step})")));
+            return Err(Error::invalid(
+                "arange",
+                format!(
+                    "upper bound and larger bound inconsistent with step sign (start {start}, end {end}, step {step})"
+                ),
+            ));
         }
         let len = ((end - start) / step).ceil().max(0.0) as usize;
         Tensor::apply_on(Op::Arange { start, step, len, dtype: o.dtype }, &[], o.device).map(|mut v| v.swap_remove(0))
@@ -134,7 +142,10 @@ impl Tensor {
     /// pass `DType::I64` for it.
     pub fn randint(low: i64, high: i64, shape: &[usize], opts: impl Into<TensorOptions>) -> Result<Tensor> {
         if high <= low {
-            return Err(Error::invalid("randint", format!("random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")));
+            return Err(Error::invalid(
+                "randint",
+                format!("random_ expects 'from' to be less than 'to', but got from={low} >= to={high}"),
+            ));
         }
         Tensor::random(shape, Distribution::Int(low, high), opts.into(), "randint")
     }

@@ -210,7 +210,13 @@ impl Tensor {
     pub fn where_<'o>(cond: &Tensor, a: impl Into<Operand<'o>>, b: impl Into<Operand<'o>>) -> Result<Tensor> {
         let (a, b) = (a.into(), b.into());
         if cond.dtype() != DType::Bool {
-            return Err(Error::dtype("where", format!("where expected condition to be a boolean tensor, but got a tensor with dtype {}", cond.dtype())));
+            return Err(Error::dtype(
+                "where",
+                format!(
+                    "where expected condition to be a boolean tensor, but got a tensor with dtype {}",
+                    cond.dtype()
+                ),
+            ));
         }
         let dt = result_type(&[a, b]);
         let ta = cond.operand_tensor(a, dt)?;

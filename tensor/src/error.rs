@@ -59,10 +59,7 @@ impl Error {
     /// The standard error for a dimension argument out of range (PyTorch's wording).
     pub fn dim_out_of_range(op: &'static str, dim: isize, ndim: usize) -> Self {
         let (lo, hi) = if ndim == 0 { (-1, 0) } else { (-(ndim as isize), ndim as isize - 1) };
-        Error::index(
-            op,
-            format!("dimension out of range (expected to be in range of [{lo}, {hi}], but got {dim})"),
-        )
+        Error::index(op, format!("dimension out of range (expected to be in range of [{lo}, {hi}], but got {dim})"))
     }
 
     /// The standard error for a dtype an op does not support.

@@ -45,7 +45,11 @@ impl Tensor {
         let src = src.broadcast_to(self.shape()).map_err(|_| {
             Error::shape(
                 "copy_",
-                format!("the source of shape {} cannot be broadcast to the destination of shape {}", fmt_shape(src.shape()), fmt_shape(self.shape())),
+                format!(
+                    "the source of shape {} cannot be broadcast to the destination of shape {}",
+                    fmt_shape(src.shape()),
+                    fmt_shape(self.shape())
+                ),
             )
         })?;
         self.backend().assign(self, &src)?;
@@ -59,7 +63,11 @@ impl Tensor {
         if result.shape() != self.shape() {
             return Err(Error::shape(
                 op,
-                format!("output with shape {} doesn't match the broadcast shape {}", fmt_shape(self.shape()), fmt_shape(result.shape())),
+                format!(
+                    "output with shape {} doesn't match the broadcast shape {}",
+                    fmt_shape(self.shape()),
+                    fmt_shape(result.shape())
+                ),
             ));
         }
         if !can_cast(result.dtype(), self.dtype()) {
@@ -71,11 +79,19 @@ impl Tensor {
         self.copy_(result)
     }
 
-    fn inplace_binary(&self, op: &'static str, other: Operand<'_>, f: impl Fn(&Tensor, Operand<'_>) -> Result<Tensor>) -> Result<&Tensor> {
+    fn inplace_binary(
+        &self,
+        op: &'static str,
+        other: Operand<'_>,
+        f: impl Fn(&Tensor, Operand<'_>) -> Result<Tensor>,
+    ) -> Result<&Tensor> {
         self.check_writable(op)?;
         let rt = result_type(&[Operand::Tensor(self), other]);
         if !can_cast(rt, self.dtype()) {
-            return Err(Error::dtype(op, format!("result type {rt} can't be cast to the desired output type {}", self.dtype())));
+            return Err(Error::dtype(
+                op,
+                format!("result type {rt} can't be cast to the desired output type {}", self.dtype()),
+            ));
         }
         let r = f(self, other)?;
         self.write_back(op, &r)
@@ -124,14 +140,21 @@ impl Tensor {
     /// Out-of-place `masked_fill`: `value` where `mask`, else `self`.
     pub fn masked_fill(&self, mask: &Tensor, value: impl Into<Scalar>) -> Result<Tensor> {
         if mask.dtype() != DType::Bool {
-            return Err(Error::dtype("masked_fill", format!("expected mask dtype to be bool but got {}", mask.dtype())));
+            return Err(Error::dtype(
+                "masked_fill",
+                format!("expected mask dtype to be bool but got {}", mask.dtype()),
+            ));
         }
         let v = Tensor::full(&[], value.into(), (self.dtype(), self.device()))?;
         let r = Tensor::where_(mask, &v, self)?;
         if r.shape() != self.shape() {
             return Err(Error::shape(
                 "masked_fill",
-                format!("the mask of shape {} must be broadcastable to the tensor of shape {}", fmt_shape(mask.shape()), fmt_shape(self.shape())),
+                format!(
+                    "the mask of shape {} must be broadcastable to the tensor of shape {}",
+                    fmt_shape(mask.shape()),
+                    fmt_shape(self.shape())
+                ),
             ));
         }
         Ok(r)

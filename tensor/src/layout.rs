@@ -172,7 +172,10 @@ impl Layout {
         }
         for &d in dims {
             if d >= n || seen[d] {
-                return Err(Error::invalid(op, format!("permutation {dims:?} is not valid for {n} dims (repeated or out of range)")));
+                return Err(Error::invalid(
+                    op,
+                    format!("permutation {dims:?} is not valid for {n} dims (repeated or out of range)"),
+                ));
             }
             seen[d] = true;
         }
@@ -272,7 +275,11 @@ impl Layout {
     pub fn reshape_view(&self, new_shape: &[usize]) -> Option<Layout> {
         let n = self.numel();
         if n == 0 || self.ndim() == 0 || new_shape.is_empty() {
-            return Some(Layout { shape: new_shape.into(), strides: contiguous_strides(new_shape), offset: self.offset });
+            return Some(Layout {
+                shape: new_shape.into(),
+                strides: contiguous_strides(new_shape),
+                offset: self.offset,
+            });
         }
         let mut new_strides: Strides = SmallVec::from_elem(0, new_shape.len());
         let mut view_d = new_shape.len() as isize - 1;
@@ -281,7 +288,9 @@ impl Layout {
         let mut view_numel = 1usize;
         for tensor_d in (0..self.ndim()).rev() {
             tensor_numel *= self.shape[tensor_d];
-            if tensor_d == 0 || (self.shape[tensor_d - 1] != 1 && self.strides[tensor_d - 1] != tensor_numel * chunk_base_stride) {
+            if tensor_d == 0
+                || (self.shape[tensor_d - 1] != 1 && self.strides[tensor_d - 1] != tensor_numel * chunk_base_stride)
+            {
                 while view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d as usize] == 1) {
                     new_strides[view_d as usize] = view_numel * chunk_base_stride;
                     view_numel *= new_shape[view_d as usize];

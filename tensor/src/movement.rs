@@ -92,7 +92,10 @@ impl Tensor {
     /// Transpose of a matrix (`<= 2` dims), like `Tensor.t()`.
     pub fn t(&self) -> Result<Tensor> {
         if self.ndim() > 2 {
-            return Err(Error::shape("t", format!("t() expects a tensor with <= 2 dimensions, but self is {}D", self.ndim())));
+            return Err(Error::shape(
+                "t",
+                format!("t() expects a tensor with <= 2 dimensions, but self is {}D", self.ndim()),
+            ));
         }
         if self.ndim() < 2 {
             return Ok(self.clone());
@@ -158,7 +161,10 @@ impl Tensor {
         for (i, &d) in shape.iter().enumerate() {
             if d == -1 {
                 if i < lead {
-                    return Err(Error::shape("expand", "the expanded size -1 isn't allowed in a leading, non-existing dimension"));
+                    return Err(Error::shape(
+                        "expand",
+                        "the expanded size -1 isn't allowed in a leading, non-existing dimension",
+                    ));
                 }
                 s.push(self.shape()[i - lead]);
             } else if d < 0 {
@@ -343,7 +349,11 @@ impl Tensor {
             if t.shape() != first.shape() {
                 return Err(Error::shape(
                     "stack",
-                    format!("stack expects each tensor to be equal size, but got {} and {}", fmt_shape(first.shape()), fmt_shape(t.shape())),
+                    format!(
+                        "stack expects each tensor to be equal size, but got {} and {}",
+                        fmt_shape(first.shape()),
+                        fmt_shape(t.shape())
+                    ),
                 ));
             }
         }

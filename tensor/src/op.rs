@@ -193,12 +193,28 @@ pub enum ViewOp {
     /// Broadcast to a shape (stride 0 on new or size-1 dims).
     Expand(Shape),
     /// `dim`, `start`, `end` (exclusive, clamped), `step >= 1`.
-    Slice { dim: usize, start: usize, end: usize, step: usize },
-    Select { dim: usize, index: usize },
+    Slice {
+        dim: usize,
+        start: usize,
+        end: usize,
+        step: usize,
+    },
+    Select {
+        dim: usize,
+        index: usize,
+    },
     Unsqueeze(usize),
     Squeeze(SmallVec<[usize; 6]>),
-    Diagonal { offset: isize, dim1: usize, dim2: usize },
-    AsStrided { shape: Shape, strides: Shape, offset: usize },
+    Diagonal {
+        offset: isize,
+        dim1: usize,
+        dim2: usize,
+    },
+    AsStrided {
+        shape: Shape,
+        strides: Shape,
+        offset: usize,
+    },
 }
 
 impl ViewOp {
@@ -250,9 +266,18 @@ impl ViewOp {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Op {
     /// A tensor filled with one value (no inputs).
-    Full { shape: Shape, value: Scalar, dtype: DType },
+    Full {
+        shape: Shape,
+        value: Scalar,
+        dtype: DType,
+    },
     /// `start + i * step` for `i in 0..len` (no inputs).
-    Arange { start: f64, step: f64, len: usize, dtype: DType },
+    Arange {
+        start: f64,
+        step: f64,
+        len: usize,
+        dtype: DType,
+    },
     Unary(UnaryOp),
     Binary(BinaryOp),
     Compare(CmpOp),
@@ -263,31 +288,60 @@ pub enum Op {
     /// A contiguous copy (materialises any view).
     Copy,
     /// Reduce `dims` (sorted, unique); `keepdim` keeps them as size 1.
-    Reduce { op: ReduceOp, dims: SmallVec<[usize; 6]>, keepdim: bool },
+    Reduce {
+        op: ReduceOp,
+        dims: SmallVec<[usize; 6]>,
+        keepdim: bool,
+    },
     /// Index (int64) of the max/min along `dim` (or of the flattened tensor when `None`);
     /// ties give the first index, NaN counts as the extreme.
-    ArgReduce { op: ArgReduceOp, dim: Option<usize>, keepdim: bool },
+    ArgReduce {
+        op: ArgReduceOp,
+        dim: Option<usize>,
+        keepdim: bool,
+    },
     /// Inclusive prefix sum along `dim` (integers and bool accumulate in int64).
-    Cumsum { dim: usize },
+    Cumsum {
+        dim: usize,
+    },
     /// `[..., m, k] @ [..., k, n]`, batch dims equal, same dtype.
     MatMul,
     View(ViewOp),
     /// Concatenation along `dim` of inputs of one dtype.
-    Cat { dim: usize },
+    Cat {
+        dim: usize,
+    },
     /// `out[i][j] = x[i][index[i][j]]` (for dim 1); inputs `x`, `index` (int64).
-    Gather { dim: usize },
+    Gather {
+        dim: usize,
+    },
     /// Inputs `base`, `index` (int64), `src`: a copy of base with src's elements written
     /// (or added) at the indexed positions along `dim`.
-    Scatter { dim: usize, reduce: ScatterReduce },
+    Scatter {
+        dim: usize,
+        reduce: ScatterReduce,
+    },
     /// Inputs `x`, `index` (1-D int64): picks slices along `dim`.
-    IndexSelect { dim: usize },
+    IndexSelect {
+        dim: usize,
+    },
     /// Inputs `base`, `index` (1-D int64), `src`: a copy of base with `src` slices added
     /// at `index` along `dim`.
-    IndexAdd { dim: usize },
+    IndexAdd {
+        dim: usize,
+    },
     /// Outputs (values, indices int64) sorted along `dim`.
-    Sort { dim: usize, descending: bool, stable: bool },
+    Sort {
+        dim: usize,
+        descending: bool,
+        stable: bool,
+    },
     /// Outputs the `k` largest (or smallest) along `dim`, sorted, and their indices.
-    TopK { k: usize, dim: usize, largest: bool },
+    TopK {
+        k: usize,
+        dim: usize,
+        largest: bool,
+    },
 }
 
 fn meta(shape: &[usize], dtype: DType) -> Meta {
@@ -440,7 +494,13 @@ impl Op {
             Op::Where => {
                 let (c, a, b) = (&inputs[0], &inputs[1], &inputs[2]);
                 if c.dtype != DType::Bool {
-                    return Err(Error::dtype(name, format!("where expected condition to be a boolean tensor, but got a tensor with dtype {}", c.dtype)));
+                    return Err(Error::dtype(
+                        name,
+                        format!(
+                            "where expected condition to be a boolean tensor, but got a tensor with dtype {}",
+                            c.dtype
+                        ),
+                    ));
                 }
                 same_shape(c, a)?;
                 same_shape(a, b)?;
@@ -470,7 +530,10 @@ impl Op {
                         if x.shape.get(d) == Some(&0) {
                             return Err(Error::shape(
                                 name,
-                                format!("expected reduction dim {d} to have non-zero size; input shape {}", fmt_shape(&x.shape)),
+                                format!(
+                                    "expected reduction dim {d} to have non-zero size; input shape {}",
+                                    fmt_shape(&x.shape)
+                                ),
                             ));
                         }
                     }
@@ -483,7 +546,10 @@ impl Op {
                     Some(d) => {
                         check_dim(*d, x.shape.len())?;
                         if x.shape.get(*d) == Some(&0) {
-                            return Err(Error::shape(name, format!("expected reduction dim {d} to have non-zero size")));
+                            return Err(Error::shape(
+                                name,
+                                format!("expected reduction dim {d} to have non-zero size"),
+                            ));
                         }
                         if x.shape.is_empty() {
                             Shape::new()
@@ -493,7 +559,10 @@ impl Op {
                     }
                     None => {
                         if x.shape.iter().product::<usize>() == 0 {
-                            return Err(Error::shape(name, "expected a non-empty tensor: cannot take the arg of an empty sequence"));
+                            return Err(Error::shape(
+                                name,
+                                "expected a non-empty tensor: cannot take the arg of an empty sequence",
+                            ));
                         }
                         if *keepdim {
                             smallvec![1; x.shape.len()]
@@ -517,7 +586,11 @@ impl Op {
                 if ra < 2 || ra != rb || a.shape[..ra - 2] != b.shape[..rb - 2] || a.shape[ra - 1] != b.shape[rb - 2] {
                     return Err(Error::shape(
                         name,
-                        format!("mat1 and mat2 shapes cannot be multiplied ({} and {})", fmt_shape(&a.shape), fmt_shape(&b.shape)),
+                        format!(
+                            "mat1 and mat2 shapes cannot be multiplied ({} and {})",
+                            fmt_shape(&a.shape),
+                            fmt_shape(&b.shape)
+                        ),
                     ));
                 }
                 let mut s: Shape = a.shape[..ra - 1].into();
@@ -529,7 +602,8 @@ impl Op {
                 smallvec![meta(l.shape(), inputs[0].dtype)]
             }
             Op::Cat { dim } => {
-                let first = inputs.first().ok_or_else(|| Error::invalid(name, "expected a non-empty list of tensors"))?;
+                let first =
+                    inputs.first().ok_or_else(|| Error::invalid(name, "expected a non-empty list of tensors"))?;
                 check_dim(*dim, first.shape.len())?;
                 let mut shape = first.shape.clone();
                 shape[*dim] = 0;
@@ -556,13 +630,20 @@ impl Op {
                 index_dtype(idx)?;
                 check_dim(*dim, x.shape.len())?;
                 if idx.shape.len() != x.shape.len() {
-                    return Err(Error::shape(name, "index tensor must have the same number of dimensions as input tensor"));
+                    return Err(Error::shape(
+                        name,
+                        "index tensor must have the same number of dimensions as input tensor",
+                    ));
                 }
                 for i in 0..x.shape.len() {
                     if i != *dim && idx.shape[i] > x.shape[i] {
                         return Err(Error::shape(
                             name,
-                            format!("size of index {} does not fit input {} at dimension {i}", fmt_shape(&idx.shape), fmt_shape(&x.shape)),
+                            format!(
+                                "size of index {} does not fit input {} at dimension {i}",
+                                fmt_shape(&idx.shape),
+                                fmt_shape(&x.shape)
+                            ),
                         ));
                     }
                 }
@@ -574,7 +655,10 @@ impl Op {
                 same_dtype(base, src)?;
                 check_dim(*dim, base.shape.len())?;
                 if idx.shape.len() != base.shape.len() || src.shape.len() != base.shape.len() {
-                    return Err(Error::shape(name, "index tensor must have the same number of dimensions as self tensor"));
+                    return Err(Error::shape(
+                        name,
+                        "index tensor must have the same number of dimensions as self tensor",
+                    ));
                 }
                 for i in 0..base.shape.len() {
                     if idx.shape[i] > src.shape[i] || (i != *dim && idx.shape[i] > base.shape[i]) {
@@ -617,7 +701,11 @@ impl Op {
                 if idx.shape.len() > 1 || src.shape != want {
                     return Err(Error::shape(
                         name,
-                        format!("source {} must have shape {} (self with dim {dim} of the index's length)", fmt_shape(&src.shape), fmt_shape(&want)),
+                        format!(
+                            "source {} must have shape {} (self with dim {dim} of the index's length)",
+                            fmt_shape(&src.shape),
+                            fmt_shape(&want)
+                        ),
                     ));
                 }
                 smallvec![base.clone()]
@@ -632,7 +720,10 @@ impl Op {
                 check_dim(*dim, x.shape.len())?;
                 let n = x.shape.get(*dim).copied().unwrap_or(1);
                 if *k > n {
-                    return Err(Error::index(name, format!("selected index k = {k} out of range for a dimension of size {n}")));
+                    return Err(Error::index(
+                        name,
+                        format!("selected index k = {k} out of range for a dimension of size {n}"),
+                    ));
                 }
                 let mut s = x.shape.clone();
                 if !s.is_empty() {

@@ -80,7 +80,14 @@ pub struct Tensor(Arc<Inner>);
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor(shape={:?}, dtype={}, device={}, id={})", self.shape(), self.dtype(), self.device(), self.id())
+        write!(
+            f,
+            "Tensor(shape={:?}, dtype={}, device={}, id={})",
+            self.shape(),
+            self.dtype(),
+            self.device(),
+            self.id()
+        )
     }
 }
 
@@ -239,7 +246,9 @@ impl Tensor {
     pub fn apply(op: Op, inputs: &[&Tensor]) -> Result<SmallVec<[Tensor; 2]>> {
         let device = match inputs.first() {
             Some(t) => t.device(),
-            None => return Err(Error::invalid(op.name(), "apply needs at least one input; use apply_on for creation ops")),
+            None => {
+                return Err(Error::invalid(op.name(), "apply needs at least one input; use apply_on for creation ops"))
+            }
         };
         Tensor::apply_on(op, inputs, device)
     }
