@@ -206,8 +206,17 @@ impl Tensor {
         self.compare(CmpOp::Ge, other.into())
     }
 
-    /// `torch.where(cond, self, other)`: elements of `self` where `cond`, else of `other`.
-    pub fn where_<'o>(cond: &Tensor, a: impl Into<Operand<'o>>, b: impl Into<Operand<'o>>) -> Result<Tensor> {
+    /// `torch.where(cond, a, b)`: elements of `a` where `cond` is true, else of `b`
+    /// (tensors or scalars, broadcast together, dtypes promoted).
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([1.0f32, -2.0, 3.0])?;
+    /// let y = Tensor::where_cond(&x.gt(0.0)?, &x, 0.0)?;
+    /// assert_eq!(y.to_vec::<f32>()?, vec![1.0, 0.0, 3.0]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn where_cond<'o>(cond: &Tensor, a: impl Into<Operand<'o>>, b: impl Into<Operand<'o>>) -> Result<Tensor> {
         let (a, b) = (a.into(), b.into());
         if cond.dtype() != DType::Bool {
             return Err(Error::dtype(

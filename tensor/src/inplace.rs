@@ -4,7 +4,28 @@
 //! storage's version counter.
 use crate::elementwise::{result_type, Operand};
 use crate::error::fmt_shape;
-use crate::{is_grad_enabled, DType, Error, Result, Scalar, Tensor};
+use crate::graph::{Edge, Node, Origin};
+use crate::{is_grad_enabled, DType, Error, Op, Result, Scalar, Tensor};
+
+// Note [In-place on views]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A view aliases its base, so `base.narrow(0, 1, 2).add_(&y)` changes `base`,
+// and autograd must see that change. kiln records every in-place write
+// functionally, on the base: `copy_` (the one in-place primitive; `add_` and
+// friends compute out of place, then `copy_`) gives the *base* a new origin,
+// `Op::Assign { layout }` with inputs (old base, value written), whose gradient
+// sends the base's gradient to the old base with the written region zeroed and
+// the region itself to the value. Views then re-derive their origin from the
+// base (PyTorch's view replay): each view remembers the base's version when its
+// origin was derived, and when the version moved (someone wrote into the
+// storage), `Tensor::origin` rebuilds the view's origin as an `as_strided` of
+// the base's current origin. The written view itself is replayed the same way.
+//
+// Reads of data that a gradient rule saved are protected separately: each edge
+// remembers the storage version when the op ran, and backward refuses to use a
+// value whose version moved, naming the op (PyTorch's "modified by an inplace
+// operation" error). In-place writes on a leaf that requires grad, or on a view
+// of one, are refused outside `no_grad`.
 
 /// PyTorch's `canCast`: no float -> int, no non-bool -> bool.
 fn can_cast(from: DType, to: DType) -> bool {
@@ -21,10 +42,15 @@ impl Tensor {
             ));
         }
         if is_grad_enabled() && self.requires_grad() && self.is_leaf() {
-            return Err(Error::inplace(
-                op,
-                "a leaf Variable that requires grad is being used in an in-place operation.",
-            ));
+            return Err(Error::inplace(op, "a leaf Variable that requires grad is being used in an in-place operation."));
+        }
+        if let Some(b) = self.base() {
+            if is_grad_enabled() && b.requires_grad() && b.is_leaf() {
+                return Err(Error::inplace(
+                    op,
+                    "a view of a leaf Variable that requires grad is being used in an in-place operation.",
+                ));
+            }
         }
         Ok(())
     }
@@ -52,9 +78,32 @@ impl Tensor {
                 ),
             )
         })?;
+        let record = is_grad_enabled() && (src.requires_grad() || self.requires_grad());
+        let node = if record { Some(self.assign_node(&src)?) } else { None };
         self.backend().assign(self, &src)?;
         self.storage().bump_version();
+        if let Some(node) = node {
+            // See Note [In-place on views]: the base gets the functional write as its
+            // origin; views (this one included) replay theirs from it on next use.
+            let base = self.base().unwrap_or(self);
+            base.set_origin(Some(Origin { node, output: 0 }));
+        }
         Ok(self)
+    }
+
+    /// The `Op::Assign` node recording a write of `src` into `self`, captured before the write.
+    fn assign_node(&self, src: &Tensor) -> Result<std::sync::Arc<Node>> {
+        let base = self.base().unwrap_or(self);
+        if !base.is_contiguous() || base.storage_offset() != 0 {
+            return Err(Error::inplace(
+                "copy_",
+                "an in-place write that autograd records needs a contiguous base tensor; call .contiguous() first",
+            ));
+        }
+        let l = self.layout();
+        let op = Op::Assign { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() };
+        let outputs = op.infer(&[base.meta(), src.meta()])?;
+        Ok(Node::new(op, smallvec::smallvec![Edge::of(base), Edge::of(src)], outputs))
     }
 
     /// Writes `result` (the out-of-place value of an op on `self`) back into `self`,
@@ -146,7 +195,7 @@ impl Tensor {
             ));
         }
         let v = Tensor::full(&[], value.into(), (self.dtype(), self.device()))?;
-        let r = Tensor::where_(mask, &v, self)?;
+        let r = Tensor::where_cond(mask, &v, self)?;
         if r.shape() != self.shape() {
             return Err(Error::shape(
                 "masked_fill",

@@ -342,6 +342,12 @@ pub enum Op {
         dim: usize,
         largest: bool,
     },
+    /// The functional form of an in-place write, as autograd and compiled programs
+    /// see `copy_`: inputs `base` (contiguous), `src`; the output is `base` with `src`
+    /// written at the positions of the layout `(shape, strides, offset)`, given in
+    /// `base`'s flat element indices. Eager backends perform writes through
+    /// `Backend::assign`; executing it out of place must also be supported.
+    Assign { shape: Shape, strides: Shape, offset: usize },
 }
 
 fn meta(shape: &[usize], dtype: DType) -> Meta {
@@ -396,6 +402,7 @@ impl Op {
             Op::IndexAdd { .. } => "index_add",
             Op::Sort { .. } => "sort",
             Op::TopK { .. } => "topk",
+            Op::Assign { .. } => "copy_",
         }
     }
 
@@ -407,6 +414,7 @@ impl Op {
             Op::View(_) | Op::Sort { .. } | Op::TopK { .. } => 1,
             Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
             Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } => 3,
+            Op::Assign { .. } => 2,
             Op::Cat { .. } => return None,
         })
     }
@@ -730,6 +738,19 @@ impl Op {
                     s[*dim] = *k;
                 }
                 smallvec![meta(&s, x.dtype), meta(&s, DType::I64)]
+            }
+            Op::Assign { shape, strides, offset } => {
+                let (base, src) = (&inputs[0], &inputs[1]);
+                same_dtype(base, src)?;
+                if src.shape != *shape {
+                    return Err(Error::shape(
+                        name,
+                        format!("source shape {} does not match the destination {}", fmt_shape(&src.shape), fmt_shape(shape)),
+                    ));
+                }
+                let l = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
+                l.check_bounds(name, base.shape.iter().product())?;
+                smallvec![base.clone()]
             }
         })
     }

@@ -1,54 +1,10 @@
 //! The `Tensor` handle: storage + layout + autograd metadata, and `apply`, the
 //! single path through which every primitive op runs.
-use crate::{Backend, DType, Device, Error, Layout, Meta, Op, Result, Storage, ViewOp};
+use crate::graph::{next_id, Edge, Hook, Node, Origin};
+use crate::{is_grad_enabled, Backend, DType, Device, Error, Layout, Meta, Op, Result, Storage, ViewOp};
 use smallvec::SmallVec;
-use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-
-/// The record of the primitive op that produced a tensor: what autograd walks
-/// backwards. Recorded only while grad mode is on and an input requires grad.
-#[derive(Debug)]
-pub struct Node {
-    /// The primitive that ran.
-    pub op: Op,
-    /// Its inputs.
-    pub inputs: SmallVec<[Tensor; 3]>,
-    /// The storage version of each input when the op ran: backward compares them
-    /// to detect an input modified in place after it was saved.
-    pub input_versions: SmallVec<[u64; 3]>,
-    /// Shapes and dtypes of all outputs (multi-output ops share one node).
-    pub outputs: SmallVec<[Meta; 2]>,
-    /// A unique, increasing id (creation order), handy for topological sorting.
-    pub id: u64,
-}
-
-/// Which output of a node a tensor is.
-#[derive(Debug, Clone)]
-pub struct Origin {
-    pub node: Arc<Node>,
-    pub output: usize,
-}
-
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-pub(crate) fn next_id() -> u64 {
-    NEXT_ID.fetch_add(1, Ordering::Relaxed)
-}
-
-thread_local! {
-    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
-}
-
-/// Whether ops record their origin for autograd on this thread (PyTorch's grad mode).
-pub fn is_grad_enabled() -> bool {
-    GRAD_ENABLED.with(|g| g.get())
-}
-
-/// Sets grad mode on this thread and returns the previous value.
-pub fn set_grad_enabled(on: bool) -> bool {
-    GRAD_ENABLED.with(|g| g.replace(on))
-}
 
 struct Inner {
     storage: Arc<Storage>,
@@ -58,7 +14,11 @@ struct Inner {
     /// Set when this tensor is a view: the tensor it views (its own base when chained).
     base: Option<Tensor>,
     origin: Mutex<Option<Origin>>,
+    /// For views: the base's version when `origin` was derived (see Note [In-place on views]).
+    view_version: AtomicU64,
     grad: Mutex<Option<Tensor>>,
+    /// Gradient hooks of a leaf (a non-leaf's hooks live on its node).
+    hooks: Mutex<Vec<Hook>>,
     id: u64,
 }
 
@@ -108,7 +68,9 @@ impl Tensor {
             requires_grad: AtomicBool::new(false),
             base,
             origin: Mutex::new(None),
+            view_version: AtomicU64::new(0),
             grad: Mutex::new(None),
+            hooks: Mutex::new(vec![]),
             id: next_id(),
         }))
     }
@@ -188,8 +150,16 @@ impl Tensor {
 
     // ---- autograd metadata (the rules and the engine live in kiln-autograd) ----
 
+    /// Whether gradients flow to this tensor (a leaf marked with `requires_grad_`,
+    /// or a tensor computed from one while grad mode was on).
     pub fn requires_grad(&self) -> bool {
-        self.0.requires_grad.load(Ordering::Relaxed)
+        if self.0.requires_grad.load(Ordering::Relaxed) {
+            return true;
+        }
+        match &self.0.base {
+            Some(b) if b.requires_grad() => self.origin().is_some(),
+            _ => false,
+        }
     }
     /// Marks a tensor as requiring grad (only floating tensors can).
     pub fn requires_grad_(&self, on: bool) -> Result<&Tensor> {
@@ -212,8 +182,63 @@ impl Tensor {
     pub fn is_leaf(&self) -> bool {
         self.origin().is_none()
     }
+    /// The recorded origin (`grad_fn`). For a view whose base was modified in
+    /// place since the view's origin was derived, the origin is re-derived from
+    /// the base's current one (see Note [In-place on views]).
     pub fn origin(&self) -> Option<Origin> {
+        if let Some(base) = &self.0.base {
+            if base.requires_grad() && self.0.view_version.load(Ordering::Acquire) != base.version() {
+                let replayed = self.replay_view_origin(base);
+                *self.lock_origin() = replayed.clone();
+                return replayed;
+            }
+        }
         self.lock_origin().clone()
+    }
+
+    /// This view's origin as an `as_strided` of its base's current origin.
+    fn replay_view_origin(&self, base: &Tensor) -> Option<Origin> {
+        self.0.view_version.store(base.version(), Ordering::Release);
+        let base_origin = base.origin();
+        if base_origin.is_none() && !base.requires_grad() {
+            return None;
+        }
+        self.0.requires_grad.store(true, Ordering::Relaxed);
+        let l = self.layout();
+        let op = Op::View(ViewOp::AsStrided { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() });
+        let node = Node::new(op, smallvec::smallvec![Edge::of(base)], smallvec::smallvec![self.meta()]);
+        Some(Origin { node, output: 0 })
+    }
+
+    /// Records that this view's origin is current with respect to its base.
+    pub fn mark_view_current(&self) {
+        if let Some(base) = &self.0.base {
+            self.0.view_version.store(base.version(), Ordering::Release);
+        }
+    }
+
+    /// Shape and dtype.
+    pub fn meta(&self) -> Meta {
+        Meta { shape: self.shape().into(), dtype: self.dtype() }
+    }
+
+    /// Registers a hook called with the gradient of this tensor during backward;
+    /// it may return a replacement gradient. Errors on tensors that don't require grad.
+    pub fn register_hook(&self, hook: impl Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static) -> Result<()> {
+        if !self.requires_grad() {
+            return Err(Error::invalid("register_hook", "cannot register a hook on a tensor that doesn't require gradient"));
+        }
+        let hook: Hook = Arc::new(hook);
+        match self.origin() {
+            Some(o) => o.node.add_hook(o.output, hook),
+            None => self.0.hooks.lock().unwrap_or_else(|e| e.into_inner()).push(hook),
+        }
+        Ok(())
+    }
+
+    /// The hooks registered on this leaf.
+    pub fn leaf_hooks(&self) -> Vec<Hook> {
+        self.0.hooks.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
     /// Replaces the recorded origin (used by autograd for in-place ops on non-leaves).
     pub fn set_origin(&self, origin: Option<Origin>) {
@@ -235,7 +260,7 @@ impl Tensor {
     }
     /// A tensor sharing the data but cut from the autograd graph.
     pub fn detach(&self) -> Tensor {
-        Tensor::make(self.0.storage.clone(), self.0.layout.clone(), self.0.backend, self.0.base.clone())
+        Tensor::make(self.0.storage.clone(), self.0.layout.clone(), self.0.backend, None)
     }
 
     // ---- the op path ---------------------------------------------------------
@@ -279,13 +304,7 @@ impl Tensor {
             .map(|(s, m)| Tensor::make(s, Layout::contiguous(&m.shape), backend, None))
             .collect();
         if record {
-            let node = Arc::new(Node {
-                op,
-                inputs: inputs.iter().map(|t| (*t).clone()).collect(),
-                input_versions: inputs.iter().map(|t| t.version()).collect(),
-                outputs: outs.into_iter().collect(),
-                id: next_id(),
-            });
+            let node = Node::new(op, inputs.iter().map(|t| Edge::of(t)).collect(), outs.into_iter().collect());
             for (i, t) in result.iter_mut().enumerate() {
                 if t.dtype().is_float() {
                     t.set_origin(Some(Origin { node: node.clone(), output: i }));
@@ -307,15 +326,10 @@ impl Tensor {
         let base = Some(self.0.base.clone().unwrap_or_else(|| self.clone()));
         let t = Tensor::make(self.0.storage.clone(), layout, self.0.backend, base);
         if is_grad_enabled() && self.requires_grad() {
-            let node = Arc::new(Node {
-                outputs: smallvec::smallvec![Meta { shape: t.shape().into(), dtype: t.dtype() }],
-                op: Op::View(v),
-                inputs: smallvec::smallvec![self.clone()],
-                input_versions: smallvec::smallvec![self.version()],
-                id: next_id(),
-            });
+            let node = Node::new(Op::View(v), smallvec::smallvec![Edge::of(self)], smallvec::smallvec![t.meta()]);
             t.set_origin(Some(Origin { node, output: 0 }));
         }
+        t.mark_view_current();
         Ok(t)
     }
 }
