@@ -55,11 +55,32 @@ impl Edge {
     }
 }
 
-/// The record of one primitive application: what autograd walks backwards.
+/// A gradient rule given as a closure: gets the gradients of the node's outputs
+/// (`None` where none flowed) and the input edges, returns one gradient per input.
+pub type CustomBackward = Arc<dyn Fn(&[Option<Tensor>], &[Edge]) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
+
+/// What a node applies: a primitive, or a composite with its own gradient rule
+/// (activation checkpointing, composites whose gradient through primitives is poor).
+#[derive(Clone)]
+pub enum NodeKind {
+    Primitive(Op),
+    Custom { name: &'static str, backward: CustomBackward },
+}
+
+impl std::fmt::Debug for NodeKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NodeKind::Primitive(op) => write!(f, "{op:?}"),
+            NodeKind::Custom { name, .. } => write!(f, "Custom({name})"),
+        }
+    }
+}
+
+/// The record of one op application: what autograd walks backwards.
 /// Recorded only while grad mode is on and some input requires grad.
 pub struct Node {
-    /// The primitive that ran.
-    pub op: Op,
+    /// What ran.
+    pub kind: NodeKind,
     /// Its inputs (released by backward unless the graph is retained).
     inputs: Mutex<Option<SmallVec<[Edge; 3]>>>,
     /// Shapes and dtypes of all outputs (multi-output ops share one node).
@@ -73,13 +94,30 @@ pub struct Node {
 
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Node(id={}, op={:?})", self.id, self.op)
+        write!(f, "Node(id={}, {:?})", self.id, self.kind)
     }
 }
 
 impl Node {
     pub fn new(op: Op, inputs: SmallVec<[Edge; 3]>, outputs: SmallVec<[Meta; 2]>) -> Arc<Node> {
-        Arc::new(Node { op, inputs: Mutex::new(Some(inputs)), outputs, id: next_id(), hooks: Mutex::new(vec![]) })
+        Node::with_kind(NodeKind::Primitive(op), inputs, outputs)
+    }
+    pub fn with_kind(kind: NodeKind, inputs: SmallVec<[Edge; 3]>, outputs: SmallVec<[Meta; 2]>) -> Arc<Node> {
+        Arc::new(Node { kind, inputs: Mutex::new(Some(inputs)), outputs, id: next_id(), hooks: Mutex::new(vec![]) })
+    }
+    /// The primitive, for primitive nodes.
+    pub fn op(&self) -> Option<&Op> {
+        match &self.kind {
+            NodeKind::Primitive(op) => Some(op),
+            NodeKind::Custom { .. } => None,
+        }
+    }
+    /// A short name for errors.
+    pub fn name(&self) -> &'static str {
+        match &self.kind {
+            NodeKind::Primitive(op) => op.name(),
+            NodeKind::Custom { name, .. } => name,
+        }
     }
     /// The inputs, or `None` once backward released them.
     pub fn inputs(&self) -> MutexGuard<'_, Option<SmallVec<[Edge; 3]>>> {

@@ -44,5 +44,5 @@ pub use random::manual_seed;
 pub use reduce::Dims;
 pub use scalar::Scalar;
 pub use storage::{DeviceBuffer, HostBuffer, HostElement, Storage, StorageData};
-pub use graph::{is_grad_enabled, set_grad_enabled, Edge, Hook, Node, Origin};
+pub use graph::{is_grad_enabled, set_grad_enabled, CustomBackward, Edge, Hook, Node, NodeKind, Origin};
 pub use tensor::Tensor;

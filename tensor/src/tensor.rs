@@ -1,6 +1,6 @@
 //! The `Tensor` handle: storage + layout + autograd metadata, and `apply`, the
 //! single path through which every primitive op runs.
-use crate::graph::{next_id, Edge, Hook, Node, Origin};
+use crate::graph::{next_id, CustomBackward, Edge, Hook, Node, NodeKind, Origin};
 use crate::{is_grad_enabled, Backend, DType, Device, Error, Layout, Meta, Op, Result, Storage, ViewOp};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -208,6 +208,25 @@ impl Tensor {
         let op = Op::View(ViewOp::AsStrided { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() });
         let node = Node::new(op, smallvec::smallvec![Edge::of(base)], smallvec::smallvec![self.meta()]);
         Some(Origin { node, output: 0 })
+    }
+
+    /// Records `outputs` as computed from `inputs` by a composite with its own
+    /// gradient rule (when grad mode is on and an input requires grad). The
+    /// outputs must have been computed without recording (e.g. under grad mode off).
+    pub fn record_custom(name: &'static str, inputs: &[&Tensor], outputs: &[&Tensor], backward: CustomBackward) {
+        if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
+            return;
+        }
+        let node = Node::with_kind(
+            NodeKind::Custom { name, backward },
+            inputs.iter().map(|t| Edge::of(t)).collect(),
+            outputs.iter().map(|t| t.meta()).collect(),
+        );
+        for (i, t) in outputs.iter().enumerate() {
+            if t.dtype().is_float() {
+                t.set_origin(Some(Origin { node: node.clone(), output: i }));
+            }
+        }
     }
 
     /// Records that this view's origin is current with respect to its base.
