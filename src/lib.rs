@@ -14,6 +14,7 @@
 //! The CPU backend (`kiln-cpu`) is registered automatically when this crate is
 //! linked; [`init`] registers it explicitly (idempotent).
 
+pub use kiln_autograd as autograd;
 pub use kiln_cpu as cpu;
 pub use kiln_tensor as tensor;
 pub use kiln_tensor::{
@@ -29,5 +30,6 @@ pub fn init() {
 
 /// `use kiln::prelude::*;` brings the everyday names into scope.
 pub mod prelude {
+    pub use kiln_autograd::TensorAutograd;
     pub use kiln_tensor::{DType, Device, Dims, Error, Result, Scalar, Tensor, TensorOptions};
 }

@@ -97,3 +97,14 @@ pub(crate) fn sample(d: Distribution, n: usize) -> Vec<f64> {
         }
     }
 }
+
+/// The global generator's full state (for activation checkpointing and checkpoints).
+pub fn get_state() -> [u64; 4] {
+    let mut g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    g.get_or_insert_with(|| Xoshiro256::seeded(DEFAULT_SEED)).s
+}
+
+/// Restores a state returned by [`get_state`].
+pub fn set_state(s: [u64; 4]) {
+    *GENERATOR.lock().unwrap_or_else(|e| e.into_inner()) = Some(Xoshiro256 { s });
+}

@@ -283,8 +283,23 @@ pub struct Storage {
     device: Device,
 }
 
+static LIVE_STORAGES: AtomicU64 = AtomicU64::new(0);
+
+/// How many storages are alive in the process: a leak detector for tests
+/// (a training loop must not grow it step after step).
+pub fn live_storages() -> u64 {
+    LIVE_STORAGES.load(Ordering::Relaxed)
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        LIVE_STORAGES.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl Storage {
     pub fn new(data: StorageData, dtype: DType, len: usize, device: Device) -> Storage {
+        LIVE_STORAGES.fetch_add(1, Ordering::Relaxed);
         Storage { data: RwLock::new(data), version: AtomicU64::new(0), dtype, len, device }
     }
     pub fn from_host(buf: HostBuffer, device: Device) -> Storage {

@@ -1,0 +1,433 @@
+//! One gradient rule per primitive, in one exhaustive `match`: given the
+//! gradients of a node's outputs, build the gradients of its inputs out of
+//! tensor ops (so backward is itself made of primitives).
+use kiln_tensor::{
+    ArgReduceOp, BinaryOp, DType, Edge, Error, Layout, Op, ReduceOp, Result, ScatterReduce, Shape, Tensor, UnaryOp,
+    ViewOp,
+};
+use smallvec::SmallVec;
+
+/// What a rule sees: the node's primitive and input edges.
+pub(crate) struct Ctx<'a> {
+    pub op: &'a Op,
+    pub edges: &'a [Edge],
+}
+
+impl Ctx<'_> {
+    /// The saved value of input `i`, refusing one modified in place since the op ran.
+    pub fn saved(&self, i: usize) -> Result<&Tensor> {
+        let e = &self.edges[i];
+        let now = e.value.version();
+        if now != e.version {
+            return Err(Error::inplace(
+                "backward",
+                format!(
+                    "one of the variables needed for gradient computation has been modified by an inplace operation: [{} {:?}] is at version {now}; expected version {} instead (it is input {i} of {})",
+                    e.value.dtype(),
+                    e.value.shape(),
+                    e.version,
+                    self.op.name()
+                ),
+            ));
+        }
+        Ok(&e.value)
+    }
+    fn needs(&self, i: usize) -> bool {
+        self.edges[i].requires_grad
+    }
+    fn shape(&self, i: usize) -> &[usize] {
+        self.edges[i].value.shape()
+    }
+    fn dtype(&self, i: usize) -> DType {
+        self.edges[i].value.dtype()
+    }
+}
+
+fn prim(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
+    Tensor::apply1(op, inputs)
+}
+
+fn sum_dims(g: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    if dims.is_empty() {
+        return Ok(g.clone());
+    }
+    prim(Op::Reduce { op: ReduceOp::Sum, dims: dims.iter().copied().collect(), keepdim }, &[g])
+}
+
+/// Brings a reduced gradient back to the input shape (undoing `keepdim = false`).
+fn unreduce(g: &Tensor, dims: &[usize], keepdim: bool, shape: &[usize]) -> Result<Tensor> {
+    let mut g = g.clone();
+    if !keepdim {
+        for &d in dims {
+            g = g.unsqueeze(d as isize)?;
+        }
+    }
+    g.broadcast_to(shape)
+}
+
+fn zeros(shape: &[usize], dtype: DType, like: &Tensor) -> Result<Tensor> {
+    Tensor::zeros(shape, (dtype, like.device()))
+}
+
+/// Flat storage indices (int64) of the elements of `l`, in row-major order of `l`'s shape.
+fn layout_indices(l: &Layout, device: kiln_tensor::Device) -> Result<Tensor> {
+    let mut idx = Tensor::full(&[], l.offset() as i64, (DType::I64, device))?;
+    for (d, (&n, &s)) in l.shape().iter().zip(l.strides()).enumerate() {
+        let mut shape: SmallVec<[usize; 6]> = SmallVec::from_elem(1, l.ndim());
+        shape[d] = n;
+        let r = Tensor::arange(0.0, n as f64, 1.0, (DType::I64, device))?.mul(s as i64)?.reshape_to(&shape)?;
+        idx = idx.add(&r)?;
+    }
+    idx.broadcast_to(l.shape())?.contiguous()
+}
+
+/// Gradient of a strided read: scatters (adding, so overlapping views are right)
+/// `g` into a zero buffer of `extent` elements at the positions of `view`, then
+/// reads it back through `input` (both layouts in the same flat index space).
+fn strided_backward(g: &Tensor, view: &Layout, input: &Layout, extent: usize) -> Result<Tensor> {
+    let dev = g.device();
+    let buf = zeros(&[extent], g.dtype(), g)?;
+    let vi = layout_indices(view, dev)?.reshape(&[-1])?;
+    let flat = prim(Op::IndexAdd { dim: 0 }, &[&buf, &vi, &g.reshape(&[-1])?])?;
+    let ii = layout_indices(input, dev)?.reshape(&[-1])?;
+    prim(Op::IndexSelect { dim: 0 }, &[&flat, &ii])?.reshape_to(input.shape())
+}
+
+fn transpose_last(t: &Tensor) -> Result<Tensor> {
+    t.transpose(-1, -2)
+}
+
+/// The gradients of the inputs of a primitive node, given the gradients of its outputs.
+pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+    let n = ctx.edges.len();
+    let mut out: Vec<Option<Tensor>> = vec![None; n];
+    let g = match grads.first() {
+        Some(Some(g)) => g.clone(),
+        _ if matches!(ctx.op, Op::Sort { .. } | Op::TopK { .. }) => return Ok(out),
+        _ => return Ok(out),
+    };
+    match ctx.op {
+        Op::Full { .. } | Op::Arange { .. } => {}
+        Op::Unary(u) => {
+            if !ctx.needs(0) {
+                return Ok(out);
+            }
+            let x = || ctx.saved(0);
+            use UnaryOp::*;
+            out[0] = match u {
+                Neg => Some(g.neg()?),
+                Abs => Some(g.mul(&x()?.sign()?)?),
+                Sign | Floor | Ceil | Round | Trunc => Some(g.zeros_like()?),
+                Exp => Some(g.mul(&x()?.exp()?)?),
+                Log => Some(g.div(x()?)?),
+                Log1p => Some(g.div(&x()?.add(1.0)?)?),
+                Expm1 => Some(g.mul(&x()?.exp()?)?),
+                Sqrt => Some(g.div(&x()?.sqrt()?.mul(2.0)?)?),
+                Rsqrt => {
+                    let r = x()?.rsqrt()?;
+                    Some(g.mul(&r.mul(&r)?.mul(&r)?)?.mul(-0.5)?)
+                }
+                Recip => {
+                    let r = x()?.reciprocal()?;
+                    Some(g.mul(&r.mul(&r)?)?.neg()?)
+                }
+                Tanh => {
+                    let t = x()?.tanh()?;
+                    Some(g.mul(&t.mul(&t)?.neg()?.add(1.0)?)?)
+                }
+                Sigmoid => {
+                    let s = x()?.sigmoid()?;
+                    Some(g.mul(&s.mul(&s.neg()?.add(1.0)?)?)?)
+                }
+                Sin => Some(g.mul(&x()?.cos()?)?),
+                Cos => Some(g.mul(&x()?.sin()?.neg()?)?),
+                Erf => {
+                    let x = x()?;
+                    let e = x.mul(x)?.neg()?.exp()?.mul(std::f64::consts::FRAC_2_SQRT_PI)?;
+                    Some(g.mul(&e)?)
+                }
+                Not | IsNan | IsInf => None,
+            };
+        }
+        Op::Binary(b) => {
+            use BinaryOp::*;
+            let (na, nb) = (ctx.needs(0), ctx.needs(1));
+            match b {
+                Add => {
+                    out[0] = na.then(|| g.clone());
+                    out[1] = nb.then(|| g.clone());
+                }
+                Sub => {
+                    out[0] = na.then(|| g.clone());
+                    out[1] = if nb { Some(g.neg()?) } else { None };
+                }
+                Mul => {
+                    if na {
+                        out[0] = Some(g.mul(ctx.saved(1)?)?);
+                    }
+                    if nb {
+                        out[1] = Some(g.mul(ctx.saved(0)?)?);
+                    }
+                }
+                Div => {
+                    let y = ctx.saved(1)?;
+                    if na {
+                        out[0] = Some(g.div(y)?);
+                    }
+                    if nb {
+                        let x = ctx.saved(0)?;
+                        out[1] = Some(g.mul(x)?.div(&y.mul(y)?)?.neg()?);
+                    }
+                }
+                FloorDiv => {
+                    out[0] = if na { Some(g.zeros_like()?) } else { None };
+                    out[1] = if nb { Some(g.zeros_like()?) } else { None };
+                }
+                Remainder | Fmod => {
+                    out[0] = na.then(|| g.clone());
+                    if nb {
+                        let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
+                        let q = if *b == Remainder { x.floor_divide(y)? } else { x.div(y)?.trunc()? };
+                        out[1] = Some(g.mul(&q)?.neg()?);
+                    }
+                }
+                Pow => {
+                    let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
+                    if na {
+                        out[0] = Some(g.mul(&y.mul(&x.pow(&y.sub(1.0)?)?)?)?);
+                    }
+                    if nb {
+                        // d/dy x^y = x^y ln x, defined as 0 where x == 0 and y >= 0 (PyTorch's convention).
+                        let d = x.pow(y)?.mul(&x.log()?)?;
+                        let zero_mask = x.eq(0.0)?.logical_and(&y.ge(0.0)?)?;
+                        out[1] = Some(g.mul(&d.masked_fill(&zero_mask, 0.0)?)?);
+                    }
+                }
+                Maximum | Minimum => {
+                    // Ties split the gradient evenly, like PyTorch.
+                    let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
+                    let half = Tensor::where_cond(&x.eq(y)?, &g.mul(0.5)?, &g)?;
+                    let (lose_a, lose_b) = if *b == Maximum { (x.lt(y)?, x.gt(y)?) } else { (x.gt(y)?, x.lt(y)?) };
+                    if na {
+                        out[0] = Some(half.masked_fill(&lose_a, 0.0)?);
+                    }
+                    if nb {
+                        out[1] = Some(half.masked_fill(&lose_b, 0.0)?);
+                    }
+                }
+                Fmax | Fmin => {
+                    let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
+                    let pick_a = if *b == Fmax { x.ge(y)? } else { x.le(y)? }.logical_or(&y.isnan()?)?;
+                    if na {
+                        out[0] = Some(g.masked_fill(&pick_a.logical_not()?, 0.0)?);
+                    }
+                    if nb {
+                        out[1] = Some(g.masked_fill(&pick_a, 0.0)?);
+                    }
+                }
+                Atan2 => {
+                    let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
+                    let den = x.mul(x)?.add(&y.mul(y)?)?;
+                    if na {
+                        out[0] = Some(g.mul(&y.div(&den)?)?);
+                    }
+                    if nb {
+                        out[1] = Some(g.mul(&x.div(&den)?)?.neg()?);
+                    }
+                }
+                And | Or | Xor => {}
+            }
+        }
+        Op::Compare(_) => {}
+        Op::Where => {
+            let c = ctx.saved(0)?;
+            if ctx.needs(1) {
+                out[1] = Some(Tensor::where_cond(c, &g, 0.0)?);
+            }
+            if ctx.needs(2) {
+                out[2] = Some(Tensor::where_cond(c, 0.0, &g)?);
+            }
+        }
+        Op::Cast(_) => {
+            if ctx.needs(0) {
+                out[0] = Some(g.to_dtype(ctx.dtype(0))?);
+            }
+        }
+        Op::Copy => out[0] = ctx.needs(0).then(|| g.clone()),
+        Op::Reduce { op, dims, keepdim } => {
+            if !ctx.needs(0) {
+                return Ok(out);
+            }
+            let shape = ctx.shape(0).to_vec();
+            let all_dims: Vec<usize> = if dims.is_empty() { vec![] } else { dims.to_vec() };
+            let gi = unreduce(&g, &all_dims, *keepdim, &shape)?;
+            out[0] = match op {
+                ReduceOp::Sum => Some(gi),
+                ReduceOp::Mean => {
+                    let count: usize = all_dims.iter().map(|&d| shape[d]).product();
+                    Some(gi.div(count as f64)?)
+                }
+                ReduceOp::Prod => {
+                    // Exact with zeros: d prod / d x_i is the product of the other elements.
+                    let x = ctx.saved(0)?;
+                    let keep = |t: &Tensor| t.broadcast_to(&shape);
+                    let is_zero = x.eq(0.0)?;
+                    let reduce = Op::Reduce { op: ReduceOp::Prod, dims: dims.clone(), keepdim: true };
+                    let p_nz = keep(&prim(reduce, &[&Tensor::where_cond(&is_zero, 1.0, x)?])?)?;
+                    let zc = keep(&sum_dims(&is_zero.to_dtype(DType::I64)?, &all_dims, true)?)?;
+                    let one_zero = Tensor::where_cond(&is_zero, &p_nz, 0.0)?;
+                    let d = Tensor::where_cond(
+                        &zc.eq(0)?,
+                        &p_nz.div(x)?,
+                        &Tensor::where_cond(&zc.eq(1)?, &one_zero, 0.0)?,
+                    )?;
+                    Some(gi.mul(&d)?)
+                }
+                ReduceOp::Max | ReduceOp::Min => {
+                    // Ties share the gradient evenly (amax/amin semantics).
+                    let x = ctx.saved(0)?;
+                    let m = prim(Op::Reduce { op: *op, dims: dims.clone(), keepdim: true }, &[x])?;
+                    let mask = x.eq(&m.broadcast_to(&shape)?)?.to_dtype(g.dtype())?;
+                    let cnt = sum_dims(&mask, &all_dims, true)?;
+                    Some(gi.mul(&mask)?.div(&cnt.broadcast_to(&shape)?)?)
+                }
+                ReduceOp::Any | ReduceOp::All => None,
+            };
+        }
+        Op::ArgReduce { op: ArgReduceOp::ArgMax | ArgReduceOp::ArgMin, .. } => {}
+        Op::Cumsum { dim } => {
+            if ctx.needs(0) {
+                // Reverse cumulative sum: total - cumsum(g) + g.
+                let total = sum_dims(&g, &[*dim], true)?.broadcast_to(g.shape())?;
+                let c = prim(Op::Cumsum { dim: *dim }, &[&g])?;
+                out[0] = Some(total.sub(&c)?.add(&g)?);
+            }
+        }
+        Op::MatMul => {
+            if ctx.needs(0) {
+                out[0] = Some(prim(Op::MatMul, &[&g, &transpose_last(ctx.saved(1)?)?])?);
+            }
+            if ctx.needs(1) {
+                out[1] = Some(prim(Op::MatMul, &[&transpose_last(ctx.saved(0)?)?, &g])?);
+            }
+        }
+        Op::View(v) => {
+            if !ctx.needs(0) {
+                return Ok(out);
+            }
+            let in_shape = ctx.shape(0).to_vec();
+            out[0] = Some(match v {
+                ViewOp::Reshape(_) | ViewOp::Squeeze(_) => g.reshape_to(&in_shape)?,
+                ViewOp::Unsqueeze(d) => g.squeeze_dim(*d as isize)?,
+                ViewOp::Permute(p) => {
+                    let mut inv = vec![0isize; p.len()];
+                    for (i, &d) in p.iter().enumerate() {
+                        inv[d] = i as isize;
+                    }
+                    g.permute(&inv)?
+                }
+                ViewOp::Expand(shape) => {
+                    let lead = shape.len() - in_shape.len();
+                    let mut dims: Vec<usize> = (0..lead).collect();
+                    for (i, &d) in in_shape.iter().enumerate() {
+                        if d == 1 && shape[lead + i] != 1 {
+                            dims.push(lead + i);
+                        }
+                    }
+                    sum_dims(&g, &dims, true)?.reshape_to(&in_shape)?
+                }
+                ViewOp::Slice { .. } | ViewOp::Select { .. } | ViewOp::Diagonal { .. } => {
+                    let l = v.apply(&Layout::contiguous(&in_shape))?;
+                    strided_backward(&g, &l, &Layout::contiguous(&in_shape), in_shape.iter().product())?
+                }
+                ViewOp::AsStrided { shape, strides, offset } => {
+                    // Both layouts index the input's storage.
+                    let inp = ctx.edges[0].value.layout().clone();
+                    let view = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
+                    let extent = view.storage_extent().max(inp.storage_extent());
+                    strided_backward(&g, &view, &inp, extent)?
+                }
+            });
+        }
+        Op::Cat { dim } => {
+            let mut start = 0;
+            for (i, out_i) in out.iter_mut().enumerate() {
+                let len = ctx.shape(i)[*dim];
+                if ctx.needs(i) {
+                    *out_i = Some(g.narrow(*dim as isize, start as isize, len)?);
+                }
+                start += len;
+            }
+        }
+        Op::Gather { dim } => {
+            if ctx.needs(0) {
+                let idx = ctx.saved(1)?;
+                let z = zeros(ctx.shape(0), g.dtype(), &g)?;
+                out[0] = Some(prim(Op::Scatter { dim: *dim, reduce: ScatterReduce::Add }, &[&z, idx, &g])?);
+            }
+        }
+        Op::Scatter { dim, reduce } => {
+            let idx = ctx.saved(1)?;
+            if ctx.needs(0) {
+                out[0] = Some(match reduce {
+                    ScatterReduce::Add => g.clone(),
+                    ScatterReduce::Replace => {
+                        let z = zeros(ctx.shape(2), g.dtype(), &g)?;
+                        prim(Op::Scatter { dim: *dim, reduce: ScatterReduce::Replace }, &[&g, idx, &z])?
+                    }
+                });
+            }
+            if ctx.needs(2) {
+                let gs = prim(Op::Gather { dim: *dim }, &[&g, idx])?;
+                // gather returns the index's shape; src may be larger (only the indexed part is used).
+                let src_shape = ctx.shape(2).to_vec();
+                out[2] = Some(if gs.shape() == src_shape.as_slice() {
+                    gs
+                } else {
+                    let z = zeros(&src_shape, g.dtype(), &g)?;
+                    let l = Layout::contiguous(&src_shape);
+                    let view = Layout::new(gs.shape().into(), l.strides().into(), 0);
+                    let src_grad = strided_backward(&gs, &view, &l, src_shape.iter().product())?;
+                    z.add(&src_grad)?
+                });
+            }
+        }
+        Op::IndexSelect { dim } => {
+            if ctx.needs(0) {
+                let idx = ctx.saved(1)?;
+                let z = zeros(ctx.shape(0), g.dtype(), &g)?;
+                out[0] = Some(prim(Op::IndexAdd { dim: *dim }, &[&z, &idx.reshape(&[-1])?, &g])?);
+            }
+        }
+        Op::IndexAdd { dim } => {
+            out[0] = ctx.needs(0).then(|| g.clone());
+            if ctx.needs(2) {
+                out[2] = Some(prim(Op::IndexSelect { dim: *dim }, &[&g, ctx.saved(1)?])?);
+            }
+        }
+        Op::Sort { dim, .. } | Op::TopK { dim, .. } => {
+            // Recompute the permutation (deterministic) and send values' gradients back.
+            if ctx.needs(0) {
+                let x = ctx.saved(0)?;
+                let outs = Tensor::apply(ctx.op.clone(), &[x])?;
+                let z = zeros(ctx.shape(0), g.dtype(), &g)?;
+                out[0] = Some(prim(Op::Scatter { dim: *dim, reduce: ScatterReduce::Add }, &[&z, &outs[1], &g])?);
+            }
+        }
+        Op::Assign { shape, strides, offset } => {
+            // Output = base with `src` written at the layout: the base keeps the gradient
+            // outside the written region, `src` gets the region.
+            let view = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
+            let g = g.contiguous()?;
+            let region: Shape = shape.clone();
+            if ctx.needs(1) {
+                out[1] = Some(g.as_strided(&region, view.strides(), Some(view.offset()))?.contiguous()?);
+            }
+            if ctx.needs(0) {
+                let z = zeros(&region, g.dtype(), &g)?;
+                out[0] = Some(prim(ctx.op.clone(), &[&g, &z])?);
+            }
+        }
+    }
+    Ok(out)
+}
