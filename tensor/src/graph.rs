@@ -132,7 +132,13 @@ impl Node {
         self.hooks.lock().unwrap_or_else(|e| e.into_inner()).push((output, hook));
     }
     pub fn hooks(&self, output: usize) -> Vec<Hook> {
-        self.hooks.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|h| h.0 == output).map(|h| h.1.clone()).collect()
+        self.hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|h| h.0 == output)
+            .map(|h| h.1.clone())
+            .collect()
     }
 }
 

@@ -42,7 +42,10 @@ impl Tensor {
             ));
         }
         if is_grad_enabled() && self.requires_grad() && self.is_leaf() {
-            return Err(Error::inplace(op, "a leaf Variable that requires grad is being used in an in-place operation."));
+            return Err(Error::inplace(
+                op,
+                "a leaf Variable that requires grad is being used in an in-place operation.",
+            ));
         }
         if let Some(b) = self.base() {
             if is_grad_enabled() && b.requires_grad() && b.is_leaf() {

@@ -347,7 +347,11 @@ pub enum Op {
     /// written at the positions of the layout `(shape, strides, offset)`, given in
     /// `base`'s flat element indices. Eager backends perform writes through
     /// `Backend::assign`; executing it out of place must also be supported.
-    Assign { shape: Shape, strides: Shape, offset: usize },
+    Assign {
+        shape: Shape,
+        strides: Shape,
+        offset: usize,
+    },
 }
 
 fn meta(shape: &[usize], dtype: DType) -> Meta {
@@ -745,7 +749,11 @@ impl Op {
                 if src.shape != *shape {
                     return Err(Error::shape(
                         name,
-                        format!("source shape {} does not match the destination {}", fmt_shape(&src.shape), fmt_shape(shape)),
+                        format!(
+                            "source shape {} does not match the destination {}",
+                            fmt_shape(&src.shape),
+                            fmt_shape(shape)
+                        ),
                     ));
                 }
                 let l = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);

@@ -205,7 +205,8 @@ impl Tensor {
         }
         self.0.requires_grad.store(true, Ordering::Relaxed);
         let l = self.layout();
-        let op = Op::View(ViewOp::AsStrided { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() });
+        let op =
+            Op::View(ViewOp::AsStrided { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() });
         let node = Node::new(op, smallvec::smallvec![Edge::of(base)], smallvec::smallvec![self.meta()]);
         Some(Origin { node, output: 0 })
     }
@@ -243,9 +244,15 @@ impl Tensor {
 
     /// Registers a hook called with the gradient of this tensor during backward;
     /// it may return a replacement gradient. Errors on tensors that don't require grad.
-    pub fn register_hook(&self, hook: impl Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static) -> Result<()> {
+    pub fn register_hook(
+        &self,
+        hook: impl Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static,
+    ) -> Result<()> {
         if !self.requires_grad() {
-            return Err(Error::invalid("register_hook", "cannot register a hook on a tensor that doesn't require gradient"));
+            return Err(Error::invalid(
+                "register_hook",
+                "cannot register a hook on a tensor that doesn't require gradient",
+            ));
         }
         let hook: Hook = Arc::new(hook);
         match self.origin() {
