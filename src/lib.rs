@@ -16,6 +16,7 @@
 
 pub use kiln_autograd as autograd;
 pub use kiln_cpu as cpu;
+pub use kiln_nn as nn;
 pub use kiln_tensor as tensor;
 pub use kiln_tensor::{
     is_grad_enabled, manual_seed, register_backend, registered_devices, set_grad_enabled, Backend, DType, Device,

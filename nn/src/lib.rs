@@ -1,0 +1,16 @@
+//! kiln-nn: modules with Hugging Face parameter names, Llama and Qwen3 models
+//! from `config.json` + safetensors, generation, losses, optimizers, LR
+//! schedules, data loading and training checkpoints.
+
+pub mod checkpoint;
+pub mod clip;
+pub mod data;
+pub mod generate;
+pub mod io;
+pub mod layers;
+pub mod models;
+pub mod module;
+pub mod optim;
+pub mod schedule;
+
+
