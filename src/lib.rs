@@ -32,5 +32,5 @@ pub fn init() {
 /// `use kiln::prelude::*;` brings the everyday names into scope.
 pub mod prelude {
     pub use kiln_autograd::TensorAutograd;
-    pub use kiln_tensor::{DType, Device, Dims, Error, Result, Scalar, Tensor, TensorOptions};
+    pub use kiln_tensor::{s, DType, Device, Dims, Error, IndexItem, Reduction, Result, Scalar, Tensor, TensorOptions};
 }

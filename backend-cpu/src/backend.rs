@@ -2,7 +2,11 @@
 //! to the kernels, transfers and the in-place `assign` primitive.
 use crate::kernels::{self, Input};
 use kiln_tensor::{Backend, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
+use smallvec::SmallVec;
 use std::sync::{Arc, RwLockReadGuard};
+
+/// Read guards of the distinct storages of an op's inputs (inline for up to four).
+type Guards<'a> = SmallVec<[(usize, RwLockReadGuard<'a, StorageData>); 4]>;
 
 /// The CPU backend. Stateless: storage is plain host memory (`HostBuffer`).
 #[derive(Debug, Default)]
@@ -16,8 +20,9 @@ impl CpuBackend {
 
 /// Read-locks each distinct storage of `inputs` once, in address order
 /// (see Note [Storage mutability] in kiln-tensor).
-pub(crate) fn lock_inputs<'a>(inputs: &[&'a Tensor]) -> Vec<(usize, RwLockReadGuard<'a, StorageData>)> {
-    let mut addrs: Vec<(usize, &'a Storage)> = inputs.iter().map(|t| (t.storage().addr(), &**t.storage())).collect();
+pub(crate) fn lock_inputs<'a>(inputs: &[&'a Tensor]) -> Guards<'a> {
+    let mut addrs: SmallVec<[(usize, &'a Storage); 4]> =
+        inputs.iter().map(|t| (t.storage().addr(), &**t.storage())).collect();
     addrs.sort_by_key(|a| a.0);
     addrs.dedup_by_key(|a| a.0);
     addrs.into_iter().map(|(a, s)| (a, s.read())).collect()
@@ -44,14 +49,15 @@ impl Backend for CpuBackend {
     fn to_host(&self, t: &Tensor) -> Result<HostBuffer> {
         let guards = lock_inputs(&[t]);
         let buf = host(&guards, t)?;
-        Ok(kernels::materialize(&Input { buf, layout: t.layout() }))
+        kernels::materialize(&Input { buf, layout: t.layout() })
     }
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], _device: Device) -> Result<Vec<Arc<Storage>>> {
         let guards = lock_inputs(inputs);
-        let ins: Vec<Input<'_>> =
+        let ins: SmallVec<[Input<'_>; 4]> =
             inputs.iter().map(|t| Ok(Input { buf: host(&guards, t)?, layout: t.layout() })).collect::<Result<_>>()?;
         let bufs = kernels::exec(op, &ins, outs)?;
+        drop(ins);
         drop(guards);
         Ok(bufs.into_iter().map(|b| Arc::new(Storage::from_host(b, Device::Cpu))).collect())
     }
@@ -94,7 +100,7 @@ impl Backend for CpuBackend {
     fn nonzero(&self, t: &Tensor) -> Result<Tensor> {
         let guards = lock_inputs(&[t]);
         let buf = host(&guards, t)?;
-        let (v, n) = kernels::nonzero(&Input { buf, layout: t.layout() });
+        let (v, n) = kernels::nonzero(&Input { buf, layout: t.layout() })?;
         drop(guards);
         Tensor::from_vec(v, &[n, t.ndim()])
     }

@@ -1,5 +1,185 @@
 //! kiln-bench: kiln's benchmarks, printed as one JSON object per line.
-fn main() {
+//!
+//! `kiln-bench matmul --sizes 1024,4096` and `kiln-bench ops`; see `--help`.
+//! `benches/compare_torch.py` runs this binary and the same measurements in
+//! PyTorch, and prints the ratios.
+mod report;
+mod suites;
+mod timing;
+
+use kiln::prelude::*;
+use std::process::ExitCode;
+use suites::Config;
+use timing::Plan;
+
+const HELP: &str = "\
+kiln-bench: kiln benchmarks; one JSON object per line on stdout
+
+USAGE:
+    kiln-bench matmul [--sizes N,N,...] [options]
+    kiln-bench ops    [--dim D] [--only NAME,...] [options]
+    kiln-bench all    [options]           (matmul, then ops)
+
+BENCHMARKS:
+    matmul   square n x n x n float32 matmul of random matrices: gflops (2 n^3 / median time)
+    ops      on D*D float32 elements (default D = 4096, 16M elements), GB/s = bytes / median time:
+               add, mul            two flat tensors          bytes = 3 x 4 x N
+               exp                 one flat tensor           bytes = 2 x 4 x N
+               add_transposed      a.t() + b, [D, D]         bytes = 3 x 4 x N
+               add_broadcast       [D, D] + [D]              bytes = 4 x (2 N + D)
+               sum, max            all elements -> 0-d       bytes = 4 x N
+               sum_dim             [D, D] over the last dim  bytes = 4 x (N + D)
+               softmax             [D, D] over the last dim  bytes = 2 x 4 x N
+             and add_latency: us_per_op of `add` on two 1-element tensors
+             (median over runs of 1000 ops each)
+
+OPTIONS:
+    --device DEV       cpu (default), tpu, tpu:N
+    --sizes LIST       matmul sizes (default 1024,4096)
+    --dim D            side of the [D, D] tensors of `ops` (default 4096)
+    --only LIST        run only the ops whose names contain one of these words
+    --target-secs S    time the timed runs of one benchmark take (default 2 for ops, 3 for matmul)
+    --min-runs N       fewest timed runs (default 3)
+    --max-runs N       most timed runs (default 1000)
+    -h, --help         this text
+
+METHOD:
+    Each benchmark calls the op once untimed, warms up (0.2 s, at most 10 calls),
+    picks runs = clamp(target / warm-up median, min, max), and reports the median
+    (and min) of the timed runs. A call is the whole out-of-place op: output
+    allocation and release included, then a device synchronize.
+    A benchmark that fails prints {\"bench\": ..., \"error\": ...}; the exit code is 1.
+
+EXAMPLES:
+    cargo run --release -p kiln-bench -- matmul --sizes 1024,4096 --device cpu
+    cargo run --release -p kiln-bench -- ops --only add,softmax
+";
+
+struct Args {
+    cmd: String,
+    device: Device,
+    sizes: Vec<usize>,
+    dim: usize,
+    only: Vec<String>,
+    target_s: Option<f64>,
+    min_runs: usize,
+    max_runs: usize,
+}
+
+fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> std::result::Result<Vec<T>, String> {
+    v.split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.trim().parse::<T>().map_err(|_| format!("{flag}: cannot parse {s:?}")))
+        .collect()
+}
+
+fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
+    let mut a = Args {
+        cmd: String::new(),
+        device: Device::Cpu,
+        sizes: vec![1024, 4096],
+        dim: 4096,
+        only: vec![],
+        target_s: None,
+        min_runs: 3,
+        max_runs: 1000,
+    };
+    let mut it = argv.iter();
+    while let Some(arg) = it.next() {
+        // `--flag=value` and `--flag value` both work.
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = || -> std::result::Result<String, String> {
+            inline.clone().or_else(|| it.next().cloned()).ok_or_else(|| format!("{flag} needs a value"))
+        };
+        match flag {
+            "-h" | "--help" | "help" => return Ok(None),
+            "--device" => a.device = Device::parse(&value()?).map_err(|e| e.to_string())?,
+            "--sizes" => a.sizes = parse_list("--sizes", &value()?)?,
+            "--dim" => a.dim = value()?.parse().map_err(|_| "--dim needs an integer".to_string())?,
+            "--only" => a.only = parse_list("--only", &value()?)?,
+            "--target-secs" => {
+                a.target_s = Some(value()?.parse().map_err(|_| "--target-secs needs a number".to_string())?)
+            }
+            "--min-runs" => a.min_runs = value()?.parse().map_err(|_| "--min-runs needs an integer".to_string())?,
+            "--max-runs" => a.max_runs = value()?.parse().map_err(|_| "--max-runs needs an integer".to_string())?,
+            c if !c.starts_with('-') && a.cmd.is_empty() => a.cmd = c.to_string(),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if a.cmd.is_empty() {
+        return Err("missing benchmark name (matmul, ops or all)".into());
+    }
+    if a.dim == 0 || a.sizes.contains(&0) {
+        return Err("sizes must be positive".into());
+    }
+    Ok(Some(a))
+}
+
+fn main() -> ExitCode {
     kiln::init();
-    eprintln!("usage: kiln-bench <matmul|ops> [options]");
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let args = match parse_args(&argv) {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            print!("{HELP}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("kiln-bench: {e}\n\n{HELP}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = args.device.backend() {
+        eprintln!("kiln-bench: {e}");
+        return ExitCode::from(2);
+    }
+    kiln::manual_seed(0);
+    let cfg = |default_target: f64| Config {
+        device: args.device,
+        plan: Plan {
+            target_s: args.target_s.unwrap_or(default_target),
+            min_runs: args.min_runs,
+            max_runs: args.max_runs,
+        },
+        filter: args.only.clone(),
+    };
+    let failed = match args.cmd.as_str() {
+        "matmul" => suites::matmul(&cfg(3.0), &args.sizes),
+        "ops" => suites::ops(&cfg(2.0), args.dim),
+        "all" => suites::matmul(&cfg(3.0), &args.sizes) + suites::ops(&cfg(2.0), args.dim),
+        other => {
+            eprintln!("kiln-bench: unknown benchmark {other:?} (expected matmul, ops or all)\n\n{HELP}");
+            return ExitCode::from(2);
+        }
+    };
+    if failed > 0 {
+        eprintln!("kiln-bench: {failed} benchmark(s) failed (see the \"error\" lines)");
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> std::result::Result<Option<Args>, String> {
+        parse_args(&s.split_whitespace().map(String::from).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn parses_flags_in_both_forms() {
+        let a = args("matmul --sizes 64,128 --device=cpu --target-secs 0.5").unwrap().unwrap();
+        assert_eq!(a.cmd, "matmul");
+        assert_eq!(a.sizes, vec![64, 128]);
+        assert_eq!(a.device, Device::Cpu);
+        assert_eq!(a.target_s, Some(0.5));
+        assert!(args("--help").unwrap().is_none());
+        assert!(args("matmul --sizes x").is_err());
+        assert!(args("ops --bogus").is_err());
+        assert!(args("").is_err());
+    }
 }

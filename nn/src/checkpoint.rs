@@ -1,1 +1,246 @@
-//! (being written)
+//! Training checkpoints: the model in the Hugging Face layout (`config.json` +
+//! `model.safetensors`), the optimizer state (`optimizer.safetensors`), and
+//! `trainer_state.json` (step, global RNG state, data loader position, free
+//! fields), written atomically into one directory, so that a resumed run
+//! continues exactly as the uninterrupted one would have.
+//!
+//! ```no_run
+//! use kiln::nn::checkpoint::{checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint, TrainerState};
+//! # fn demo(model: &mut dyn kiln::nn::module::Module, opt: &mut dyn kiln::nn::optim::Optimizer,
+//! #         loader: &mut kiln::nn::data::TokenLoader) -> kiln::Result<()> {
+//! // Saving, every N steps:
+//! let state = TrainerState::capture(100, Some(loader.state()));
+//! save_checkpoint(checkpoint_dir("out", 100), model, None, opt, &state)?;
+//! // Resuming:
+//! if let Some(dir) = latest_checkpoint("out")? {
+//!     let ckpt = load_checkpoint(dir)?;
+//!     ckpt.restore(model, opt)?; // weights, optimizer state, RNG
+//!     if let Some(l) = ckpt.state.loader { loader.set_state(l)?; }
+//! }
+//! # Ok(()) }
+//! ```
+use crate::data::LoaderState;
+use crate::io::{load_checkpoint_dir, load_safetensors, save_checkpoint_dir, save_safetensors, write_atomic};
+use crate::module::Module;
+use crate::optim::Optimizer;
+use kiln_tensor::random::{get_state, set_state};
+use kiln_tensor::{Device, Error, Result, Tensor};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The optimizer state file of a checkpoint.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// The training-state file of a checkpoint.
+pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// The model configuration file (Hugging Face layout).
+pub const CONFIG_FILE: &str = "config.json";
+
+const FORMAT: &str = "kiln-trainer-state-1";
+
+/// Everything besides the weights and the optimizer state that a resumed run needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainerState {
+    /// Optimizer steps done.
+    pub step: u64,
+    /// kiln's global generator (`kiln_tensor::random::get_state`): dropout, sampling.
+    pub rng_state: [u64; 4],
+    /// The training data loader's position.
+    pub loader: Option<LoaderState>,
+    /// Free-form fields of the training program (loss history, arguments, ...).
+    pub extra: serde_json::Value,
+}
+
+impl TrainerState {
+    /// The state now: `step`, the global generator's state and the loader position.
+    pub fn capture(step: u64, loader: Option<LoaderState>) -> TrainerState {
+        TrainerState { step, rng_state: get_state(), loader, extra: serde_json::Value::Null }
+    }
+    /// Adds free-form fields.
+    pub fn with_extra(mut self, extra: serde_json::Value) -> TrainerState {
+        self.extra = extra;
+        self
+    }
+    /// Puts the global generator back where it was when the state was captured.
+    pub fn restore_rng(&self) {
+        set_state(self.rng_state);
+    }
+    /// The JSON of `trainer_state.json` (64-bit values as strings).
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "format": FORMAT,
+            "global_step": self.step,
+            "rng_state": self.rng_state.iter().map(|s| format!("{s:016x}")).collect::<Vec<_>>(),
+            "loader": self.loader.map(|l| l.to_json()),
+            "extra": self.extra,
+        })
+    }
+    /// Reads [`TrainerState::to_json`].
+    pub fn from_json(v: &serde_json::Value) -> Result<TrainerState> {
+        let bad = |what: &str| Error::invalid("TrainerState", format!("{TRAINER_STATE_FILE}: {what}"));
+        if v["format"] != FORMAT {
+            return Err(bad(&format!("unknown format {} (expected {FORMAT:?})", v["format"])));
+        }
+        let step = v["global_step"].as_u64().ok_or_else(|| bad("global_step is missing"))?;
+        let words = v["rng_state"].as_array().filter(|a| a.len() == 4).ok_or_else(|| bad("rng_state needs 4 words"))?;
+        let mut rng_state = [0u64; 4];
+        for (w, s) in rng_state.iter_mut().zip(words) {
+            *w = s.as_str().and_then(|s| u64::from_str_radix(s, 16).ok()).ok_or_else(|| bad("bad rng_state word"))?;
+        }
+        let loader = match &v["loader"] {
+            serde_json::Value::Null => None,
+            l => Some(LoaderState::from_json(l)?),
+        };
+        Ok(TrainerState { step, rng_state, loader, extra: v["extra"].clone() })
+    }
+}
+
+fn io_err(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::invalid("checkpoint", format!("{}: {e}", path.display()))
+}
+
+/// `out/checkpoint-{step}`: where the checkpoint of a step goes (Hugging Face `Trainer`'s naming).
+pub fn checkpoint_dir(out: impl AsRef<Path>, step: u64) -> PathBuf {
+    out.as_ref().join(format!("checkpoint-{step}"))
+}
+
+/// The `checkpoint-{N}` directories of `out` with their steps, oldest first.
+pub fn list_checkpoints(out: impl AsRef<Path>) -> Result<Vec<(u64, PathBuf)>> {
+    let out = out.as_ref();
+    if !out.is_dir() {
+        return Ok(vec![]);
+    }
+    let mut found = vec![];
+    for entry in std::fs::read_dir(out).map_err(|e| io_err(out, e))? {
+        let entry = entry.map_err(|e| io_err(out, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(step) = name.strip_prefix("checkpoint-").and_then(|s| s.parse::<u64>().ok()) else { continue };
+        // Only renamed-into-place directories exist under this name, so each one is complete.
+        if entry.path().join(TRAINER_STATE_FILE).is_file() {
+            found.push((step, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// The checkpoint of the highest step in `out`, if any.
+pub fn latest_checkpoint(out: impl AsRef<Path>) -> Result<Option<PathBuf>> {
+    Ok(list_checkpoints(out)?.pop().map(|(_, p)| p))
+}
+
+/// Deletes all but the `keep` most recent checkpoints of `out`.
+pub fn prune_checkpoints(out: impl AsRef<Path>, keep: usize) -> Result<()> {
+    let all = list_checkpoints(out)?;
+    let n = all.len().saturating_sub(keep);
+    for (_, p) in &all[..n] {
+        std::fs::remove_dir_all(p).map_err(|e| io_err(p, e))?;
+    }
+    Ok(())
+}
+
+/// Fills a directory atomically: `fill` writes into a fresh temporary sibling
+/// directory, which then replaces `dir` by a rename. A crash leaves the old
+/// `dir` (or none) plus a stray temporary directory, never a partial `dir`.
+pub fn write_dir_atomic(dir: impl AsRef<Path>, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let dir = dir.as_ref();
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = dir.file_name().ok_or_else(|| io_err(dir, "not a directory path"))?.to_string_lossy().into_owned();
+    std::fs::create_dir_all(&parent).map_err(|e| io_err(&parent, format!("cannot create: {e}")))?;
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
+    }
+    std::fs::create_dir(&tmp).map_err(|e| io_err(&tmp, format!("cannot create: {e}")))?;
+    if let Err(e) = fill(&tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+    let replacing = dir.exists();
+    if replacing {
+        std::fs::rename(dir, &old).map_err(|e| io_err(dir, format!("cannot move the old directory aside: {e}")))?;
+    }
+    if let Err(e) = std::fs::rename(&tmp, dir) {
+        if replacing {
+            let _ = std::fs::rename(&old, dir);
+        }
+        return Err(io_err(dir, format!("cannot rename the new directory into place: {e}")));
+    }
+    if replacing {
+        std::fs::remove_dir_all(&old).map_err(|e| io_err(&old, e))?;
+    }
+    // Make the renames durable.
+    if let Ok(d) = std::fs::File::open(&parent) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Saves a training checkpoint into `dir` (atomically, replacing an older one):
+/// `model.safetensors` (the model's `state_dict()`, Hugging Face names),
+/// `config.json` when `model_config` (its JSON text) is given, so that the
+/// directory loads as a pretrained model, `optimizer.safetensors` (the
+/// optimizer's `state_dict()`), and `trainer_state.json`.
+pub fn save_checkpoint(
+    dir: impl AsRef<Path>,
+    model: &dyn Module,
+    model_config: Option<&str>,
+    optimizer: &dyn Optimizer,
+    state: &TrainerState,
+) -> Result<()> {
+    let weights = model.state_dict();
+    let opt_state: BTreeMap<String, Tensor> = optimizer.state_dict()?.into_iter().collect();
+    let trainer =
+        serde_json::to_string_pretty(&state.to_json()).map_err(|e| io_err(Path::new(TRAINER_STATE_FILE), e))?;
+    write_dir_atomic(dir, |tmp| {
+        save_checkpoint_dir(tmp, &weights, None)?;
+        if let Some(cfg) = model_config {
+            write_atomic(&tmp.join(CONFIG_FILE), |w| w.write_all(cfg.as_bytes()))?;
+        }
+        save_safetensors(tmp.join(OPTIMIZER_FILE), &opt_state, None)?;
+        write_atomic(&tmp.join(TRAINER_STATE_FILE), |w| w.write_all(trainer.as_bytes()))
+    })
+}
+
+/// A checkpoint directory, read back: its [`TrainerState`], and the files for
+/// the model and optimizer, loaded on request.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    /// The checkpoint directory (also a Hugging Face model directory).
+    pub dir: PathBuf,
+    /// The training state saved with it.
+    pub state: TrainerState,
+}
+
+/// Opens a checkpoint written by [`save_checkpoint`] (reads `trainer_state.json`).
+pub fn load_checkpoint(dir: impl AsRef<Path>) -> Result<Checkpoint> {
+    let dir = dir.as_ref().to_path_buf();
+    let path = dir.join(TRAINER_STATE_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, format!("cannot read: {e}")))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err(&path, e))?;
+    Ok(Checkpoint { state: TrainerState::from_json(&v)?, dir })
+}
+
+impl Checkpoint {
+    /// The model weights by name (CPU, stored dtypes).
+    pub fn model_state(&self) -> Result<BTreeMap<String, Tensor>> {
+        load_checkpoint_dir(&self.dir, None, Device::Cpu)
+    }
+    /// The optimizer state entries (for [`Optimizer::load_state_dict`]).
+    pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(load_safetensors(self.dir.join(OPTIMIZER_FILE))?.into_iter().collect())
+    }
+    /// Restores a training run: copies the weights into `model`'s parameters (strict:
+    /// every name must match; the parameters keep their identity, so `optimizer`
+    /// still holds them), loads `optimizer`'s state, and restores the global
+    /// generator. The data loader position is in `self.state.loader`.
+    pub fn restore(&self, model: &mut dyn Module, optimizer: &mut dyn Optimizer) -> Result<()> {
+        model.load_state_dict(&self.model_state()?, true)?;
+        optimizer.load_state_dict(self.optimizer_state()?)?;
+        self.state.restore_rng();
+        Ok(())
+    }
+}

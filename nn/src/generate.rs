@@ -1,1 +1,270 @@
-//! (being written)
+//! Autoregressive generation with a KV cache: greedy decoding, temperature,
+//! top-k and top-p sampling, seeded through kiln's global generator.
+use crate::models::LlamaForCausalLM;
+use kiln_tensor::{DType, Error, Result, Tensor};
+
+/// How each next token is chosen (transformers' order: temperature, then
+/// top-k, then top-p, then a draw from what is left).
+///
+/// ```
+/// use kiln::nn::generate::Sampling;
+/// let greedy = Sampling::greedy();
+/// let creative = Sampling::sample(0.8).with_top_k(50).with_top_p(0.95).with_seed(1234);
+/// assert!(greedy.is_greedy() && !creative.is_greedy());
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// Logits are divided by it before sampling; 0 means greedy (argmax).
+    pub temperature: f64,
+    /// Keep only the `top_k` most likely tokens (0: no limit).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches
+    /// `top_p` (1.0: no limit).
+    pub top_p: f64,
+    /// Seeds kiln's global generator (`kiln::manual_seed`) before generating.
+    pub seed: Option<u64>,
+    /// A row that produced one of these stops; its later positions are filled
+    /// with the first of them, and generation ends when every row has stopped.
+    pub eos_token_ids: Vec<i64>,
+    /// Decode incrementally with a KV cache (the default). Without it, every
+    /// step recomputes the whole sequence (same result, for checking).
+    pub use_cache: bool,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling::greedy()
+    }
+}
+
+impl Sampling {
+    /// Greedy decoding: always the most likely token (the first on ties).
+    pub fn greedy() -> Sampling {
+        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, eos_token_ids: vec![], use_cache: true }
+    }
+
+    /// Sampling at `temperature` (> 0) from the whole distribution.
+    pub fn sample(temperature: f64) -> Sampling {
+        Sampling { temperature, ..Sampling::greedy() }
+    }
+
+    /// With top-k filtering.
+    pub fn with_top_k(mut self, k: usize) -> Sampling {
+        self.top_k = k;
+        self
+    }
+
+    /// With nucleus (top-p) filtering.
+    pub fn with_top_p(mut self, p: f64) -> Sampling {
+        self.top_p = p;
+        self
+    }
+
+    /// With a seed for the generator.
+    pub fn with_seed(mut self, seed: u64) -> Sampling {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// Stopping on these tokens.
+    pub fn with_eos(mut self, ids: &[i64]) -> Sampling {
+        self.eos_token_ids = ids.to_vec();
+        self
+    }
+
+    /// With or without the KV cache.
+    pub fn with_cache(mut self, on: bool) -> Sampling {
+        self.use_cache = on;
+        self
+    }
+
+    /// True when decoding is deterministic argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.temperature.is_nan() || self.temperature < 0.0 || self.temperature.is_infinite() {
+            return Err(Error::invalid("generate", format!("temperature must be >= 0, got {}", self.temperature)));
+        }
+        if self.top_p.is_nan() || self.top_p <= 0.0 || self.top_p > 1.0 {
+            return Err(Error::invalid("generate", format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        Ok(())
+    }
+}
+
+/// Continues each row of `prompt_ids` (`[B, P]`, integer) by up to
+/// `max_new_tokens` tokens and returns `[B, P + N]` (int64) where `N` is
+/// `max_new_tokens`, or fewer when every row has emitted an end token.
+/// Runs without recording gradients.
+///
+/// ```
+/// use kiln::prelude::*;
+/// use kiln::nn::generate::{generate, Sampling};
+/// use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
+/// let cfg = LlamaConfig::from_json_str(r#"{"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
+///     "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}"#)?;
+/// kiln::manual_seed(0);
+/// let model = LlamaForCausalLM::new(&cfg, DType::F32)?;
+/// let prompt = Tensor::new([[1i64, 2, 3]])?;
+/// let out = generate(&model, &prompt, 4, &Sampling::greedy())?;
+/// assert_eq!(out.shape(), &[1, 7]);
+/// let again = generate(&model, &prompt, 4, &Sampling::greedy().with_cache(false))?;
+/// assert_eq!(out.to_vec::<i64>()?, again.to_vec::<i64>()?);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub fn generate(
+    model: &LlamaForCausalLM,
+    prompt_ids: &Tensor,
+    max_new_tokens: usize,
+    sampling: &Sampling,
+) -> Result<Tensor> {
+    sampling.check()?;
+    if prompt_ids.ndim() != 2 || prompt_ids.shape()[1] == 0 || !prompt_ids.dtype().is_int() {
+        return Err(Error::shape(
+            "generate",
+            format!(
+                "expected prompt ids [B, P] with P >= 1 and an integer dtype, got {:?} {}",
+                prompt_ids.shape(),
+                prompt_ids.dtype()
+            ),
+        ));
+    }
+    let _g = kiln_autograd::no_grad();
+    if let Some(s) = sampling.seed {
+        kiln_tensor::manual_seed(s);
+    }
+    let (b, p) = (prompt_ids.shape()[0], prompt_ids.shape()[1]);
+    let device = model.device();
+    let prompt = prompt_ids.to_dtype(DType::I64)?.to_device(device)?;
+    let mut rows: Vec<Vec<i64>> = prompt.to_vec::<i64>()?.chunks(p).map(|r| r.to_vec()).collect();
+    let mut cache = model.new_cache(p + max_new_tokens);
+    let mut finished = vec![false; b];
+    let mut next = prompt;
+    for _ in 0..max_new_tokens {
+        let logits = if sampling.use_cache {
+            model.forward_cached(&next, None, &mut cache, true)?
+        } else {
+            let len = rows[0].len();
+            let all = Tensor::from_vec(rows.concat(), &[b, len])?.to_device(device)?;
+            let l = model.forward(&all, None)?;
+            l.narrow(1, len as isize - 1, 1)?
+        };
+        let logits = logits.squeeze_dim(1)?; // [B, V]
+        let mut tokens = choose(&logits, sampling)?;
+        for (i, tok) in tokens.iter_mut().enumerate() {
+            if finished[i] {
+                *tok = sampling.eos_token_ids[0];
+            } else if sampling.eos_token_ids.contains(tok) {
+                finished[i] = true;
+            }
+            rows[i].push(*tok);
+        }
+        if !sampling.eos_token_ids.is_empty() && finished.iter().all(|&f| f) {
+            break;
+        }
+        next = Tensor::from_vec(tokens, &[b, 1])?.to_device(device)?;
+    }
+    let len = rows[0].len();
+    Tensor::from_vec(rows.concat(), &[b, len])?.to_device(device)
+}
+
+/// The next token of each row from `logits: [B, V]`.
+fn choose(logits: &Tensor, s: &Sampling) -> Result<Vec<i64>> {
+    if s.is_greedy() {
+        return logits.argmax(Some(-1), false)?.to_vec::<i64>();
+    }
+    let (b, v) = (logits.shape()[0], logits.shape()[1]);
+    let host = logits.to_dtype(DType::F32)?.to_vec::<f32>()?;
+    // One uniform draw per row from kiln's generator.
+    let u = Tensor::rand(&[b], DType::F64)?.to_vec::<f64>()?;
+    Ok((0..b).map(|i| sample_row(&host[i * v..(i + 1) * v], s, u[i])).collect())
+}
+
+/// Draws one token from a row of logits with the filters of `s`, by inverting
+/// the cumulative distribution at `u` in `[0, 1)`.
+fn sample_row(logits: &[f32], s: &Sampling, u: f64) -> i64 {
+    let mut x: Vec<f64> = logits.iter().map(|&l| l as f64 / s.temperature).collect();
+    let masked = f64::NEG_INFINITY;
+    if s.top_k > 0 && s.top_k < x.len() {
+        // Keep every token at least as likely as the k-th (transformers' TopKLogitsWarper).
+        let mut sorted = x.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let kth = sorted[s.top_k - 1];
+        for l in x.iter_mut() {
+            if *l < kth {
+                *l = masked;
+            }
+        }
+    }
+    if s.top_p < 1.0 {
+        // transformers' TopPLogitsWarper: sort ascending, drop the tokens whose
+        // cumulative probability stays <= 1 - top_p, always keep the most likely.
+        let probs = softmax(&x);
+        let mut order: Vec<usize> = (0..x.len()).collect();
+        order.sort_by(|&a, &b| x[a].total_cmp(&x[b]));
+        let mut cum = 0.0;
+        let last = order.len() - 1;
+        for (rank, &i) in order.iter().enumerate() {
+            cum += probs[i];
+            if cum <= 1.0 - s.top_p && rank != last {
+                x[i] = masked;
+            }
+        }
+    }
+    let probs = softmax(&x);
+    let target = u * probs.iter().sum::<f64>();
+    let mut cum = 0.0;
+    let mut pick = None;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            cum += p;
+            pick = Some(i);
+            if cum > target {
+                break;
+            }
+        }
+    }
+    pick.unwrap_or(0) as i64
+}
+
+fn softmax(x: &[f64]) -> Vec<f64> {
+    let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = x.iter().map(|&v| if v == f64::NEG_INFINITY { 0.0 } else { (v - m).exp() }).collect();
+    let z: f64 = e.iter().sum();
+    e.into_iter().map(|v| v / z).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_one_is_argmax() {
+        let s = Sampling::sample(1.0).with_top_k(1);
+        assert!(s.is_greedy());
+        let s = Sampling::sample(1.0).with_top_k(2);
+        for u in [0.0, 0.3, 0.99] {
+            let t = sample_row(&[0.0, 5.0, 4.0, -1.0], &s, u);
+            assert!(t == 1 || t == 2);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        let s = Sampling::sample(1.0).with_top_p(0.5);
+        // One token holds almost all the mass: it is the only one kept.
+        for u in [0.0, 0.5, 0.999] {
+            assert_eq!(sample_row(&[10.0, 0.0, 0.0, 0.0], &s, u), 0);
+        }
+    }
+
+    #[test]
+    fn inverse_cdf_covers_the_distribution() {
+        let s = Sampling::sample(1.0);
+        let l = [0.0f32, 0.0];
+        assert_eq!(sample_row(&l, &s, 0.25), 0);
+        assert_eq!(sample_row(&l, &s, 0.75), 1);
+    }
+}

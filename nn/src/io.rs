@@ -1,1 +1,9 @@
-//! Reading and writing checkpoints.
+//! Reading and writing tensors: safetensors files (memory-mapped, any dtype
+//! converted on load, atomic saves) and Hugging Face checkpoint directories
+//! (`model.safetensors`, or shards listed in `model.safetensors.index.json`).
+
+mod hf;
+mod safetensors;
+
+pub use self::hf::{load_checkpoint_dir, save_checkpoint_dir, INDEX_FILE, SINGLE_FILE};
+pub use self::safetensors::{load_safetensors, save_safetensors, write_atomic, SafetensorsFile};

@@ -1,1 +1,49 @@
-//! Layers.
+//! Layers: Linear, Embedding, RMSNorm, LayerNorm, Dropout, rotary position
+//! embeddings (with Llama 3 scaling), grouped-query causal attention with a KV
+//! cache, and the SwiGLU MLP. Each is a [`Module`](crate::module::Module) whose
+//! parameters carry Hugging Face names.
+
+mod attention;
+mod dropout;
+mod embedding;
+mod linear;
+mod mlp;
+mod norm;
+mod rotary;
+
+pub use attention::{causal_mask, Attention, AttentionConfig, LayerKvCache};
+pub use dropout::Dropout;
+pub use embedding::Embedding;
+pub use linear::Linear;
+pub use mlp::SwiGluMlp;
+pub use norm::{LayerNorm, RmsNorm};
+pub use rotary::{rotate_half, RopeScaling, RopeTables, RotaryEmbedding};
+
+use kiln_tensor::{DType, Result, Tensor, TensorOptions};
+
+/// A fresh parameter: `t` cast to the options' dtype and moved to their
+/// device, detached, with `requires_grad` on (like `torch.nn.Parameter`).
+pub fn parameter(t: Tensor, opts: TensorOptions) -> Result<Tensor> {
+    let t = {
+        let _g = kiln_autograd::no_grad();
+        t.to_dtype(opts.dtype)?.to_device(opts.device)?.detach()
+    };
+    if t.dtype().is_float() {
+        t.requires_grad_(true)?;
+    }
+    Ok(t)
+}
+
+/// Samples from `U(-bound, bound)` (in f32, from the global generator), as a parameter.
+pub fn uniform_param(shape: &[usize], bound: f64, opts: TensorOptions) -> Result<Tensor> {
+    let _g = kiln_autograd::no_grad();
+    let u = Tensor::rand(shape, DType::F32)?.mul(2.0 * bound)?.sub(bound)?;
+    parameter(u, opts)
+}
+
+/// Samples from `N(0, std²)` (in f32, from the global generator), as a parameter.
+pub fn normal_param(shape: &[usize], std: f64, opts: TensorOptions) -> Result<Tensor> {
+    let _g = kiln_autograd::no_grad();
+    let n = Tensor::randn(shape, DType::F32)?.mul(std)?;
+    parameter(n, opts)
+}

@@ -12,5 +12,3 @@ pub mod models;
 pub mod module;
 pub mod optim;
 pub mod schedule;
-
-

@@ -1,1 +1,8 @@
-//! Models.
+//! Models: Llama (2, 3) and Qwen3 decoder-only transformers built from Hugging
+//! Face `config.json` files and safetensors checkpoints.
+
+mod config;
+mod llama;
+
+pub use config::{LlamaConfig, ModelType};
+pub use llama::{causal_lm_loss, DecoderLayer, KvCache, LlamaForCausalLM, LlamaModel};

@@ -1,1 +1,265 @@
-//! (being written)
+//! The `Module` trait: parameters are plain `Tensor`s held in struct fields,
+//! reached through one visitor per module, and named like Hugging Face names
+//! them (`model.layers.0.self_attn.q_proj.weight`), so checkpoints load and save
+//! without renaming tables.
+use kiln_tensor::{DType, Device, Error, Result, Tensor};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Joins a parameter or submodule name onto a prefix with a dot
+/// (`join_name("model", "norm") == "model.norm"`, `join_name("", "norm") == "norm"`).
+pub fn join_name(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else if name.is_empty() {
+        prefix.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+/// What [`Module::load_state_dict`] found that did not line up with the module
+/// (always empty after a successful strict load).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IncompatibleKeys {
+    /// Parameters of the module that the state dict does not hold.
+    pub missing_keys: Vec<String>,
+    /// Entries of the state dict that are not parameters of the module.
+    pub unexpected_keys: Vec<String>,
+}
+
+impl IncompatibleKeys {
+    /// True when nothing is missing and nothing is unexpected.
+    pub fn is_empty(&self) -> bool {
+        self.missing_keys.is_empty() && self.unexpected_keys.is_empty()
+    }
+}
+
+/// A neural-network module, like `torch.nn.Module`.
+///
+/// A module holds its parameters as plain [`Tensor`] fields and implements two
+/// visitors that hand each one, with its full dotted name, to a callback;
+/// every other method is provided on top of them. Submodules are visited by
+/// calling their visitors with `join_name(prefix, "field")`.
+///
+/// ```
+/// use kiln::prelude::*;
+/// use kiln::nn::module::{join_name, Module};
+///
+/// struct Affine { weight: Tensor, bias: Tensor }
+///
+/// impl Module for Affine {
+///     fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+///         f(&join_name(prefix, "weight"), &self.weight);
+///         f(&join_name(prefix, "bias"), &self.bias);
+///     }
+///     fn visit_params_mut(
+///         &mut self,
+///         prefix: &str,
+///         f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>,
+///     ) -> Result<()> {
+///         f(&join_name(prefix, "weight"), &mut self.weight)?;
+///         f(&join_name(prefix, "bias"), &mut self.bias)
+///     }
+/// }
+///
+/// let mut m = Affine { weight: Tensor::ones(&[3], DType::F32)?, bias: Tensor::zeros(&[3], DType::F32)? };
+/// assert_eq!(m.num_parameters(), 6);
+/// assert_eq!(m.state_dict().keys().collect::<Vec<_>>(), ["bias", "weight"]);
+/// m.to_dtype(DType::BF16)?;
+/// assert_eq!(m.weight.dtype(), DType::BF16);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub trait Module {
+    /// Calls `f(name, param)` for every parameter, names prefixed by `prefix`.
+    /// A parameter shared by two places (tied weights) is visited once.
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor));
+
+    /// Like [`Module::visit_params`], with mutable access so that a parameter
+    /// can be replaced (dtype or device moves, loading); stops at the first error.
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()>;
+
+    /// Sets training mode (PyTorch's `module.train(mode)`). Modules whose
+    /// behaviour depends on it (dropout, models) override this and pass it on
+    /// to their submodules; the default does nothing.
+    fn train(&mut self, on: bool) {
+        let _ = on;
+    }
+
+    /// Whether the module is in training mode. Modules that do not depend on
+    /// it report `false`.
+    fn is_training(&self) -> bool {
+        false
+    }
+
+    /// Evaluation mode: `train(false)`.
+    fn eval(&mut self) {
+        self.train(false)
+    }
+
+    /// `(name, parameter)` for every parameter, in visiting order. The tensors
+    /// are the parameters themselves (cheap handles), so an optimizer holding
+    /// them sees in-place updates.
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![];
+        self.visit_params("", &mut |n, t| out.push((n.to_string(), t.clone())));
+        out
+    }
+
+    /// Every parameter, in visiting order.
+    fn parameters(&self) -> Vec<Tensor> {
+        let mut out = vec![];
+        self.visit_params("", &mut |_, t| out.push(t.clone()));
+        out
+    }
+
+    /// The total number of parameter elements.
+    fn num_parameters(&self) -> usize {
+        let mut n = 0;
+        self.visit_params("", &mut |_, t| n += t.numel());
+        n
+    }
+
+    /// The parameters by name, detached from the autograd graph but sharing
+    /// their data (PyTorch's `state_dict()`).
+    fn state_dict(&self) -> BTreeMap<String, Tensor> {
+        let mut out = BTreeMap::new();
+        self.visit_params("", &mut |n, t| {
+            out.insert(n.to_string(), t.detach());
+        });
+        out
+    }
+
+    /// Copies the tensors of `state` into the parameters of the same name
+    /// (converting dtype and device to the parameter's; the parameters keep
+    /// their identity, so an optimizer holding them stays valid).
+    ///
+    /// Shapes must match. With `strict`, missing and unexpected names are an
+    /// error too; without, they are returned. Nothing is written unless every
+    /// check passes. The error lists every problem, PyTorch-style.
+    fn load_state_dict(&mut self, state: &BTreeMap<String, Tensor>, strict: bool) -> Result<IncompatibleKeys> {
+        load_impl(self, state, strict, false)
+    }
+
+    /// Like [`Module::load_state_dict`], but the parameters *become* the given
+    /// tensors (converted to the parameter's dtype and device when they
+    /// differ; PyTorch's `assign=True`): no copy, which suits loading a fresh
+    /// model from a checkpoint. `requires_grad` is kept from the old parameter.
+    fn load_state_dict_assign(&mut self, state: &BTreeMap<String, Tensor>, strict: bool) -> Result<IncompatibleKeys> {
+        load_impl(self, state, strict, true)
+    }
+
+    /// Moves every parameter to `device` (the field tensors are replaced; each
+    /// keeps its `requires_grad`). Gradients are dropped.
+    fn to_device(&mut self, device: Device) -> Result<()> {
+        let _g = kiln_autograd::no_grad();
+        self.visit_params_mut("", &mut |_, p| {
+            if p.device() != device {
+                let rg = p.requires_grad();
+                *p = fresh_leaf(p.to_device(device)?, rg)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Casts every floating-point parameter to `dtype` (the field tensors are
+    /// replaced; each keeps its `requires_grad`). Gradients are dropped.
+    fn to_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !dtype.is_float() {
+            return Err(Error::dtype("Module::to_dtype", format!("expected a floating point dtype, got {dtype}")));
+        }
+        let _g = kiln_autograd::no_grad();
+        self.visit_params_mut("", &mut |_, p| {
+            if p.dtype() != dtype && p.dtype().is_float() {
+                let rg = p.requires_grad();
+                *p = fresh_leaf(p.to_dtype(dtype)?, rg)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Clears the gradient of every parameter (`zero_grad(set_to_none=True)`).
+    fn zero_grad(&self) {
+        self.visit_params("", &mut |_, p| p.set_grad(None));
+    }
+
+    /// Marks every floating-point parameter as requiring grad (or not).
+    fn requires_grad_(&self, on: bool) -> Result<()> {
+        let mut err = None;
+        self.visit_params("", &mut |n, p| {
+            if err.is_none() && p.dtype().is_float() {
+                if let Err(e) = p.requires_grad_(on) {
+                    err = Some(Error::invalid("Module::requires_grad_", format!("parameter {n}: {e}")));
+                }
+            }
+        });
+        err.map_or(Ok(()), Err)
+    }
+}
+
+/// `t` as a leaf with `requires_grad` set to `rg` (detached from any graph).
+fn fresh_leaf(t: Tensor, rg: bool) -> Result<Tensor> {
+    let t = t.detach();
+    if rg {
+        t.requires_grad_(true)?;
+    }
+    Ok(t)
+}
+
+fn load_impl<M: Module + ?Sized>(
+    m: &mut M,
+    state: &BTreeMap<String, Tensor>,
+    strict: bool,
+    assign: bool,
+) -> Result<IncompatibleKeys> {
+    // Check everything first, so that a failed load leaves the module untouched.
+    let mut seen = BTreeSet::new();
+    let mut missing = vec![];
+    let mut mis_shaped = vec![];
+    m.visit_params("", &mut |name, p| match state.get(name) {
+        Some(src) => {
+            seen.insert(name.to_string());
+            if src.shape() != p.shape() {
+                mis_shaped.push(format!(
+                    "size mismatch for {name}: copying a param with shape {:?} from checkpoint, the shape in current model is {:?}.",
+                    src.shape(),
+                    p.shape()
+                ));
+            }
+        }
+        None => missing.push(name.to_string()),
+    });
+    let unexpected: Vec<String> = state.keys().filter(|k| !seen.contains(*k)).cloned().collect();
+    let mut problems = vec![];
+    if strict && !missing.is_empty() {
+        problems.push(format!("Missing key(s) in state_dict: {}.", quoted(&missing)));
+    }
+    if strict && !unexpected.is_empty() {
+        problems.push(format!("Unexpected key(s) in state_dict: {}.", quoted(&unexpected)));
+    }
+    problems.extend(mis_shaped);
+    if !problems.is_empty() {
+        return Err(Error::invalid(
+            "load_state_dict",
+            format!("Error(s) in loading state_dict:\n\t{}", problems.join("\n\t")),
+        ));
+    }
+    let _g = kiln_autograd::no_grad();
+    m.visit_params_mut("", &mut |name, p| {
+        let Some(src) = state.get(name) else { return Ok(()) };
+        if assign {
+            let rg = p.requires_grad();
+            let t = src.to_device(p.device())?;
+            let t = if p.dtype().is_float() && t.dtype().is_float() { t.to_dtype(p.dtype())? } else { t };
+            *p = fresh_leaf(t, rg)?;
+        } else {
+            p.copy_(src).map_err(|e| Error::invalid("load_state_dict", format!("copying {name}: {e}")))?;
+        }
+        Ok(())
+    })?;
+    Ok(IncompatibleKeys { missing_keys: missing, unexpected_keys: unexpected })
+}
+
+/// `"a", "b"`: the names as PyTorch lists them in load errors.
+fn quoted(names: &[String]) -> String {
+    names.iter().map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", ")
+}

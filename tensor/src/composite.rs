@@ -1,1 +1,521 @@
-//! placeholder
+//! Composites written once in terms of primitives and other tensor ops:
+//! softmax, log_softmax, cumsum, tril/triu, sort/argsort/topk, embedding,
+//! rms_norm, layer_norm, dropout and cross_entropy.
+//!
+//! Half-precision inputs (bf16, f16) compute the numerically delicate parts in
+//! float32 and cast the result back, as PyTorch does with its `opmath` type.
+use crate::error::fmt_shape;
+use crate::{wrap_dim, DType, Error, Op, Result, Shape, Tensor};
+use smallvec::SmallVec;
+
+/// How a loss reduces its per-element values (PyTorch's `reduction=`).
+///
+/// Also parses from PyTorch's strings: `"mean".parse::<Reduction>()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reduction {
+    /// The mean over the elements that count (for cross entropy: the targets
+    /// that are not ignored).
+    #[default]
+    Mean,
+    /// The sum.
+    Sum,
+    /// No reduction: one value per element.
+    None,
+}
+
+impl std::str::FromStr for Reduction {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Reduction> {
+        match s {
+            "mean" => Ok(Reduction::Mean),
+            "sum" => Ok(Reduction::Sum),
+            "none" => Ok(Reduction::None),
+            _ => {
+                Err(Error::invalid("reduction", format!("{s:?} is not a valid value for reduction (mean, sum, none)")))
+            }
+        }
+    }
+}
+
+/// float32 for half-precision floats, the dtype itself otherwise.
+fn opmath(dt: DType) -> DType {
+    match dt {
+        DType::F16 | DType::BF16 => DType::F32,
+        d => d,
+    }
+}
+
+fn float_only(op: &'static str, x: &Tensor) -> Result<()> {
+    if !x.dtype().is_float() {
+        return Err(Error::unsupported_dtype(op, x.dtype()));
+    }
+    Ok(())
+}
+
+/// A 0-d zero of `x`'s dtype and device (keeps `where` from promoting).
+fn zero_like(x: &Tensor) -> Result<Tensor> {
+    Tensor::zeros(&[], (x.dtype(), x.device()))
+}
+
+impl Tensor {
+    // ---- softmax ------------------------------------------------------------------
+
+    /// `exp(x) / sum(exp(x))` along `dim`, computed stably (the max is subtracted
+    /// first). Like PyTorch, a slice holding `+inf` or made only of `-inf` gives
+    /// NaN. Floating dtypes only; bf16/f16 compute in float32.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([[1000.0f32, 1000.0], [0.0, f32::NEG_INFINITY]])?;
+    /// assert_eq!(x.softmax(-1)?.to_vec::<f32>()?, vec![0.5, 0.5, 1.0, 0.0]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        float_only("softmax", self)?;
+        let d = wrap_dim("softmax", dim, self.ndim())?;
+        if self.ndim() > 0 && self.shape()[d] == 0 {
+            return self.deep_clone();
+        }
+        let x = self.to_dtype(opmath(self.dtype()))?;
+        let d = d as isize;
+        let m = x.amax(d, true)?;
+        let e = x.sub(&m)?.exp()?;
+        e.div(&e.sum_dim(d, true)?)?.to_dtype(self.dtype())
+    }
+
+    /// `log(softmax(x))` along `dim`, computed as `x - max - log(sum(exp(x - max)))`.
+    /// Same NaN rules and dtypes as [`Tensor::softmax`].
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([0.0f32, 0.0])?;
+    /// let y = x.log_softmax(0)?.to_vec::<f32>()?;
+    /// assert!((y[0] + 2f32.ln()).abs() < 1e-6);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
+        float_only("log_softmax", self)?;
+        let d = wrap_dim("log_softmax", dim, self.ndim())?;
+        if self.ndim() > 0 && self.shape()[d] == 0 {
+            return self.deep_clone();
+        }
+        let x = self.to_dtype(opmath(self.dtype()))?;
+        let d = d as isize;
+        let shifted = x.sub(&x.amax(d, true)?)?;
+        let lse = shifted.exp()?.sum_dim(d, true)?.log()?;
+        shifted.sub(&lse)?.to_dtype(self.dtype())
+    }
+
+    // ---- cumsum ---------------------------------------------------------------------
+
+    /// Inclusive prefix sum along `dim`. Integers and bool accumulate in int64.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([[1i32, 2, 3], [4, 5, 6]])?;
+    /// let c = x.cumsum(1)?;
+    /// assert_eq!(c.dtype(), DType::I64);
+    /// assert_eq!(c.to_vec::<i64>()?, vec![1, 3, 6, 4, 9, 15]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn cumsum(&self, dim: isize) -> Result<Tensor> {
+        let d = wrap_dim("cumsum", dim, self.ndim())?;
+        if self.ndim() == 0 {
+            return Tensor::apply1(Op::Cumsum { dim: 0 }, &[&self.reshape(&[1])?])?.reshape(&[]);
+        }
+        Tensor::apply1(Op::Cumsum { dim: d }, &[self])
+    }
+
+    // ---- tril, triu ------------------------------------------------------------------
+
+    /// Keeps `[i, j]` where `j - i <= diagonal` over the last two dims (the lower
+    /// triangle for `diagonal = 0`), zeros elsewhere. Works on batches.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::ones(&[2, 3], DType::F32)?;
+    /// assert_eq!(x.tril(0)?.to_vec::<f32>()?, vec![1.0, 0.0, 0.0, 1.0, 1.0, 0.0]);
+    /// assert_eq!(x.triu(1)?.to_vec::<f32>()?, vec![0.0, 1.0, 1.0, 0.0, 0.0, 1.0]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn tril(&self, diagonal: i64) -> Result<Tensor> {
+        let keep = self.diagonal_offsets("tril")?.le(diagonal)?;
+        Tensor::where_cond(&keep, self, &zero_like(self)?)
+    }
+
+    /// Keeps `[i, j]` where `j - i >= diagonal` over the last two dims (the upper
+    /// triangle for `diagonal = 0`), zeros elsewhere.
+    pub fn triu(&self, diagonal: i64) -> Result<Tensor> {
+        let keep = self.diagonal_offsets("triu")?.ge(diagonal)?;
+        Tensor::where_cond(&keep, self, &zero_like(self)?)
+    }
+
+    /// In-place [`Tensor::tril`].
+    pub fn tril_(&self, diagonal: i64) -> Result<&Tensor> {
+        let r = self.tril(diagonal)?;
+        self.copy_(&r)
+    }
+
+    /// In-place [`Tensor::triu`].
+    pub fn triu_(&self, diagonal: i64) -> Result<&Tensor> {
+        let r = self.triu(diagonal)?;
+        self.copy_(&r)
+    }
+
+    /// `j - i` for every position `[i, j]` of the last two dims (int64, `[m, n]`).
+    fn diagonal_offsets(&self, op: &'static str) -> Result<Tensor> {
+        if self.ndim() < 2 {
+            return Err(Error::shape(op, "input tensor must have at least 2 dimensions"));
+        }
+        let (m, n) = (self.shape()[self.ndim() - 2], self.shape()[self.ndim() - 1]);
+        let opts = (DType::I64, self.device());
+        let rows = Tensor::arange(0.0, m as f64, 1.0, opts)?.reshape(&[m as isize, 1])?;
+        let cols = Tensor::arange(0.0, n as f64, 1.0, opts)?;
+        cols.sub(&rows)
+    }
+
+    // ---- sort, argsort, topk ----------------------------------------------------------
+
+    fn sort_impl(&self, op: &'static str, dim: isize, descending: bool, stable: bool) -> Result<(Tensor, Tensor)> {
+        let d = wrap_dim(op, dim, self.ndim())?;
+        if self.ndim() == 0 {
+            let (v, i) = self.reshape(&[1])?.sort_impl(op, 0, descending, stable)?;
+            return Ok((v.reshape(&[])?, i.reshape(&[])?));
+        }
+        let mut out = Tensor::apply(Op::Sort { dim: d, descending, stable }, &[self])?;
+        let i = out.pop().expect("sort has two outputs");
+        let v = out.pop().expect("sort has two outputs");
+        Ok((v, i))
+    }
+
+    /// Sorts along `dim`: `(values, indices)` with `indices` (int64) the
+    /// positions of the values in `self`. NaN sorts as the largest value. The
+    /// order of equal elements is unspecified; see [`Tensor::sort_stable`].
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([3.0f32, 1.0, 2.0])?;
+    /// let (v, i) = x.sort(0, true)?;
+    /// assert_eq!(v.to_vec::<f32>()?, vec![3.0, 2.0, 1.0]);
+    /// assert_eq!(i.to_vec::<i64>()?, vec![0, 2, 1]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn sort(&self, dim: isize, descending: bool) -> Result<(Tensor, Tensor)> {
+        self.sort_impl("sort", dim, descending, false)
+    }
+
+    /// [`Tensor::sort`] keeping equal elements in their original order.
+    pub fn sort_stable(&self, dim: isize, descending: bool) -> Result<(Tensor, Tensor)> {
+        self.sort_impl("sort", dim, descending, true)
+    }
+
+    /// The indices that sort `self` along `dim` (int64).
+    pub fn argsort(&self, dim: isize, descending: bool) -> Result<Tensor> {
+        Ok(self.sort_impl("argsort", dim, descending, false)?.1)
+    }
+
+    /// The `k` largest (or, with `largest = false`, smallest) elements along
+    /// `dim` and their indices. The values always come sorted (`sorted = false`
+    /// only allows any order, as in PyTorch).
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([1.0f32, 5.0, 3.0, 4.0])?;
+    /// let (v, i) = x.topk(2, -1, true, true)?;
+    /// assert_eq!(v.to_vec::<f32>()?, vec![5.0, 4.0]);
+    /// assert_eq!(i.to_vec::<i64>()?, vec![1, 3]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn topk(&self, k: usize, dim: isize, largest: bool, sorted: bool) -> Result<(Tensor, Tensor)> {
+        let _ = sorted;
+        let d = wrap_dim("topk", dim, self.ndim())?;
+        if self.ndim() == 0 {
+            let (v, i) = self.reshape(&[1])?.topk(k, 0, largest, true)?;
+            return Ok((v.reshape(&[])?, i.reshape(&[])?));
+        }
+        let mut out = Tensor::apply(Op::TopK { k, dim: d, largest }, &[self])?;
+        let i = out.pop().expect("topk has two outputs");
+        let v = out.pop().expect("topk has two outputs");
+        Ok((v, i))
+    }
+
+    // ---- embedding -------------------------------------------------------------------
+
+    /// `torch.nn.functional.embedding(ids, weight)`: the rows of `weight`
+    /// (`[num_embeddings, dim]`) at `ids` (an integer tensor of any shape);
+    /// the result has shape `ids.shape + [dim]`.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let w = Tensor::new([[0.0f32, 0.0], [1.0, 1.0], [2.0, 2.0]])?;
+    /// let ids = Tensor::new([[2i64, 0]])?;
+    /// let e = Tensor::embedding(&w, &ids)?;
+    /// assert_eq!(e.shape(), &[1, 2, 2]);
+    /// assert_eq!(e.to_vec::<f32>()?, vec![2.0, 2.0, 0.0, 0.0]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        if weight.ndim() != 2 {
+            return Err(Error::shape(
+                "embedding",
+                format!("'weight' must be 2-D, got shape {}", fmt_shape(weight.shape())),
+            ));
+        }
+        if !ids.dtype().is_int() {
+            return Err(Error::dtype(
+                "embedding",
+                format!("expected the indices to have an integer dtype (int64 or int32), but got {}", ids.dtype()),
+            ));
+        }
+        let rows = weight.index_select(0, &ids.reshape(&[-1])?)?;
+        let mut shape: Shape = ids.shape().into();
+        shape.push(weight.shape()[1]);
+        rows.reshape_to(&shape)
+    }
+
+    // ---- normalisation ------------------------------------------------------------------
+
+    /// RMS normalisation (`torch.nn.functional.rms_norm`): `x / sqrt(mean(x^2) + eps)`
+    /// over the last dim, or over the last `weight.ndim()` dims when a `weight`
+    /// is given (its shape must equal those dims), then times `weight`.
+    /// Half-precision inputs compute in float32; the result has `self`'s dtype.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([[3.0f32, 4.0]])?;
+    /// let y = x.rms_norm(None, 0.0)?.to_vec::<f32>()?;       // rms = sqrt(12.5)
+    /// assert!((y[0] - 3.0 / 12.5f32.sqrt()).abs() < 1e-6);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        float_only("rms_norm", self)?;
+        let k = weight.map_or(1, |w| w.ndim().max(1));
+        let dims = self.trailing_dims("rms_norm", k, weight, "weight")?;
+        let x = self.to_dtype(opmath(self.dtype()))?;
+        let ms = x.mul(&x)?.mean_dim(dims.as_slice(), true)?;
+        let mut y = x.mul(&ms.add(eps)?.rsqrt()?)?;
+        if let Some(w) = weight {
+            y = y.mul(&w.to_dtype(opmath(w.dtype()))?)?;
+        }
+        y.to_dtype(self.dtype())
+    }
+
+    /// Layer normalisation (`torch.nn.functional.layer_norm`) over the trailing
+    /// `normalized_shape` dims: `(x - mean) / sqrt(var + eps) * weight + bias`
+    /// with the biased variance. Half-precision inputs compute in float32.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([[1.0f32, 3.0]])?;
+    /// let y = x.layer_norm(&[2], None, None, 0.0)?;
+    /// assert_eq!(y.to_vec::<f32>()?, vec![-1.0, 1.0]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn layer_norm(
+        &self,
+        normalized_shape: &[usize],
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        float_only("layer_norm", self)?;
+        let k = normalized_shape.len();
+        let n = self.ndim();
+        if k > n || self.shape()[n - k..] != *normalized_shape {
+            return Err(Error::shape(
+                "layer_norm",
+                format!(
+                    "Given normalized_shape={}, expected input with shape [*, {}], but got input of size{}",
+                    fmt_shape(normalized_shape),
+                    normalized_shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", "),
+                    fmt_shape(self.shape())
+                ),
+            ));
+        }
+        for (t, what) in [(weight, "weight"), (bias, "bias")] {
+            if let Some(t) = t {
+                if t.shape() != normalized_shape {
+                    return Err(Error::shape(
+                        "layer_norm",
+                        format!(
+                            "Expected {what} to be of same shape as normalized_shape, but got {what} of shape {} and normalized_shape = {}",
+                            fmt_shape(t.shape()),
+                            fmt_shape(normalized_shape)
+                        ),
+                    ));
+                }
+            }
+        }
+        let x = self.to_dtype(opmath(self.dtype()))?;
+        let mut y = if k == 0 {
+            // Each element is its own group: (x - x) / sqrt(0 + eps).
+            x.sub(&x)?
+        } else {
+            let dims: SmallVec<[usize; 6]> = (n - k..n).collect();
+            let mean = x.mean_dim(dims.as_slice(), true)?;
+            let xc = x.sub(&mean)?;
+            let var = xc.mul(&xc)?.mean_dim(dims.as_slice(), true)?;
+            xc.mul(&var.add(eps)?.rsqrt()?)?
+        };
+        if let Some(w) = weight {
+            y = y.mul(&w.to_dtype(opmath(w.dtype()))?)?;
+        }
+        if let Some(b) = bias {
+            y = y.add(&b.to_dtype(opmath(b.dtype()))?)?;
+        }
+        y.to_dtype(self.dtype())
+    }
+
+    /// The last `k` dims, checking that `t` (if any) has exactly their shape.
+    fn trailing_dims(
+        &self,
+        op: &'static str,
+        k: usize,
+        t: Option<&Tensor>,
+        what: &str,
+    ) -> Result<SmallVec<[usize; 6]>> {
+        let n = self.ndim();
+        if n < k || n == 0 {
+            return Err(Error::shape(
+                op,
+                format!("expected an input with at least {} dims, got shape {}", k.max(1), fmt_shape(self.shape())),
+            ));
+        }
+        if let Some(t) = t {
+            if t.ndim() > 0 && t.shape() != &self.shape()[n - k..] {
+                return Err(Error::shape(
+                    op,
+                    format!(
+                        "expected {what} of shape {} (the last dims of the input {}), got {}",
+                        fmt_shape(&self.shape()[n - k..]),
+                        fmt_shape(self.shape()),
+                        fmt_shape(t.shape())
+                    ),
+                ));
+            }
+        }
+        Ok((n - k..n).collect())
+    }
+
+    // ---- dropout -------------------------------------------------------------------------
+
+    /// Dropout: in training, zeroes each element with probability `p` and scales
+    /// the others by `1 / (1 - p)`; otherwise returns `self`. The mask comes from
+    /// the global generator (see `manual_seed`).
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::ones(&[1000], DType::F32)?;
+    /// assert!(x.dropout(0.5, false)?.same(&x));
+    /// let y = x.dropout(0.5, true)?.to_vec::<f32>()?;
+    /// assert!(y.iter().all(|&v| v == 0.0 || v == 2.0));
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn dropout(&self, p: f64, train: bool) -> Result<Tensor> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(Error::invalid(
+                "dropout",
+                format!("dropout probability has to be between 0 and 1, but got {p}"),
+            ));
+        }
+        float_only("dropout", self)?;
+        if !train || p == 0.0 {
+            return Ok(self.clone());
+        }
+        if p == 1.0 {
+            // PyTorch multiplies by zero (NaN stays NaN).
+            return self.mul(&zero_like(self)?);
+        }
+        let keep = Tensor::rand(self.shape(), (DType::F32, self.device()))?.lt(1.0 - p)?;
+        let noise = keep.to_dtype(self.dtype())?.div(1.0 - p)?;
+        self.mul(&noise)
+    }
+
+    // ---- cross entropy ---------------------------------------------------------------------
+
+    /// Cross entropy of unnormalised `self` (logits `[N, C]`, `[N, C, d1, ...]`
+    /// or `[C]`) against class indices `target` (integer, `[N]`,
+    /// `[N, d1, ...]` or 0-d): `-log_softmax(self, 1)[n, target[n]]`, reduced.
+    /// Targets equal to `ignore_index` contribute nothing, and `Mean` divides by
+    /// the number of the others (NaN when there are none, as in PyTorch).
+    ///
+    /// Built from `log_softmax`, `gather` and `where`, so its gradient follows
+    /// from theirs.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let logits = Tensor::new([[0.0f32, 0.0], [0.0, 0.0]])?;
+    /// let target = Tensor::new([0i64, -100])?;
+    /// let loss = logits.cross_entropy(&target, Some(-100), "mean".parse()?)?;
+    /// assert!((loss.item::<f32>()? - 2f32.ln()).abs() < 1e-6);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn cross_entropy(&self, target: &Tensor, ignore_index: Option<i64>, reduction: Reduction) -> Result<Tensor> {
+        if !target.dtype().is_int() {
+            return Err(Error::dtype(
+                "cross_entropy",
+                format!(
+                    "expected target dtype to be an integer dtype (class indices), but got {}; class-probability targets are not supported",
+                    target.dtype()
+                ),
+            ));
+        }
+        if self.ndim() == 1 {
+            if target.ndim() != 0 {
+                return Err(Error::shape(
+                    "cross_entropy",
+                    format!(
+                        "logits of shape {} need a 0-d target, got shape {}",
+                        fmt_shape(self.shape()),
+                        fmt_shape(target.shape())
+                    ),
+                ));
+            }
+            let loss = self.unsqueeze(0)?.cross_entropy(&target.unsqueeze(0)?, ignore_index, reduction)?;
+            return if reduction == Reduction::None { loss.reshape(&[]) } else { Ok(loss) };
+        }
+        let mut want: Shape = self.shape().into();
+        if self.ndim() >= 2 {
+            want.remove(1);
+        }
+        if self.ndim() < 2 || target.shape() != want.as_slice() {
+            return Err(Error::shape(
+                "cross_entropy",
+                format!(
+                    "expected logits [N, C, ...] and a target of shape {}, got logits {} and target {}",
+                    fmt_shape(&want),
+                    fmt_shape(self.shape()),
+                    fmt_shape(target.shape())
+                ),
+            ));
+        }
+        let target = target.to_dtype(DType::I64)?;
+        let logp = self.log_softmax(1)?;
+        let valid = match ignore_index {
+            Some(ii) => Some(target.ne(ii)?),
+            None => None,
+        };
+        let safe = match &valid {
+            Some(v) => Tensor::where_cond(v, &target, &zero_like(&target)?)?,
+            None => target,
+        };
+        let picked = logp.gather(1, &safe.unsqueeze(1)?)?.squeeze_dim(1)?;
+        let mut nll = picked.neg()?;
+        if let Some(v) = &valid {
+            nll = Tensor::where_cond(v, &nll, &zero_like(&nll)?)?;
+        }
+        match reduction {
+            Reduction::None => Ok(nll),
+            Reduction::Sum => nll.sum(),
+            Reduction::Mean => match &valid {
+                Some(v) => {
+                    // The count may exceed what a half float holds exactly: divide in float32.
+                    let ct = opmath(nll.dtype());
+                    let total = nll.to_dtype(ct)?.sum()?;
+                    total.div(&v.sum()?.to_dtype(ct)?)?.to_dtype(nll.dtype())
+                }
+                None => nll.mean(),
+            },
+        }
+    }
+}

@@ -100,6 +100,8 @@ pub trait Backend: Send + Sync + 'static {
         1
     }
     /// Moves host data onto `device` as a new storage.
+    // The name mirrors `to_host`; it is a constructor-like method of the backend.
+    #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, buf: HostBuffer, device: Device) -> Result<Arc<Storage>>;
     /// Reads the elements of `t` (any layout) into a contiguous host buffer, row-major.
     fn to_host(&self, t: &Tensor) -> Result<HostBuffer>;

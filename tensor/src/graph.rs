@@ -128,6 +128,30 @@ impl Node {
         let taken = self.inputs().take();
         drop_edges_iteratively(taken.into_iter().flatten());
     }
+    /// Before an in-place write into `storage` replaces the values this node saved,
+    /// keep a private copy of them (PyTorch saves `original_self` the same way), so
+    /// `h.narrow(..).mul_(&w)` stays differentiable. Ops whose gradient never reads
+    /// input values are skipped.
+    pub fn snapshot_inputs_aliasing(&self, storage: &crate::Storage) -> Result<()> {
+        if let NodeKind::Primitive(op) = &self.kind {
+            use crate::BinaryOp::{Add, Sub};
+            if matches!(op, Op::Binary(Add | Sub) | Op::Copy | Op::Cast(_) | Op::View(_) | Op::Assign { .. }) {
+                return Ok(());
+            }
+        }
+        let mut guard = self.inputs();
+        for e in guard.iter_mut().flatten() {
+            if std::ptr::eq(&**e.value.storage(), storage) && e.value.version() == e.version {
+                let prev = set_grad_enabled(false);
+                let copy = e.value.deep_clone();
+                set_grad_enabled(prev);
+                e.value = copy?;
+                e.version = e.value.version();
+            }
+        }
+        Ok(())
+    }
+
     pub fn add_hook(&self, output: usize, hook: Hook) {
         self.hooks.lock().unwrap_or_else(|e| e.into_inner()).push((output, hook));
     }

@@ -29,7 +29,7 @@ use crate::{is_grad_enabled, DType, Error, Op, Result, Scalar, Tensor};
 
 /// PyTorch's `canCast`: no float -> int, no non-bool -> bool.
 fn can_cast(from: DType, to: DType) -> bool {
-    !(from.is_float() && !to.is_float() || !from.is_bool() && to.is_bool())
+    (!from.is_float() || to.is_float()) && (from.is_bool() || !to.is_bool())
 }
 
 impl Tensor {
@@ -70,6 +70,7 @@ impl Tensor {
     /// ```
     pub fn copy_(&self, src: &Tensor) -> Result<&Tensor> {
         self.check_writable("copy_")?;
+        let producer = src.origin();
         let src = src.to_device(self.device())?.to_dtype(self.dtype())?;
         let src = src.broadcast_to(self.shape()).map_err(|_| {
             Error::shape(
@@ -83,6 +84,11 @@ impl Tensor {
         })?;
         let record = is_grad_enabled() && (src.requires_grad() || self.requires_grad());
         let node = if record { Some(self.assign_node(&src)?) } else { None };
+        if record {
+            if let Some(o) = producer {
+                o.node.snapshot_inputs_aliasing(self.storage())?;
+            }
+        }
         self.backend().assign(self, &src)?;
         self.storage().bump_version();
         if let Some(node) = node {

@@ -149,7 +149,7 @@ impl Layout {
             if s < span {
                 return true;
             }
-            span = s * (d - 1) + span;
+            span += s * (d - 1);
         }
         false
     }

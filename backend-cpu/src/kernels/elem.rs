@@ -1,0 +1,693 @@
+//! `Elem`: what the kernels need from each element type beyond `HostElement`:
+//! PyTorch's cast rules, zero-filled allocation, accumulation types, and the
+//! float / integer families the math kernels are written for.
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+use kiln_tensor::HostElement;
+
+/// The family of an element type, a constant the compiler folds away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Bool,
+    Int,
+    /// bf16 and f16: stored in 16 bits, computed in f32.
+    Half,
+    F32,
+    F64,
+}
+
+/// An accumulator of reductions: f32, f64 or i64 (wrapping).
+pub(crate) trait Acc: Copy + Send + Sync + PartialOrd + std::fmt::Debug + 'static {
+    const ZERO: Self;
+    const ONE: Self;
+    /// Identity of `max` (-inf, or the smallest i64).
+    const LOWEST: Self;
+    /// Identity of `min`.
+    const HIGHEST: Self;
+    fn add(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn nan(self) -> bool;
+    /// `self / n` (means are floating only).
+    fn div_count(self, n: usize) -> Self;
+    /// Rounds (or wraps) into an element type, once.
+    fn to_out<O: Elem>(self) -> O;
+}
+macro_rules! float_acc {
+    ($t:ty, $of:ident) => {
+        impl Acc for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            const LOWEST: Self = <$t>::NEG_INFINITY;
+            const HIGHEST: Self = <$t>::INFINITY;
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            #[inline(always)]
+            fn nan(self) -> bool {
+                self.is_nan()
+            }
+            #[inline(always)]
+            fn div_count(self, n: usize) -> Self {
+                self / n as $t
+            }
+            #[inline(always)]
+            fn to_out<O: Elem>(self) -> O {
+                O::$of(self)
+            }
+        }
+    };
+}
+float_acc!(f32, of_f32);
+float_acc!(f64, of_f64);
+impl Acc for i64 {
+    const ZERO: Self = 0;
+    const ONE: Self = 1;
+    const LOWEST: Self = i64::MIN;
+    const HIGHEST: Self = i64::MAX;
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        self.wrapping_add(o)
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        self.wrapping_mul(o)
+    }
+    #[inline(always)]
+    fn nan(self) -> bool {
+        false
+    }
+    #[inline(always)]
+    fn div_count(self, n: usize) -> Self {
+        self / n.max(1) as i64
+    }
+    #[inline(always)]
+    fn to_out<O: Elem>(self) -> O {
+        O::of_i64(self)
+    }
+}
+
+/// An element type as the kernels see it.
+///
+/// The `of_*` constructors follow PyTorch's casts: float to integer truncates
+/// (through i64, wrapping like x86 does for values in range of i64; never UB),
+/// anything to bool is `!= 0` (NaN is true), and every conversion into bf16/f16
+/// goes through f32 (c10's `BFloat16`/`Half` are built from a float), rounding
+/// to nearest even.
+pub(crate) trait Elem: HostElement + PartialOrd {
+    const KIND: Kind;
+    /// Accumulator of sums and products: f32 for f32/bf16/f16, f64, i64 for integers and bool.
+    type Acc: Acc;
+    fn to_acc(self) -> Self::Acc;
+    /// `n` zeros, allocated zeroed (lazily by the OS for large buffers).
+    fn zeros(n: usize) -> Vec<Self>;
+    fn truthy(self) -> bool;
+    fn is_nan_(self) -> bool;
+    fn cast_f32(self) -> f32;
+    fn cast_f64(self) -> f64;
+    fn cast_i64(self) -> i64;
+    fn of_f32(v: f32) -> Self;
+    fn of_f64(v: f64) -> Self;
+    fn of_i64(v: i64) -> Self;
+    fn of_bool(b: bool) -> Self;
+    /// `self + o` in this type (wrapping for integers, `or` for bool, f32 then rounded for bf16/f16).
+    fn add_(self, o: Self) -> Self;
+    /// `self * o`, same conventions.
+    fn mul_(self, o: Self) -> Self;
+}
+
+/// PyTorch's cast from `S` to `D` (`tensor.to(dtype)`).
+#[inline(always)]
+pub(crate) fn convert<S: Elem, D: Elem>(s: S) -> D {
+    match (S::KIND, D::KIND) {
+        (_, Kind::Bool) => D::of_bool(s.truthy()),
+        (Kind::Bool | Kind::Int, _) => D::of_i64(s.cast_i64()),
+        (Kind::F64, _) => D::of_f64(s.cast_f64()),
+        (Kind::Half | Kind::F32, _) => D::of_f32(s.cast_f32()),
+    }
+}
+
+macro_rules! int_elem {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            const KIND: Kind = Kind::Int;
+            type Acc = i64;
+            #[inline(always)]
+            fn to_acc(self) -> i64 {
+                self as i64
+            }
+            fn zeros(n: usize) -> Vec<Self> {
+                vec![0; n]
+            }
+            #[inline(always)]
+            fn truthy(self) -> bool {
+                self != 0
+            }
+            #[inline(always)]
+            fn is_nan_(self) -> bool {
+                false
+            }
+            #[inline(always)]
+            fn cast_f32(self) -> f32 {
+                self as f32
+            }
+            #[inline(always)]
+            fn cast_f64(self) -> f64 {
+                self as f64
+            }
+            #[inline(always)]
+            fn cast_i64(self) -> i64 {
+                self as i64
+            }
+            #[inline(always)]
+            fn of_f32(v: f32) -> Self {
+                (v as i64) as $t
+            }
+            #[inline(always)]
+            fn of_f64(v: f64) -> Self {
+                (v as i64) as $t
+            }
+            #[inline(always)]
+            fn of_i64(v: i64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn of_bool(b: bool) -> Self {
+                b as $t
+            }
+            #[inline(always)]
+            fn add_(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            #[inline(always)]
+            fn mul_(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
+        }
+    )*};
+}
+int_elem!(u8, i8, i16, i32, i64);
+
+impl Elem for bool {
+    const KIND: Kind = Kind::Bool;
+    type Acc = i64;
+    #[inline(always)]
+    fn to_acc(self) -> i64 {
+        self as i64
+    }
+    fn zeros(n: usize) -> Vec<Self> {
+        vec![false; n]
+    }
+    #[inline(always)]
+    fn truthy(self) -> bool {
+        self
+    }
+    #[inline(always)]
+    fn is_nan_(self) -> bool {
+        false
+    }
+    #[inline(always)]
+    fn cast_f32(self) -> f32 {
+        self as u8 as f32
+    }
+    #[inline(always)]
+    fn cast_f64(self) -> f64 {
+        self as u8 as f64
+    }
+    #[inline(always)]
+    fn cast_i64(self) -> i64 {
+        self as i64
+    }
+    #[inline(always)]
+    fn of_f32(v: f32) -> Self {
+        v != 0.0
+    }
+    #[inline(always)]
+    fn of_f64(v: f64) -> Self {
+        v != 0.0
+    }
+    #[inline(always)]
+    fn of_i64(v: i64) -> Self {
+        v != 0
+    }
+    #[inline(always)]
+    fn of_bool(b: bool) -> Self {
+        b
+    }
+    #[inline(always)]
+    fn add_(self, o: Self) -> Self {
+        self | o
+    }
+    #[inline(always)]
+    fn mul_(self, o: Self) -> Self {
+        self & o
+    }
+}
+
+macro_rules! native_float_elem {
+    ($t:ty, $kind:ident) => {
+        impl Elem for $t {
+            const KIND: Kind = Kind::$kind;
+            type Acc = $t;
+            #[inline(always)]
+            fn to_acc(self) -> $t {
+                self
+            }
+            fn zeros(n: usize) -> Vec<Self> {
+                vec![0.0; n]
+            }
+            #[inline(always)]
+            fn truthy(self) -> bool {
+                self != 0.0
+            }
+            #[inline(always)]
+            fn is_nan_(self) -> bool {
+                self.is_nan()
+            }
+            #[inline(always)]
+            fn cast_f32(self) -> f32 {
+                self as f32
+            }
+            #[inline(always)]
+            fn cast_f64(self) -> f64 {
+                self as f64
+            }
+            #[inline(always)]
+            fn cast_i64(self) -> i64 {
+                self as i64
+            }
+            #[inline(always)]
+            fn of_f32(v: f32) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn of_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn of_i64(v: i64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn of_bool(b: bool) -> Self {
+                b as u8 as $t
+            }
+            #[inline(always)]
+            fn add_(self, o: Self) -> Self {
+                self + o
+            }
+            #[inline(always)]
+            fn mul_(self, o: Self) -> Self {
+                self * o
+            }
+        }
+    };
+}
+native_float_elem!(f32, F32);
+native_float_elem!(f64, F64);
+
+/// f32 to bf16 bits, rounding to nearest even (NaN stays a quiet NaN). Branch-free, so loops vectorise.
+#[inline(always)]
+pub(crate) fn f32_to_bf16(x: f32) -> bf16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = ((b >> 16) | 0x40) as u16;
+    bf16::from_bits(if x.is_nan() { nan } else { rounded })
+}
+
+#[inline(always)]
+pub(crate) fn bf16_to_f32(x: bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
+impl Elem for bf16 {
+    const KIND: Kind = Kind::Half;
+    type Acc = f32;
+    #[inline(always)]
+    fn to_acc(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    fn zeros(n: usize) -> Vec<Self> {
+        let mut v = std::mem::ManuallyDrop::new(vec![0u16; n]);
+        let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
+        // SAFETY: `bf16` is `#[repr(transparent)]` over `u16`: same size and alignment, so the
+        // allocation's layout is unchanged, and every bit pattern (here all zeros, +0.0) is a
+        // valid bf16. `v` is not dropped, so the allocation has exactly one owner.
+        unsafe { Vec::from_raw_parts(ptr as *mut bf16, len, cap) }
+    }
+    #[inline(always)]
+    fn truthy(self) -> bool {
+        self.to_bits() & 0x7FFF != 0
+    }
+    #[inline(always)]
+    fn is_nan_(self) -> bool {
+        self.to_bits() & 0x7FFF > 0x7F80
+    }
+    #[inline(always)]
+    fn cast_f32(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    #[inline(always)]
+    fn cast_f64(self) -> f64 {
+        bf16_to_f32(self) as f64
+    }
+    #[inline(always)]
+    fn cast_i64(self) -> i64 {
+        bf16_to_f32(self) as i64
+    }
+    #[inline(always)]
+    fn of_f32(v: f32) -> Self {
+        f32_to_bf16(v)
+    }
+    #[inline(always)]
+    fn of_f64(v: f64) -> Self {
+        f32_to_bf16(v as f32)
+    }
+    #[inline(always)]
+    fn of_i64(v: i64) -> Self {
+        f32_to_bf16(v as f32)
+    }
+    #[inline(always)]
+    fn of_bool(b: bool) -> Self {
+        if b {
+            bf16::ONE
+        } else {
+            bf16::ZERO
+        }
+    }
+    #[inline(always)]
+    fn add_(self, o: Self) -> Self {
+        f32_to_bf16(bf16_to_f32(self) + bf16_to_f32(o))
+    }
+    #[inline(always)]
+    fn mul_(self, o: Self) -> Self {
+        f32_to_bf16(bf16_to_f32(self) * bf16_to_f32(o))
+    }
+}
+
+impl Elem for f16 {
+    const KIND: Kind = Kind::Half;
+    type Acc = f32;
+    #[inline(always)]
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn zeros(n: usize) -> Vec<Self> {
+        let mut v = std::mem::ManuallyDrop::new(vec![0u16; n]);
+        let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
+        // SAFETY: `f16` is `#[repr(transparent)]` over `u16` (same size and alignment) and
+        // all-zero bits are +0.0; `v` is not dropped, so the allocation has one owner.
+        unsafe { Vec::from_raw_parts(ptr as *mut f16, len, cap) }
+    }
+    #[inline(always)]
+    fn truthy(self) -> bool {
+        self.to_bits() & 0x7FFF != 0
+    }
+    #[inline(always)]
+    fn is_nan_(self) -> bool {
+        self.to_bits() & 0x7FFF > 0x7C00
+    }
+    #[inline(always)]
+    fn cast_f32(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn cast_f64(self) -> f64 {
+        self.to_f64()
+    }
+    #[inline(always)]
+    fn cast_i64(self) -> i64 {
+        self.to_f32() as i64
+    }
+    #[inline(always)]
+    fn of_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    #[inline(always)]
+    fn of_f64(v: f64) -> Self {
+        f16::from_f32(v as f32)
+    }
+    #[inline(always)]
+    fn of_i64(v: i64) -> Self {
+        f16::from_f32(v as f32)
+    }
+    #[inline(always)]
+    fn of_bool(b: bool) -> Self {
+        if b {
+            f16::ONE
+        } else {
+            f16::ZERO
+        }
+    }
+    #[inline(always)]
+    fn add_(self, o: Self) -> Self {
+        f16::from_f32(self.to_f32() + o.to_f32())
+    }
+    #[inline(always)]
+    fn mul_(self, o: Self) -> Self {
+        f16::from_f32(self.to_f32() * o.to_f32())
+    }
+}
+
+/// The native float types math is computed in (f32, f64), with the
+/// transcendental functions the kernels use: vectorisable versions for f32,
+/// the platform's libm for f64.
+pub(crate) trait Compute: Elem + num_traits::Float + Default {
+    const ZERO: Self;
+    const ONE: Self;
+    const HALF: Self;
+    fn exp_<const FMA: bool>(self) -> Self;
+    fn tanh_<const FMA: bool>(self) -> Self;
+    fn sigmoid_<const FMA: bool>(self) -> Self;
+    fn erf_(self) -> Self;
+    fn round_even(self) -> Self;
+    fn copysign_(self, sign: Self) -> Self;
+}
+impl Compute for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const HALF: Self = 0.5;
+    #[inline(always)]
+    fn exp_<const FMA: bool>(self) -> Self {
+        super::simd::exp_f32::<FMA>(self)
+    }
+    #[inline(always)]
+    fn tanh_<const FMA: bool>(self) -> Self {
+        super::simd::tanh_f32::<FMA>(self)
+    }
+    #[inline(always)]
+    fn sigmoid_<const FMA: bool>(self) -> Self {
+        super::simd::sigmoid_f32::<FMA>(self)
+    }
+    #[inline(always)]
+    fn erf_(self) -> Self {
+        libm::erff(self)
+    }
+    #[inline(always)]
+    fn round_even(self) -> Self {
+        self.round_ties_even()
+    }
+    #[inline(always)]
+    fn copysign_(self, sign: Self) -> Self {
+        self.copysign(sign)
+    }
+}
+impl Compute for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const HALF: Self = 0.5;
+    #[inline(always)]
+    fn exp_<const FMA: bool>(self) -> Self {
+        self.exp()
+    }
+    #[inline(always)]
+    fn tanh_<const FMA: bool>(self) -> Self {
+        self.tanh()
+    }
+    #[inline(always)]
+    fn sigmoid_<const FMA: bool>(self) -> Self {
+        1.0 / (1.0 + (-self).exp())
+    }
+    #[inline(always)]
+    fn erf_(self) -> Self {
+        libm::erf(self)
+    }
+    #[inline(always)]
+    fn round_even(self) -> Self {
+        self.round_ties_even()
+    }
+    #[inline(always)]
+    fn copysign_(self, sign: Self) -> Self {
+        self.copysign(sign)
+    }
+}
+
+/// Floating element types: each is computed in a `Compute` type (bf16/f16 in f32,
+/// rounded once per op when stored).
+pub(crate) trait FloatElem: Elem {
+    type C: Compute;
+    /// True when `C` is `Self` (f32, f64): slices are used as they are.
+    const DIRECT: bool;
+    /// The slice itself when this type is its own compute type (f32, f64).
+    fn direct(s: &[Self]) -> Option<&[Self::C]>;
+    fn direct_mut(s: &mut [Self]) -> Option<&mut [Self::C]>;
+    /// Widens `src` into `dst` (same length).
+    fn load(src: &[Self], dst: &mut [Self::C]);
+    /// Rounds `src` into `dst` (same length).
+    fn store(src: &[Self::C], dst: &mut [Self]);
+    fn to_c(self) -> Self::C;
+}
+
+macro_rules! native_float {
+    ($t:ty) => {
+        impl FloatElem for $t {
+            type C = $t;
+            const DIRECT: bool = true;
+            #[inline(always)]
+            fn direct(s: &[Self]) -> Option<&[$t]> {
+                Some(s)
+            }
+            #[inline(always)]
+            fn direct_mut(s: &mut [Self]) -> Option<&mut [$t]> {
+                Some(s)
+            }
+            #[inline(always)]
+            fn load(src: &[Self], dst: &mut [$t]) {
+                dst.copy_from_slice(src)
+            }
+            #[inline(always)]
+            fn store(src: &[$t], dst: &mut [Self]) {
+                dst.copy_from_slice(src)
+            }
+            #[inline(always)]
+            fn to_c(self) -> $t {
+                self
+            }
+        }
+    };
+}
+native_float!(f32);
+native_float!(f64);
+
+impl FloatElem for bf16 {
+    type C = f32;
+    const DIRECT: bool = false;
+    #[inline(always)]
+    fn direct(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    fn direct_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    #[inline(always)]
+    fn load(src: &[Self], dst: &mut [f32]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = bf16_to_f32(s);
+        }
+    }
+    #[inline(always)]
+    fn store(src: &[f32], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = f32_to_bf16(s);
+        }
+    }
+    #[inline(always)]
+    fn to_c(self) -> f32 {
+        bf16_to_f32(self)
+    }
+}
+
+impl FloatElem for f16 {
+    type C = f32;
+    const DIRECT: bool = false;
+    #[inline(always)]
+    fn direct(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    #[inline(always)]
+    fn direct_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+    #[inline(always)]
+    fn load(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
+    }
+    #[inline(always)]
+    fn store(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src)
+    }
+    #[inline(always)]
+    fn to_c(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// Integer element types, with the wrapping arithmetic PyTorch's integer kernels have.
+pub(crate) trait IntElem: Elem + Ord {
+    const SIGNED: bool;
+    fn wsub(self, o: Self) -> Self;
+    /// Truncating division; the divisor is non-zero (checked by the caller).
+    fn wdiv(self, o: Self) -> Self;
+    fn wrem(self, o: Self) -> Self;
+    fn wneg(self) -> Self;
+    fn wabs(self) -> Self;
+    /// `self ** e`, wrapping.
+    fn wpow(self, e: u64) -> Self;
+    fn is_neg(self) -> bool;
+    fn sign(self) -> Self;
+}
+macro_rules! int_ops {
+    ($($t:ty: $signed:expr),*) => {$(
+        impl IntElem for $t {
+            const SIGNED: bool = $signed;
+            #[inline(always)]
+            fn wsub(self, o: Self) -> Self {
+                self.wrapping_sub(o)
+            }
+            #[inline(always)]
+            fn wdiv(self, o: Self) -> Self {
+                self.wrapping_div(o)
+            }
+            #[inline(always)]
+            fn wrem(self, o: Self) -> Self {
+                self.wrapping_rem(o)
+            }
+            #[inline(always)]
+            fn wneg(self) -> Self {
+                self.wrapping_neg()
+            }
+            #[inline(always)]
+            #[allow(unused_comparisons)]
+            fn wabs(self) -> Self {
+                if self < 0 as $t { self.wrapping_neg() } else { self }
+            }
+            #[inline]
+            fn wpow(self, mut e: u64) -> Self {
+                let (mut base, mut acc) = (self, 1 as $t);
+                while e > 0 {
+                    if e & 1 == 1 {
+                        acc = acc.wrapping_mul(base);
+                    }
+                    base = base.wrapping_mul(base);
+                    e >>= 1;
+                }
+                acc
+            }
+            #[inline(always)]
+            #[allow(unused_comparisons)]
+            fn is_neg(self) -> bool {
+                self < 0 as $t
+            }
+            #[inline(always)]
+            #[allow(unused_comparisons)]
+            fn sign(self) -> Self {
+                ((self > 0 as $t) as $t).wrapping_sub((self < 0 as $t) as $t)
+            }
+        }
+    )*};
+}
+int_ops!(u8: false, i8: true, i16: true, i32: true, i64: true);

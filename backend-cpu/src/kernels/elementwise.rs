@@ -1,0 +1,399 @@
+//! Elementwise math: unary ops, binary ops, comparisons and `where`.
+//!
+//! Floats are computed in their compute type (f32 for f32/bf16/f16, f64) by
+//! slice kernels dispatched on CPU features, and 16-bit results are rounded
+//! once; integers compute in their own type with wrapping; bool ops are logical.
+use super::elem::{Compute, Elem, FloatElem, IntElem, Kind};
+use super::iter::Nest;
+use super::map::{fmap, map1, map2, map3};
+use super::simd::{map_binary, map_unary, BinOp, UnOp};
+use super::{buf, Input};
+use half::{bf16, f16};
+use kiln_tensor::{with_dtype, BinaryOp, CmpOp, DType, Error, HostBuffer, Result, UnaryOp};
+
+// ---- float op bodies ---------------------------------------------------------
+
+macro_rules! unop {
+    ($($name:ident => |$x:ident| $body:expr;)*) => {$(
+        #[derive(Clone, Copy)]
+        struct $name;
+        impl<F: Compute> UnOp<F> for $name {
+            #[inline(always)]
+            fn f<const FMA: bool>(self, $x: F) -> F {
+                $body
+            }
+        }
+    )*};
+}
+
+unop! {
+    Neg => |x| -x;
+    Abs => |x| x.abs();
+    // PyTorch: (0 < x) - (x < 0), so NaN and -0.0 give 0.
+    Sign => |x| (if x > F::ZERO { F::ONE } else { F::ZERO }) - (if x < F::ZERO { F::ONE } else { F::ZERO });
+    Exp => |x| x.exp_::<FMA>();
+    Log => |x| x.ln();
+    Log1p => |x| x.ln_1p();
+    Expm1 => |x| x.exp_m1();
+    Sqrt => |x| x.sqrt();
+    Rsqrt => |x| F::ONE / x.sqrt();
+    Recip => |x| F::ONE / x;
+    Tanh => |x| x.tanh_::<FMA>();
+    Sigmoid => |x| x.sigmoid_::<FMA>();
+    Sin => |x| x.sin();
+    Cos => |x| x.cos();
+    Erf => |x| x.erf_();
+    Floor => |x| x.floor();
+    Ceil => |x| x.ceil();
+    Round => |x| x.round_even();
+    Trunc => |x| x.trunc();
+    Identity => |x| x;
+    Square => |x| x * x;
+    Cube => |x| x * x * x;
+    RecipSquare => |x| F::ONE / (x * x);
+}
+
+macro_rules! binop {
+    ($($name:ident => |$a:ident, $b:ident| $body:expr;)*) => {$(
+        #[derive(Clone, Copy)]
+        struct $name;
+        impl<F: Compute> BinOp<F> for $name {
+            #[inline(always)]
+            fn f<const FMA: bool>(self, $a: F, $b: F) -> F {
+                $body
+            }
+        }
+    )*};
+}
+
+binop! {
+    Add => |a, b| a + b;
+    Sub => |a, b| a - b;
+    Mul => |a, b| a * b;
+    Div => |a, b| a / b;
+    FloorDiv => |a, b| floor_div(a, b);
+    Remainder => |a, b| {
+        let m = a % b;
+        if m != F::ZERO && ((b < F::ZERO) != (m < F::ZERO)) { m + b } else { m }
+    };
+    Fmod => |a, b| a % b;
+    Pow => |a, b| a.powf(b);
+    // NaN-propagating (a + b is NaN when either is).
+    Maximum => |a, b| if a.is_nan() || b.is_nan() { a + b } else if a > b { a } else { b };
+    Minimum => |a, b| if a.is_nan() || b.is_nan() { a + b } else if a < b { a } else { b };
+    // NaN-ignoring.
+    Fmax => |a, b| if a > b || b.is_nan() { a } else { b };
+    Fmin => |a, b| if a < b || b.is_nan() { a } else { b };
+    Atan2 => |a, b| a.atan2(b);
+}
+
+/// PyTorch's `div_floor_floating`: floor division that agrees with Python's `//`,
+/// including the signed zero of an exact zero quotient.
+#[inline(always)]
+fn floor_div<F: Compute>(a: F, b: F) -> F {
+    if b == F::ZERO {
+        return a / b;
+    }
+    let m = a % b;
+    let mut div = (a - m) / b;
+    if m != F::ZERO && ((b < F::ZERO) != (m < F::ZERO)) {
+        div = div - F::ONE;
+    }
+    if div != F::ZERO {
+        let fl = div.floor();
+        if div - fl > F::HALF {
+            fl + F::ONE
+        } else {
+            fl
+        }
+    } else {
+        F::ZERO.copysign_(a / b)
+    }
+}
+
+// ---- unary -------------------------------------------------------------------
+
+/// Runs a unary op.
+pub(crate) fn unary(op: UnaryOp, x: &Input<'_>) -> Result<HostBuffer> {
+    let dt = x.dtype();
+    match op {
+        UnaryOp::Not => return with_dtype!(dt, T => Ok(buf(map1::<T, bool>(x, 1, |v| !v.truthy())?))),
+        UnaryOp::IsNan => return with_dtype!(dt, T => Ok(buf(map1::<T, bool>(x, 1, |v| v.is_nan_())?))),
+        UnaryOp::IsInf => return with_dtype!(dt, T => Ok(buf(map1::<T, bool>(x, 1, |v| v.cast_f64().is_infinite())?))),
+        _ => {}
+    }
+    Ok(match dt {
+        DType::F32 => buf(float_unary::<f32>(op, x)?),
+        DType::F64 => buf(float_unary::<f64>(op, x)?),
+        DType::BF16 => buf(float_unary::<bf16>(op, x)?),
+        DType::F16 => buf(float_unary::<f16>(op, x)?),
+        DType::U8 => buf(int_unary::<u8>(op, x)?),
+        DType::I8 => buf(int_unary::<i8>(op, x)?),
+        DType::I16 => buf(int_unary::<i16>(op, x)?),
+        DType::I32 => buf(int_unary::<i32>(op, x)?),
+        DType::I64 => buf(int_unary::<i64>(op, x)?),
+        DType::Bool => match op {
+            UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Trunc => {
+                buf(map1::<bool, bool>(x, 1, |v| v)?)
+            }
+            _ => return Err(Error::unsupported_dtype(op.name(), dt)),
+        },
+    })
+}
+
+fn float_unary<T: FloatElem>(op: UnaryOp, x: &Input<'_>) -> Result<Vec<T>> {
+    macro_rules! go {
+        ($k:expr, $cost:expr) => {
+            fmap::<T, 1>([x], $cost, &|[a], out| map_unary($k, a, out))
+        };
+    }
+    use UnaryOp as U;
+    match op {
+        U::Neg => go!(Neg, 1),
+        U::Abs => go!(Abs, 1),
+        U::Sign => go!(Sign, 1),
+        U::Exp => go!(Exp, 4),
+        U::Log => go!(Log, 8),
+        U::Log1p => go!(Log1p, 8),
+        U::Expm1 => go!(Expm1, 8),
+        U::Sqrt => go!(Sqrt, 2),
+        U::Rsqrt => go!(Rsqrt, 2),
+        U::Recip => go!(Recip, 2),
+        U::Tanh => go!(Tanh, 6),
+        U::Sigmoid => go!(Sigmoid, 5),
+        U::Sin => go!(Sin, 8),
+        U::Cos => go!(Cos, 8),
+        U::Erf => go!(Erf, 8),
+        U::Floor => go!(Floor, 1),
+        U::Ceil => go!(Ceil, 1),
+        U::Round => go!(Round, 1),
+        U::Trunc => go!(Trunc, 1),
+        U::Not | U::IsNan | U::IsInf => Err(Error::backend("cpu", format!("{} is not a float op", op.name()))),
+    }
+}
+
+fn int_unary<T: IntElem>(op: UnaryOp, x: &Input<'_>) -> Result<Vec<T>> {
+    use UnaryOp as U;
+    match op {
+        U::Neg => map1::<T, T>(x, 1, |v| v.wneg()),
+        U::Abs => map1::<T, T>(x, 1, |v| v.wabs()),
+        U::Sign => map1::<T, T>(x, 1, |v| v.sign()),
+        U::Floor | U::Ceil | U::Round | U::Trunc => map1::<T, T>(x, 1, |v| v),
+        _ => Err(Error::unsupported_dtype(op.name(), T::DTYPE)),
+    }
+}
+
+// ---- binary ------------------------------------------------------------------
+
+/// Runs a binary op on inputs of equal shape and dtype.
+pub(crate) fn binary(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<HostBuffer> {
+    let dt = a.dtype();
+    if dt != b.dtype() {
+        return Err(Error::dtype(op.name(), format!("expected equal dtypes, got {dt} and {}", b.dtype())));
+    }
+    match op {
+        BinaryOp::And => {
+            return with_dtype!(dt, T => Ok(buf(map2::<T, T, bool>(a, b, 1, |x, y| x.truthy() & y.truthy())?)))
+        }
+        BinaryOp::Or => {
+            return with_dtype!(dt, T => Ok(buf(map2::<T, T, bool>(a, b, 1, |x, y| x.truthy() | y.truthy())?)))
+        }
+        BinaryOp::Xor => {
+            return with_dtype!(dt, T => Ok(buf(map2::<T, T, bool>(a, b, 1, |x, y| x.truthy() ^ y.truthy())?)))
+        }
+        _ => {}
+    }
+    Ok(match dt {
+        DType::F32 => buf(float_binary::<f32>(op, a, b)?),
+        DType::F64 => buf(float_binary::<f64>(op, a, b)?),
+        DType::BF16 => buf(float_binary::<bf16>(op, a, b)?),
+        DType::F16 => buf(float_binary::<f16>(op, a, b)?),
+        DType::U8 => buf(int_binary::<u8>(op, a, b)?),
+        DType::I8 => buf(int_binary::<i8>(op, a, b)?),
+        DType::I16 => buf(int_binary::<i16>(op, a, b)?),
+        DType::I32 => buf(int_binary::<i32>(op, a, b)?),
+        DType::I64 => buf(int_binary::<i64>(op, a, b)?),
+        DType::Bool => buf(bool_binary(op, a, b)?),
+    })
+}
+
+/// The value of an input that broadcasts one element everywhere (all strides 0), if it does.
+fn broadcast_scalar<T: Elem>(x: &Input<'_>) -> Result<Option<T>> {
+    let l = x.layout;
+    if l.numel() > 0 && l.shape().iter().zip(l.strides()).all(|(&d, &s)| d == 1 || s == 0) {
+        return Ok(Some(x.slice::<T>()?[l.offset()]));
+    }
+    Ok(None)
+}
+
+fn float_binary<T: FloatElem>(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<Vec<T>> {
+    macro_rules! go {
+        ($k:expr, $cost:expr) => {
+            fmap::<T, 2>([a, b], $cost, &|[x, y], out| map_binary($k, x, y, out))
+        };
+    }
+    macro_rules! go1 {
+        ($k:expr) => {
+            fmap::<T, 1>([a], 2, &|[x], out| map_unary($k, x, out))
+        };
+    }
+    use BinaryOp as B;
+    match op {
+        B::Add => go!(Add, 1),
+        B::Sub => go!(Sub, 1),
+        B::Mul => go!(Mul, 1),
+        B::Div => go!(Div, 1),
+        B::FloorDiv => go!(FloorDiv, 8),
+        B::Remainder => go!(Remainder, 8),
+        B::Fmod => go!(Fmod, 8),
+        B::Pow => {
+            // A scalar exponent takes PyTorch's `pow(Tensor, Scalar)` shortcuts.
+            if let Some(e) = broadcast_scalar::<T>(b)? {
+                let e = e.cast_f64();
+                return match e {
+                    1.0 => go1!(Identity),
+                    2.0 => go1!(Square),
+                    3.0 => go1!(Cube),
+                    0.5 => go1!(Sqrt),
+                    -0.5 => go1!(Rsqrt),
+                    -1.0 => go1!(Recip),
+                    -2.0 => go1!(RecipSquare),
+                    _ => go!(Pow, 8),
+                };
+            }
+            go!(Pow, 8)
+        }
+        B::Maximum => go!(Maximum, 1),
+        B::Minimum => go!(Minimum, 1),
+        B::Fmax => go!(Fmax, 1),
+        B::Fmin => go!(Fmin, 1),
+        B::Atan2 => go!(Atan2, 8),
+        B::And | B::Or | B::Xor => Err(Error::backend("cpu", format!("{} is a logical op", op.name()))),
+    }
+}
+
+/// True when any element of `x` satisfies `pred`.
+pub(crate) fn any_elem<T: Elem>(x: &Input<'_>, pred: impl Fn(T) -> bool) -> Result<bool> {
+    let v = x.slice::<T>()?;
+    let l = x.layout;
+    let nest = Nest::new(l.shape(), [l.strides()], [l.offset()]);
+    let [s] = nest.inner_strides();
+    let mut found = false;
+    nest.for_each_run(0, nest.numel(), |[o], len| {
+        if !found {
+            found = (0..len).any(|j| pred(v[o + j * s]));
+        }
+    });
+    Ok(found)
+}
+
+fn zero_division(op: BinaryOp) -> Error {
+    Error::invalid(op.name(), "ZeroDivisionError: integer division or modulo by zero")
+}
+
+fn int_binary<T: IntElem>(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<Vec<T>> {
+    use BinaryOp as B;
+    if matches!(op, B::Div | B::FloorDiv | B::Remainder | B::Fmod) && any_elem::<T>(b, |v| v == T::of_i64(0))? {
+        return Err(zero_division(op));
+    }
+    if op == B::Pow && T::SIGNED && any_elem::<T>(b, |v| v.is_neg())? {
+        return Err(Error::invalid("pow", "Integers to negative integer powers are not allowed."));
+    }
+    let (zero, one) = (T::of_i64(0), T::of_i64(1));
+    match op {
+        B::Add => map2::<T, T, T>(a, b, 1, |x, y| x.add_(y)),
+        B::Sub => map2::<T, T, T>(a, b, 1, |x, y| x.wsub(y)),
+        B::Mul => map2::<T, T, T>(a, b, 1, |x, y| x.mul_(y)),
+        B::Div => map2::<T, T, T>(a, b, 2, |x, y| x.wdiv(y)),
+        // PyTorch's div_floor_integer: truncate, then step down when the signs differ and it was inexact.
+        B::FloorDiv => map2::<T, T, T>(a, b, 2, |x, y| {
+            let (q, r) = (x.wdiv(y), x.wrem(y));
+            if r != zero && x.is_neg() != y.is_neg() {
+                q.wsub(one)
+            } else {
+                q
+            }
+        }),
+        B::Remainder => map2::<T, T, T>(a, b, 2, |x, y| {
+            let m = x.wrem(y);
+            if m != zero && m.is_neg() != y.is_neg() {
+                m.add_(y)
+            } else {
+                m
+            }
+        }),
+        B::Fmod => map2::<T, T, T>(a, b, 2, |x, y| x.wrem(y)),
+        B::Pow => map2::<T, T, T>(a, b, 4, |x, y| x.wpow(y.cast_i64() as u64)),
+        B::Maximum | B::Fmax => map2::<T, T, T>(a, b, 1, |x, y| if x > y { x } else { y }),
+        B::Minimum | B::Fmin => map2::<T, T, T>(a, b, 1, |x, y| if x < y { x } else { y }),
+        B::Atan2 | B::And | B::Or | B::Xor => Err(Error::unsupported_dtype(op.name(), T::DTYPE)),
+    }
+}
+
+/// Bool arithmetic as PyTorch does it: the values are 0 and 1, results are `!= 0`.
+fn bool_binary(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<Vec<bool>> {
+    use BinaryOp as B;
+    if matches!(op, B::Div | B::FloorDiv | B::Remainder | B::Fmod) && any_elem::<bool>(b, |v| !v)? {
+        return Err(zero_division(op));
+    }
+    match op {
+        B::Add | B::Maximum | B::Fmax => map2::<bool, bool, bool>(a, b, 1, |x, y| x | y),
+        B::Mul | B::Minimum | B::Fmin => map2::<bool, bool, bool>(a, b, 1, |x, y| x & y),
+        // x / 1 and x // 1 are x; x % 1 is 0.
+        B::Div | B::FloorDiv => map2::<bool, bool, bool>(a, b, 1, |x, _| x),
+        B::Remainder | B::Fmod => map2::<bool, bool, bool>(a, b, 1, |_, _| false),
+        // 0 ** 0 = 1, 0 ** 1 = 0, 1 ** y = 1.
+        B::Pow => map2::<bool, bool, bool>(a, b, 1, |x, y| x | !y),
+        B::Sub | B::Atan2 | B::And | B::Or | B::Xor => Err(Error::unsupported_dtype(op.name(), DType::Bool)),
+    }
+}
+
+// ---- compare and where -------------------------------------------------------
+
+macro_rules! cmp_fn {
+    ($name:ident, $op:tt) => {
+        #[inline(always)]
+        fn $name<T: Elem>(a: T, b: T) -> bool {
+            // 16-bit floats compare as their (exact) f32 values.
+            if T::KIND == Kind::Half {
+                a.cast_f32() $op b.cast_f32()
+            } else {
+                a $op b
+            }
+        }
+    };
+}
+cmp_fn!(eq, ==);
+cmp_fn!(lt, <);
+cmp_fn!(le, <=);
+cmp_fn!(gt, >);
+cmp_fn!(ge, >=);
+
+/// Runs a comparison (output bool; every comparison with NaN is false except `ne`).
+pub(crate) fn compare(op: CmpOp, a: &Input<'_>, b: &Input<'_>) -> Result<HostBuffer> {
+    if a.dtype() != b.dtype() {
+        return Err(Error::dtype(op.name(), format!("expected equal dtypes, got {} and {}", a.dtype(), b.dtype())));
+    }
+    with_dtype!(a.dtype(), T => {
+        let v = match op {
+            CmpOp::Eq => map2::<T, T, bool>(a, b, 1, eq::<T>)?,
+            CmpOp::Ne => map2::<T, T, bool>(a, b, 1, |x, y| !eq(x, y))?,
+            CmpOp::Lt => map2::<T, T, bool>(a, b, 1, lt::<T>)?,
+            CmpOp::Le => map2::<T, T, bool>(a, b, 1, le::<T>)?,
+            CmpOp::Gt => map2::<T, T, bool>(a, b, 1, gt::<T>)?,
+            CmpOp::Ge => map2::<T, T, bool>(a, b, 1, ge::<T>)?,
+        };
+        Ok(buf(v))
+    })
+}
+
+/// `where(cond, a, b)`.
+pub(crate) fn where_(c: &Input<'_>, a: &Input<'_>, b: &Input<'_>) -> Result<HostBuffer> {
+    if c.dtype() != DType::Bool || a.dtype() != b.dtype() {
+        return Err(Error::dtype(
+            "where",
+            format!("expected a bool condition and equal dtypes, got {}, {} and {}", c.dtype(), a.dtype(), b.dtype()),
+        ));
+    }
+    with_dtype!(a.dtype(), T => Ok(buf(map3::<bool, T, T, T>(c, a, b, 1, |k, x, y| if k { x } else { y })?)))
+}

@@ -1,0 +1,183 @@
+//! Strided loop nests: several operands of one shape walked together, with
+//! mergeable dims merged, innermost runs handed to the kernel, and large work
+//! split across threads.
+use rayon::prelude::*;
+use smallvec::SmallVec;
+
+/// Work (in element-operations) below which a kernel stays on the calling thread:
+/// waking the pool costs a few microseconds, about what 32K simple element-ops cost.
+pub(crate) const PAR_MIN: usize = 32 * 1024;
+
+/// Number of threads kernels split large work across.
+pub(crate) fn threads() -> usize {
+    rayon::current_num_threads()
+}
+
+/// A loop nest over `N` operands that share a shape, each with its own strides
+/// and offset (in elements).
+///
+/// Size-1 dims are dropped and adjacent dims merge when every operand allows it
+/// (outer stride == inner stride * inner size), so a contiguous tensor is one
+/// run and a row-broadcast operand keeps a contiguous inner run.
+#[derive(Debug, Clone)]
+pub(crate) struct Nest<const N: usize> {
+    /// `(size, stride of each operand)`, outermost first.
+    dims: SmallVec<[(usize, [usize; N]); 6]>,
+    offsets: [usize; N],
+    numel: usize,
+}
+
+impl<const N: usize> Nest<N> {
+    pub fn new(shape: &[usize], strides: [&[usize]; N], offsets: [usize; N]) -> Self {
+        let numel = shape.iter().product();
+        let mut dims: SmallVec<[(usize, [usize; N]); 6]> = SmallVec::new();
+        for d in (0..shape.len()).rev() {
+            let size = shape[d];
+            if size == 1 {
+                continue;
+            }
+            let st: [usize; N] = std::array::from_fn(|k| strides[k][d]);
+            if let Some(inner) = dims.last_mut() {
+                if (0..N).all(|k| st[k] == inner.1[k] * inner.0) {
+                    inner.0 *= size;
+                    continue;
+                }
+            }
+            dims.push((size, st));
+        }
+        dims.reverse();
+        Nest { dims, offsets, numel }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// Strides of the innermost dim (zeros when the nest is a single element).
+    pub fn inner_strides(&self) -> [usize; N] {
+        self.dims.last().map_or([0; N], |d| d.1)
+    }
+
+    /// Length of the innermost dim (1 for a single element).
+    pub fn inner_len(&self) -> usize {
+        self.dims.last().map_or(1, |d| d.0)
+    }
+
+    /// Calls `f(offsets, len)` for each innermost run covering the row-major
+    /// positions `start..end`; consecutive elements of a run are `inner_strides()` apart.
+    #[inline]
+    pub fn for_each_run(&self, start: usize, end: usize, mut f: impl FnMut([usize; N], usize)) {
+        let end = end.min(self.numel);
+        if start >= end {
+            return;
+        }
+        let nd = self.dims.len();
+        if nd == 0 {
+            f(self.offsets, 1);
+            return;
+        }
+        let mut idx: SmallVec<[usize; 6]> = SmallVec::from_elem(0, nd);
+        let mut pos = self.offsets;
+        let mut rem = start;
+        for d in (0..nd).rev() {
+            let (size, st) = self.dims[d];
+            let i = rem % size;
+            rem /= size;
+            idx[d] = i;
+            for k in 0..N {
+                pos[k] += i * st[k];
+            }
+        }
+        let (inner, ist) = self.dims[nd - 1];
+        let mut done = start;
+        loop {
+            let len = (inner - idx[nd - 1]).min(end - done);
+            f(pos, len);
+            done += len;
+            if done >= end {
+                return;
+            }
+            // The run reached the end of its row: step to the start of the next row.
+            for k in 0..N {
+                pos[k] -= idx[nd - 1] * ist[k];
+            }
+            idx[nd - 1] = 0;
+            let mut d = nd - 1;
+            loop {
+                d -= 1;
+                let (size, st) = self.dims[d];
+                idx[d] += 1;
+                for k in 0..N {
+                    pos[k] += st[k];
+                }
+                if idx[d] < size {
+                    break;
+                }
+                for k in 0..N {
+                    pos[k] -= size * st[k];
+                }
+                idx[d] = 0;
+            }
+        }
+    }
+}
+
+/// How many tasks to split `n` items of `cost` element-operations each into (1: stay serial).
+pub(crate) fn tasks_for(n: usize, cost: usize) -> usize {
+    let t = threads();
+    let work = n.saturating_mul(cost.max(1));
+    if t <= 1 || work < 2 * PAR_MIN || n < 2 {
+        return 1;
+    }
+    (work / PAR_MIN).min(4 * t).min(n).max(2)
+}
+
+// Note [Parallel helpers take &dyn]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The helpers below take their task as `&dyn Fn`: rayon's plumbing is then
+// compiled once per element type instead of once per kernel closure (hundreds of
+// them), which keeps the crate's compile time and code size down. The kernel's
+// loop lives inside the closure, fully inlined; only the call per task is indirect.
+
+/// Runs `f(start, chunk)` over consecutive chunks of `out`, in parallel when the
+/// work (`cost` element-operations per item) is large enough to pay for it.
+/// See Note [Parallel helpers take &dyn].
+pub(crate) fn par_chunks<T: Send>(out: &mut [T], cost: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
+    let n = out.len();
+    let tasks = tasks_for(n, cost);
+    if tasks <= 1 {
+        f(0, out);
+        return;
+    }
+    // Chunks of whole cache lines where possible.
+    let chunk = n.div_ceil(tasks).next_multiple_of(16).min(n);
+    out.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i * chunk, c));
+}
+
+/// Runs `f(start, end)` over a split of `0..n`, in parallel when large, and
+/// returns the results in order.
+pub(crate) fn par_ranges<R: Send>(n: usize, cost: usize, f: &(dyn Fn(usize, usize) -> R + Sync)) -> Vec<R> {
+    let tasks = tasks_for(n, cost);
+    if tasks <= 1 {
+        return vec![f(0, n)];
+    }
+    let chunk = n.div_ceil(tasks);
+    (0..tasks).into_par_iter().map(|i| f((i * chunk).min(n), ((i + 1) * chunk).min(n))).collect()
+}
+
+/// Runs `f(i, block)` over the consecutive `block`-sized pieces of `out`, in
+/// parallel when the work (`cost` element-operations per item) is large enough.
+pub(crate) fn par_blocks<T: Send>(out: &mut [T], block: usize, cost: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
+    if block == 0 || out.is_empty() {
+        return;
+    }
+    let blocks = out.len().div_ceil(block);
+    if blocks < 2 || tasks_for(out.len(), cost) <= 1 {
+        for (i, c) in out.chunks_mut(block).enumerate() {
+            f(i, c);
+        }
+        return;
+    }
+    let min_len = (PAR_MIN / block.saturating_mul(cost.max(1)).max(1)).max(1);
+    out.par_chunks_mut(block).with_min_len(min_len).enumerate().for_each(|(i, c)| f(i, c));
+}

@@ -1,0 +1,211 @@
+//! Elementwise engines: walk strided inputs in the row-major order of a fresh
+//! contiguous output, hand contiguous / broadcast / strided runs to tight loops,
+//! and split large outputs across threads.
+//!
+//! `map1`..`map3` apply a per-element closure (LLVM vectorises the contiguous
+//! runs); `fmap` hands float kernels whole slices in their compute type (f32 or
+//! f64), staging strided, broadcast or 16-bit operands through small buffers.
+use super::elem::{Elem, FloatElem};
+use super::iter::{par_chunks, Nest};
+use super::Input;
+use kiln_tensor::{contiguous_strides, Result};
+
+/// Elements staged per operand when a run cannot be handed over as a slice.
+const STAGE: usize = 512;
+
+/// `out[i] = f(a[i])`.
+pub(crate) fn map1<A: Elem, O: Elem>(a: &Input<'_>, cost: usize, f: impl Fn(A) -> O + Sync) -> Result<Vec<O>> {
+    let av = a.slice::<A>()?;
+    let l = a.layout;
+    let cs = contiguous_strides(l.shape());
+    let nest = Nest::new(l.shape(), [&cs, l.strides()], [0, l.offset()]);
+    let [_, sa] = nest.inner_strides();
+    let mut out = O::zeros(nest.numel());
+    par_chunks(&mut out, cost, &|start, chunk| {
+        nest.for_each_run(start, start + chunk.len(), |[o, ia], len| {
+            let dst = &mut chunk[o - start..o - start + len];
+            match sa {
+                1 => {
+                    for (d, &x) in dst.iter_mut().zip(&av[ia..ia + len]) {
+                        *d = f(x);
+                    }
+                }
+                0 => dst.fill(f(av[ia])),
+                s => {
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        *d = f(av[ia + j * s]);
+                    }
+                }
+            }
+        });
+    });
+    Ok(out)
+}
+
+/// `out[i] = f(a[i], b[i])` (equal shapes).
+pub(crate) fn map2<A: Elem, B: Elem, O: Elem>(
+    a: &Input<'_>,
+    b: &Input<'_>,
+    cost: usize,
+    f: impl Fn(A, B) -> O + Sync,
+) -> Result<Vec<O>> {
+    let (av, bv) = (a.slice::<A>()?, b.slice::<B>()?);
+    let (la, lb) = (a.layout, b.layout);
+    let cs = contiguous_strides(la.shape());
+    let nest = Nest::new(la.shape(), [&cs, la.strides(), lb.strides()], [0, la.offset(), lb.offset()]);
+    let [_, sa, sb] = nest.inner_strides();
+    let mut out = O::zeros(nest.numel());
+    par_chunks(&mut out, cost, &|start, chunk| {
+        nest.for_each_run(start, start + chunk.len(), |[o, ia, ib], len| {
+            let dst = &mut chunk[o - start..o - start + len];
+            match (sa, sb) {
+                (1, 1) => {
+                    for ((d, &x), &y) in dst.iter_mut().zip(&av[ia..ia + len]).zip(&bv[ib..ib + len]) {
+                        *d = f(x, y);
+                    }
+                }
+                (1, 0) => {
+                    let y = bv[ib];
+                    for (d, &x) in dst.iter_mut().zip(&av[ia..ia + len]) {
+                        *d = f(x, y);
+                    }
+                }
+                (0, 1) => {
+                    let x = av[ia];
+                    for (d, &y) in dst.iter_mut().zip(&bv[ib..ib + len]) {
+                        *d = f(x, y);
+                    }
+                }
+                (sa, sb) => {
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        *d = f(av[ia + j * sa], bv[ib + j * sb]);
+                    }
+                }
+            }
+        });
+    });
+    Ok(out)
+}
+
+/// `out[i] = f(a[i], b[i], c[i])` (equal shapes).
+pub(crate) fn map3<A: Elem, B: Elem, C: Elem, O: Elem>(
+    a: &Input<'_>,
+    b: &Input<'_>,
+    c: &Input<'_>,
+    cost: usize,
+    f: impl Fn(A, B, C) -> O + Sync,
+) -> Result<Vec<O>> {
+    let (av, bv, cv) = (a.slice::<A>()?, b.slice::<B>()?, c.slice::<C>()?);
+    let (la, lb, lc) = (a.layout, b.layout, c.layout);
+    let cs = contiguous_strides(la.shape());
+    let nest = Nest::new(
+        la.shape(),
+        [&cs, la.strides(), lb.strides(), lc.strides()],
+        [0, la.offset(), lb.offset(), lc.offset()],
+    );
+    let [_, sa, sb, sc] = nest.inner_strides();
+    let mut out = O::zeros(nest.numel());
+    par_chunks(&mut out, cost, &|start, chunk| {
+        nest.for_each_run(start, start + chunk.len(), |[o, ia, ib, ic], len| {
+            let dst = &mut chunk[o - start..o - start + len];
+            if (sa, sb, sc) == (1, 1, 1) {
+                let it = dst.iter_mut().zip(&av[ia..ia + len]).zip(&bv[ib..ib + len]).zip(&cv[ic..ic + len]);
+                for (((d, &x), &y), &z) in it {
+                    *d = f(x, y, z);
+                }
+            } else {
+                for (j, d) in dst.iter_mut().enumerate() {
+                    *d = f(av[ia + j * sa], bv[ib + j * sb], cv[ic + j * sc]);
+                }
+            }
+        });
+    });
+    Ok(out)
+}
+
+/// Float kernel engine: `kernel(inputs, out)` on slices of the compute type.
+///
+/// f32/f64 runs whose inputs are all contiguous are handed over in place;
+/// otherwise up to `STAGE` elements at a time are gathered (and widened, for
+/// bf16/f16) into stack buffers, and results of 16-bit types are rounded once
+/// on the way out.
+///
+/// The kernel is called through `&dyn`: the engine is compiled once per element
+/// type and arity rather than once per op, and the indirect call costs nothing
+/// next to a run of elements.
+pub(crate) fn fmap<T: FloatElem, const N: usize>(
+    ins: [&Input<'_>; N],
+    cost: usize,
+    kernel: &(dyn Fn(&[&[T::C]; N], &mut [T::C]) + Sync),
+) -> Result<Vec<T>> {
+    let vals: [&[T]; N] = {
+        let mut v: [&[T]; N] = [&[]; N];
+        for k in 0..N {
+            v[k] = ins[k].slice::<T>()?;
+        }
+        v
+    };
+    let shape = ins[0].layout.shape();
+    let cs = contiguous_strides(shape);
+    // One operand slot for the output plus up to three inputs; unused slots mirror the output.
+    assert!(N <= 3, "fmap takes at most three inputs");
+    let strides: [&[usize]; 4] =
+        std::array::from_fn(|k| if k == 0 || k > N { &cs[..] } else { ins[k - 1].layout.strides() });
+    let offsets: [usize; 4] = std::array::from_fn(|k| if k == 0 || k > N { 0 } else { ins[k - 1].layout.offset() });
+    let nest: Nest<4> = Nest::new(shape, strides, offsets);
+    let inner = nest.inner_strides();
+    let all_unit = (0..N).all(|k| inner[k + 1] == 1);
+    let mut out = T::zeros(nest.numel());
+    par_chunks(&mut out, cost, &|start, chunk| {
+        let mut bufs = [[<T::C as num_traits::Zero>::zero(); STAGE]; N];
+        let mut obuf = [<T::C as num_traits::Zero>::zero(); STAGE];
+        nest.for_each_run(start, start + chunk.len(), |pos, len| {
+            let o = pos[0] - start;
+            if all_unit {
+                if let Some(dst) = T::direct_mut(&mut chunk[o..o + len]) {
+                    let srcs: [&[T::C]; N] =
+                        std::array::from_fn(|k| T::direct(&vals[k][pos[k + 1]..pos[k + 1] + len]).unwrap_or(&[]));
+                    kernel(&srcs, dst);
+                    return;
+                }
+            }
+            let mut done = 0;
+            while done < len {
+                let m = (len - done).min(STAGE);
+                let mut direct = [false; N];
+                for k in 0..N {
+                    let (base, s) = (pos[k + 1] + done * inner[k + 1], inner[k + 1]);
+                    let v = vals[k];
+                    match s {
+                        1 if T::DIRECT => direct[k] = true,
+                        1 => T::load(&v[base..base + m], &mut bufs[k][..m]),
+                        0 => bufs[k][..m].fill(v[base].to_c()),
+                        s => {
+                            for (j, b) in bufs[k][..m].iter_mut().enumerate() {
+                                *b = v[base + j * s].to_c();
+                            }
+                        }
+                    }
+                }
+                let srcs: [&[T::C]; N] = std::array::from_fn(|k| {
+                    if direct[k] {
+                        let base = pos[k + 1] + done;
+                        T::direct(&vals[k][base..base + m]).unwrap_or(&[])
+                    } else {
+                        &bufs[k][..m]
+                    }
+                });
+                let dst = &mut chunk[o + done..o + done + m];
+                match T::direct_mut(dst) {
+                    Some(d) => kernel(&srcs, d),
+                    None => {
+                        kernel(&srcs, &mut obuf[..m]);
+                        T::store(&obuf[..m], dst);
+                    }
+                }
+                done += m;
+            }
+        });
+    });
+    Ok(out)
+}

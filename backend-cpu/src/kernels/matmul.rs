@@ -1,0 +1,199 @@
+//! Batched matrix multiplication `[..., m, k] @ [..., k, n]` (equal batch dims).
+//!
+//! f32 and f64 run on the `gemm` crate, which takes row and column strides, so
+//! transposed and broadcast (stride-0) operands are read in place. bf16 and f16
+//! are widened to f32 (exactly), multiplied with f32 accumulation and rounded
+//! once, as PyTorch does on CPU. Integer and bool products use a plain loop in
+//! their own type (wrapping).
+use super::copy::materialize_vec;
+use super::elem::Elem;
+use super::iter::{par_blocks, threads, Nest};
+use super::map::map1;
+use super::{buf, Input};
+use gemm::Parallelism;
+use half::{bf16, f16};
+use kiln_tensor::{numel, with_dtype, DType, Error, HostBuffer, Layout, Meta, Result};
+use rayon::prelude::*;
+
+/// The geometry of one batched product.
+struct Geometry {
+    m: usize,
+    k: usize,
+    n: usize,
+    /// Row and column strides of the `a` and `b` matrices.
+    a_rs: usize,
+    a_cs: usize,
+    b_rs: usize,
+    b_cs: usize,
+    /// Storage offsets of each batch's `a` and `b` matrix.
+    offsets: Vec<(usize, usize)>,
+}
+
+impl Geometry {
+    fn new(la: &Layout, lb: &Layout) -> Result<Geometry> {
+        let r = la.ndim();
+        let (sa, sb) = (la.shape(), lb.shape());
+        if r < 2 || lb.ndim() != r || sa[..r - 2] != sb[..r - 2] || sa[r - 1] != sb[r - 2] {
+            return Err(Error::shape(
+                "matmul",
+                format!("mat1 and mat2 shapes cannot be multiplied ({sa:?} and {sb:?})"),
+            ));
+        }
+        let batch = &sa[..r - 2];
+        let nest = Nest::new(batch, [&la.strides()[..r - 2], &lb.strides()[..r - 2]], [la.offset(), lb.offset()]);
+        let [ia, ib] = nest.inner_strides();
+        let mut offsets = Vec::with_capacity(numel(batch));
+        nest.for_each_run(0, nest.numel(), |[oa, ob], len| {
+            offsets.extend((0..len).map(|j| (oa + j * ia, ob + j * ib)))
+        });
+        Ok(Geometry {
+            m: sa[r - 2],
+            k: sa[r - 1],
+            n: sb[r - 1],
+            a_rs: la.strides()[r - 2],
+            a_cs: la.strides()[r - 1],
+            b_rs: lb.strides()[r - 2],
+            b_cs: lb.strides()[r - 1],
+            offsets,
+        })
+    }
+    fn batches(&self) -> usize {
+        self.offsets.len()
+    }
+}
+
+/// Runs a matmul; the output is `[..., m, n]` contiguous.
+pub(crate) fn matmul(a: &Input<'_>, b: &Input<'_>, out: &Meta) -> Result<HostBuffer> {
+    if a.dtype() != b.dtype() {
+        return Err(Error::dtype(
+            "matmul",
+            format!("expected both inputs to have the same dtype, but got {} and {}", a.dtype(), b.dtype()),
+        ));
+    }
+    let g = Geometry::new(a.layout, b.layout)?;
+    let total = g.batches() * g.m * g.n;
+    if total == 0 || g.k == 0 {
+        return Ok(with_dtype!(out.dtype, T => buf(T::zeros(total))));
+    }
+    Ok(match a.dtype() {
+        DType::F32 => buf(gemm_batched::<f32>(a.slice()?, b.slice()?, &g)),
+        DType::F64 => buf(gemm_batched::<f64>(a.slice()?, b.slice()?, &g)),
+        DType::BF16 => buf(via_f32::<bf16>(a, b)?),
+        DType::F16 => buf(via_f32::<f16>(a, b)?),
+        dt => with_dtype!(dt, T => buf(loop_matmul::<T>(a, b, &g)?)),
+    })
+}
+
+/// The elements of `x` widened to f32, with the layout that views them: the
+/// storage span the view covers when it is compact (so transposed and broadcast
+/// operands stay as they are), else a contiguous copy.
+fn widen<T: Elem>(x: &Input<'_>) -> Result<(Vec<f32>, Layout)> {
+    let l = x.layout;
+    let (start, end) = (l.offset(), l.storage_extent());
+    if end - start <= 2 * l.numel() {
+        let v: Vec<f32> = x.slice::<T>()?[start..end].iter().map(|v| v.cast_f32()).collect();
+        return Ok((v, Layout::new(l.shape().into(), l.strides().into(), 0)));
+    }
+    Ok((map1::<T, f32>(x, 1, |v| v.cast_f32())?, Layout::contiguous(l.shape())))
+}
+
+fn via_f32<T: Elem>(a: &Input<'_>, b: &Input<'_>) -> Result<Vec<T>> {
+    let (av, la) = widen::<T>(a)?;
+    let (bv, lb) = widen::<T>(b)?;
+    let g = Geometry::new(&la, &lb)?;
+    let c = gemm_batched::<f32>(&av, &bv, &g);
+    Ok(c.into_iter().map(T::of_f32).collect())
+}
+
+/// Element types `gemm` multiplies natively.
+trait GemmElem: Elem {
+    const ZERO: Self;
+    const ONE: Self;
+}
+impl GemmElem for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+}
+impl GemmElem for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+}
+
+/// Products of at least this many multiply-adds use gemm's own threading.
+const GEMM_PAR_MIN: usize = 1 << 16;
+
+fn gemm_batched<T: GemmElem>(a: &[T], b: &[T], g: &Geometry) -> Vec<T> {
+    let (m, n) = (g.m, g.n);
+    let mut out = T::zeros(g.batches() * m * n);
+    let work = m * n * g.k;
+    let nb = g.batches();
+    if nb > 1 && threads() > 1 && work < (1 << 22) && nb * work >= GEMM_PAR_MIN {
+        // Many small products: one per task.
+        out.par_chunks_mut(m * n)
+            .zip(&g.offsets)
+            .for_each(|(c, &(oa, ob))| gemm_one(c, a, oa, b, ob, g, Parallelism::None));
+    } else {
+        let par = if work >= GEMM_PAR_MIN && threads() > 1 { Parallelism::Rayon(threads()) } else { Parallelism::None };
+        for (c, &(oa, ob)) in out.chunks_mut(m * n).zip(&g.offsets) {
+            gemm_one(c, a, oa, b, ob, g, par);
+        }
+    }
+    out
+}
+
+/// `dst (m x n, row-major) = a[oa..] (m x k) @ b[ob..] (k x n)`.
+fn gemm_one<T: GemmElem>(dst: &mut [T], a: &[T], oa: usize, b: &[T], ob: usize, g: &Geometry, par: Parallelism) {
+    let (m, k, n) = (g.m, g.k, g.n);
+    assert!(dst.len() == m * n && m > 0 && n > 0 && k > 0);
+    // Largest element index each operand is read at: in bounds, so every read below is too.
+    assert!(oa + (m - 1) * g.a_rs + (k - 1) * g.a_cs < a.len());
+    assert!(ob + (k - 1) * g.b_rs + (n - 1) * g.b_cs < b.len());
+    // SAFETY: gemm reads lhs at `oa + i * a_rs + p * a_cs` (i < m, p < k) and rhs at
+    // `ob + p * b_rs + j * b_cs` (p < k, j < n); the asserts above show the largest such index
+    // is inside `a` / `b`, and strides are non-negative so every other one is too. It writes dst
+    // at `i * n + j` (i < m, j < n): exactly the `m * n` elements of `dst`, an exclusive borrow
+    // that cannot alias the shared `a` and `b`. `T` is f32 or f64, which gemm supports.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr().add(oa),
+            g.a_cs as isize,
+            g.a_rs as isize,
+            b.as_ptr().add(ob),
+            g.b_cs as isize,
+            g.b_rs as isize,
+            T::ZERO,
+            T::ONE,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// Integer and bool matmul in the element type (wrapping; bool: or of ands).
+fn loop_matmul<T: Elem>(a: &Input<'_>, b: &Input<'_>, g: &Geometry) -> Result<Vec<T>> {
+    let (m, k, n) = (g.m, g.k, g.n);
+    let av = materialize_vec::<T>(a)?;
+    let bv = materialize_vec::<T>(b)?;
+    let mut out = T::zeros(g.batches() * m * n);
+    // out: (batch * m, n); row r of batch r / m.
+    par_blocks(&mut out, n, k, &|r, orow| {
+        let (bi, i) = (r / m, r % m);
+        let arow = &av[(bi * m + i) * k..][..k];
+        for (p, &x) in arow.iter().enumerate() {
+            let brow = &bv[(bi * k + p) * n..][..n];
+            for (o, &y) in orow.iter_mut().zip(brow) {
+                *o = o.add_(x.mul_(y));
+            }
+        }
+    });
+    Ok(out)
+}

@@ -1,0 +1,116 @@
+//! CPU kernels for every primitive of `kiln_tensor::Op`, dispatched from `exec`.
+//!
+//! By concern: `iter` (strided loop nests and threading), `map` (elementwise
+//! engines), `simd` (CPU-feature dispatch and vectorisable f32 math), `elem`
+//! (what kernels need from each element type), `elementwise` (unary, binary,
+//! compare, where), `copy` (full, arange, cast, copies, assign, cat), `reduce`
+//! (reductions, arg-reductions, cumsum), `matmul`, `index` (gather, scatter,
+//! index_select, index_add, nonzero) and `sort` (sort, topk).
+//!
+//! Inputs are read through their strided layouts directly; every output is a
+//! fresh contiguous buffer of the shape and dtype `Op::infer` gave.
+mod copy;
+mod elem;
+mod elementwise;
+mod index;
+mod iter;
+mod map;
+mod matmul;
+mod reduce;
+mod simd;
+mod sort;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use copy::{assign, materialize};
+pub(crate) use index::nonzero;
+
+use kiln_tensor::{DType, Error, HostBuffer, HostElement, Layout, Meta, Op, Result};
+
+/// A read-only strided input: a host buffer and the layout viewing it.
+#[derive(Clone, Copy)]
+pub(crate) struct Input<'a> {
+    pub buf: &'a HostBuffer,
+    pub layout: &'a Layout,
+}
+
+impl<'a> Input<'a> {
+    pub fn dtype(&self) -> DType {
+        self.buf.dtype()
+    }
+    /// The typed storage (the whole buffer; index it through `layout`).
+    pub fn slice<T: HostElement>(&self) -> Result<&'a [T]> {
+        T::slice(self.buf)
+            .ok_or_else(|| Error::backend("cpu", format!("expected a {} buffer, got {}", T::DTYPE, self.buf.dtype())))
+    }
+}
+
+/// Runs one primitive on strided inputs, returning one contiguous buffer per output.
+pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<HostBuffer>> {
+    let name = op.name();
+    for x in ins {
+        x.layout.check_bounds(name, x.buf.len())?;
+    }
+    let out = |i: usize| -> Result<&Meta> {
+        outs.get(i).ok_or_else(|| Error::backend("cpu", format!("{name}: missing output metadata")))
+    };
+    let bufs = match op {
+        Op::Full { shape, value, dtype } => vec![copy::full(shape, *value, *dtype)],
+        Op::Arange { start, step, len, dtype } => vec![copy::arange(*start, *step, *len, *dtype)],
+        Op::Unary(u) => vec![elementwise::unary(*u, &ins[0])?],
+        Op::Binary(b) => vec![elementwise::binary(*b, &ins[0], &ins[1])?],
+        Op::Compare(c) => vec![elementwise::compare(*c, &ins[0], &ins[1])?],
+        Op::Where => vec![elementwise::where_(&ins[0], &ins[1], &ins[2])?],
+        Op::Cast(to) => vec![copy::cast(&ins[0], *to)?],
+        Op::Copy => vec![materialize(&ins[0])?],
+        Op::Reduce { op, dims, keepdim: _ } => vec![reduce::reduce(*op, &ins[0], dims, out(0)?)?],
+        Op::ArgReduce { op, dim, keepdim: _ } => vec![reduce::arg_reduce(*op, &ins[0], *dim)?],
+        Op::Cumsum { dim } => vec![reduce::cumsum(&ins[0], *dim)?],
+        Op::MatMul => vec![matmul::matmul(&ins[0], &ins[1], out(0)?)?],
+        Op::Cat { dim } => vec![copy::cat(ins, *dim, out(0)?)?],
+        Op::Gather { dim } => vec![index::gather(&ins[0], &ins[1], *dim)?],
+        Op::Scatter { dim, reduce } => vec![index::scatter(&ins[0], &ins[1], &ins[2], *dim, *reduce)?],
+        Op::IndexSelect { dim } => vec![index::index_select(&ins[0], &ins[1], *dim, out(0)?)?],
+        Op::IndexAdd { dim } => vec![index::index_add(&ins[0], &ins[1], &ins[2], *dim)?],
+        Op::Sort { dim, descending, stable: _ } => {
+            // Sorting is always stable: equal keys keep their order, as torch.sort(stable=True).
+            let (v, i) = sort::sort(&ins[0], *dim, *descending)?;
+            vec![v, i]
+        }
+        Op::TopK { k, dim, largest } => {
+            let (v, i) = sort::topk(&ins[0], *k, *dim, *largest)?;
+            vec![v, i]
+        }
+        Op::Assign { shape, strides, offset } => {
+            let view = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
+            vec![copy::assign_out_of_place(&ins[0], &view, &ins[1])?]
+        }
+        Op::View(v) => {
+            return Err(Error::backend(
+                "cpu",
+                format!("view op {} reached the backend; views are layout transforms of the tensor layer", v.name()),
+            ))
+        }
+    };
+    debug_assert_eq!(bufs.len(), outs.len(), "{name}: output count");
+    for (b, m) in bufs.iter().zip(outs) {
+        if b.dtype() != m.dtype || b.len() != kiln_tensor::numel(&m.shape) {
+            return Err(Error::backend(
+                "cpu",
+                format!(
+                    "{name}: kernel produced {} x {} but {:?} x {} was expected",
+                    b.len(),
+                    b.dtype(),
+                    m.shape.as_slice(),
+                    m.dtype
+                ),
+            ));
+        }
+    }
+    Ok(bufs)
+}
+
+/// Wraps a typed vector into a `HostBuffer`.
+pub(crate) fn buf<T: HostElement>(v: Vec<T>) -> HostBuffer {
+    T::into_buffer(v)
+}

@@ -1,0 +1,92 @@
+//! Matrix multiplication.
+use super::*;
+
+fn mm(a: &Tensor, b: &Tensor) -> Tensor {
+    run(Op::MatMul, &[a, b])
+}
+
+/// `[..., m, k] @ [..., k, n]` in f64 from contiguous row-major data.
+fn reference(a: &[f32], b: &[f32], batch: usize, m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut c = vec![0.0; batch * m * n];
+    for bi in 0..batch {
+        for i in 0..m {
+            for j in 0..n {
+                c[(bi * m + i) * n + j] =
+                    (0..k).map(|p| a[(bi * m + i) * k + p] as f64 * b[(bi * k + p) * n + j] as f64).sum();
+            }
+        }
+    }
+    c
+}
+
+fn close(got: &[f32], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(want) {
+        assert!((*g as f64 - w).abs() <= tol * (1.0 + w.abs()), "{g} vs {w}");
+    }
+}
+
+#[test]
+fn small_by_hand_and_transposed() {
+    let a = f32s(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
+    let b = f32s(&[7., 8., 9., 10., 11., 12.], &[3, 2]);
+    assert_eq!(vals::<f32>(&mm(&a, &b)), [58., 64., 139., 154.]);
+    // a.t() @ a.t().t(): strided operands are read in place.
+    let at = a.t().unwrap();
+    assert_eq!(vals::<f32>(&mm(&at, &a)), [17., 22., 27., 22., 29., 36., 27., 36., 45.]);
+    // A column slice with step 2: B[:, ::2].
+    let wide = f32s(&(0..12).map(|v| v as f32).collect::<Vec<_>>(), &[3, 4]);
+    let cols = wide.slice(1, None, None, 2).unwrap();
+    assert_eq!(vals::<f32>(&mm(&a, &cols)), [32., 44., 68., 98.]);
+}
+
+#[test]
+fn batched_broadcast_and_sizes() {
+    for &(batch, m, k, n) in &[(3, 5, 7, 4), (1, 1, 300, 1), (2, 130, 70, 90), (1, 256, 200, 300), (64, 8, 16, 8)] {
+        let av = noise(batch * m * k, 11);
+        let bv = noise(batch * k * n, 12);
+        let a = f32s(&av, &[batch, m, k]);
+        let b = f32s(&bv, &[batch, k, n]);
+        close(&vals::<f32>(&mm(&a, &b)), &reference(&av, &bv, batch, m, k, n), 1e-5);
+        // f64 too.
+        let a64 = t(av.iter().map(|&v| v as f64).collect(), &[batch, m, k]);
+        let b64 = t(bv.iter().map(|&v| v as f64).collect(), &[batch, k, n]);
+        let c64 = vals::<f64>(&mm(&a64, &b64));
+        let want = reference(&av, &bv, batch, m, k, n);
+        assert!(c64.iter().zip(&want).all(|(g, w)| (g - w).abs() < 1e-10));
+    }
+    // The same [k, n] matrix broadcast over a batch of 4 (stride 0).
+    let av = noise(4 * 3 * 5, 13);
+    let bv = noise(5 * 2, 14);
+    let b = f32s(&bv, &[1, 5, 2]).expand(&[4, 5, 2]).unwrap();
+    let rep: Vec<f32> = (0..4).flat_map(|_| bv.clone()).collect();
+    close(&vals::<f32>(&mm(&f32s(&av, &[4, 3, 5]), &b)), &reference(&av, &rep, 4, 3, 5, 2), 1e-6);
+    // k = 0 gives zeros, m = 0 an empty result.
+    assert_eq!(vals::<f32>(&mm(&f32s(&[], &[2, 0]), &f32s(&[], &[0, 3]))), [0.0; 6]);
+    assert_eq!(mm(&f32s(&[], &[0, 2]), &f32s(&[1., 2.], &[2, 1])).shape(), &[0, 1]);
+}
+
+#[test]
+fn bf16_f16_int_and_bool() {
+    let av = noise(4 * 64, 21);
+    let bv = noise(64 * 3, 22);
+    let abf = bf(&av);
+    let bbf = bf(&bv);
+    let aw: Vec<f32> = abf.iter().map(|v| v.to_f32()).collect();
+    let bw: Vec<f32> = bbf.iter().map(|v| v.to_f32()).collect();
+    let want = reference(&aw, &bw, 1, 4, 64, 3);
+    let got = vals::<bf16>(&mm(&t(abf, &[4, 64]), &t(bbf, &[64, 3])));
+    for (g, w) in got.iter().zip(&want) {
+        // One rounding of an f32-accumulated value: within one bf16 ulp.
+        assert!((g.to_f64() - w).abs() <= w.abs() / 128.0 + 1e-6, "{g} vs {w}");
+    }
+    let h = vals::<f16>(&mm(&t(hf(&[1., 2., 3., 4.]), &[2, 2]), &t(hf(&[0.5, 0., 0., 2.]), &[2, 2])));
+    assert_eq!(h, hf(&[0.5, 4., 1.5, 8.]));
+    let i = vals::<i64>(&mm(&t(vec![1i64, 2, 3, 4], &[2, 2]), &t(vec![5i64, 6, 7, 8], &[2, 2])));
+    assert_eq!(i, [19, 22, 43, 50]);
+    let w = vals::<i8>(&mm(&t(vec![100i8, 100], &[1, 2]), &t(vec![1i8, 1], &[2, 1])));
+    assert_eq!(w, [-56]);
+    let b =
+        vals::<bool>(&mm(&t(vec![true, false, false, false], &[2, 2]), &t(vec![false, true, true, false], &[2, 2])));
+    assert_eq!(b, [false, true, false, false]);
+}

@@ -1,0 +1,63 @@
+//! Kernel tests through the public `Tensor` API, against hand-computed values.
+//! Ops whose high-level API lives elsewhere run through `Tensor::apply`.
+mod elementwise;
+mod index;
+mod matmul;
+mod reduce;
+mod sort;
+
+use half::{bf16, f16};
+use kiln_tensor::{HostElement, Op, Tensor};
+
+pub(super) fn t<T: HostElement>(v: Vec<T>, shape: &[usize]) -> Tensor {
+    crate::register();
+    Tensor::from_vec(v, shape).unwrap()
+}
+
+pub(super) fn f32s(v: &[f32], shape: &[usize]) -> Tensor {
+    t(v.to_vec(), shape)
+}
+
+pub(super) fn run(op: Op, ins: &[&Tensor]) -> Tensor {
+    Tensor::apply1(op, ins).unwrap()
+}
+
+pub(super) fn run2(op: Op, ins: &[&Tensor]) -> (Tensor, Tensor) {
+    let mut r = Tensor::apply(op, ins).unwrap();
+    let b = r.pop().unwrap();
+    let a = r.pop().unwrap();
+    (a, b)
+}
+
+pub(super) fn vals<T: HostElement>(x: &Tensor) -> Vec<T> {
+    x.to_vec::<T>().unwrap()
+}
+
+/// A strided view of `x`'s storage.
+pub(super) fn strided(x: &Tensor, shape: &[usize], strides: &[usize], offset: usize) -> Tensor {
+    x.as_strided(shape, strides, Some(offset)).unwrap()
+}
+
+/// Deterministic pseudo-random floats in [-1, 1).
+pub(super) fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+pub(super) fn bf(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+pub(super) fn hf(v: &[f32]) -> Vec<f16> {
+    v.iter().map(|&x| f16::from_f32(x)).collect()
+}
+
+/// Bitwise equality that treats all NaNs as equal.
+pub(super) fn same_f32(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x.is_nan() && y.is_nan()) || x.to_bits() == y.to_bits())
+}

@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""kiln vs PyTorch, measured in the same run on the same machine.
+
+Runs `cargo run --release -p kiln-bench -- matmul ...` and `... -- ops ...`,
+parses their JSON lines, runs the same measurements in PyTorch with the same
+method (first call discarded, warm-up of 0.2 s / at most 10 calls, run count
+from the warm-up median, median of the timed runs; see benches/src/timing.rs),
+then prints a table with ratios and writes one JSON line per benchmark.
+
+Ratios are always "> 1 means kiln is better": kiln / PyTorch for GFLOP/s and
+GB/s, PyTorch / kiln for latency (µs per op).
+
+Usage (PyTorch in its own virtual environment):
+    scripts/setup-torch-venv
+    $HOME/.cache/kiln/torch-venv/bin/python benches/compare_torch.py [options]
+
+Options mirror kiln-bench's: --sizes, --dim, --only, --target-secs, --min-runs,
+--max-runs; --skip-matmul / --skip-ops; --out PATH for the JSON lines;
+--kiln-bin PATH runs a built kiln-bench instead of `cargo run`.
+"""
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# The same constants as benches/src/timing.rs and benches/src/suites.rs.
+WARMUP_S = 0.2
+MAX_WARMUP = 10
+LATENCY_INNER = 1000
+
+
+def measure(f, target_s, min_runs, max_runs, inner=1):
+    """Seconds per call (divided by `inner`), one per timed run, sorted.
+
+    Line for line the method of `timing::measure` in kiln-bench."""
+
+    def time_call():
+        t0 = time.perf_counter()
+        f()
+        return time.perf_counter() - t0
+
+    first = time_call()
+    warm, spent = [], 0.0
+    while not warm or (spent < WARMUP_S and len(warm) < MAX_WARMUP and first < WARMUP_S):
+        t = time_call()
+        spent += t
+        warm.append(t)
+    est = max(statistics.median(warm), 1e-9)
+    # Rust's f64::round rounds half away from zero; Python's round() to even. Match Rust.
+    runs = int(target_s / est + 0.5)
+    runs = min(max(runs, max(min_runs, 1)), max(max_runs, 1))
+    return sorted(time_call() / max(inner, 1) for _ in range(runs))
+
+
+def sig4(x):
+    return float(f"{x:.4g}")
+
+
+def torch_matmul(torch, sizes, plan, device):
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, dtype=torch.float32, device=device)
+        b = torch.randn(n, n, dtype=torch.float32, device=device)
+        sync = _sync(torch, device)
+
+        def f():
+            torch.matmul(a, b)
+            sync()
+
+        s = measure(f, plan["target_matmul"], plan["min_runs"], plan["max_runs"])
+        med = statistics.median(s)
+        out.append({
+            "bench": "matmul", "n": n, "shape": [n, n, n], "dtype": "float32", "device": device,
+            "gflops": sig4(2.0 * n**3 / med / 1e9), "median_ms": sig4(med * 1e3), "min_ms": sig4(s[0] * 1e3),
+            "runs": len(s),
+        })
+        print(f"  torch matmul n={n}: {out[-1]['gflops']} GFLOP/s", file=sys.stderr, flush=True)
+    return out
+
+
+def _sync(torch, device):
+    if device.startswith("cuda"):
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def torch_ops(torch, d, only, plan, device):
+    n = d * d
+    a = torch.randn(n, dtype=torch.float32, device=device)
+    b = torch.randn(n, dtype=torch.float32, device=device)
+    a2, b2 = a.reshape(d, d), b.reshape(d, d)
+    row = torch.randn(d, dtype=torch.float32, device=device)
+    sync = _sync(torch, device)
+    benches = [
+        ("add", [n], 3 * 4 * n, lambda: torch.add(a, b)),
+        ("mul", [n], 3 * 4 * n, lambda: torch.mul(a, b)),
+        ("exp", [n], 2 * 4 * n, lambda: torch.exp(a)),
+        ("add_transposed", [d, d], 3 * 4 * n, lambda: torch.add(a2.t(), b2)),
+        ("add_broadcast", [d, d], 4 * (2 * n + d), lambda: torch.add(a2, row)),
+        ("sum", [n], 4 * n, lambda: a.sum()),
+        ("sum_dim", [d, d], 4 * (n + d), lambda: a2.sum(-1)),
+        ("max", [n], 4 * n, lambda: a.max()),
+        ("softmax", [d, d], 2 * 4 * n, lambda: torch.softmax(a2, -1)),
+    ]
+    out = []
+    for name, shape, nbytes, op in benches:
+        if only and not any(w in name for w in only):
+            continue
+
+        def f(op=op):
+            op()
+            sync()
+
+        s = measure(f, plan["target_ops"], plan["min_runs"], plan["max_runs"])
+        med = statistics.median(s)
+        out.append({
+            "bench": name, "shape": shape, "bytes": nbytes, "dtype": "float32", "device": device,
+            "gbps": sig4(nbytes / med / 1e9), "median_ms": sig4(med * 1e3), "min_ms": sig4(s[0] * 1e3),
+            "runs": len(s),
+        })
+        print(f"  torch {name}: {out[-1]['gbps']} GB/s", file=sys.stderr, flush=True)
+    if not only or any(w in "add_latency" for w in only):
+        x = torch.randn(1, dtype=torch.float32, device=device)
+        y = torch.randn(1, dtype=torch.float32, device=device)
+
+        def f():
+            for _ in range(LATENCY_INNER):
+                torch.add(x, y)
+            sync()
+
+        s = measure(f, plan["target_ops"], plan["min_runs"], plan["max_runs"], inner=LATENCY_INNER)
+        out.append({
+            "bench": "add_latency", "shape": [1], "dtype": "float32", "device": device,
+            "us_per_op": sig4(statistics.median(s) * 1e6), "min_us": sig4(s[0] * 1e6), "runs": len(s),
+            "iters_per_run": LATENCY_INNER,
+        })
+        print(f"  torch add_latency: {out[-1]['us_per_op']} us/op", file=sys.stderr, flush=True)
+    return out
+
+
+def run_kiln(args, what):
+    """Runs kiln-bench through cargo; returns its parsed JSON lines."""
+    base = [args.kiln_bin] if args.kiln_bin else ["cargo", "run", "--release", "-q", "-p", "kiln-bench", "--"]
+    cmd = base + [what, "--device", args.kiln_device, "--min-runs", str(args.min_runs), "--max-runs", str(args.max_runs)]
+    if what == "matmul":
+        cmd += ["--sizes", ",".join(map(str, args.sizes))]
+    else:
+        cmd += ["--dim", str(args.dim)]
+        if args.only:
+            cmd += ["--only", ",".join(args.only)]
+    if args.target_secs is not None:
+        cmd += ["--target-secs", str(args.target_secs)]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    # stderr passes through (cargo's build output, kiln-bench's failure summary).
+    p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in p.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            rec = json.loads(line)
+            lines.append(rec)
+            val = rec.get("gflops", rec.get("gbps", rec.get("us_per_op", rec.get("error"))))
+            print(f"  kiln {rec['bench']}: {val}", file=sys.stderr, flush=True)
+    if p.returncode != 0 and not lines:
+        sys.exit(f"compare_torch: kiln-bench {what} failed with exit code {p.returncode} and printed no result")
+    return lines
+
+
+def key(rec):
+    return (rec["bench"], rec.get("n"))
+
+
+METRICS = [("gflops", "GFLOP/s", True), ("gbps", "GB/s", True), ("us_per_op", "us/op", False)]
+
+
+def compare(kiln, torch_res):
+    """Pairs results by benchmark; ratio > 1 means kiln is better."""
+    by_key = {key(r): r for r in kiln}
+    rows = []
+    for t in torch_res:
+        k = by_key.get(key(t), {})
+        metric, unit, higher = next((m for m in METRICS if m[0] in t), (None, None, None))
+        kv, tv = k.get(metric), t.get(metric)
+        ratio = None
+        if kv and tv:
+            ratio = kv / tv if higher else tv / kv
+        rows.append({
+            "bench": t["bench"], "n": t.get("n"), "shape": t.get("shape"), "dtype": t["dtype"],
+            "metric": metric, "unit": unit, "higher_is_better": higher,
+            "kiln": kv, "torch": tv, "ratio": sig4(ratio) if ratio else None,
+            "ratio_meaning": "kiln/torch" if higher else "torch/kiln (time)",
+            "kiln_median_ms": k.get("median_ms"), "torch_median_ms": t.get("median_ms"),
+            "kiln_runs": k.get("runs"), "torch_runs": t.get("runs"),
+            **({"kiln_error": k["error"]} if "error" in k else {}),
+            **({"kiln_missing": True} if not k else {}),
+        })
+    return rows
+
+
+def print_table(rows, header):
+    print(header)
+    cols = ["benchmark", "size", "unit", "kiln", "PyTorch", "ratio"]
+    table = []
+    for r in rows:
+        size = f"n={r['n']}" if r["n"] else "x".join(map(str, r["shape"] or []))
+        kv = "ERROR" if "kiln_error" in r else ("-" if r["kiln"] is None else f"{r['kiln']:g}")
+        table.append([r["bench"], size, r["unit"], kv, f"{r['torch']:g}",
+                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"])
+    w = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w[i]) for i, c in enumerate(cols)))
+    print("  ".join("-" * x for x in w))
+    for row in table:
+        print("  ".join(v.ljust(w[i]) if i < 3 else v.rjust(w[i]) for i, v in enumerate(row)))
+    print("\nratio > 1 means kiln is faster: kiln/PyTorch for GFLOP/s and GB/s, "
+          "PyTorch/kiln for us/op (latency).")
+    for r in rows:
+        if "kiln_error" in r:
+            print(f"kiln {r['bench']}: {r['kiln_error']}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1024,4096", help="matmul sizes (default 1024,4096)")
+    ap.add_argument("--dim", type=int, default=4096, help="side of the [D, D] tensors of the ops (default 4096)")
+    ap.add_argument("--only", default="", help="ops whose names contain one of these comma-separated words")
+    ap.add_argument("--target-secs", type=float, default=None,
+                    help="seconds of timed runs per benchmark (default 3 for matmul, 2 for ops)")
+    ap.add_argument("--min-runs", type=int, default=3)
+    ap.add_argument("--max-runs", type=int, default=1000)
+    ap.add_argument("--skip-matmul", action="store_true")
+    ap.add_argument("--skip-ops", action="store_true")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="torch.set_num_threads (default: the number of cores)")
+    ap.add_argument("--kiln-device", default="cpu", help="kiln-bench --device (default cpu)")
+    ap.add_argument("--torch-device", default="cpu", help="PyTorch device (default cpu)")
+    ap.add_argument("--kiln-bin", default=None,
+                    help="a built kiln-bench binary to run instead of `cargo run --release -p kiln-bench --`")
+    ap.add_argument("--out", default=str(REPO / "target" / "kiln-bench" / "compare_torch.jsonl"),
+                    help="where to write the JSON lines (default target/kiln-bench/compare_torch.jsonl)")
+    args = ap.parse_args()
+    args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    args.only = [s for s in args.only.split(",") if s]
+
+    try:
+        import torch
+    except ImportError:
+        sys.exit("compare_torch: PyTorch is not importable by " + sys.executable +
+                 "\nrun scripts/setup-torch-venv, then $HOME/.cache/kiln/torch-venv/bin/python benches/compare_torch.py")
+    torch.set_num_threads(args.threads)
+    plan = {
+        "target_matmul": args.target_secs if args.target_secs is not None else 3.0,
+        "target_ops": args.target_secs if args.target_secs is not None else 2.0,
+        "min_runs": args.min_runs, "max_runs": args.max_runs,
+    }
+
+    kiln, ref = [], []
+    if not args.skip_matmul:
+        kiln += run_kiln(args, "matmul")
+    if not args.skip_ops:
+        kiln += run_kiln(args, "ops")
+    print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
+    torch.manual_seed(0)
+    if not args.skip_matmul:
+        ref += torch_matmul(torch, args.sizes, plan, args.torch_device)
+    if not args.skip_ops:
+        ref += torch_ops(torch, args.dim, args.only, plan, args.torch_device)
+
+    rows = compare(kiln, ref)
+    header = (f"kiln ({args.kiln_device}) vs PyTorch {torch.__version__} ({args.torch_device}, "
+              f"{torch.get_num_threads()} threads) on {platform.machine()}, {os.cpu_count()} cores")
+    print()
+    print_table(rows, header)
+
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as fh:
+        for r in rows:
+            fh.write(json.dumps({**r, "torch_version": torch.__version__, "threads": torch.get_num_threads()}) + "\n")
+    print(f"\nJSON lines: {out}")
+    return 1 if any("kiln_error" in r or r.get("kiln_missing") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+//! The benchmarks: `matmul` (square f32 GEMM, GFLOP/s) and `ops` (elementwise,
+//! reductions and softmax in GB/s, and per-op dispatch latency in µs).
+//!
+//! Every timed call runs the whole out-of-place op, output allocation and
+//! release included, as `torch.add(a, b)` does, then waits for the device.
+use crate::report::{sig4, Line};
+use crate::timing::{measure, Plan, Stats};
+use kiln::prelude::*;
+
+/// Options shared by the suites.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub device: Device,
+    pub plan: Plan,
+    /// Only benchmarks whose name contains one of these (empty: all).
+    pub filter: Vec<String>,
+}
+
+impl Config {
+    fn wants(&self, name: &str) -> bool {
+        self.filter.is_empty() || self.filter.iter().any(|f| name.contains(f.as_str()))
+    }
+    fn opts(&self) -> (DType, Device) {
+        (DType::F32, self.device)
+    }
+}
+
+/// Waits until the device has finished the work queued so far.
+fn sync(t: &Tensor) -> Result<()> {
+    t.backend().synchronize(t.device())
+}
+
+/// Times `f` (one op producing a tensor) with the config's plan.
+fn time_op(cfg: &Config, mut f: impl FnMut() -> Result<Tensor>) -> Result<Stats> {
+    measure(cfg.plan, 1, || {
+        let out = f()?;
+        sync(&out)
+    })
+}
+
+fn error_line(bench: &str, cfg: &Config, e: &Error) {
+    Line::new(bench, "float32", &cfg.device.to_string()).set("error", e.to_string()).emit();
+}
+
+/// Square `n x n x n` f32 matmuls of random matrices. Returns the number of failures.
+pub fn matmul(cfg: &Config, sizes: &[usize]) -> usize {
+    let mut failed = 0;
+    for &n in sizes {
+        let run = || -> Result<Stats> {
+            let a = Tensor::randn(&[n, n], cfg.opts())?;
+            let b = Tensor::randn(&[n, n], cfg.opts())?;
+            time_op(cfg, || a.matmul(&b))
+        };
+        match run() {
+            Ok(s) => {
+                let flops = 2.0 * (n as f64).powi(3);
+                Line::new("matmul", "float32", &cfg.device.to_string())
+                    .set("n", n)
+                    .set("shape", vec![n, n, n])
+                    .set("gflops", sig4(flops / s.median() / 1e9))
+                    .set("median_ms", sig4(s.median() * 1e3))
+                    .set("min_ms", sig4(s.min() * 1e3))
+                    .set("runs", s.runs())
+                    .emit();
+            }
+            Err(e) => {
+                failed += 1;
+                Line::new("matmul", "float32", &cfg.device.to_string()).set("n", n).set("error", e.to_string()).emit();
+            }
+        }
+    }
+    failed
+}
+
+/// A bandwidth benchmark: its name, the shape it reports, the bytes one call
+/// moves, and the op.
+struct Bw<'a> {
+    name: &'static str,
+    shape: Vec<usize>,
+    bytes: usize,
+    op: Box<dyn FnMut() -> Result<Tensor> + 'a>,
+}
+
+/// Iterations of the 1-element op per timed call of the latency benchmark.
+pub const LATENCY_INNER: usize = 1000;
+
+/// Elementwise, reduction and softmax throughput on `d*d` f32 elements (flat for the
+/// contiguous elementwise ops and full reductions, `d x d` for the rest), then the
+/// dispatch latency of a 1-element `add`. Returns the number of failures.
+pub fn ops(cfg: &Config, d: usize) -> usize {
+    let mut failed = 0;
+    let dev = cfg.device.to_string();
+    let n = d * d;
+    let f32b = 4;
+    let setup = || -> Result<(Tensor, Tensor, Tensor, Tensor, Tensor)> {
+        let a = Tensor::randn(&[n], cfg.opts())?;
+        let b = Tensor::randn(&[n], cfg.opts())?;
+        let a2 = a.reshape(&[d as isize, d as isize])?;
+        let b2 = b.reshape(&[d as isize, d as isize])?;
+        let row = Tensor::randn(&[d], cfg.opts())?;
+        Ok((a, b, a2, b2, row))
+    };
+    let (a, b, a2, b2, row) = match setup() {
+        Ok(t) => t,
+        Err(e) => {
+            error_line("ops", cfg, &e);
+            return 1;
+        }
+    };
+    let benches: Vec<Bw<'_>> = vec![
+        Bw { name: "add", shape: vec![n], bytes: 3 * f32b * n, op: Box::new(|| a.add(&b)) },
+        Bw { name: "mul", shape: vec![n], bytes: 3 * f32b * n, op: Box::new(|| a.mul(&b)) },
+        Bw { name: "exp", shape: vec![n], bytes: 2 * f32b * n, op: Box::new(|| a.exp()) },
+        // `a2.t()` is a non-contiguous view: the kernel reads one input across rows.
+        Bw { name: "add_transposed", shape: vec![d, d], bytes: 3 * f32b * n, op: Box::new(|| a2.t()?.add(&b2)) },
+        // `[d, d] + [d]`: the row is broadcast (stride 0) over every row.
+        Bw { name: "add_broadcast", shape: vec![d, d], bytes: f32b * (2 * n + d), op: Box::new(|| a2.add(&row)) },
+        Bw { name: "sum", shape: vec![n], bytes: f32b * n, op: Box::new(|| a.sum()) },
+        Bw { name: "sum_dim", shape: vec![d, d], bytes: f32b * (n + d), op: Box::new(|| a2.sum_dim(-1, false)) },
+        Bw { name: "max", shape: vec![n], bytes: f32b * n, op: Box::new(|| a.max()) },
+        Bw { name: "softmax", shape: vec![d, d], bytes: 2 * f32b * n, op: Box::new(|| a2.softmax(-1)) },
+    ];
+    for mut bw in benches {
+        if !cfg.wants(bw.name) {
+            continue;
+        }
+        match time_op(cfg, &mut bw.op) {
+            Ok(s) => Line::new(bw.name, "float32", &dev)
+                .set("shape", bw.shape)
+                .set("bytes", bw.bytes)
+                .set("gbps", sig4(bw.bytes as f64 / s.median() / 1e9))
+                .set("median_ms", sig4(s.median() * 1e3))
+                .set("min_ms", sig4(s.min() * 1e3))
+                .set("runs", s.runs())
+                .emit(),
+            Err(e) => {
+                failed += 1;
+                error_line(bw.name, cfg, &e);
+            }
+        }
+    }
+    if cfg.wants("add_latency") {
+        let run = || -> Result<Stats> {
+            let x = Tensor::randn(&[1], cfg.opts())?;
+            let y = Tensor::randn(&[1], cfg.opts())?;
+            measure(cfg.plan, LATENCY_INNER, || {
+                let mut last = None;
+                for _ in 0..LATENCY_INNER {
+                    last = Some(x.add(&y)?);
+                }
+                last.map_or(Ok(()), |t| sync(&t))
+            })
+        };
+        match run() {
+            Ok(s) => Line::new("add_latency", "float32", &dev)
+                .set("shape", vec![1])
+                .set("us_per_op", sig4(s.median() * 1e6))
+                .set("min_us", sig4(s.min() * 1e6))
+                .set("runs", s.runs())
+                .set("iters_per_run", LATENCY_INNER)
+                .emit(),
+            Err(e) => {
+                failed += 1;
+                error_line("add_latency", cfg, &e);
+            }
+        }
+    }
+    failed
+}

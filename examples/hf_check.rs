@@ -1,0 +1,214 @@
+//! Runs a Hugging Face Llama/Qwen3 checkpoint through kiln and writes what a
+//! reference implementation (PyTorch + transformers) can be compared against:
+//! logits, the causal-LM loss, every gradient, optionally AdamW steps and
+//! greedy generation.
+//!
+//! ```sh
+//! cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors \
+//!     [--dtype f32|bf16] [--steps N] [--lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1] \
+//!     [--generate N] [--device cpu]
+//! ```
+//!
+//! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
+//! (int64 `[B, P]`) from IN. Writes to OUT: `logits` (f32 `[B, T, V]`), `loss`
+//! (f32 scalar, mean next-token cross entropy of `logits[:, :-1]` against
+//! `input_ids[:, 1:]`), `grad.<param>` for every parameter from one backward of
+//! that loss; with `--steps N`, `loss_curve` (f32 `[N+1]`: the loss before each
+//! of N AdamW steps on the same batch, then after the last), `adamw_step1.<param>`
+//! and `adamw_step<N>.<param>`; with `--generate N`, `generate.output` (int64
+//! `[B, P+N]`, greedy with the KV cache, from the loaded weights).
+use kiln::nn::generate::{generate, Sampling};
+use kiln::nn::io::{load_safetensors, save_safetensors};
+use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM};
+use kiln::nn::module::Module;
+use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+use kiln::prelude::*;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+const USAGE: &str = "\
+hf_check: run a Hugging Face Llama/Qwen3 checkpoint through kiln
+
+USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors [OPTIONS]
+
+  --model DIR          config.json + model.safetensors (or a sharded index)
+  --input-ids FILE     safetensors with input_ids (int64 [B, T]) and, for --generate, generate.prompt
+  --out FILE           where to write the results (safetensors)
+  --dtype f32|bf16     compute dtype [default: f32]
+  --steps N            AdamW steps on the batch (writes loss_curve, adamw_step1.*, adamw_stepN.*) [default: 0]
+  --lr X --beta1 X --beta2 X --eps X --weight-decay X
+                       AdamW hyperparameters [default: 1e-3 0.9 0.95 1e-8 0.1]
+  --generate N         greedy-generate N tokens after generate.prompt (writes generate.output)
+  --device D           device [default: cpu]
+";
+
+struct Args {
+    model: PathBuf,
+    input: PathBuf,
+    out: PathBuf,
+    dtype: DType,
+    steps: usize,
+    adamw: AdamWConfig,
+    generate: Option<usize>,
+    device: Device,
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("hf_check: {msg}\n\n{USAGE}");
+    std::process::exit(2)
+}
+
+fn parse_args() -> Args {
+    let mut model = None;
+    let mut input = None;
+    let mut out = None;
+    let mut dtype = DType::F32;
+    let mut steps = 0;
+    let mut adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let mut gen = None;
+    let mut device = Device::Cpu;
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--help" || flag == "-h" {
+            print!("{USAGE}");
+            std::process::exit(0);
+        }
+        let value = it.next().unwrap_or_else(|| fail(&format!("{flag} needs a value")));
+        let num = |v: &str| v.parse::<f64>().unwrap_or_else(|_| fail(&format!("{flag}: {v:?} is not a number")));
+        let int = |v: &str| v.parse::<usize>().unwrap_or_else(|_| fail(&format!("{flag}: {v:?} is not a count")));
+        match flag.as_str() {
+            "--model" => model = Some(PathBuf::from(value)),
+            "--input-ids" => input = Some(PathBuf::from(value)),
+            "--out" => out = Some(PathBuf::from(value)),
+            "--dtype" => {
+                dtype = match value.as_str() {
+                    "f32" | "float32" => DType::F32,
+                    "bf16" | "bfloat16" => DType::BF16,
+                    v => fail(&format!("--dtype {v}: expected f32 or bf16")),
+                }
+            }
+            "--steps" => steps = int(&value),
+            "--lr" => adamw.lr = num(&value),
+            "--beta1" => adamw.betas.0 = num(&value),
+            "--beta2" => adamw.betas.1 = num(&value),
+            "--eps" => adamw.eps = num(&value),
+            "--weight-decay" => adamw.weight_decay = num(&value),
+            "--generate" => gen = Some(int(&value)),
+            "--device" => device = Device::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
+            other => fail(&format!("unknown option {other}")),
+        }
+    }
+    Args {
+        model: model.unwrap_or_else(|| fail("--model is required")),
+        input: input.unwrap_or_else(|| fail("--input-ids is required")),
+        out: out.unwrap_or_else(|| fail("--out is required")),
+        dtype,
+        steps,
+        adamw,
+        generate: gen,
+        device,
+    }
+}
+
+fn f32_cpu(t: &Tensor) -> Result<Tensor> {
+    t.detach().to_dtype(DType::F32)?.to_device(Device::Cpu)
+}
+
+fn main() {
+    if let Err(e) = run(parse_args()) {
+        eprintln!("hf_check: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(a: Args) -> Result<()> {
+    let t0 = Instant::now();
+    let model = LlamaForCausalLM::from_pretrained(&a.model, a.dtype, a.device)?;
+    let cfg = model.config();
+    eprintln!(
+        "loaded {} ({} layers, hidden {}, {} parameters) as {} on {} in {:.2}s",
+        a.model.display(),
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        model.num_parameters(),
+        a.dtype,
+        a.device,
+        t0.elapsed().as_secs_f64()
+    );
+    let input = load_safetensors(&a.input)?;
+    let get = |k: &str| -> Result<Tensor> {
+        let t = input
+            .get(k)
+            .ok_or_else(|| Error::invalid("hf_check", format!("{} has no tensor {k:?}", a.input.display())))?;
+        if t.ndim() != 2 || !t.dtype().is_int() {
+            return Err(Error::invalid(
+                "hf_check",
+                format!("{k} must be an integer [B, T] tensor, got {:?} {}", t.shape(), t.dtype()),
+            ));
+        }
+        t.to_dtype(DType::I64)?.to_device(a.device)
+    };
+    let ids = get("input_ids")?;
+    let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
+
+    if let Some(n) = a.generate {
+        let prompt = get("generate.prompt")?;
+        let t = Instant::now();
+        let g = generate(&model, &prompt, n, &Sampling::greedy())?;
+        eprintln!("generated {n} tokens for {} rows in {:.2}s", prompt.shape()[0], t.elapsed().as_secs_f64());
+        out.insert("generate.output".into(), g.to_device(Device::Cpu)?);
+    }
+
+    let loss_of = |m: &LlamaForCausalLM| -> Result<(Tensor, Tensor)> {
+        let logits = m.forward(&ids, None)?;
+        let loss = causal_lm_loss(&logits, &ids, None)?;
+        Ok((logits, loss))
+    };
+    let t = Instant::now();
+    let (logits, loss) = loss_of(&model)?;
+    loss.backward()?;
+    eprintln!("loss {:.6} (forward + backward {:.2}s)", loss.item_f64()?, t.elapsed().as_secs_f64());
+    out.insert("logits".into(), f32_cpu(&logits)?);
+    out.insert("loss".into(), f32_cpu(&loss)?.reshape(&[])?);
+    for (n, p) in model.named_parameters() {
+        let g = p.grad().ok_or_else(|| Error::invalid("hf_check", format!("{n} got no gradient")))?;
+        out.insert(format!("grad.{n}"), f32_cpu(&g)?);
+    }
+
+    if a.steps > 0 {
+        // The fixture's schedule: the gradient above makes step 1; each later
+        // step recomputes it on the same batch; the last loss is measured after.
+        let mut opt = AdamW::new(model.named_parameters(), a.adamw)?;
+        let mut curve = vec![loss.item_f64()? as f32];
+        opt.step()?;
+        let snapshot = |tag: &str, out: &mut BTreeMap<String, Tensor>| -> Result<()> {
+            for (n, p) in model.named_parameters() {
+                out.insert(format!("{tag}.{n}"), f32_cpu(&p)?);
+            }
+            Ok(())
+        };
+        snapshot("adamw_step1", &mut out)?;
+        for _ in 1..a.steps {
+            opt.zero_grad();
+            let (_, l) = loss_of(&model)?;
+            l.backward()?;
+            opt.step()?;
+            curve.push(l.item_f64()? as f32);
+        }
+        {
+            let _g = kiln::autograd::no_grad();
+            curve.push(loss_of(&model)?.1.item_f64()? as f32);
+        }
+        if a.steps > 1 {
+            snapshot(&format!("adamw_step{}", a.steps), &mut out)?;
+        }
+        eprintln!("loss curve: {curve:?}");
+        let n = curve.len();
+        out.insert("loss_curve".into(), Tensor::from_vec(curve, &[n])?);
+    }
+
+    save_safetensors(&a.out, &out, None)?;
+    eprintln!("wrote {} tensors to {} ({:.2}s in all)", out.len(), a.out.display(), t0.elapsed().as_secs_f64());
+    Ok(())
+}

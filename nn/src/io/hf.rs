@@ -1,0 +1,118 @@
+//! Hugging Face checkpoint directories: one `model.safetensors`, or shards
+//! named in `model.safetensors.index.json` (`{"weight_map": {name: file}}`).
+use super::safetensors::{pt_metadata, save_safetensors, write_atomic, SafetensorsFile};
+use kiln_tensor::{DType, Device, Error, Result, Tensor};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The single-file checkpoint name.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// The index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+fn dir_err(dir: &Path, msg: impl std::fmt::Display) -> Error {
+    Error::invalid("checkpoint", format!("{}: {msg}", dir.display()))
+}
+
+/// Reads the weights of a Hugging Face checkpoint directory: `model.safetensors`
+/// if present, else every shard listed in `model.safetensors.index.json`.
+/// Floating-point tensors are converted to `dtype` when given.
+pub fn load_checkpoint_dir(
+    dir: impl AsRef<Path>,
+    dtype: Option<DType>,
+    device: Device,
+) -> Result<BTreeMap<String, Tensor>> {
+    let dir = dir.as_ref();
+    let single = dir.join(SINGLE_FILE);
+    if single.is_file() {
+        return SafetensorsFile::open(&single)?.tensors(dtype, device);
+    }
+    let index = dir.join(INDEX_FILE);
+    if !index.is_file() {
+        return Err(dir_err(dir, format!("no {SINGLE_FILE} and no {INDEX_FILE} in this directory")));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| dir_err(&index, format!("cannot read: {e}")))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| dir_err(&index, format!("invalid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| dir_err(&index, "no \"weight_map\" object"))?;
+    // file -> names it should hold
+    let mut files: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (name, file) in map {
+        let file = file.as_str().ok_or_else(|| dir_err(&index, format!("weight_map[{name:?}] is not a string")))?;
+        if file.contains('/') || file.contains('\\') || file == ".." {
+            return Err(dir_err(
+                &index,
+                format!("weight_map[{name:?}] = {file:?} is not a file name in this directory"),
+            ));
+        }
+        files.entry(file.to_string()).or_default().push(name.clone());
+    }
+    let mut out = BTreeMap::new();
+    for (file, names) in files {
+        let f = SafetensorsFile::open(dir.join(&file))?;
+        for name in names {
+            if f.info(&name).is_none() {
+                return Err(dir_err(&index, format!("{name:?} is mapped to {file}, which does not hold it")));
+            }
+            out.insert(name.clone(), f.tensor(&name, dtype, device)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Writes `tensors` as a Hugging Face checkpoint into `dir` (created if
+/// needed): one `model.safetensors`, or with `max_shard_bytes`, shards
+/// `model-00001-of-0000N.safetensors` of at most that size (a larger tensor
+/// gets a shard of its own) plus `model.safetensors.index.json`. Every file is
+/// written atomically. A checkpoint of the other layout in `dir` is removed so
+/// that loaders cannot pick up stale weights.
+pub fn save_checkpoint_dir(
+    dir: impl AsRef<Path>,
+    tensors: &BTreeMap<String, Tensor>,
+    max_shard_bytes: Option<usize>,
+) -> Result<()> {
+    let dir = dir.as_ref();
+    std::fs::create_dir_all(dir).map_err(|e| dir_err(dir, format!("cannot create: {e}")))?;
+    let meta = pt_metadata();
+    let remove = |name: &str| {
+        let p = dir.join(name);
+        if p.is_file() {
+            std::fs::remove_file(&p).map_err(|e| dir_err(&p, format!("cannot remove the stale file: {e}")))
+        } else {
+            Ok(())
+        }
+    };
+    let Some(max) = max_shard_bytes else {
+        save_safetensors(dir.join(SINGLE_FILE), tensors, Some(&meta))?;
+        return remove(INDEX_FILE);
+    };
+    let mut shards: Vec<BTreeMap<String, Tensor>> = vec![];
+    let mut size = 0usize;
+    for (name, t) in tensors {
+        let n = t.numel() * t.dtype().size_in_bytes();
+        if shards.is_empty() || (size + n > max && size > 0) {
+            shards.push(BTreeMap::new());
+            size = 0;
+        }
+        shards.last_mut().expect("pushed above").insert(name.clone(), t.clone());
+        size += n;
+    }
+    let total = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    let mut total_size = 0usize;
+    for (i, shard) in shards.iter().enumerate() {
+        let file = format!("model-{:05}-of-{total:05}.safetensors", i + 1);
+        save_safetensors(dir.join(&file), shard, Some(&meta))?;
+        for (name, t) in shard {
+            total_size += t.numel() * t.dtype().size_in_bytes();
+            weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
+        }
+    }
+    let index = serde_json::json!({ "metadata": { "total_size": total_size }, "weight_map": weight_map });
+    let text = serde_json::to_string_pretty(&index).map_err(|e| dir_err(dir, e))?;
+    write_atomic(&dir.join(INDEX_FILE), |w| w.write_all(text.as_bytes()))?;
+    remove(SINGLE_FILE)
+}

@@ -1,0 +1,286 @@
+//! safetensors files: [`SafetensorsFile`] reads a memory-mapped file through
+//! the `safetensors` crate's header parser; [`save_safetensors`] writes one
+//! atomically (a temporary file in the same directory, then a rename).
+use kiln_tensor::half::f16;
+use kiln_tensor::{DType, Device, Error, HostBuffer, Result, Tensor};
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensors};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// An open, memory-mapped safetensors file whose header has been parsed and
+/// validated (offsets inside the file, sizes matching dtypes and shapes).
+///
+/// ```no_run
+/// use kiln::prelude::*;
+/// use kiln::nn::io::SafetensorsFile;
+/// let f = SafetensorsFile::open("model.safetensors")?;
+/// for name in f.names() {
+///     let t = f.tensor(&name, Some(DType::F32), Device::Cpu)?;
+///     println!("{name}: {:?}", t.shape());
+/// }
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub struct SafetensorsFile {
+    path: PathBuf,
+    mmap: memmap2::Mmap,
+    header_len: usize,
+    metadata: Metadata,
+}
+
+impl std::fmt::Debug for SafetensorsFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SafetensorsFile({}, {} tensors)", self.path.display(), self.metadata.tensors().len())
+    }
+}
+
+/// An error about the file at `path`.
+fn file_err(path: &Path, msg: impl std::fmt::Display) -> Error {
+    Error::invalid("safetensors", format!("{}: {msg}", path.display()))
+}
+
+impl SafetensorsFile {
+    /// Maps `path` and parses its header. A missing, truncated or malformed
+    /// file is an error naming the file.
+    pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile> {
+        let path = path.as_ref().to_path_buf();
+        let file = File::open(&path).map_err(|e| file_err(&path, format!("cannot open: {e}")))?;
+        let len = file.metadata().map_err(|e| file_err(&path, format!("cannot stat: {e}")))?.len();
+        if len < 8 {
+            return Err(file_err(
+                &path,
+                format!("not a safetensors file: {len} bytes, shorter than the 8-byte header length"),
+            ));
+        }
+        // SAFETY: the map is read-only and private to this process. Its contents
+        // are only read through bounds-checked slices of the header-validated
+        // layout, and every tensor is copied out before use. Another process
+        // truncating the file while it is mapped could fault; kiln itself never
+        // writes a file in place (saves go to a temporary file and are renamed).
+        let mmap = unsafe { memmap2::MmapOptions::new().map(&file) }
+            .map_err(|e| file_err(&path, format!("cannot memory-map: {e}")))?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| {
+            file_err(
+                &path,
+                format!("invalid or truncated safetensors file ({e}); the file may be incomplete or corrupt"),
+            )
+        })?;
+        Ok(SafetensorsFile { path, mmap, header_len, metadata })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The tensor names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut n: Vec<String> = self.metadata.tensors().into_keys().collect();
+        n.sort();
+        n
+    }
+
+    /// The `__metadata__` strings of the header (e.g. `{"format": "pt"}`).
+    pub fn user_metadata(&self) -> BTreeMap<String, String> {
+        self.metadata.metadata().as_ref().map(|m| m.clone().into_iter().collect()).unwrap_or_default()
+    }
+
+    /// The stored dtype and shape of `name`, if present.
+    pub fn info(&self, name: &str) -> Option<(Dtype, Vec<usize>)> {
+        self.metadata.info(name).map(|i| (i.dtype, i.shape.clone()))
+    }
+
+    /// Reads tensor `name` onto `device`. With `dtype`, floating-point tensors
+    /// are converted to it (integer tensors keep an integer dtype); without,
+    /// the stored dtype is kept (8-bit floats are decoded to float32).
+    pub fn tensor(&self, name: &str, dtype: Option<DType>, device: Device) -> Result<Tensor> {
+        let info = self.metadata.info(name).ok_or_else(|| file_err(&self.path, format!("no tensor named {name:?}")))?;
+        let t = self.decode(name, info)?;
+        let t = match dtype {
+            Some(dt) if t.dtype().is_float() && dt.is_float() => t.to_dtype(dt)?,
+            _ => t,
+        };
+        t.to_device(device)
+    }
+
+    /// Reads every tensor (see [`SafetensorsFile::tensor`]).
+    pub fn tensors(&self, dtype: Option<DType>, device: Device) -> Result<BTreeMap<String, Tensor>> {
+        self.names().into_iter().map(|n| Ok((n.clone(), self.tensor(&n, dtype, device)?))).collect()
+    }
+
+    /// The bytes of one tensor, as a CPU tensor of its (decoded) dtype.
+    fn decode(&self, name: &str, info: &TensorInfo) -> Result<Tensor> {
+        let start = 8 + self.header_len;
+        let (a, b) = info.data_offsets;
+        let bytes = self
+            .mmap
+            .get(start + a..start + b)
+            .ok_or_else(|| file_err(&self.path, format!("tensor {name:?}: data offsets {a}..{b} outside the file")))?;
+        let bad = |e: Error| file_err(&self.path, format!("tensor {name:?}: {e}"));
+        let buf = match info.dtype {
+            Dtype::BOOL => HostBuffer::from_le_bytes(DType::Bool, bytes).map_err(bad)?,
+            Dtype::U8 => HostBuffer::from_le_bytes(DType::U8, bytes).map_err(bad)?,
+            Dtype::I8 => HostBuffer::from_le_bytes(DType::I8, bytes).map_err(bad)?,
+            Dtype::I16 => HostBuffer::from_le_bytes(DType::I16, bytes).map_err(bad)?,
+            Dtype::I32 => HostBuffer::from_le_bytes(DType::I32, bytes).map_err(bad)?,
+            Dtype::I64 => HostBuffer::from_le_bytes(DType::I64, bytes).map_err(bad)?,
+            Dtype::F16 => HostBuffer::from_le_bytes(DType::F16, bytes).map_err(bad)?,
+            Dtype::BF16 => HostBuffer::from_le_bytes(DType::BF16, bytes).map_err(bad)?,
+            Dtype::F32 => HostBuffer::from_le_bytes(DType::F32, bytes).map_err(bad)?,
+            Dtype::F64 => HostBuffer::from_le_bytes(DType::F64, bytes).map_err(bad)?,
+            Dtype::U16 => {
+                HostBuffer::I32(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as i32).collect())
+            }
+            Dtype::U32 => HostBuffer::I64(
+                bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect(),
+            ),
+            Dtype::U64 => HostBuffer::I64(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| {
+                        let v = u64::from_le_bytes(c.try_into().expect("8-byte chunk"));
+                        i64::try_from(v).map_err(|_| {
+                            file_err(&self.path, format!("tensor {name:?}: u64 value {v} does not fit int64"))
+                        })
+                    })
+                    .collect::<Result<Vec<i64>>>()?,
+            ),
+            Dtype::F8_E5M2 => {
+                HostBuffer::F32(bytes.iter().map(|&x| f16::from_bits((x as u16) << 8).to_f32()).collect())
+            }
+            Dtype::F8_E4M3 => HostBuffer::F32(bytes.iter().map(|&x| f8_e4m3fn_to_f32(x)).collect()),
+            other => {
+                return Err(file_err(&self.path, format!("tensor {name:?}: dtype {other:?} is not supported")));
+            }
+        };
+        Tensor::from_host(buf, &info.shape, Device::Cpu).map_err(bad)
+    }
+}
+
+/// Decodes an OCP FP8 E4M3 (`float8_e4m3fn`: bias 7, no infinities, `S.1111.111` NaN).
+fn f8_e4m3fn_to_f32(x: u8) -> f32 {
+    let sign = if x & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((x >> 3) & 0x0f) as i32;
+    let m = (x & 0x07) as f32;
+    if e == 0x0f && (x & 0x07) == 0x07 {
+        return f32::NAN;
+    }
+    if e == 0 {
+        sign * m / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    }
+}
+
+/// Reads every tensor of a safetensors file (CPU, stored dtypes).
+///
+/// ```no_run
+/// let tensors = kiln::nn::io::load_safetensors("golden.safetensors")?;
+/// let ids = &tensors["input_ids"];
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub fn load_safetensors(path: impl AsRef<Path>) -> Result<BTreeMap<String, Tensor>> {
+    SafetensorsFile::open(path)?.tensors(None, Device::Cpu)
+}
+
+fn st_dtype(dt: DType) -> Dtype {
+    match dt {
+        DType::Bool => Dtype::BOOL,
+        DType::U8 => Dtype::U8,
+        DType::I8 => Dtype::I8,
+        DType::I16 => Dtype::I16,
+        DType::I32 => Dtype::I32,
+        DType::I64 => Dtype::I64,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        DType::F32 => Dtype::F32,
+        DType::F64 => Dtype::F64,
+    }
+}
+
+/// Writes `bytes` to `path` atomically: into a temporary file in the same
+/// directory (synced to disk), then renamed over `path`. A crash leaves
+/// either the old file or the new one, never a partial one.
+pub fn write_atomic(path: &Path, write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let file_name = path.file_name().ok_or_else(|| file_err(path, "not a file path"))?.to_string_lossy().to_string();
+    let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
+    let result = (|| -> std::io::Result<()> {
+        let f = File::create(&tmp)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        write(&mut w)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(file_err(path, format!("cannot write: {e}")));
+    }
+    Ok(())
+}
+
+/// Writes `tensors` to a safetensors file at `path` (atomically, see
+/// [`write_atomic`]), with optional `__metadata__` strings (Hugging Face
+/// writes `{"format": "pt"}`). Tensors are copied to the host one at a time.
+///
+/// ```no_run
+/// use kiln::prelude::*;
+/// use std::collections::BTreeMap;
+/// let mut m = BTreeMap::new();
+/// m.insert("x".to_string(), Tensor::ones(&[2, 2], DType::F32)?);
+/// kiln::nn::io::save_safetensors("out.safetensors", &m, None)?;
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub fn save_safetensors(
+    path: impl AsRef<Path>,
+    tensors: &BTreeMap<String, Tensor>,
+    metadata: Option<&BTreeMap<String, String>>,
+) -> Result<()> {
+    let path = path.as_ref();
+    // Header: {"__metadata__": {...}, name: {dtype, shape, data_offsets}}, in name order.
+    let mut header = serde_json::Map::new();
+    if let Some(m) = metadata {
+        let m: serde_json::Map<String, serde_json::Value> =
+            m.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect();
+        header.insert("__metadata__".into(), serde_json::Value::Object(m));
+    }
+    let mut offset = 0usize;
+    for (name, t) in tensors {
+        let n = t.numel() * t.dtype().size_in_bytes();
+        let dtype = serde_json::to_value(st_dtype(t.dtype())).map_err(|e| file_err(path, e))?;
+        header.insert(
+            name.clone(),
+            serde_json::json!({ "dtype": dtype, "shape": t.shape(), "data_offsets": [offset, offset + n] }),
+        );
+        offset += n;
+    }
+    let mut header = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| file_err(path, e))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut err = None;
+    write_atomic(path, |w| {
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
+        for (name, t) in tensors {
+            match t.to_host() {
+                Ok(h) => w.write_all(&h.to_le_bytes())?,
+                Err(e) => {
+                    err = Some(file_err(path, format!("tensor {name:?}: {e}")));
+                    return Err(std::io::Error::other("reading a tensor failed"));
+                }
+            }
+        }
+        Ok(())
+    })
+    .map_err(|e| err.take().unwrap_or(e))
+}
+
+/// The `__metadata__` Hugging Face writes into model files.
+pub(crate) fn pt_metadata() -> BTreeMap<String, String> {
+    BTreeMap::from([("format".to_string(), "pt".to_string())])
+}

@@ -1,0 +1,383 @@
+//! Grouped-query causal self-attention (Llama, Qwen3) with an optional KV cache,
+//! and the additive causal/padding mask it takes.
+use super::{Dropout, Linear, RmsNorm, RopeTables};
+use crate::module::{join_name, Module};
+use kiln_tensor::half::{bf16, f16};
+use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
+
+/// The shape of an attention block.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionConfig {
+    /// Model width (input and output features).
+    pub hidden_size: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (query head `j` uses kv head `j / (num_heads / num_kv_heads)`).
+    pub num_kv_heads: usize,
+    /// Features per head.
+    pub head_dim: usize,
+    /// Biases on q/k/v/o projections (`attention_bias`).
+    pub bias: bool,
+    /// Per-head RMSNorm of queries and keys with this eps (Qwen3), applied after
+    /// the projection and before RoPE.
+    pub qk_norm_eps: Option<f64>,
+    /// Dropout on the attention probabilities in training mode.
+    pub dropout: f64,
+}
+
+/// The keys and values of one attention layer seen so far, for incremental
+/// decoding. Buffers `[B, kv_heads, capacity, head_dim]` grow by doubling;
+/// attention reads the filled prefix as a view.
+#[derive(Debug, Clone, Default)]
+pub struct LayerKvCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    len: usize,
+    capacity_hint: usize,
+}
+
+impl LayerKvCache {
+    /// An empty cache that allocates room for `capacity` positions on first use.
+    pub fn with_capacity(capacity: usize) -> LayerKvCache {
+        LayerKvCache { capacity_hint: capacity, ..Default::default() }
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True before anything was cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Appends `k`, `v` (`[B, kv_heads, T, head_dim]`) and returns views of all
+    /// cached keys and values (`[B, kv_heads, len, head_dim]`).
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = k.shape()[2];
+        let need = self.len + t;
+        let cap = self.k.as_ref().map_or(0, |b| b.shape()[2]);
+        if let Some(kb) = &self.k {
+            let (s, n) = (kb.shape(), k.shape());
+            if s[0] != n[0] || s[1] != n[1] || s[3] != n[3] || kb.dtype() != k.dtype() {
+                return Err(Error::shape(
+                    "LayerKvCache::append",
+                    format!(
+                        "keys of shape {:?} ({}) do not fit a cache of shape {:?} ({})",
+                        n,
+                        k.dtype(),
+                        s,
+                        kb.dtype()
+                    ),
+                ));
+            }
+        }
+        if need > cap {
+            let new_cap = need.max(2 * cap).max(self.capacity_hint);
+            let grow = |old: &Option<Tensor>, like: &Tensor| -> Result<Tensor> {
+                let s = like.shape();
+                let buf = Tensor::zeros(&[s[0], s[1], new_cap, s[3]], (like.dtype(), like.device()))?;
+                if let Some(o) = old {
+                    buf.narrow(2, 0, self.len)?.copy_(&o.narrow(2, 0, self.len)?)?;
+                }
+                Ok(buf)
+            };
+            self.k = Some(grow(&self.k, k)?);
+            self.v = Some(grow(&self.v, v)?);
+        }
+        let (kb, vb) = (self.k.as_ref().expect("allocated above"), self.v.as_ref().expect("allocated above"));
+        kb.narrow(2, self.len as isize, t)?.copy_(k)?;
+        vb.narrow(2, self.len as isize, t)?.copy_(v)?;
+        self.len = need;
+        Ok((kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?))
+    }
+}
+
+/// The additive attention mask for `t` new queries at positions `past .. past + t`
+/// over `past + t` keys: 0 where a query may attend, the dtype's lowest value
+/// where it may not (as transformers builds it, so a fully masked row gives a
+/// uniform distribution rather than NaN).
+///
+/// Without `padding` the mask is `[t, past + t]` (shared by the batch) and
+/// `None` when nothing is masked (a single new query). With `padding`
+/// (`[B, past + t]`, 1 for real tokens and 0 for padding) it is
+/// `[B, 1, t, past + t]` and also hides padded keys.
+pub fn causal_mask(
+    t: usize,
+    past: usize,
+    padding: Option<&Tensor>,
+    dtype: DType,
+    device: Device,
+) -> Result<Option<Tensor>> {
+    let s = past + t;
+    let min = match dtype {
+        DType::F32 => f32::MIN as f64,
+        DType::F64 => f64::MIN,
+        DType::BF16 => bf16::MIN.to_f64(),
+        DType::F16 => f16::MIN.to_f64(),
+        d => return Err(Error::dtype("causal_mask", format!("expected a floating point dtype, got {d}"))),
+    };
+    let causal = |i: usize, j: usize| j <= past + i;
+    let (values, shape) = match padding {
+        None if t <= 1 => return Ok(None),
+        None => {
+            let v: Vec<f64> = (0..t).flat_map(|i| (0..s).map(move |j| if causal(i, j) { 0.0 } else { min })).collect();
+            (v, vec![t, s])
+        }
+        Some(p) => {
+            if p.ndim() != 2 || p.shape()[1] != s {
+                return Err(Error::shape(
+                    "causal_mask",
+                    format!(
+                        "expected an attention mask of shape [B, {s}] (past {past} + new {t}), got {:?}",
+                        p.shape()
+                    ),
+                ));
+            }
+            let b = p.shape()[0];
+            let keep = p.to_vec_f64()?;
+            let mut v = Vec::with_capacity(b * t * s);
+            for bi in 0..b {
+                for i in 0..t {
+                    for j in 0..s {
+                        v.push(if causal(i, j) && keep[bi * s + j] != 0.0 { 0.0 } else { min });
+                    }
+                }
+            }
+            (v, vec![b, 1, t, s])
+        }
+    };
+    // The lowest value of every half or single dtype is exact in f32: build in f32 unless f64.
+    let host = if dtype == DType::F64 {
+        Tensor::from_vec(values, &shape)?
+    } else {
+        Tensor::from_vec(values.into_iter().map(|x| x as f32).collect::<Vec<f32>>(), &shape)?
+    };
+    Ok(Some(host.to_dtype(dtype)?.to_device(device)?))
+}
+
+/// Grouped-query causal self-attention (`LlamaAttention`, `Qwen3Attention`):
+/// `o_proj(softmax(q k^T / sqrt(d) + mask) v)` with RoPE on `q` and `k`.
+///
+/// Heads are never looped over nor copied for the grouping: queries `[B, H, T, d]`
+/// are viewed as `[B, KV, (H/KV)*T, d]`, so one batched matmul against keys
+/// `[B, KV, S, d]` serves every query head of a group.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    /// `[heads * head_dim, hidden]`.
+    pub q_proj: Linear,
+    /// `[kv_heads * head_dim, hidden]`.
+    pub k_proj: Linear,
+    /// `[kv_heads * head_dim, hidden]`.
+    pub v_proj: Linear,
+    /// `[hidden, heads * head_dim]`.
+    pub o_proj: Linear,
+    /// Qwen3's per-head query norm (`[head_dim]`).
+    pub q_norm: Option<RmsNorm>,
+    /// Qwen3's per-head key norm (`[head_dim]`).
+    pub k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    scaling: f64,
+    dropout: Dropout,
+}
+
+impl Attention {
+    /// A block with `N(0, std²)` projection weights and unit norms.
+    pub fn new(cfg: &AttentionConfig, std: f64, opts: impl Into<TensorOptions>) -> Result<Attention> {
+        let opts = opts.into();
+        if cfg.num_kv_heads == 0 || cfg.num_heads % cfg.num_kv_heads != 0 {
+            return Err(Error::invalid(
+                "Attention",
+                format!(
+                    "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                    cfg.num_heads, cfg.num_kv_heads
+                ),
+            ));
+        }
+        let (h, kv, d, c) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size);
+        let norm = |on: Option<f64>| on.map(|eps| RmsNorm::new(d, eps, opts)).transpose();
+        Ok(Attention {
+            q_proj: Linear::new_normal(c, h * d, cfg.bias, std, opts)?,
+            k_proj: Linear::new_normal(c, kv * d, cfg.bias, std, opts)?,
+            v_proj: Linear::new_normal(c, kv * d, cfg.bias, std, opts)?,
+            o_proj: Linear::new_normal(h * d, c, cfg.bias, std, opts)?,
+            q_norm: norm(cfg.qk_norm_eps)?,
+            k_norm: norm(cfg.qk_norm_eps)?,
+            num_heads: h,
+            num_kv_heads: kv,
+            head_dim: d,
+            scaling: 1.0 / (d as f64).sqrt(),
+            dropout: Dropout::new(cfg.dropout)?,
+        })
+    }
+
+    /// A block around existing layers (shapes checked against `cfg`; `cfg.bias`
+    /// and `cfg.qk_norm_eps` are taken from the layers given).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_parts(
+        cfg: &AttentionConfig,
+        q_proj: Linear,
+        k_proj: Linear,
+        v_proj: Linear,
+        o_proj: Linear,
+        q_norm: Option<RmsNorm>,
+        k_norm: Option<RmsNorm>,
+    ) -> Result<Attention> {
+        let (h, kv, d, c) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size);
+        if kv == 0 || h % kv != 0 {
+            return Err(Error::invalid(
+                "Attention",
+                format!("num_attention_heads ({h}) must be a multiple of num_key_value_heads ({kv})"),
+            ));
+        }
+        for (name, l, want) in [
+            ("q_proj", &q_proj, [h * d, c]),
+            ("k_proj", &k_proj, [kv * d, c]),
+            ("v_proj", &v_proj, [kv * d, c]),
+            ("o_proj", &o_proj, [c, h * d]),
+        ] {
+            if l.weight.shape() != want {
+                return Err(Error::shape(
+                    "Attention",
+                    format!("{name}.weight has shape {:?}, expected {:?}", l.weight.shape(), want),
+                ));
+            }
+        }
+        for (name, n) in [("q_norm", &q_norm), ("k_norm", &k_norm)] {
+            if let Some(n) = n {
+                if n.weight.shape() != [d] {
+                    return Err(Error::shape(
+                        "Attention",
+                        format!("{name}.weight has shape {:?}, expected [{d}]", n.weight.shape()),
+                    ));
+                }
+            }
+        }
+        Ok(Attention {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            q_norm,
+            k_norm,
+            num_heads: h,
+            num_kv_heads: kv,
+            head_dim: d,
+            scaling: 1.0 / (d as f64).sqrt(),
+            dropout: Dropout::new(cfg.dropout)?,
+        })
+    }
+
+    /// Attention over `x: [B, T, hidden]` with RoPE tables for the `T` new
+    /// positions, an additive mask from [`causal_mask`] (`None`: nothing
+    /// masked), and optionally a cache holding earlier keys and values (updated
+    /// in place). Returns `[B, T, hidden]` (after `o_proj`).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RopeTables,
+        mask: Option<&Tensor>,
+        cache: Option<&mut LayerKvCache>,
+    ) -> Result<Tensor> {
+        if x.ndim() != 3 {
+            return Err(Error::shape("Attention", format!("expected input [B, T, hidden], got {:?}", x.shape())));
+        }
+        let (b, t) = (x.shape()[0], x.shape()[1]);
+        let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let g = h / kv;
+        // [B, T, H*d] -> [B, T, H, d] (-> per-head norm) -> [B, H, T, d] -> RoPE (contiguous result).
+        let heads = |proj: &Linear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = proj.forward(x)?.reshape_to(&[b, t, n, d])?;
+            let y = match norm {
+                Some(nm) => nm.forward(&y)?,
+                None => y,
+            };
+            rope.apply(&y.transpose(1, 2)?)
+        };
+        let q = heads(&self.q_proj, h, &self.q_norm)?;
+        let k = heads(&self.k_proj, kv, &self.k_norm)?;
+        let v = self.v_proj.forward(x)?.reshape_to(&[b, t, kv, d])?.transpose(1, 2)?; // [B, KV, T, d]
+        let (k, v) = match cache {
+            Some(c) => c.append(&k, &v)?,
+            None => (k, v),
+        };
+        let s = k.shape()[2];
+        // scores: [B, KV, G*T, d] @ [B, KV, d, S] -> [B, KV, G*T, S], seen as [B, H, T, S].
+        let qg = q.reshape_to(&[b, kv, g * t, d])?;
+        let scores = qg.matmul(&k.transpose(-1, -2)?)?.mul(self.scaling)?.reshape_to(&[b, h, t, s])?;
+        let scores = match mask {
+            Some(m) => scores.add(m)?,
+            None => scores,
+        };
+        let probs = softmax_f32(&scores)?;
+        let probs = self.dropout.forward(&probs)?;
+        // [B, KV, G*T, S] @ [B, KV, S, d] -> [B, KV, G*T, d] = [B, H, T, d] -> [B, T, H*d].
+        let out = probs.reshape_to(&[b, kv, g * t, s])?.matmul(&v)?;
+        let out = out.reshape_to(&[b, h, t, d])?.transpose(1, 2)?.reshape_to(&[b, t, h * d])?;
+        self.o_proj.forward(&out)
+    }
+
+    /// Query heads.
+    pub fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    /// Key/value heads.
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_kv_heads
+    }
+
+    /// Features per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+}
+
+/// Softmax over the last dim computed in float32 and cast back (transformers'
+/// `softmax(x, dim=-1, dtype=torch.float32).to(x.dtype)`).
+fn softmax_f32(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::F32 | DType::F64 => x.softmax(-1),
+        dt => x.to_dtype(DType::F32)?.softmax(-1)?.to_dtype(dt),
+    }
+}
+
+impl Module for Attention {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        self.q_proj.visit_params(&join_name(prefix, "q_proj"), f);
+        self.k_proj.visit_params(&join_name(prefix, "k_proj"), f);
+        self.v_proj.visit_params(&join_name(prefix, "v_proj"), f);
+        self.o_proj.visit_params(&join_name(prefix, "o_proj"), f);
+        if let Some(n) = &self.q_norm {
+            n.visit_params(&join_name(prefix, "q_norm"), f);
+        }
+        if let Some(n) = &self.k_norm {
+            n.visit_params(&join_name(prefix, "k_norm"), f);
+        }
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        self.q_proj.visit_params_mut(&join_name(prefix, "q_proj"), f)?;
+        self.k_proj.visit_params_mut(&join_name(prefix, "k_proj"), f)?;
+        self.v_proj.visit_params_mut(&join_name(prefix, "v_proj"), f)?;
+        self.o_proj.visit_params_mut(&join_name(prefix, "o_proj"), f)?;
+        if let Some(n) = &mut self.q_norm {
+            n.visit_params_mut(&join_name(prefix, "q_norm"), f)?;
+        }
+        if let Some(n) = &mut self.k_norm {
+            n.visit_params_mut(&join_name(prefix, "k_norm"), f)?;
+        }
+        Ok(())
+    }
+
+    fn train(&mut self, on: bool) {
+        self.dropout.train(on);
+    }
+
+    fn is_training(&self) -> bool {
+        self.dropout.is_training()
+    }
+}

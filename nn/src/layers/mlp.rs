@@ -1,0 +1,56 @@
+//! The SwiGLU MLP of Llama and Qwen: `down(silu(gate(x)) * up(x))`.
+use super::Linear;
+use crate::module::{join_name, Module};
+use kiln_tensor::{Result, Tensor, TensorOptions};
+
+/// The gated feed-forward block of Llama/Qwen (`LlamaMLP`): parameters
+/// `gate_proj` and `up_proj` (`[intermediate, hidden]`) and `down_proj`
+/// (`[hidden, intermediate]`).
+#[derive(Debug, Clone)]
+pub struct SwiGluMlp {
+    /// `[intermediate, hidden]`.
+    pub gate_proj: Linear,
+    /// `[intermediate, hidden]`.
+    pub up_proj: Linear,
+    /// `[hidden, intermediate]`.
+    pub down_proj: Linear,
+}
+
+impl SwiGluMlp {
+    /// A block with `N(0, std²)` weights (`bias` for all three projections).
+    pub fn new(
+        hidden: usize,
+        intermediate: usize,
+        bias: bool,
+        std: f64,
+        opts: impl Into<TensorOptions>,
+    ) -> Result<Self> {
+        let opts = opts.into();
+        Ok(SwiGluMlp {
+            gate_proj: Linear::new_normal(hidden, intermediate, bias, std, opts)?,
+            up_proj: Linear::new_normal(hidden, intermediate, bias, std, opts)?,
+            down_proj: Linear::new_normal(intermediate, hidden, bias, std, opts)?,
+        })
+    }
+
+    /// `down(silu(gate(x)) * up(x))` for `x: [..., hidden]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.gate_proj.forward(x)?.silu()?;
+        let u = self.up_proj.forward(x)?;
+        self.down_proj.forward(&g.mul(&u)?)
+    }
+}
+
+impl Module for SwiGluMlp {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        self.gate_proj.visit_params(&join_name(prefix, "gate_proj"), f);
+        self.up_proj.visit_params(&join_name(prefix, "up_proj"), f);
+        self.down_proj.visit_params(&join_name(prefix, "down_proj"), f);
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        self.gate_proj.visit_params_mut(&join_name(prefix, "gate_proj"), f)?;
+        self.up_proj.visit_params_mut(&join_name(prefix, "up_proj"), f)?;
+        self.down_proj.visit_params_mut(&join_name(prefix, "down_proj"), f)
+    }
+}

@@ -1,0 +1,101 @@
+//! Normalisation layers: `RmsNorm` (Llama, Qwen) and `LayerNorm`.
+use super::parameter;
+use crate::module::{join_name, Module};
+use kiln_tensor::{DType, Result, Tensor, TensorOptions};
+
+/// RMS normalisation over the last dim, as Llama computes it (`LlamaRMSNorm`):
+/// in float32, `y = x * rsqrt(mean(x², -1) + eps)`, cast back to the input
+/// dtype, then times `weight`.
+///
+/// ```
+/// use kiln::prelude::*;
+/// use kiln::nn::layers::RmsNorm;
+/// let norm = RmsNorm::new(2, 0.0, DType::F32)?;
+/// let y = norm.forward(&Tensor::new([[3.0f32, 4.0]])?)?.to_vec::<f32>()?;
+/// assert!((y[0] - 3.0 / 12.5f32.sqrt()).abs() < 1e-6);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    /// `[dim]`, initialised to ones.
+    pub weight: Tensor,
+    /// Added to the mean square before the square root.
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    /// A norm over `dim` features with a weight of ones.
+    pub fn new(dim: usize, eps: f64, opts: impl Into<TensorOptions>) -> Result<RmsNorm> {
+        let opts = opts.into();
+        Ok(RmsNorm { weight: parameter(Tensor::ones(&[dim], DType::F32)?, opts)?, eps })
+    }
+
+    /// Normalises `x: [..., dim]` over its last dim.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dt = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let ms = x32.square()?.mean_dim(-1, true)?;
+        let y = x32.mul(&ms.add(self.eps)?.rsqrt()?)?.to_dtype(dt)?;
+        self.weight.mul(&y)
+    }
+}
+
+impl Module for RmsNorm {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        f(&join_name(prefix, "weight"), &self.weight);
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        f(&join_name(prefix, "weight"), &mut self.weight)
+    }
+}
+
+/// Layer normalisation over the last dim (`torch.nn.LayerNorm(dim)`):
+/// `(x - mean) / sqrt(var + eps) * weight + bias`, biased variance,
+/// half-precision inputs computed in float32.
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    /// `[dim]`, initialised to ones (absent without an elementwise affine).
+    pub weight: Option<Tensor>,
+    /// `[dim]`, initialised to zeros (absent without a bias).
+    pub bias: Option<Tensor>,
+    /// Added to the variance before the square root.
+    pub eps: f64,
+    dim: usize,
+}
+
+impl LayerNorm {
+    /// A norm over `dim` features with weight ones and bias zeros.
+    pub fn new(dim: usize, eps: f64, affine: bool, bias: bool, opts: impl Into<TensorOptions>) -> Result<LayerNorm> {
+        let opts = opts.into();
+        let weight = if affine { Some(parameter(Tensor::ones(&[dim], DType::F32)?, opts)?) } else { None };
+        let bias = if affine && bias { Some(parameter(Tensor::zeros(&[dim], DType::F32)?, opts)?) } else { None };
+        Ok(LayerNorm { weight, bias, eps, dim })
+    }
+
+    /// Normalises `x: [..., dim]` over its last dim.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.layer_norm(&[self.dim], self.weight.as_ref(), self.bias.as_ref(), self.eps)
+    }
+}
+
+impl Module for LayerNorm {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        if let Some(w) = &self.weight {
+            f(&join_name(prefix, "weight"), w);
+        }
+        if let Some(b) = &self.bias {
+            f(&join_name(prefix, "bias"), b);
+        }
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        if let Some(w) = &mut self.weight {
+            f(&join_name(prefix, "weight"), w)?;
+        }
+        if let Some(b) = &mut self.bias {
+            f(&join_name(prefix, "bias"), b)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,319 @@
+//! `LlamaConfig`: the fields of a Hugging Face Llama/Qwen3 `config.json`, read
+//! from either RoPE layout (transformers 5's `rope_parameters`, or the
+//! top-level `rope_theta` / `rope_scaling` of most Hub checkpoints).
+use crate::layers::RopeScaling;
+use kiln_tensor::{DType, Error, Result};
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// The architecture family named by `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelType {
+    /// Llama 2 / 3 (`"llama"`).
+    Llama,
+    /// Qwen3 (`"qwen3"`): per-head RMSNorm of queries and keys.
+    Qwen3,
+}
+
+impl ModelType {
+    /// The `model_type` string.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelType::Llama => "llama",
+            ModelType::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// A Llama-family configuration (one type for Llama 2/3 and Qwen3).
+///
+/// ```
+/// use kiln::nn::models::{LlamaConfig, ModelType};
+/// let cfg = LlamaConfig::from_json_str(r#"{
+///     "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
+///     "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+///     "rms_norm_eps": 1e-5, "rope_theta": 500000.0
+/// }"#)?;
+/// assert_eq!(cfg.head_dim, 8);
+/// assert_eq!(cfg.model_type, ModelType::Llama);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// `llama` or `qwen3`.
+    pub model_type: ModelType,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Model width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (defaults to `num_attention_heads`).
+    pub num_key_value_heads: usize,
+    /// Features per head (defaults to `hidden_size / num_attention_heads`).
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// RoPE frequency scheme.
+    pub rope_scaling: RopeScaling,
+    /// Whether `lm_head` reuses `model.embed_tokens.weight`.
+    pub tie_word_embeddings: bool,
+    /// Longest sequence the model was configured for.
+    pub max_position_embeddings: usize,
+    /// Biases on the attention projections.
+    pub attention_bias: bool,
+    /// Biases on the MLP projections (Llama's `mlp_bias`).
+    pub mlp_bias: bool,
+    /// Dropout on attention probabilities (training only).
+    pub attention_dropout: f64,
+    /// Standard deviation of the random initialisation.
+    pub initializer_range: f64,
+    /// Beginning-of-sequence token, if any.
+    pub bos_token_id: Option<i64>,
+    /// End-of-sequence tokens (generation stops on any of them).
+    pub eos_token_ids: Vec<i64>,
+    /// The dtype the checkpoint was saved in (`dtype` or `torch_dtype`), if given.
+    pub torch_dtype: Option<DType>,
+    /// The parsed JSON, kept so that saving preserves fields kiln does not use.
+    pub raw: Option<Value>,
+}
+
+fn cfg_err(msg: impl Into<String>) -> Error {
+    Error::invalid("LlamaConfig", msg)
+}
+
+fn get_usize(v: &Value, key: &str) -> Result<Option<usize>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| cfg_err(format!("{key} must be a non-negative integer, got {x}"))),
+    }
+}
+
+fn need_usize(v: &Value, key: &str) -> Result<usize> {
+    get_usize(v, key)?.ok_or_else(|| cfg_err(format!("config.json has no {key}")))
+}
+
+fn get_f64(v: &Value, key: &str) -> Result<Option<f64>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x.as_f64().map(Some).ok_or_else(|| cfg_err(format!("{key} must be a number, got {x}"))),
+    }
+}
+
+fn get_bool(v: &Value, key: &str) -> Result<Option<bool>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x.as_bool().map(Some).ok_or_else(|| cfg_err(format!("{key} must be true or false, got {x}"))),
+    }
+}
+
+fn token_ids(v: &Value, key: &str) -> Result<Vec<i64>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(Value::Array(a)) => {
+            a.iter().map(|x| x.as_i64().ok_or_else(|| cfg_err(format!("{key} must hold integers, got {x}")))).collect()
+        }
+        Some(x) => x.as_i64().map(|i| vec![i]).ok_or_else(|| cfg_err(format!("{key} must be an integer, got {x}"))),
+    }
+}
+
+/// The RoPE scheme from a `rope_parameters` or `rope_scaling` object.
+fn parse_rope(obj: &Value, max_pos: usize) -> Result<RopeScaling> {
+    let kind = obj.get("rope_type").or_else(|| obj.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
+    let factor = || get_f64(obj, "factor")?.ok_or_else(|| cfg_err(format!("rope type {kind:?} needs a factor")));
+    match kind {
+        "default" => Ok(RopeScaling::Default),
+        "linear" => Ok(RopeScaling::Linear { factor: factor()? }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: factor()?,
+            low_freq_factor: get_f64(obj, "low_freq_factor")?
+                .ok_or_else(|| cfg_err("llama3 rope needs low_freq_factor"))?,
+            high_freq_factor: get_f64(obj, "high_freq_factor")?
+                .ok_or_else(|| cfg_err("llama3 rope needs high_freq_factor"))?,
+            original_max_position_embeddings: get_usize(obj, "original_max_position_embeddings")?.unwrap_or(max_pos),
+        }),
+        other => Err(cfg_err(format!("rope type {other:?} is not supported (supported: default, linear, llama3)"))),
+    }
+}
+
+impl LlamaConfig {
+    /// Parses the text of a `config.json`.
+    pub fn from_json_str(text: &str) -> Result<LlamaConfig> {
+        let v: Value = serde_json::from_str(text).map_err(|e| cfg_err(format!("invalid JSON: {e}")))?;
+        LlamaConfig::from_json(&v)
+    }
+
+    /// Reads `path` (a `config.json`).
+    pub fn from_file(path: impl AsRef<Path>) -> Result<LlamaConfig> {
+        let path = path.as_ref();
+        let text =
+            std::fs::read_to_string(path).map_err(|e| cfg_err(format!("cannot read {}: {e}", path.display())))?;
+        LlamaConfig::from_json_str(&text).map_err(|e| cfg_err(format!("{}: {e}", path.display())))
+    }
+
+    /// Reads the fields from a parsed `config.json`.
+    pub fn from_json(v: &Value) -> Result<LlamaConfig> {
+        if !v.is_object() {
+            return Err(cfg_err("config.json must hold a JSON object"));
+        }
+        let model_type = match v.get("model_type").and_then(|m| m.as_str()) {
+            Some("llama") => ModelType::Llama,
+            Some("qwen3") => ModelType::Qwen3,
+            Some(other) => {
+                return Err(cfg_err(format!("model_type {other:?} is not supported (supported: llama, qwen3)")))
+            }
+            None => return Err(cfg_err("config.json has no model_type")),
+        };
+        if let Some(act) = v.get("hidden_act").and_then(|a| a.as_str()) {
+            if act != "silu" {
+                return Err(cfg_err(format!("hidden_act {act:?} is not supported (only silu)")));
+            }
+        }
+        if get_bool(v, "use_sliding_window")?.unwrap_or(false) {
+            return Err(cfg_err("sliding-window attention (use_sliding_window: true) is not supported"));
+        }
+        let hidden_size = need_usize(v, "hidden_size")?;
+        let num_attention_heads = need_usize(v, "num_attention_heads")?;
+        if num_attention_heads == 0 {
+            return Err(cfg_err("num_attention_heads must be positive"));
+        }
+        let num_key_value_heads = get_usize(v, "num_key_value_heads")?.unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(cfg_err(format!(
+                "num_attention_heads ({num_attention_heads}) must be a multiple of num_key_value_heads ({num_key_value_heads})"
+            )));
+        }
+        let head_dim = get_usize(v, "head_dim")?.unwrap_or(hidden_size / num_attention_heads);
+        let default_max = if model_type == ModelType::Qwen3 { 32768 } else { 2048 };
+        let max_position_embeddings = get_usize(v, "max_position_embeddings")?.unwrap_or(default_max);
+        // transformers 5: "rope_parameters": {"rope_theta", "rope_type", ...};
+        // transformers 4 / most Hub files: top-level "rope_theta" and "rope_scaling" (or null).
+        let (rope_theta, rope_scaling) = match v.get("rope_parameters") {
+            Some(p) if p.is_object() => {
+                let theta = get_f64(p, "rope_theta")?.or(get_f64(v, "rope_theta")?).unwrap_or(10000.0);
+                (theta, parse_rope(p, max_position_embeddings)?)
+            }
+            _ => {
+                let theta = get_f64(v, "rope_theta")?.unwrap_or(10000.0);
+                let scaling = match v.get("rope_scaling") {
+                    Some(s) if s.is_object() => parse_rope(s, max_position_embeddings)?,
+                    _ => RopeScaling::Default,
+                };
+                (theta, scaling)
+            }
+        };
+        if let Some(f) = get_f64(v, "partial_rotary_factor")? {
+            if f != 1.0 {
+                return Err(cfg_err(format!("partial_rotary_factor {f} is not supported (only 1.0)")));
+            }
+        }
+        let torch_dtype =
+            v.get("dtype").or_else(|| v.get("torch_dtype")).and_then(|d| d.as_str()).and_then(DType::from_name);
+        Ok(LlamaConfig {
+            model_type,
+            vocab_size: need_usize(v, "vocab_size")?,
+            hidden_size,
+            intermediate_size: need_usize(v, "intermediate_size")?,
+            num_hidden_layers: need_usize(v, "num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: get_f64(v, "rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: get_bool(v, "tie_word_embeddings")?.unwrap_or(false),
+            max_position_embeddings,
+            attention_bias: get_bool(v, "attention_bias")?.unwrap_or(false),
+            mlp_bias: get_bool(v, "mlp_bias")?.unwrap_or(false),
+            attention_dropout: get_f64(v, "attention_dropout")?.unwrap_or(0.0),
+            initializer_range: get_f64(v, "initializer_range")?.unwrap_or(0.02),
+            bos_token_id: token_ids(v, "bos_token_id")?.first().copied(),
+            eos_token_ids: token_ids(v, "eos_token_id")?,
+            torch_dtype,
+            raw: Some(v.clone()),
+        })
+    }
+
+    /// Whether queries and keys get a per-head RMSNorm (Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.model_type == ModelType::Qwen3
+    }
+
+    /// The `config.json` to save with weights of `dtype`: the parsed JSON with
+    /// kiln's fields written over it (so unknown fields survive), or a fresh
+    /// object in the widely read transformers 4 layout (top-level
+    /// `rope_theta` / `rope_scaling`).
+    pub fn to_json(&self, dtype: DType) -> Value {
+        let mut v = match &self.raw {
+            Some(Value::Object(o)) => Value::Object(o.clone()),
+            _ => json!({}),
+        };
+        let arch = match self.model_type {
+            ModelType::Llama => "LlamaForCausalLM",
+            ModelType::Qwen3 => "Qwen3ForCausalLM",
+        };
+        let rope = match &self.rope_scaling {
+            RopeScaling::Default => Value::Null,
+            RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                json!({
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings,
+                })
+            }
+        };
+        let o = v.as_object_mut().expect("an object");
+        let mut set = |k: &str, x: Value| {
+            o.insert(k.to_string(), x);
+        };
+        set("architectures", json!([arch]));
+        set("model_type", json!(self.model_type.name()));
+        set("vocab_size", json!(self.vocab_size));
+        set("hidden_size", json!(self.hidden_size));
+        set("intermediate_size", json!(self.intermediate_size));
+        set("num_hidden_layers", json!(self.num_hidden_layers));
+        set("num_attention_heads", json!(self.num_attention_heads));
+        set("num_key_value_heads", json!(self.num_key_value_heads));
+        set("head_dim", json!(self.head_dim));
+        set("rms_norm_eps", json!(self.rms_norm_eps));
+        set("tie_word_embeddings", json!(self.tie_word_embeddings));
+        set("max_position_embeddings", json!(self.max_position_embeddings));
+        set("attention_bias", json!(self.attention_bias));
+        set("attention_dropout", json!(self.attention_dropout));
+        set("initializer_range", json!(self.initializer_range));
+        set("hidden_act", json!("silu"));
+        if self.model_type == ModelType::Llama {
+            set("mlp_bias", json!(self.mlp_bias));
+        }
+        let dtype_key = if o_has(&self.raw, "dtype") { "dtype" } else { "torch_dtype" };
+        if o_has(&self.raw, "rope_parameters") {
+            let mut p = match &rope {
+                Value::Object(m) => m.clone(),
+                _ => serde_json::Map::from_iter([("rope_type".to_string(), json!("default"))]),
+            };
+            p.insert("rope_theta".into(), json!(self.rope_theta));
+            set("rope_parameters", Value::Object(p));
+        } else {
+            set("rope_theta", json!(self.rope_theta));
+            set("rope_scaling", rope);
+        }
+        set(dtype_key, json!(dtype.name()));
+        v
+    }
+}
+
+fn o_has(raw: &Option<Value>, key: &str) -> bool {
+    raw.as_ref().and_then(|r| r.get(key)).is_some()
+}

@@ -1,0 +1,564 @@
+//! `LlamaForCausalLM`: one implementation of the Llama 2/3 and Qwen3 decoder
+//! (pre-norm residual blocks of grouped-query attention with RoPE and a
+//! SwiGLU MLP), with Hugging Face parameter names, loading and saving.
+use super::config::LlamaConfig;
+use crate::io::{load_checkpoint_dir, save_checkpoint_dir, write_atomic};
+use crate::layers::{
+    causal_mask, normal_param, parameter, Attention, AttentionConfig, Embedding, LayerKvCache, Linear, RmsNorm,
+    RotaryEmbedding, SwiGluMlp,
+};
+use crate::module::{join_name, Module};
+use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// How a parameter starts when a model is built from scratch.
+#[derive(Debug, Clone, Copy)]
+enum Init {
+    Normal,
+    Ones,
+    Zeros,
+}
+
+/// Supplies each parameter by name and shape while a model is built.
+type Source<'a> = dyn FnMut(&str, &[usize], Init) -> Result<Tensor> + 'a;
+
+fn linear(src: &mut Source<'_>, name: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
+    let w = src(&join_name(name, "weight"), &[out, inp], Init::Normal)?;
+    let b = if bias { Some(src(&join_name(name, "bias"), &[out], Init::Zeros)?) } else { None };
+    Linear::from_weights(w, b)
+}
+
+fn rms(src: &mut Source<'_>, name: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
+    Ok(RmsNorm { weight: src(&join_name(name, "weight"), &[dim], Init::Ones)?, eps })
+}
+
+/// The keys and values of every layer, for incremental decoding (see
+/// [`LlamaForCausalLM::forward_cached`]).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<LayerKvCache>,
+}
+
+impl KvCache {
+    /// An empty cache for `num_layers` layers, with room for `capacity`
+    /// positions allocated on first use (it grows past that when needed).
+    pub fn new(num_layers: usize, capacity: usize) -> KvCache {
+        KvCache { layers: (0..num_layers).map(|_| LayerKvCache::with_capacity(capacity)).collect() }
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.len())
+    }
+
+    /// True before anything was cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One pre-norm residual block: `x += attn(norm1(x))`, `x += mlp(norm2(x))`.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    /// The norm before attention.
+    pub input_layernorm: RmsNorm,
+    /// Grouped-query causal self-attention.
+    pub self_attn: Attention,
+    /// The norm before the MLP.
+    pub post_attention_layernorm: RmsNorm,
+    /// The SwiGLU MLP.
+    pub mlp: SwiGluMlp,
+}
+
+impl DecoderLayer {
+    fn build(cfg: &LlamaConfig, prefix: &str, src: &mut Source<'_>) -> Result<DecoderLayer> {
+        let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (h, kv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let at = join_name(prefix, "self_attn");
+        let ab = cfg.attention_bias;
+        let acfg = AttentionConfig {
+            hidden_size: c,
+            num_heads: h,
+            num_kv_heads: kv,
+            head_dim: d,
+            bias: ab,
+            qk_norm_eps: cfg.qk_norm().then_some(cfg.rms_norm_eps),
+            dropout: cfg.attention_dropout,
+        };
+        let q = linear(src, &join_name(&at, "q_proj"), h * d, c, ab)?;
+        let k = linear(src, &join_name(&at, "k_proj"), kv * d, c, ab)?;
+        let v = linear(src, &join_name(&at, "v_proj"), kv * d, c, ab)?;
+        let o = linear(src, &join_name(&at, "o_proj"), c, h * d, ab)?;
+        let (qn, kn) = if cfg.qk_norm() {
+            (
+                Some(rms(src, &join_name(&at, "q_norm"), d, cfg.rms_norm_eps)?),
+                Some(rms(src, &join_name(&at, "k_norm"), d, cfg.rms_norm_eps)?),
+            )
+        } else {
+            (None, None)
+        };
+        let self_attn = Attention::from_parts(&acfg, q, k, v, o, qn, kn)?;
+        let mp = join_name(prefix, "mlp");
+        let mb = cfg.mlp_bias;
+        Ok(DecoderLayer {
+            input_layernorm: rms(src, &join_name(prefix, "input_layernorm"), c, cfg.rms_norm_eps)?,
+            self_attn,
+            post_attention_layernorm: rms(src, &join_name(prefix, "post_attention_layernorm"), c, cfg.rms_norm_eps)?,
+            mlp: SwiGluMlp {
+                gate_proj: linear(src, &join_name(&mp, "gate_proj"), i, c, mb)?,
+                up_proj: linear(src, &join_name(&mp, "up_proj"), i, c, mb)?,
+                down_proj: linear(src, &join_name(&mp, "down_proj"), c, i, mb)?,
+            },
+        })
+    }
+
+    /// The block on `x: [B, T, hidden]` (see [`Attention::forward`] for the rest);
+    /// with `acts`, records the activations of layer `index` under their fixture names.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &crate::layers::RopeTables,
+        mask: Option<&Tensor>,
+        cache: Option<&mut LayerKvCache>,
+        acts: Option<(&mut BTreeMap<String, Tensor>, usize)>,
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let a = self.self_attn.forward(&h, rope, mask, cache)?;
+        let x1 = x.add(&a)?;
+        let h2 = self.post_attention_layernorm.forward(&x1)?;
+        let m = self.mlp.forward(&h2)?;
+        let out = x1.add(&m)?;
+        if let Some((acts, i)) = acts {
+            acts.insert(format!("act.layer.{i}.input_layernorm"), h);
+            acts.insert(format!("act.layer.{i}.self_attn"), a);
+            acts.insert(format!("act.layer.{i}.mlp"), m);
+            acts.insert(format!("act.layer.{i}"), out.clone());
+        }
+        Ok(out)
+    }
+}
+
+impl Module for DecoderLayer {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        self.input_layernorm.visit_params(&join_name(prefix, "input_layernorm"), f);
+        self.self_attn.visit_params(&join_name(prefix, "self_attn"), f);
+        self.post_attention_layernorm.visit_params(&join_name(prefix, "post_attention_layernorm"), f);
+        self.mlp.visit_params(&join_name(prefix, "mlp"), f);
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        self.input_layernorm.visit_params_mut(&join_name(prefix, "input_layernorm"), f)?;
+        self.self_attn.visit_params_mut(&join_name(prefix, "self_attn"), f)?;
+        self.post_attention_layernorm.visit_params_mut(&join_name(prefix, "post_attention_layernorm"), f)?;
+        self.mlp.visit_params_mut(&join_name(prefix, "mlp"), f)
+    }
+
+    fn train(&mut self, on: bool) {
+        self.self_attn.train(on);
+    }
+
+    fn is_training(&self) -> bool {
+        self.self_attn.is_training()
+    }
+}
+
+/// The decoder stack (`LlamaModel`, parameters under `model.`): token
+/// embeddings, the layers and the final norm.
+#[derive(Debug, Clone)]
+pub struct LlamaModel {
+    /// `[vocab, hidden]`.
+    pub embed_tokens: Embedding,
+    /// The decoder layers.
+    pub layers: Vec<DecoderLayer>,
+    /// The final norm.
+    pub norm: RmsNorm,
+    rotary: RotaryEmbedding,
+}
+
+impl LlamaModel {
+    fn build(cfg: &LlamaConfig, prefix: &str, src: &mut Source<'_>) -> Result<LlamaModel> {
+        let embed = src(&join_name(prefix, "embed_tokens.weight"), &[cfg.vocab_size, cfg.hidden_size], Init::Normal)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::build(cfg, &join_name(prefix, &format!("layers.{i}")), src))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(LlamaModel {
+            embed_tokens: Embedding::from_weight(embed)?,
+            layers,
+            norm: rms(src, &join_name(prefix, "norm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+            rotary: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling)?,
+        })
+    }
+
+    /// The rotary embedding shared by the layers.
+    pub fn rotary(&self) -> &RotaryEmbedding {
+        &self.rotary
+    }
+
+    /// Mutable access to the rotary embedding (e.g. [`RotaryEmbedding::round_inv_freq`]).
+    pub fn rotary_mut(&mut self) -> &mut RotaryEmbedding {
+        &mut self.rotary
+    }
+
+    /// The final hidden states `[B, T, hidden]` (after `norm`) for token ids
+    /// `[B, T]`. `attention_mask` is `[B, past + T]` (1 = token, 0 = padding);
+    /// with a cache, the new tokens follow the cached ones.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+        mut acts: Option<&mut BTreeMap<String, Tensor>>,
+    ) -> Result<Tensor> {
+        if input_ids.ndim() != 2 || !input_ids.dtype().is_int() {
+            return Err(Error::shape(
+                "LlamaModel",
+                format!(
+                    "expected input_ids of shape [B, T] and an integer dtype, got {:?} {}",
+                    input_ids.shape(),
+                    input_ids.dtype()
+                ),
+            ));
+        }
+        if let Some(c) = &cache {
+            if c.layers.len() != self.layers.len() {
+                return Err(Error::invalid(
+                    "LlamaModel",
+                    format!("the KV cache has {} layers, the model {}", c.layers.len(), self.layers.len()),
+                ));
+            }
+        }
+        let t = input_ids.shape()[1];
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let mut x = self.embed_tokens.forward(input_ids)?;
+        if let Some(a) = acts.as_deref_mut() {
+            a.insert("act.embed".into(), x.clone());
+        }
+        let (dt, dev) = (x.dtype(), x.device());
+        // Built once per forward and shared by every layer.
+        let rope = self.rotary.tables(past, t, dt, dev)?;
+        let mask = causal_mask(t, past, attention_mask, dt, dev)?;
+        let mut cache = cache;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            x = layer.forward(&x, &rope, mask.as_ref(), lc, acts.as_deref_mut().map(|a| (a, i)))?;
+        }
+        let x = self.norm.forward(&x)?;
+        if let Some(a) = acts {
+            a.insert("act.final_norm".into(), x.clone());
+        }
+        Ok(x)
+    }
+}
+
+impl Module for LlamaModel {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        self.embed_tokens.visit_params(&join_name(prefix, "embed_tokens"), f);
+        for (i, l) in self.layers.iter().enumerate() {
+            l.visit_params(&join_name(prefix, &format!("layers.{i}")), f);
+        }
+        self.norm.visit_params(&join_name(prefix, "norm"), f);
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        self.embed_tokens.visit_params_mut(&join_name(prefix, "embed_tokens"), f)?;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            l.visit_params_mut(&join_name(prefix, &format!("layers.{i}")), f)?;
+        }
+        self.norm.visit_params_mut(&join_name(prefix, "norm"), f)
+    }
+
+    fn train(&mut self, on: bool) {
+        for l in &mut self.layers {
+            l.train(on);
+        }
+    }
+
+    fn is_training(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.is_training())
+    }
+}
+
+/// A Llama 2/3 or Qwen3 causal language model (`LlamaForCausalLM`,
+/// `Qwen3ForCausalLM`) with Hugging Face parameter names.
+///
+/// With `tie_word_embeddings` the output projection is
+/// `model.embed_tokens.weight` itself: there is no `lm_head` parameter, so
+/// `state_dict` and `save_pretrained` hold the tensor once, like transformers.
+///
+/// ```
+/// use kiln::prelude::*;
+/// use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
+/// use kiln::nn::module::Module;
+/// let cfg = LlamaConfig::from_json_str(r#"{"model_type": "qwen3", "vocab_size": 32, "hidden_size": 16,
+///     "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+///     "head_dim": 4, "tie_word_embeddings": true}"#)?;
+/// kiln::manual_seed(0);
+/// let model = LlamaForCausalLM::new(&cfg, DType::F32)?;
+/// let logits = model.forward(&Tensor::new([[1i64, 2, 3]])?, None)?;
+/// assert_eq!(logits.shape(), &[1, 3, 32]);
+/// assert!(!model.state_dict().contains_key("lm_head.weight"));
+/// # Ok::<(), kiln::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct LlamaForCausalLM {
+    /// The decoder stack (`model.*`).
+    pub model: LlamaModel,
+    /// The output projection `[vocab, hidden]`; `None` when tied to the embeddings.
+    pub lm_head: Option<Linear>,
+    config: LlamaConfig,
+}
+
+impl LlamaForCausalLM {
+    fn build(cfg: &LlamaConfig, src: &mut Source<'_>) -> Result<LlamaForCausalLM> {
+        let model = LlamaModel::build(cfg, "model", src)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(linear(src, "lm_head", cfg.vocab_size, cfg.hidden_size, false)?)
+        };
+        Ok(LlamaForCausalLM { model, lm_head, config: cfg.clone() })
+    }
+
+    /// A randomly initialised model for training from scratch, drawn from the
+    /// global generator (`kiln::manual_seed`) like transformers' init: weights
+    /// of linear layers and embeddings from `N(0, initializer_range²)`, biases
+    /// zero, norms one. Parameters require grad.
+    pub fn new(config: &LlamaConfig, opts: impl Into<TensorOptions>) -> Result<LlamaForCausalLM> {
+        let opts = opts.into();
+        let std = config.initializer_range;
+        let mut src = |_: &str, shape: &[usize], init: Init| match init {
+            Init::Normal => normal_param(shape, std, opts),
+            Init::Ones => parameter(Tensor::ones(shape, DType::F32)?, opts),
+            Init::Zeros => parameter(Tensor::zeros(shape, DType::F32)?, opts),
+        };
+        LlamaForCausalLM::build(config, &mut src)
+    }
+
+    /// Loads a Hugging Face model directory: `config.json` plus
+    /// `model.safetensors` or a sharded `model.safetensors.index.json`.
+    /// Floating-point weights are converted to `dtype` and placed on `device`.
+    /// Like transformers, the model starts in evaluation mode (call
+    /// `train(true)` before fine-tuning with dropout); parameters require grad.
+    pub fn from_pretrained(dir: impl AsRef<Path>, dtype: DType, device: Device) -> Result<LlamaForCausalLM> {
+        let dir = dir.as_ref();
+        let config = LlamaConfig::from_file(dir.join("config.json"))?;
+        let weights = load_checkpoint_dir(dir, Some(dtype), device)?;
+        let mut model = LlamaForCausalLM::from_weights(&config, &weights, dtype, device)
+            .map_err(|e| Error::invalid("from_pretrained", format!("{}: {e}", dir.display())))?;
+        model.eval();
+        Ok(model)
+    }
+
+    /// Builds the model from `config` and tensors named as Hugging Face names
+    /// them (any dtype: floats are converted to `dtype`). Every parameter must
+    /// be present with its shape; names that are not parameters are an error,
+    /// except `lm_head.weight` of a tied model and RoPE `inv_freq` buffers
+    /// (both ignored, as transformers does). All problems are reported at once.
+    pub fn from_weights(
+        config: &LlamaConfig,
+        weights: &BTreeMap<String, Tensor>,
+        dtype: DType,
+        device: Device,
+    ) -> Result<LlamaForCausalLM> {
+        let opts = TensorOptions { dtype, device };
+        let mut used = BTreeSet::new();
+        let mut missing = vec![];
+        let mut mis_shaped = vec![];
+        let model = {
+            let mut src = |name: &str, shape: &[usize], _: Init| -> Result<Tensor> {
+                let placeholder =
+                    || Tensor::zeros(&[], dtype)?.expand(&shape.iter().map(|&s| s as isize).collect::<Vec<_>>());
+                match weights.get(name) {
+                    None => {
+                        missing.push(format!("\"{name}\""));
+                        placeholder()
+                    }
+                    Some(t) => {
+                        used.insert(name.to_string());
+                        if t.shape() != shape {
+                            mis_shaped.push(format!(
+                                "size mismatch for {name}: copying a param with shape {:?} from checkpoint, the shape in current model is {:?}.",
+                                t.shape(),
+                                shape
+                            ));
+                            return placeholder();
+                        }
+                        if !t.dtype().is_float() {
+                            return Err(Error::dtype(
+                                "from_weights",
+                                format!("{name} has dtype {}, expected a float", t.dtype()),
+                            ));
+                        }
+                        parameter(t.clone(), opts)
+                    }
+                }
+            };
+            LlamaForCausalLM::build(config, &mut src)?
+        };
+        let ignored =
+            |k: &str| k.ends_with("rotary_emb.inv_freq") || (config.tie_word_embeddings && k == "lm_head.weight");
+        let unexpected: Vec<String> =
+            weights.keys().filter(|k| !used.contains(*k) && !ignored(k)).map(|k| format!("\"{k}\"")).collect();
+        let mut problems = vec![];
+        if !missing.is_empty() {
+            problems.push(format!("Missing key(s) in state_dict: {}.", missing.join(", ")));
+        }
+        if !unexpected.is_empty() {
+            problems.push(format!("Unexpected key(s) in state_dict: {}.", unexpected.join(", ")));
+        }
+        problems.extend(mis_shaped);
+        if !problems.is_empty() {
+            return Err(Error::invalid(
+                "from_weights",
+                format!("Error(s) in loading state_dict for LlamaForCausalLM:\n\t{}", problems.join("\n\t")),
+            ));
+        }
+        Ok(model)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The dtype of the parameters (the compute dtype).
+    pub fn dtype(&self) -> DType {
+        self.model.embed_tokens.weight.dtype()
+    }
+
+    /// The device of the parameters.
+    pub fn device(&self) -> Device {
+        self.model.embed_tokens.weight.device()
+    }
+
+    /// The `[vocab, hidden]` matrix that maps hidden states to logits.
+    pub fn output_weight(&self) -> &Tensor {
+        match &self.lm_head {
+            Some(l) => &l.weight,
+            None => &self.model.embed_tokens.weight,
+        }
+    }
+
+    fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        hidden.linear(self.output_weight(), self.lm_head.as_ref().and_then(|l| l.bias.as_ref()))
+    }
+
+    /// Logits `[B, T, vocab]` for token ids `[B, T]` (int64 or another integer
+    /// dtype), with an optional `[B, T]` attention mask (1 = token, 0 = padding).
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+        let h = self.model.forward(input_ids, attention_mask, None, None)?;
+        self.logits(&h)
+    }
+
+    /// [`LlamaForCausalLM::forward`], also returning the intermediate
+    /// activations named as in the golden fixtures: `act.embed`,
+    /// `act.layer.{i}.input_layernorm`, `act.layer.{i}.self_attn`,
+    /// `act.layer.{i}.mlp`, `act.layer.{i}` and `act.final_norm`.
+    pub fn forward_with_activations(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<(Tensor, BTreeMap<String, Tensor>)> {
+        let mut acts = BTreeMap::new();
+        let h = self.model.forward(input_ids, attention_mask, None, Some(&mut acts))?;
+        Ok((self.logits(&h)?, acts))
+    }
+
+    /// Logits for new tokens `[B, T]` that follow the ones held in `cache`
+    /// (which is extended with them). `attention_mask`, if any, covers the
+    /// cached and the new positions: `[B, cache.len() + T]`. With
+    /// `last_only`, only the last position's logits are computed (`[B, 1, vocab]`).
+    pub fn forward_cached(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        cache: &mut KvCache,
+        last_only: bool,
+    ) -> Result<Tensor> {
+        let h = self.model.forward(input_ids, attention_mask, Some(cache), None)?;
+        let h = if last_only { h.narrow(1, h.shape()[1] as isize - 1, 1)? } else { h };
+        self.logits(&h)
+    }
+
+    /// An empty KV cache for this model with room for `capacity` positions.
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        KvCache::new(self.model.layers.len(), capacity)
+    }
+
+    /// Writes `config.json` and `model.safetensors` into `dir` (created if
+    /// needed), tied weights once, in the parameters' dtype; both files are
+    /// written atomically.
+    pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
+        self.save_impl(dir.as_ref(), None)
+    }
+
+    /// Like [`LlamaForCausalLM::save_pretrained`], in shards of at most
+    /// `max_shard_bytes` with a `model.safetensors.index.json`.
+    pub fn save_pretrained_sharded(&self, dir: impl AsRef<Path>, max_shard_bytes: usize) -> Result<()> {
+        self.save_impl(dir.as_ref(), Some(max_shard_bytes))
+    }
+
+    fn save_impl(&self, dir: &Path, shard: Option<usize>) -> Result<()> {
+        save_checkpoint_dir(dir, &self.state_dict(), shard)?;
+        let text = serde_json::to_string_pretty(&self.config.to_json(self.dtype()))
+            .map_err(|e| Error::invalid("save_pretrained", e.to_string()))?;
+        write_atomic(&dir.join("config.json"), |w| w.write_all(text.as_bytes()))
+    }
+}
+
+impl Module for LlamaForCausalLM {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        self.model.visit_params(&join_name(prefix, "model"), f);
+        if let Some(l) = &self.lm_head {
+            l.visit_params(&join_name(prefix, "lm_head"), f);
+        }
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        self.model.visit_params_mut(&join_name(prefix, "model"), f)?;
+        if let Some(l) = &mut self.lm_head {
+            l.visit_params_mut(&join_name(prefix, "lm_head"), f)?;
+        }
+        Ok(())
+    }
+
+    fn train(&mut self, on: bool) {
+        self.model.train(on);
+    }
+
+    fn is_training(&self) -> bool {
+        self.model.is_training()
+    }
+}
+
+/// The causal language-modelling loss of transformers (`labels = input_ids`):
+/// the mean cross entropy of `logits[:, :-1]` (`[B, T, V]`, computed in
+/// float32) against `labels[:, 1:]` (`[B, T]`), skipping targets equal to
+/// `ignore_index` (transformers uses -100).
+///
+/// ```
+/// use kiln::prelude::*;
+/// use kiln::nn::models::causal_lm_loss;
+/// let logits = Tensor::zeros(&[1, 3, 4], DType::F32)?;
+/// let ids = Tensor::new([[0i64, 1, 2]])?;
+/// let loss = causal_lm_loss(&logits, &ids, Some(-100))?;
+/// assert!((loss.item::<f32>()? - 4f32.ln()).abs() < 1e-6);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, ignore_index: Option<i64>) -> Result<Tensor> {
+    if logits.ndim() != 3 || labels.ndim() != 2 || logits.shape()[..2] != *labels.shape() || logits.shape()[1] < 2 {
+        return Err(Error::shape(
+            "causal_lm_loss",
+            format!(
+                "expected logits [B, T, V] and labels [B, T] with T >= 2, got {:?} and {:?}",
+                logits.shape(),
+                labels.shape()
+            ),
+        ));
+    }
+    let (b, t, v) = (logits.shape()[0], logits.shape()[1], logits.shape()[2]);
+    let x = logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?.reshape_to(&[b * (t - 1), v])?;
+    let y = labels.narrow(1, 1, t - 1)?.reshape_to(&[b * (t - 1)])?;
+    x.cross_entropy(&y, ignore_index, "mean".parse()?)
+}

@@ -1,0 +1,250 @@
+//! AdamW with the semantics of `torch.optim.AdamW` (default single-tensor
+//! implementation): decoupled weight decay, bias correction, optional AMSGrad.
+use super::fused::{self, AdamWScalars};
+use super::{check_grad, check_hyper, resolve_groups, IntoParamGroups, Optimizer, ParamGroup};
+use kiln_autograd::no_grad;
+use kiln_tensor::{DType, Result, Tensor};
+use std::collections::HashMap;
+
+/// Hyperparameters of [`AdamW`]; the defaults are PyTorch's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// Learning rate (default 1e-3).
+    pub lr: f64,
+    /// `(beta1, beta2)`: decay rates of the first and second moments (default `(0.9, 0.999)`).
+    pub betas: (f64, f64),
+    /// Added to the denominator for stability (default 1e-8).
+    pub eps: f64,
+    /// Decoupled weight decay (default 1e-2): `p *= 1 - lr * weight_decay` before the update.
+    pub weight_decay: f64,
+    /// Normalise by the running maximum of the second moment (default false).
+    pub amsgrad: bool,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 1e-2, amsgrad: false }
+    }
+}
+
+/// The state AdamW keeps for one parameter (PyTorch's `optimizer.state[p]`).
+#[derive(Debug, Clone)]
+pub struct AdamWParamState {
+    /// Number of updates this parameter has had.
+    pub step: u64,
+    /// First moment `m`, in the parameter's dtype.
+    pub exp_avg: Tensor,
+    /// Second moment `v`, in the parameter's dtype.
+    pub exp_avg_sq: Tensor,
+    /// Running maximum of `v` (AMSGrad only).
+    pub max_exp_avg_sq: Option<Tensor>,
+}
+
+/// AdamW (Loshchilov & Hutter), exactly as `torch.optim.AdamW` computes it, per
+/// parameter with a gradient, with `t` its step count:
+///
+/// ```text
+/// p *= 1 - lr * weight_decay
+/// m  = lerp(m, g, 1 - beta1)                 // m + (1 - beta1) * (g - m)
+/// v  = beta2 * v + (1 - beta2) * g * g
+/// p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+/// ```
+///
+/// (With AMSGrad, `v` in the last line is the running maximum of `v`.) The
+/// scalar factors are computed in f64 and applied in the parameter's dtype, like
+/// PyTorch. State tensors have the parameter's dtype and device.
+///
+/// For contiguous CPU parameters the update is one fused pass over `p`, `g`, `m`
+/// and `v` that allocates nothing; elsewhere it is a short sequence of tensor ops
+/// (any backend). Both give bit-identical results.
+///
+/// ```
+/// use kiln::prelude::*;
+/// use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+/// let w = Tensor::new([0.5f32])?;
+/// w.requires_grad_(true)?;
+/// let mut opt = AdamW::new(vec![w.clone()], AdamWConfig { lr: 0.1, weight_decay: 0.0, ..Default::default() })?;
+/// w.mul(3.0)?.sum()?.backward()?; // g = 3
+/// opt.step()?;
+/// // The first step moves by lr * g / |g| = 0.1.
+/// assert!((w.item::<f32>()? - 0.4).abs() < 1e-6);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub struct AdamW {
+    groups: Vec<ParamGroup>,
+    initial_lrs: Vec<f64>,
+    config: AdamWConfig,
+    /// Per group, per parameter.
+    state: Vec<Vec<Option<AdamWParamState>>>,
+}
+
+impl AdamW {
+    /// An AdamW over `params` (groups, named parameters or tensors). Groups
+    /// without their own `lr` / `weight_decay` take the config's.
+    pub fn new(params: impl IntoParamGroups, config: AdamWConfig) -> Result<AdamW> {
+        const OP: &str = "AdamW";
+        check_hyper(OP, "epsilon value", config.eps, config.eps >= 0.0)?;
+        let (b1, b2) = config.betas;
+        check_hyper(OP, "beta parameter at index 0", b1, (0.0..1.0).contains(&b1))?;
+        check_hyper(OP, "beta parameter at index 1", b2, (0.0..1.0).contains(&b2))?;
+        let (groups, initial_lrs) = resolve_groups(OP, params.into_param_groups(), config.lr, config.weight_decay)?;
+        let state = groups.iter().map(|g| vec![None; g.params.len()]).collect();
+        Ok(AdamW { groups, initial_lrs, config, state })
+    }
+
+    /// The hyperparameters it was built with (per-group `lr` / `weight_decay` live in the groups).
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// The state of a parameter (by its name), once it has had a step.
+    pub fn state(&self, name: &str) -> Option<&AdamWParamState> {
+        self.groups.iter().zip(&self.state).find_map(|(g, st)| {
+            let i = g.names.iter().position(|n| n == name)?;
+            st[i].as_ref()
+        })
+    }
+
+    /// The update of one parameter with gradient `grad`.
+    fn update(&self, p: &Tensor, grad: &Tensor, st: &mut AdamWParamState, lr: f64, wd: f64) -> Result<()> {
+        st.step += 1;
+        let (b1, b2) = self.config.betas;
+        let t = st.step as i32;
+        let bias_correction1 = 1.0 - b1.powi(t);
+        let bias_correction2 = 1.0 - b2.powi(t);
+        let s = AdamWScalars {
+            decay: 1.0 - lr * wd,
+            apply_decay: wd != 0.0,
+            weight1: 1.0 - b1,
+            beta2: b2,
+            one_minus_beta2: 1.0 - b2,
+            bias_correction2_sqrt: bias_correction2.sqrt(),
+            eps: self.config.eps,
+            neg_step_size: -(lr / bias_correction1),
+        };
+        if fused::adamw_host(p, grad, st, &s)? {
+            return Ok(());
+        }
+        // The same arithmetic, op by op, for any backend. Each line matches one
+        // statement of torch's `_single_tensor_adam`.
+        if s.apply_decay {
+            p.mul_(s.decay)?;
+        }
+        // exp_avg.lerp_(grad, 1 - beta1)
+        let diff = grad.sub(&st.exp_avg)?;
+        st.exp_avg = if fused::lerp_weight_is_small(s.weight1) {
+            st.exp_avg.add(&diff.mul(s.weight1)?)?
+        } else {
+            grad.sub(&diff.mul(fused::lerp_complement(s.weight1, p.dtype()))?)?
+        };
+        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        st.exp_avg_sq = st.exp_avg_sq.mul(s.beta2)?.add(&grad.mul(s.one_minus_beta2)?.mul(grad)?)?;
+        let second = match &mut st.max_exp_avg_sq {
+            Some(mx) => {
+                *mx = mx.maximum(&st.exp_avg_sq)?;
+                mx.clone()
+            }
+            None => st.exp_avg_sq.clone(),
+        };
+        // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        let denom = second.sqrt()?.div(s.bias_correction2_sqrt)?.add(s.eps)?;
+        // param.addcdiv_(exp_avg, denom, value=-step_size)
+        p.add_(&st.exp_avg.mul(s.neg_step_size)?.div(&denom)?)?;
+        Ok(())
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self) -> Result<()> {
+        let _guard = no_grad();
+        let mut state = std::mem::take(&mut self.state);
+        let r = (|| {
+            for (g, st) in self.groups.iter().zip(state.iter_mut()) {
+                let (lr, wd) = (g.lr(), g.weight_decay());
+                for ((name, p), slot) in g.names.iter().zip(&g.params).zip(st.iter_mut()) {
+                    let Some(grad) = p.grad() else { continue };
+                    check_grad("AdamW.step", name, p, &grad)?;
+                    let grad = if grad.dtype() == p.dtype() { grad } else { grad.to_dtype(p.dtype())? };
+                    let s = match slot {
+                        Some(s) => s,
+                        None => slot.insert(AdamWParamState {
+                            step: 0,
+                            exp_avg: super::zeros_like(p)?,
+                            exp_avg_sq: super::zeros_like(p)?,
+                            max_exp_avg_sq: if self.config.amsgrad { Some(super::zeros_like(p)?) } else { None },
+                        }),
+                    };
+                    self.update(p, &grad, s, lr, wd)?;
+                }
+            }
+            Ok(())
+        })();
+        self.state = state;
+        r
+    }
+
+    fn param_groups(&self) -> &[ParamGroup] {
+        &self.groups
+    }
+
+    fn param_groups_mut(&mut self) -> &mut [ParamGroup] {
+        &mut self.groups
+    }
+
+    fn initial_lrs(&self) -> &[f64] {
+        &self.initial_lrs
+    }
+
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = vec![];
+        for (g, st) in self.groups.iter().zip(&self.state) {
+            for (name, s) in g.names.iter().zip(st) {
+                let Some(s) = s else { continue };
+                out.push((format!("{name}.step"), Tensor::scalar(s.step as i64, DType::I64)?));
+                out.push((format!("{name}.exp_avg"), s.exp_avg.clone()));
+                out.push((format!("{name}.exp_avg_sq"), s.exp_avg_sq.clone()));
+                if let Some(m) = &s.max_exp_avg_sq {
+                    out.push((format!("{name}.max_exp_avg_sq"), m.clone()));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn load_state_dict(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+        const OP: &str = "AdamW.load_state_dict";
+        let fields = ["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"];
+        let mut by_param: HashMap<String, HashMap<String, Tensor>> =
+            super::group_state_entries(OP, &self.groups, &fields, state)?;
+        let mut new_state = Vec::with_capacity(self.groups.len());
+        for g in &self.groups {
+            let mut st = Vec::with_capacity(g.params.len());
+            for (name, p) in g.names.iter().zip(&g.params) {
+                let Some(mut e) = by_param.remove(name) else {
+                    st.push(None);
+                    continue;
+                };
+                let step = super::take_step(OP, name, &mut e)?;
+                let missing = |f: &str| kiln_tensor::Error::invalid(OP, format!("the state of {name} has no {f}"));
+                let exp_avg = super::take_like(OP, name, "exp_avg", p, &mut e)?.ok_or_else(|| missing("exp_avg"))?;
+                let exp_avg_sq =
+                    super::take_like(OP, name, "exp_avg_sq", p, &mut e)?.ok_or_else(|| missing("exp_avg_sq"))?;
+                let max_exp_avg_sq = super::take_like(OP, name, "max_exp_avg_sq", p, &mut e)?;
+                let max_exp_avg_sq = match (self.config.amsgrad, max_exp_avg_sq) {
+                    (true, None) => return Err(missing("max_exp_avg_sq (the optimizer uses AMSGrad)")),
+                    (false, Some(_)) => {
+                        return Err(kiln_tensor::Error::invalid(
+                            OP,
+                            format!("the state of {name} has max_exp_avg_sq, but the optimizer does not use AMSGrad"),
+                        ))
+                    }
+                    (_, m) => m,
+                };
+                st.push(Some(AdamWParamState { step, exp_avg, exp_avg_sq, max_exp_avg_sq }));
+            }
+            new_state.push(st);
+        }
+        self.state = new_state;
+        Ok(())
+    }
+}

@@ -1,0 +1,53 @@
+//! Helpers shared by the kiln-nn integration tests: fixture paths, tolerances
+//! and an allclose that reports the worst element.
+#![allow(dead_code)]
+use kiln::prelude::*;
+use std::path::PathBuf;
+
+/// `shared/fixtures/<name>` (reached from the crate directory).
+pub fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures").join(name)
+}
+
+/// `(atol, rtol)` for `model` / `what` from `tolerances.json` (`suggested` section when present).
+pub fn tolerance(model: &str, what: &str) -> (f64, f64) {
+    let text = std::fs::read_to_string(fixture_dir("tolerances.json")).expect("tolerances.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    let m = &v[model];
+    let t = if m.get("suggested").is_some() { &m["suggested"][what] } else { &m[what] };
+    (t["atol"].as_f64().expect("atol"), t["rtol"].as_f64().expect("rtol"))
+}
+
+/// The worst `|got - want|` and whether every element is within `atol + rtol * |want|`.
+pub fn compare(got: &Tensor, want: &Tensor, atol: f64, rtol: f64) -> (f64, bool) {
+    assert_eq!(got.shape(), want.shape(), "shapes differ");
+    let g = got.to_vec_f64().unwrap();
+    let w = want.to_vec_f64().unwrap();
+    let mut worst = 0f64;
+    let mut ok = true;
+    for (a, b) in g.iter().zip(&w) {
+        let d = (a - b).abs();
+        if d.is_nan() || d > atol + rtol * b.abs() {
+            ok = false;
+        }
+        if d > worst || d.is_nan() {
+            worst = d;
+        }
+    }
+    (worst, ok)
+}
+
+/// Asserts allclose and returns the max abs error.
+#[track_caller]
+pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, atol: f64, rtol: f64) -> f64 {
+    let (worst, ok) = compare(got, want, atol, rtol);
+    assert!(ok, "{what}: max abs error {worst:e} exceeds atol {atol:e} + rtol {rtol:e} * |golden|");
+    worst
+}
+
+/// Serialises the tests of one binary that draw from kiln's global generator
+/// (tests run on parallel threads; a seeded sequence must not be interleaved).
+pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,111 @@
+//! Helpers shared by the integration tests: reading values back, exact and
+//! tolerant comparisons, and error-message assertions.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use kiln::prelude::*;
+use kiln::tensor::HostBuffer;
+
+/// How one element of a float tensor compares to the expected one.
+/// `atol == rtol == 0` means bit-exact: NaN matches NaN and the sign of zero counts.
+pub fn float_matches(got: f64, want: f64, atol: f64, rtol: f64) -> bool {
+    if want.is_nan() || got.is_nan() {
+        return want.is_nan() && got.is_nan();
+    }
+    if atol == 0.0 && rtol == 0.0 {
+        return got == want && got.is_sign_negative() == want.is_sign_negative();
+    }
+    if want.is_infinite() || got.is_infinite() {
+        return got == want;
+    }
+    (got - want).abs() <= atol + rtol * want.abs()
+}
+
+/// Compares two host buffers element by element (as f64 for floats, as i64 for
+/// ints and bools). Returns a description of the first mismatches, or `None`.
+pub fn buffer_mismatch(got: &HostBuffer, want: &HostBuffer, atol: f64, rtol: f64) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!("{} elements, expected {}", got.len(), want.len()));
+    }
+    let float = want.dtype().is_float() || got.dtype().is_float();
+    let mut bad = vec![];
+    let mut count = 0;
+    for i in 0..want.len() {
+        let ok = if float {
+            float_matches(got.get_f64(i), want.get_f64(i), atol, rtol)
+        } else {
+            got.get_i64(i) == want.get_i64(i)
+        };
+        if !ok {
+            count += 1;
+            if bad.len() < 6 {
+                if float {
+                    bad.push(format!("[{i}] got {:?} want {:?}", got.get_f64(i), want.get_f64(i)));
+                } else {
+                    bad.push(format!("[{i}] got {} want {}", got.get_i64(i), want.get_i64(i)));
+                }
+            }
+        }
+    }
+    (count > 0)
+        .then(|| format!("{count} of {} elements differ (atol {atol}, rtol {rtol}): {}", want.len(), bad.join(", ")))
+}
+
+/// The values of any tensor as f64 (row-major).
+pub fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_vec_f64().unwrap_or_else(|e| panic!("reading {t:?}: {e}"))
+}
+
+/// Asserts dtype, shape and exact values (NaN matches NaN, the sign of zero counts).
+#[track_caller]
+pub fn assert_exact(t: &Tensor, dtype: DType, shape: &[usize], want: &[f64]) {
+    assert_eq!(t.dtype(), dtype, "dtype of {t}");
+    assert_eq!(t.shape(), shape, "shape of {t}");
+    let got = f64s(t);
+    let w = HostBuffer::F64(want.to_vec());
+    if let Some(m) = buffer_mismatch(&HostBuffer::F64(got), &w, 0.0, 0.0) {
+        panic!("{m}\n got: {t}\nwant: {want:?}");
+    }
+}
+
+/// Asserts dtype, shape and values within `|got - want| <= tol * (1 + |want|)`.
+#[track_caller]
+pub fn assert_close(t: &Tensor, dtype: DType, shape: &[usize], want: &[f64], tol: f64) {
+    assert_eq!(t.dtype(), dtype, "dtype of {t}");
+    assert_eq!(t.shape(), shape, "shape of {t}");
+    let got = f64s(t);
+    let w = HostBuffer::F64(want.to_vec());
+    if let Some(m) = buffer_mismatch(&HostBuffer::F64(got), &w, tol, tol) {
+        panic!("{m}\n got: {t}\nwant: {want:?}");
+    }
+}
+
+/// Asserts that `r` failed with a message containing every one of `parts`.
+#[track_caller]
+pub fn assert_err<T: std::fmt::Debug>(r: kiln::Result<T>, parts: &[&str]) -> String {
+    let msg = match r {
+        Ok(v) => panic!("expected an error containing {parts:?}, got Ok({v:?})"),
+        Err(e) => e.to_string(),
+    };
+    for p in parts {
+        assert!(msg.contains(p), "error message {msg:?} does not contain {p:?}");
+    }
+    msg
+}
+
+/// Runs `f`, expecting a panic whose message contains every one of `parts`.
+#[track_caller]
+pub fn assert_panics<R>(f: impl FnOnce() -> R, parts: &[&str]) {
+    // The default hook's report goes to the test's captured output.
+    let payload = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(_) => panic!("expected a panic containing {parts:?}"),
+        Err(p) => p,
+    };
+    let msg = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    for p in parts {
+        assert!(msg.contains(p), "panic message {msg:?} does not contain {p:?}");
+    }
+}
