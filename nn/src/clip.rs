@@ -88,7 +88,7 @@ fn total_norm(grads: &[Tensor]) -> Result<Tensor> {
 }
 
 fn clip_impl(params: &[Tensor], max_norm: f64, error_if_nonfinite: bool) -> Result<Tensor> {
-    if !(max_norm >= 0.0) {
+    if max_norm.is_nan() || max_norm < 0.0 {
         return Err(Error::invalid("clip_grad_norm_", format!("max_norm must be >= 0, got {max_norm}")));
     }
     let _g = no_grad();
@@ -117,7 +117,7 @@ fn clip_impl(params: &[Tensor], max_norm: f64, error_if_nonfinite: bool) -> Resu
 /// Clips every gradient element of `params` into `[-clip_value, clip_value]`, in place
 /// (`torch.nn.utils.clip_grad_value_`).
 pub fn clip_grad_value_(params: &[Tensor], clip_value: f64) -> Result<()> {
-    if !(clip_value >= 0.0) {
+    if clip_value.is_nan() || clip_value < 0.0 {
         return Err(Error::invalid("clip_grad_value_", format!("clip_value must be >= 0, got {clip_value}")));
     }
     let _g = no_grad();

@@ -350,8 +350,8 @@ mod tests {
     }
     #[test]
     fn overlap_detection() {
-        assert!(Layout::new([4, 3].into(), [2, 1].into(), 0).has_internal_overlap());
-        assert!(!Layout::new([2, 2].into(), [4, 2].into(), 1).has_internal_overlap());
+        assert!(Layout::new(Shape::from_slice(&[4, 3]), Strides::from_slice(&[2, 1]), 0).has_internal_overlap());
+        assert!(!Layout::new(Shape::from_slice(&[2, 2]), Strides::from_slice(&[4, 2]), 1).has_internal_overlap());
         assert!(Layout::contiguous(&[3]).expand("t", &[2, 3]).unwrap().has_internal_overlap());
         assert!(!Layout::contiguous(&[3, 4]).transpose(0, 1).has_internal_overlap());
     }
