@@ -114,9 +114,14 @@ impl Tensor {
         let o = opts.into();
         let step = if steps > 1 { (end - start) / (steps - 1) as f64 } else { 0.0 };
         let half = steps / 2;
-        let v: Vec<f64> = (0..steps)
-            .map(|i| if i < half { start + step * i as f64 } else { end - step * (steps - 1 - i) as f64 })
-            .collect();
+        // One step gives `start`, like PyTorch.
+        let v: Vec<f64> = if steps == 1 {
+            vec![start]
+        } else {
+            (0..steps)
+                .map(|i| if i < half { start + step * i as f64 } else { end - step * (steps - 1 - i) as f64 })
+                .collect()
+        };
         Tensor::from_vec(v, &[steps])?.to_dtype(o.dtype)?.to_device(o.device)
     }
 
