@@ -111,8 +111,9 @@ fn parse_args() -> Args {
     }
 }
 
+/// A float32 CPU copy (never a view of the live tensor: parameters change in place).
 fn f32_cpu(t: &Tensor) -> Result<Tensor> {
-    t.detach().to_dtype(DType::F32)?.to_device(Device::Cpu)
+    t.detach().to_dtype(DType::F32)?.to_device(Device::Cpu)?.deep_clone()
 }
 
 fn main() {

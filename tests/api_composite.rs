@@ -311,6 +311,7 @@ fn embedding() -> Result<()> {
     let ids = Tensor::new([[3i64, 0, 3], [1, 1, 2]])?;
     let e = Tensor::embedding(&w, &ids)?;
     assert_exact(&e, DType::F32, &[2, 3, 2], &[6.0, 7.0, 0.0, 1.0, 6.0, 7.0, 2.0, 3.0, 2.0, 3.0, 4.0, 5.0]);
+    assert!(!e.is_view());
     assert_exact(&Tensor::embedding(&w, &Tensor::scalar(2, DType::I64)?)?, DType::F32, &[2], &[4.0, 5.0]);
     assert_exact(&Tensor::embedding(&w, &Tensor::new([1i32])?)?, DType::F32, &[1, 2], &[2.0, 3.0]);
     assert_err(Tensor::embedding(&w, &Tensor::new([1.0f32])?), &["embedding", "float32"]);
@@ -462,26 +463,28 @@ fn logits() -> Tensor {
 fn cross_entropy_reductions_and_ignore_index() -> Result<()> {
     let l = logits();
     let t = Tensor::new([0i64, 1, 2, -100])?;
-    assert_close(&l.cross_entropy(&t, Some(-100), "mean".parse()?)?, DType::F32, &[], &[0.5562735199928284], 1e-6);
-    assert_close(&l.cross_entropy(&t, Some(-100), "sum".parse()?)?, DType::F32, &[], &[1.6688205003738403], 1e-6);
+    assert_close(&l.cross_entropy(&t, Some(-100), Reduction::Mean)?, DType::F32, &[], &[0.5562735199928284], 1e-6);
+    assert_close(&l.cross_entropy(&t, Some(-100), Reduction::Sum)?, DType::F32, &[], &[1.6688205003738403], 1e-6);
     assert_close(
-        &l.cross_entropy(&t, Some(-100), "none".parse()?)?,
+        &l.cross_entropy(&t, Some(-100), Reduction::None)?,
         DType::F32,
         &[4],
         &[0.4170299470424652, 0.15317824482917786, 1.0986123085021973, 0.0],
         1e-6,
     );
     let t2 = Tensor::new([0i64, 1, 2, 2])?;
-    assert_close(&l.cross_entropy(&t2, None, "mean".parse()?)?, DType::F32, &[], &[0.43095141649246216], 1e-6);
-    assert_close(&l.cross_entropy(&t2, Some(1), "mean".parse()?)?, DType::F32, &[], &[0.5235424637794495], 1e-6);
+    assert_close(&l.cross_entropy(&t2, None, Reduction::Mean)?, DType::F32, &[], &[0.43095141649246216], 1e-6);
+    assert_close(&l.cross_entropy(&t2, Some(1), Reduction::Mean)?, DType::F32, &[], &[0.5235424637794495], 1e-6);
     // Every target ignored: 0 / 0.
     let all = Tensor::full(&[4], -100, DType::I64)?;
-    assert_exact(&l.cross_entropy(&all, Some(-100), "mean".parse()?)?, DType::F32, &[], &[NAN]);
+    assert_exact(&l.cross_entropy(&all, Some(-100), Reduction::Mean)?, DType::F32, &[], &[NAN]);
     // 1-D logits with a 0-d target.
-    let one = l.i(0)?.cross_entropy(&Tensor::scalar(2, DType::I64)?, None, "mean".parse()?)?;
+    let one = l.i(0)?.cross_entropy(&Tensor::scalar(2, DType::I64)?, None, Reduction::Mean)?;
     assert_close(&one, DType::F32, &[], &[2.3170299530029297], 1e-6);
+    // Results are fresh tensors, not views (PyTorch's `_base` is None).
+    assert!(!l.i(0)?.cross_entropy(&Tensor::scalar(2, DType::I64)?, None, Reduction::None)?.is_view());
     // bf16 logits give a bf16 loss.
-    let lb = l.to_dtype(DType::BF16)?.cross_entropy(&t, Some(-100), "mean".parse()?)?;
+    let lb = l.to_dtype(DType::BF16)?.cross_entropy(&t, Some(-100), Reduction::Mean)?;
     assert_close(&lb, DType::BF16, &[], &[0.5546875], 8e-3);
     Ok(())
 }
@@ -491,7 +494,7 @@ fn cross_entropy_with_extra_dims() -> Result<()> {
     // logits [2, 3, 4] (classes on dim 1), target [2, 4].
     let l3 = Tensor::from_vec(
         vec![
-            0.0f32,
+            0.0f64,
             0.8414709568023682,
             0.9092974066734314,
             0.14112000167369843,
@@ -517,11 +520,12 @@ fn cross_entropy_with_extra_dims() -> Result<()> {
             -0.8462203741073608,
         ],
         &[2, 3, 4],
-    )?;
+    )?
+    .to_dtype(DType::F32)?;
     let t3 = Tensor::new([[0i64, 1, 2, 1], [2, 2, 0, -100]])?;
-    assert_close(&l3.cross_entropy(&t3, Some(-100), "mean".parse()?)?, DType::F32, &[], &[1.1073930263519287], 1e-6);
+    assert_close(&l3.cross_entropy(&t3, Some(-100), Reduction::Mean)?, DType::F32, &[], &[1.1073930263519287], 1e-6);
     assert_close(
-        &l3.cross_entropy(&t3, Some(-100), "none".parse()?)?,
+        &l3.cross_entropy(&t3, Some(-100), Reduction::None)?,
         DType::F32,
         &[2, 4],
         &[
@@ -543,13 +547,15 @@ fn cross_entropy_with_extra_dims() -> Result<()> {
 fn cross_entropy_errors() -> Result<()> {
     let l = logits();
     assert_err(
-        l.cross_entropy(&Tensor::new([0.0f32, 1.0, 2.0, 0.0])?, None, "mean".parse()?),
+        l.cross_entropy(&Tensor::new([0.0f32, 1.0, 2.0, 0.0])?, None, Reduction::Mean),
         &["cross_entropy", "float32"],
     );
-    assert_err(l.cross_entropy(&Tensor::new([0i64, 1])?, None, "mean".parse()?), &["cross_entropy", "[4]", "[2]"]);
-    assert!(l.cross_entropy(&Tensor::new([0i64, 1, 2, 3])?, None, "mean".parse()?).is_err());
+    assert_err(l.cross_entropy(&Tensor::new([0i64, 1])?, None, Reduction::Mean), &["cross_entropy", "[4]", "[2]"]);
+    assert!(l.cross_entropy(&Tensor::new([0i64, 1, 2, 3])?, None, Reduction::Mean).is_err());
+    // PyTorch's strings parse into `Reduction`.
     let t = Tensor::new([0i64, 1, 2, 0])?;
-    let bad = (|| -> Result<Tensor> { l.cross_entropy(&t, None, "average".parse()?) })();
-    assert_err(bad, &["reduction", "average"]);
+    let by_name = l.cross_entropy(&t, None, "sum".parse()?)?;
+    assert_exact(&by_name, DType::F32, &[], &f64s(&l.cross_entropy(&t, None, Reduction::Sum)?));
+    assert_err("average".parse::<Reduction>(), &["reduction", "average"]);
     Ok(())
 }

@@ -7,7 +7,6 @@ mod common;
 
 use common::*;
 use kiln::prelude::*;
-use kiln::tensor::IndexItem;
 
 /// `arange(24).reshape(2, 3, 4)` as float32.
 fn x234() -> Tensor {
@@ -38,6 +37,9 @@ fn integers_select() -> Result<()> {
 }
 
 #[test]
+// `1..-1` and `4..2` are Python slices here (negative ends count from the end,
+// reversed bounds give an empty slice), not empty Rust iterators.
+#[allow(clippy::reversed_empty_ranges)]
 fn every_range_kind() -> Result<()> {
     let v = Tensor::arange(0.0, 6.0, 1.0, DType::F32)?;
     assert_exact(&v.i(..)?, DType::F32, &[6], &range(0, 6));
@@ -63,12 +65,13 @@ fn every_range_kind() -> Result<()> {
 }
 
 #[test]
+#[allow(clippy::reversed_empty_ranges)] // `1..-1` is Python's `1:-1`
 fn stepped_slices_new_axis_and_ellipsis() -> Result<()> {
     let x = x234();
-    let every2 = IndexItem::slice(None, None, 2);
+    let every2 = s(None, None, 2);
     assert_exact(&x.i((0, 0, every2.clone()))?, DType::F32, &[2], &[0.0, 2.0]);
     // x[1, 1:, None, ::3]
-    let y = x.i((1, 1.., IndexItem::NewAxis, IndexItem::slice(None, None, 3)))?;
+    let y = x.i((1, 1.., IndexItem::NewAxis, s(None, None, 3)))?;
     assert_exact(&y, DType::F32, &[2, 1, 2], &[16.0, 19.0, 20.0, 23.0]);
     assert!(y.shares_storage(&x));
     // x[-1, ..., 1:-1]
@@ -78,8 +81,8 @@ fn stepped_slices_new_axis_and_ellipsis() -> Result<()> {
     assert_eq!(x.i(IndexItem::Ellipsis)?.shape(), &[2, 3, 4]);
     // x[1:-1:2] style bounds with negative start.
     let v = Tensor::arange(0.0, 10.0, 1.0, DType::F32)?;
-    assert_exact(&v.i(IndexItem::slice(-8, -1, 3))?, DType::F32, &[3], &[2.0, 5.0, 8.0]);
-    assert_exact(&v.i(IndexItem::slice(1, None, 4))?, DType::F32, &[3], &[1.0, 5.0, 9.0]);
+    assert_exact(&v.i(s(-8, -1, 3))?, DType::F32, &[3], &[2.0, 5.0, 8.0]);
+    assert_exact(&v.i(s(1, None, 4))?, DType::F32, &[3], &[1.0, 5.0, 9.0]);
     assert_exact(&v.i(IndexItem::slice(Some(7), Some(100), 2))?, DType::F32, &[2], &[7.0, 9.0]);
     // Up to six items; items as a Vec.
     let z = Tensor::zeros(&[1, 2, 1, 2, 1, 2], DType::F32)?;
@@ -110,7 +113,7 @@ fn slice_assignment_writes_through_views() -> Result<()> {
     x.i((.., 1..3))?.copy_(&Tensor::new([[1.0f32, 2.0]])?)?;
     assert!(x.version() > v0);
     // x[-1, ::2] += 10
-    x.i((-1, IndexItem::slice(None, None, 2)))?.add_(10.0)?;
+    x.i((-1, s(None, None, 2)))?.add_(10.0)?;
     assert_exact(&x, DType::F32, &[3, 4], &[0.0, 1.0, 2.0, 0.0, 0.0, 1.0, 2.0, 0.0, 10.0, 1.0, 12.0, 0.0]);
     // i_put_ with only basic items is the same thing.
     x.i_put_((0, ..), &Tensor::scalar(5.0, DType::F32)?)?;
@@ -150,7 +153,9 @@ fn index_tensors_and_adjacency() -> Result<()> {
         8.0, 9.0, 10.0, 11.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 4.0, 5.0, 6.0, 7.0, 20.0, 21.0, 22.0, 23.0, 12.0,
         13.0, 14.0, 15.0, 16.0, 17.0, 18.0, 19.0, 16.0, 17.0, 18.0, 19.0,
     ];
-    assert_exact(&x.i((.., &i2))?, DType::F32, &[2, 2, 2, 4], &want);
+    let r = x.i((.., &i2))?;
+    assert_exact(&r, DType::F32, &[2, 2, 2, 4], &want);
+    assert!(!r.is_view(), "advanced indexing returns a fresh tensor");
     // x[:, tensor(1)]: a 0-d index removes the dim.
     assert_exact(
         &x.i((.., &Tensor::scalar(1, DType::I64)?))?,
@@ -168,8 +173,10 @@ fn index_tensors_and_adjacency() -> Result<()> {
 #[test]
 fn bool_masks() -> Result<()> {
     let x = x234();
-    // x[x > 20]: a full-shape mask gives a 1-D result.
-    assert_exact(&x.i(&x.gt(20.0)?)?, DType::F32, &[3], &[21.0, 22.0, 23.0]);
+    // x[x > 20]: a full-shape mask gives a 1-D result (a fresh tensor).
+    let sel = x.i(&x.gt(20.0)?)?;
+    assert_exact(&sel, DType::F32, &[3], &[21.0, 22.0, 23.0]);
+    assert!(!sel.is_view());
     // x[:, x[0] > 5]: a 2-D mask over the last two dims.
     let m = x.i(0)?.gt(5.0)?;
     assert_exact(
@@ -195,7 +202,7 @@ fn bool_masks() -> Result<()> {
 #[test]
 fn advanced_index_errors() -> Result<()> {
     let x = x234();
-    assert_err(x.i(&idx(&[5])), &["index 5 is out of bounds for dimension 0 with size 2"]);
+    assert_err(x.i(idx(&[5])), &["index 5 is out of bounds for dimension 0 with size 2"]);
     assert_err(x.i((.., &idx(&[0, -4]))), &["index -4 is out of bounds for dimension 1 with size 3"]);
     assert_err(
         x.i((&idx(&[0, 1]), &idx(&[0, 1, 2]))),
@@ -261,6 +268,10 @@ fn index_put() -> Result<()> {
     assert_exact(&y, DType::F32, &[2, 3], &[7.0, 7.0, 8.0, 7.0, 7.0, 8.0]);
     // The out-of-place form leaves the input alone.
     let z = y.index_put(&[Some(&idx(&[0]))], &Tensor::scalar(0.0, DType::F32)?, false)?;
+    assert!(!z.is_view());
+    let z2 = y.index_put(&[Some(&idx(&[1, 0])), Some(&idx(&[2, 2]))], &Tensor::scalar(0.0, DType::F32)?, false)?;
+    assert!(!z2.is_view());
+    assert_exact(&z2, DType::F32, &[2, 3], &[7.0, 7.0, 0.0, 7.0, 7.0, 0.0]);
     assert_exact(&z, DType::F32, &[2, 3], &[0.0, 0.0, 0.0, 7.0, 7.0, 8.0]);
     assert_exact(&y.i(0)?, DType::F32, &[3], &[7.0, 7.0, 8.0]);
     Ok(())

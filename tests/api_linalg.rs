@@ -47,6 +47,10 @@ fn one_dimensional_operands() -> Result<()> {
     // 3-D @ 1-D.
     let m3 = arange(12, &[2, 2, 3]);
     assert_exact(&m3.matmul(&v)?, DType::F32, &[2, 2], &[-1.0, -2.5, -4.0, -5.5]);
+    // Results are fresh tensors, never views of a temporary (PyTorch's `_base` is None).
+    for r in [v.matmul(&w)?, m.matmul(&v)?, v.matmul(&b)?, m3.matmul(&v)?, m3.matmul(&m3.transpose(1, 2)?)?] {
+        assert!(!r.is_view() && r.is_contiguous());
+    }
     Ok(())
 }
 
@@ -70,7 +74,7 @@ fn batch_dims_broadcast() -> Result<()> {
 }
 
 #[test]
-fn batch_times_matrix_folds_or_not() -> Result<()> {
+fn batch_times_matrix() -> Result<()> {
     let w = arange(8, &[4, 2]).sub(3.0)?;
     let a = arange(24, &[2, 3, 4]).sub(10.0)?;
     assert_exact(
@@ -79,7 +83,7 @@ fn batch_times_matrix_folds_or_not() -> Result<()> {
         &[2, 3, 2],
         &[10.0, -24.0, 10.0, -8.0, 10.0, 8.0, 10.0, 24.0, 10.0, 40.0, 10.0, 56.0],
     );
-    // Batch dims that cannot be merged into the rows without a copy.
+    // Batch dims that a view could not merge into the rows.
     let at = arange(24, &[3, 2, 4]).transpose(0, 1)?;
     assert_exact(
         &at.matmul(&w)?,

@@ -262,6 +262,10 @@ fn logsumexp_values() -> Result<()> {
         1e-6,
     );
     assert_close(&x.logsumexp([0, 1], false)?, DType::F32, &[], &[7.086675643920898], 1e-6);
+    // Results are fresh tensors, not views of a temporary.
+    assert!(!x.logsumexp(1, false)?.is_view());
+    assert!(!x.var(1, 1, false)?.is_view());
+    assert!(!Tensor::scalar(1.0, DType::F32)?.sum_dim(0, true)?.is_view());
     // Large magnitudes do not overflow.
     let big = Tensor::new([[1000.0f32, 1000.5, 999.0], [-1000.0, -1001.0, -1002.0]])?;
     assert_close(&big.logsumexp(1, false)?, DType::F32, &[2], &[1001.1041259765625, -999.5924072265625], 1e-6);

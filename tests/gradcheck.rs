@@ -1,5 +1,7 @@
 //! Gradient checking (finite differences in f64) of every primitive and
 //! composite, on every registered device: part of the conformance suite.
+// Cases pass `&[x.clone()]`: the inputs are reused across many checks.
+#![allow(clippy::cloned_ref_to_slice_refs)]
 use kiln::autograd::{gradcheck, GradcheckOptions};
 use kiln::prelude::*;
 

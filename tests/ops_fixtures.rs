@@ -4,8 +4,8 @@
 //! (within the case's tolerance; 0/0 is bit-exact including NaN positions and the
 //! sign of zero) and, for views, strides, storage offset, contiguity and aliasing.
 //!
-//! Outputs that are gradients wait for autograd: their cases run the forward
-//! computation and mark the gradient outputs as skipped (see `GRADIENT_OUTPUTS`).
+//! Gradient outputs are not checked here (see `GRADIENT_OUTPUTS`): their cases run
+//! and check the forward computation only.
 mod common;
 
 use common::buffer_mismatch;
@@ -78,7 +78,7 @@ fn case_json(name: &str) -> &'static Value {
 
 // ---- one case ------------------------------------------------------------------------------
 
-/// Gradient outputs, checked once autograd exists: (case, output).
+/// Gradient outputs, which this file does not check: (case, output).
 const GRADIENT_OUTPUTS: &[(&str, &str)] = &[
     ("unsqueeze_expand_backward", "gx"),
     ("cross_entropy_ignore_index", "grad"),
@@ -98,6 +98,7 @@ struct Case {
     rtol: f64,
     inputs: Vec<(String, Tensor)>,
     checked: BTreeSet<String>,
+    failures: Vec<String>,
 }
 
 impl Case {
@@ -122,6 +123,7 @@ impl Case {
             rtol: tol["rtol"].as_f64().expect("rtol"),
             inputs,
             checked: BTreeSet::new(),
+            failures: vec![],
         }
     }
 
@@ -141,46 +143,77 @@ impl Case {
     }
 
     /// Checks one output against PyTorch's: dtype, shape, values, and the view metadata.
+    /// Mismatches are collected, so one run reports every output that differs.
     fn check(&mut self, out: &str, got: &Tensor) {
         let ctx = self.ctx(out);
-        let spec = &self.spec["outputs"][out];
+        let all: &'static Value = self.spec;
+        let spec = &all["outputs"][out];
         assert!(spec.is_object(), "{ctx}: the case has no such output");
         assert!(self.checked.insert(out.to_string()), "{ctx}: checked twice");
+        let (atol, rtol) = (self.atol, self.rtol);
+        let mut fail = |what: String| self.failures.push(format!("{ctx}: {what}"));
         let want_dtype = DType::from_name(spec["dtype"].as_str().expect("dtype")).expect("known dtype");
-        assert_eq!(got.dtype(), want_dtype, "{ctx}: dtype");
         let (want, want_shape) = stored(spec["key"].as_str().expect("key"));
-        assert_eq!(got.shape(), want_shape.as_slice(), "{ctx}: shape");
-        let host = got.to_host().unwrap_or_else(|e| panic!("{ctx}: reading the result: {e}"));
-        if let Some(m) = buffer_mismatch(&host, &want, self.atol, self.rtol) {
-            panic!("{ctx}: {m}\n got: {got}\nwant: {}", spec["values"]);
+        if got.dtype() != want_dtype {
+            fail(format!("dtype {}, expected {want_dtype}", got.dtype()));
+        } else if got.shape() != want_shape.as_slice() {
+            fail(format!("shape {:?}, expected {want_shape:?}", got.shape()));
+        } else {
+            match got.to_host() {
+                Err(e) => fail(format!("reading the result: {e}")),
+                Ok(host) => {
+                    if let Some(m) = buffer_mismatch(&host, &want, atol, rtol) {
+                        fail(format!("{m}\n got: {got}\nwant: {}", spec["values"]));
+                    }
+                }
+            }
         }
         let view = &spec["view"];
         if view.is_object() {
             let strides: Vec<usize> =
                 view["stride"].as_array().expect("stride").iter().map(|s| s.as_u64().unwrap() as usize).collect();
-            assert_eq!(got.strides(), strides.as_slice(), "{ctx}: strides");
-            assert_eq!(got.storage_offset() as u64, view["storage_offset"].as_u64().unwrap(), "{ctx}: storage_offset");
-            assert_eq!(got.is_contiguous(), view["is_contiguous"].as_bool().unwrap(), "{ctx}: is_contiguous");
-            assert_eq!(got.is_view(), view["is_view"].as_bool().unwrap(), "{ctx}: is_view");
+            let offset = view["storage_offset"].as_u64().unwrap() as usize;
+            let contiguous = view["is_contiguous"].as_bool().unwrap();
+            let is_view = view["is_view"].as_bool().unwrap();
+            if got.strides() != strides.as_slice() {
+                fail(format!("strides {:?}, expected {strides:?}", got.strides()));
+            }
+            if got.storage_offset() != offset {
+                fail(format!("storage offset {}, expected {offset}", got.storage_offset()));
+            }
+            if got.is_contiguous() != contiguous {
+                fail(format!("is_contiguous() is {}, expected {contiguous}", got.is_contiguous()));
+            }
+            if got.is_view() != is_view {
+                fail(format!("is_view() is {}, expected {is_view}", got.is_view()));
+            }
         } else {
             // No metadata: PyTorch's result owns contiguous memory of its own.
-            assert!(got.is_contiguous(), "{ctx}: expected a contiguous result, strides {:?}", got.strides());
-            assert!(!got.is_view(), "{ctx}: expected a tensor that is not a view (PyTorch's `_base` is None)");
+            if !got.is_contiguous() {
+                fail(format!("expected a contiguous result, got strides {:?}", got.strides()));
+            }
+            if got.is_view() {
+                fail("expected a tensor that is not a view (PyTorch's `_base` is None), got a view".into());
+            }
         }
     }
 
     /// Checks a view output and that it aliases `base` (a write through it reaches `base`).
     fn check_view_of(&mut self, out: &str, got: &Tensor, base: &Tensor) {
-        assert!(got.shares_storage(base), "{}: not a view of the base", self.ctx(out));
+        if !got.shares_storage(base) {
+            let ctx = self.ctx(out);
+            self.failures.push(format!("{ctx}: not a view of the base"));
+        }
         self.check(out, got);
     }
 
-    /// Asserts that every output of the case was checked, or is a gradient left for autograd.
+    /// Asserts that every output was checked (or is a gradient left for autograd) and matched.
     fn finish(&self) {
         for out in self.spec["outputs"].as_object().expect("outputs").keys() {
             let deferred = GRADIENT_OUTPUTS.contains(&(self.name, out.as_str()));
             assert!(self.checked.contains(out) || deferred, "{}: output {out} was never checked", self.name);
         }
+        assert!(self.failures.is_empty(), "{} mismatch(es):\n{}", self.failures.len(), self.failures.join("\n"));
     }
 }
 
@@ -292,6 +325,16 @@ fn json_scalar(v: &Value) -> f64 {
     }
 }
 
+/// The nearest value of `dtype` (inline values of float32 tensors are decimal approximations).
+fn round_to(dtype: DType, v: f64) -> f64 {
+    match dtype {
+        DType::F32 => v as f32 as f64,
+        DType::F16 => half::f16::from_f64(v).to_f64(),
+        DType::BF16 => half::bf16::from_f64(v).to_f64(),
+        _ => v,
+    }
+}
+
 fn flatten(v: &Value, out: &mut Vec<f64>) {
     match v {
         Value::Array(a) => a.iter().for_each(|x| flatten(x, out)),
@@ -317,7 +360,11 @@ fn loader_matches_inline_values() {
                 if !s["values"].is_null() {
                     let mut inline = vec![];
                     flatten(&s["values"], &mut inline);
-                    if let Some(m) = buffer_mismatch(&buf, &HostBuffer::F64(inline), 0.0, 0.0) {
+                    // Floats are printed with 15-16 significant digits: round them back to the
+                    // dtype (float64 values can only match to that many digits).
+                    let inline = inline.into_iter().map(|v| round_to(buf.dtype(), v)).collect();
+                    let rtol = if buf.dtype() == DType::F64 { 1e-15 } else { 0.0 };
+                    if let Some(m) = buffer_mismatch(&buf, &HostBuffer::F64(inline), 0.0, rtol) {
                         panic!("{ctx}: {m}");
                     }
                     seen += 1;
@@ -494,7 +541,7 @@ fn diagonal_view_inplace(c: &mut Case) -> Result<()> {
 }
 
 fn unsqueeze_expand_backward(c: &mut Case) -> Result<()> {
-    // The forward half; `gx` waits for autograd.
+    // The forward half; the gradient `gx` is not checked here.
     let y = c.input("x").unsqueeze(0)?.expand(&[2, 3, 4])?.mul(&c.input("w"))?.sum()?;
     c.check("y", &y);
     Ok(())
@@ -532,7 +579,7 @@ fn logsumexp_large(c: &mut Case) -> Result<()> {
 }
 
 fn cross_entropy_ignore_index(c: &mut Case) -> Result<()> {
-    // F.cross_entropy's default ignore_index is -100. `grad` waits for autograd.
+    // F.cross_entropy's default ignore_index is -100. The gradient `grad` is not checked here.
     let (logits, target) = (c.input("logits"), c.input("target"));
     c.check("mean", &logits.cross_entropy(&target, Some(-100), Reduction::Mean)?);
     c.check("s", &logits.cross_entropy(&target, Some(-100), Reduction::Sum)?);

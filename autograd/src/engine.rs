@@ -168,6 +168,7 @@ pub(crate) fn run(
                 ))
             }
         };
+        let edges = if create_graph { edges.into_iter().map(reattach).collect() } else { edges };
         let in_grads = match &node.kind {
             NodeKind::Primitive(op) => rules::backward(&Ctx { op, edges: &edges }, &out_grads)?,
             NodeKind::Custom { backward, .. } => backward(&out_grads, &edges)?,
@@ -201,4 +202,25 @@ pub(crate) fn run(
         }
     }
     Ok(())
+}
+
+/// With `create_graph`, the rules must compute the gradients as differentiable
+/// functions of the saved inputs: an edge's value is a detached alias (nodes hold
+/// no graph, so they form no cycles), so it is given back its place in the graph
+/// for the duration of this rule: the leaf itself, or an alias carrying the
+/// input's origin.
+fn reattach(e: Edge) -> Edge {
+    if !e.requires_grad {
+        return e;
+    }
+    let value = match (&e.origin, &e.leaf) {
+        (_, Some(leaf)) => leaf.clone(),
+        (Some(o), None) => {
+            let v = e.value.detach();
+            v.set_origin(Some(o.clone()));
+            v
+        }
+        (None, None) => return e,
+    };
+    Edge { value, ..e }
 }

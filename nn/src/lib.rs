@@ -12,3 +12,6 @@ pub mod models;
 pub mod module;
 pub mod optim;
 pub mod schedule;
+
+pub use models::{LlamaConfig, LlamaForCausalLM};
+pub use module::Module;

@@ -517,7 +517,7 @@ fn invalid_configurations_are_refused() {
 fn params_are_accepted_in_every_form() {
     let t = param(&[1.0]);
     assert_eq!(vec![t.clone()].into_param_groups()[0].params.len(), 1);
-    let slice: &[Tensor] = &[t.clone()];
+    let slice: &[Tensor] = std::slice::from_ref(&t);
     assert_eq!(slice.into_param_groups().len(), 1);
     let opt = SGD::new(ParamGroup::from_tensors([t]), SgdConfig::default()).unwrap();
     assert_eq!(opt.param_groups()[0].names, ["param_groups.0.0"]);
@@ -598,21 +598,21 @@ fn clip_grad_norm_matches_pytorch() {
     assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), [0.1, 0.2, 0.2]);
     // No gradients at all: norm 0.
     x.set_grad(None);
-    assert_eq!(clip_grad_norm_(&[x.clone()], 1.0).unwrap().item::<f32>().unwrap(), 0.0);
+    assert_eq!(clip_grad_norm_(std::slice::from_ref(&x), 1.0).unwrap().item::<f32>().unwrap(), 0.0);
 }
 
 #[test]
 fn clip_grad_norm_nonfinite_and_value_clipping() {
     let x = param(&[0.0; 2]);
     set_grad(&x, &[f32::INFINITY, 1.0]);
-    let e = clip_grad_norm_checked_(&[x.clone()], 1.0).unwrap_err().to_string();
+    let e = clip_grad_norm_checked_(std::slice::from_ref(&x), 1.0).unwrap_err().to_string();
     assert!(e.contains("non-finite (inf)"), "{e}");
     assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), [f32::INFINITY, 1.0], "left unchanged");
-    assert!(clip_grad_norm_(&[x.clone()], 1.0).unwrap().item::<f32>().unwrap().is_infinite());
+    assert!(clip_grad_norm_(std::slice::from_ref(&x), 1.0).unwrap().item::<f32>().unwrap().is_infinite());
     set_grad(&x, &[-3.0, 0.5]);
-    clip_grad_value_(&[x.clone()], 1.0).unwrap();
+    clip_grad_value_(std::slice::from_ref(&x), 1.0).unwrap();
     assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), [-1.0, 0.5]);
-    assert!(clip_grad_norm_(&[x.clone()], -1.0).is_err());
+    assert!(clip_grad_norm_(std::slice::from_ref(&x), -1.0).is_err());
 }
 
 #[test]

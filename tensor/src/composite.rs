@@ -5,12 +5,13 @@
 //! Half-precision inputs (bf16, f16) compute the numerically delicate parts in
 //! float32 and cast the result back, as PyTorch does with its `opmath` type.
 use crate::error::fmt_shape;
+use crate::reduce::reshape_result;
 use crate::{wrap_dim, DType, Error, Op, Result, Shape, Tensor};
 use smallvec::SmallVec;
 
 /// How a loss reduces its per-element values (PyTorch's `reduction=`).
 ///
-/// Also parses from PyTorch's strings: `"mean".parse::<Reduction>()`.
+/// Also parses from PyTorch's strings: `"mean".parse::<Reduction>()?`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Reduction {
     /// The mean over the elements that count (for cross entropy: the targets
@@ -73,17 +74,10 @@ impl Tensor {
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
         float_only("softmax", self)?;
         let d = wrap_dim("softmax", dim, self.ndim())?;
-        if self.ndim() > 0 && self.shape()[d] == 0 {
-            return self.deep_clone();
-        }
-        let x = self.to_dtype(opmath(self.dtype()))?;
-        let d = d as isize;
-        let m = x.amax(d, true)?;
-        let e = x.sub(&m)?.exp()?;
-        e.div(&e.sum_dim(d, true)?)?.to_dtype(self.dtype())
+        Tensor::apply1(Op::Softmax { dim: d, log: false }, &[self])
     }
 
-    /// `log(softmax(x))` along `dim`, computed as `x - max - log(sum(exp(x - max)))`.
+    /// `log(softmax(x))` along `dim`, computed as `(x - max) - log(sum(exp(x - max)))`.
     /// Same NaN rules and dtypes as [`Tensor::softmax`].
     ///
     /// ```
@@ -96,14 +90,7 @@ impl Tensor {
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
         float_only("log_softmax", self)?;
         let d = wrap_dim("log_softmax", dim, self.ndim())?;
-        if self.ndim() > 0 && self.shape()[d] == 0 {
-            return self.deep_clone();
-        }
-        let x = self.to_dtype(opmath(self.dtype()))?;
-        let d = d as isize;
-        let shifted = x.sub(&x.amax(d, true)?)?;
-        let lse = shifted.exp()?.sum_dim(d, true)?.log()?;
-        shifted.sub(&lse)?.to_dtype(self.dtype())
+        Tensor::apply1(Op::Softmax { dim: d, log: true }, &[self])
     }
 
     // ---- cumsum ---------------------------------------------------------------------
@@ -121,7 +108,7 @@ impl Tensor {
     pub fn cumsum(&self, dim: isize) -> Result<Tensor> {
         let d = wrap_dim("cumsum", dim, self.ndim())?;
         if self.ndim() == 0 {
-            return Tensor::apply1(Op::Cumsum { dim: 0 }, &[&self.reshape(&[1])?])?.reshape(&[]);
+            return reshape_result(Tensor::apply1(Op::Cumsum { dim: 0 }, &[&self.reshape(&[1])?])?, &[]);
         }
         Tensor::apply1(Op::Cumsum { dim: d }, &[self])
     }
@@ -180,7 +167,7 @@ impl Tensor {
         let d = wrap_dim(op, dim, self.ndim())?;
         if self.ndim() == 0 {
             let (v, i) = self.reshape(&[1])?.sort_impl(op, 0, descending, stable)?;
-            return Ok((v.reshape(&[])?, i.reshape(&[])?));
+            return Ok((reshape_result(v, &[])?, reshape_result(i, &[])?));
         }
         let mut out = Tensor::apply(Op::Sort { dim: d, descending, stable }, &[self])?;
         let i = out.pop().expect("sort has two outputs");
@@ -231,7 +218,7 @@ impl Tensor {
         let d = wrap_dim("topk", dim, self.ndim())?;
         if self.ndim() == 0 {
             let (v, i) = self.reshape(&[1])?.topk(k, 0, largest, true)?;
-            return Ok((v.reshape(&[])?, i.reshape(&[])?));
+            return Ok((reshape_result(v, &[])?, reshape_result(i, &[])?));
         }
         let mut out = Tensor::apply(Op::TopK { k, dim: d, largest }, &[self])?;
         let i = out.pop().expect("topk has two outputs");
@@ -270,7 +257,8 @@ impl Tensor {
         let rows = weight.index_select(0, &ids.reshape(&[-1])?)?;
         let mut shape: Shape = ids.shape().into();
         shape.push(weight.shape()[1]);
-        rows.reshape_to(&shape)
+        // Multi-dim ids pay a copy here (see Note [Results are not views]).
+        reshape_result(rows, &shape)
     }
 
     // ---- normalisation ------------------------------------------------------------------
@@ -446,7 +434,7 @@ impl Tensor {
     /// use kiln::prelude::*;
     /// let logits = Tensor::new([[0.0f32, 0.0], [0.0, 0.0]])?;
     /// let target = Tensor::new([0i64, -100])?;
-    /// let loss = logits.cross_entropy(&target, Some(-100), "mean".parse()?)?;
+    /// let loss = logits.cross_entropy(&target, Some(-100), Reduction::Mean)?;
     /// assert!((loss.item::<f32>()? - 2f32.ln()).abs() < 1e-6);
     /// # Ok::<(), kiln::Error>(())
     /// ```
@@ -472,7 +460,7 @@ impl Tensor {
                 ));
             }
             let loss = self.unsqueeze(0)?.cross_entropy(&target.unsqueeze(0)?, ignore_index, reduction)?;
-            return if reduction == Reduction::None { loss.reshape(&[]) } else { Ok(loss) };
+            return if reduction == Reduction::None { reshape_result(loss, &[]) } else { Ok(loss) };
         }
         let mut want: Shape = self.shape().into();
         if self.ndim() >= 2 {

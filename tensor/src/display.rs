@@ -350,10 +350,13 @@ mod tests {
 
     #[test]
     fn summarised() {
+        let s = render((1000..3000).map(f64::from).collect(), &[2000]);
+        assert_eq!(s, "[1000., 1001., 1002.,  ..., 2997., 2998., 2999.]");
+        // Only the printed elements choose the notation: 1999 / 1 > 1000 is scientific.
         let s = render((0..2000).map(f64::from).collect(), &[2000]);
-        assert_eq!(s, "[   0.,    1.,    2.,  ..., 1997., 1998., 1999.]");
-        let s = render((0..1100).map(f64::from).collect(), &[100, 11]);
-        assert!(s.starts_with("[[   0.,    1.,    2.,  ...,    8.,    9.,   10.],\n         [  11.,"), "{s}");
+        assert_eq!(s, "[0.0000e+00, 1.0000e+00, 2.0000e+00,  ..., 1.9970e+03, 1.9980e+03,\n        1.9990e+03]");
+        let s = render((100..1200).map(f64::from).collect(), &[100, 11]);
+        assert!(s.starts_with("[[ 100.,  101.,  102.,  ...,  108.,  109.,  110.],\n        [ 111.,"), "{s}");
         assert!(s.contains("],\n        ...,\n        ["), "{s}");
     }
 

@@ -83,6 +83,22 @@ impl DType {
             DType::F64 => "float64",
         }
     }
+    /// PyTorch's C++ scalar-type name (`Float`, `Long`, `BFloat16`, ...), which
+    /// its casting errors use.
+    pub fn scalar_type_name(self) -> &'static str {
+        match self {
+            DType::Bool => "Bool",
+            DType::U8 => "Byte",
+            DType::I8 => "Char",
+            DType::I16 => "Short",
+            DType::I32 => "Int",
+            DType::I64 => "Long",
+            DType::F16 => "Half",
+            DType::BF16 => "BFloat16",
+            DType::F32 => "Float",
+            DType::F64 => "Double",
+        }
+    }
     /// Parses PyTorch/safetensors-style names (`float32`, `F32`, `bf16`, `int64`, ...).
     pub fn from_name(s: &str) -> Option<DType> {
         Some(match s.to_ascii_lowercase().as_str() {

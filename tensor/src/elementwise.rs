@@ -237,19 +237,33 @@ impl Tensor {
     }
 
     /// Clamps into `[min, max]` (either bound optional); NaN stays NaN.
+    ///
+    /// Bounds are scalars and follow PyTorch's type promotion: on an integer
+    /// tensor, a whole bound (`2.0`) acts like a Python int and keeps the dtype,
+    /// a fractional or non-finite bound (`2.5`) acts like a Python float and
+    /// promotes the result to float32.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let i = Tensor::new([-5i64, 0, 5])?;
+    /// assert_eq!(i.clamp(Some(-1.0), Some(2.0))?.dtype(), DType::I64);
+    /// assert_eq!(i.clamp(Some(-1.5), None)?.to_vec::<f32>()?, vec![-1.5, 0.0, 5.0]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
     pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
-        let mut out = self.clone();
-        let s = |v: f64| if self.dtype().is_float() { Scalar::Float(v) } else { Scalar::Int(v as i64) };
-        if let Some(lo) = min {
-            let lo_t = self.operand_tensor(Operand::Scalar(s(lo)), self.dtype())?;
-            out = out.maximum(&lo_t)?;
-        }
-        if let Some(hi) = max {
-            let hi_t = self.operand_tensor(Operand::Scalar(s(hi)), self.dtype())?;
-            out = out.minimum(&hi_t)?;
-        }
         if min.is_none() && max.is_none() {
             return Err(Error::invalid("clamp", "at least one of 'min' or 'max' must not be None"));
+        }
+        let whole = |v: &f64| v.is_finite() && v.fract() == 0.0;
+        let promote = !self.dtype().is_float() && !min.iter().chain(max.iter()).all(whole);
+        let x = if promote { self.to_dtype(DType::F32)? } else { self.clone() };
+        let s = |v: f64| if x.dtype().is_float() { Scalar::Float(v) } else { Scalar::Int(v as i64) };
+        let mut out = x.clone();
+        if let Some(lo) = min {
+            out = out.maximum(&x.operand_tensor(Operand::Scalar(s(lo)), x.dtype())?)?;
+        }
+        if let Some(hi) = max {
+            out = out.minimum(&x.operand_tensor(Operand::Scalar(s(hi)), x.dtype())?)?;
         }
         Ok(out)
     }

@@ -8,6 +8,7 @@
 //! returns a copy, built from `IndexSelect` on a flattened view, and writes go
 //! through [`Tensor::index_put_`].
 use crate::error::fmt_shape;
+use crate::reduce::{reshape_input, reshape_result};
 use crate::{wrap_dim, DType, Error, Op, Result, Scalar, ScatterReduce, Shape, Tensor};
 use smallvec::SmallVec;
 use std::ops::{Range, RangeFrom, RangeFull, RangeInclusive, RangeTo, RangeToInclusive};
@@ -15,7 +16,7 @@ use std::ops::{Range, RangeFrom, RangeFull, RangeInclusive, RangeTo, RangeToIncl
 /// One item of an index expression (see [`Tensor::i`]).
 ///
 /// Integers select (`x[2]`), ranges slice (`x[1:3]`), [`IndexItem::Slice`]
-/// slices with a step (`x[::2]`, built with [`IndexItem::slice`] or the `s` helper),
+/// slices with a step (`x[::2]`, built with [`s`] or [`IndexItem::slice`]),
 /// `NewAxis` inserts a size-1 dim (`x[None]`), `Ellipsis` stands for as many
 /// full slices as needed (`x[..., 0]`), and a tensor is an advanced index: an
 /// integer tensor picks positions, a bool tensor is a mask.
@@ -77,13 +78,11 @@ slice_bound!(i32, i64, isize, usize);
 ///
 /// ```
 /// use kiln::prelude::*;
-/// use kiln::tensor::IndexItem;
 /// let x = Tensor::arange(0.0, 6.0, 1.0, DType::F32)?;
-/// assert_eq!(x.i(IndexItem::slice(None, None, 2))?.to_vec::<f32>()?, vec![0.0, 2.0, 4.0]);
+/// assert_eq!(x.i(s(None, None, 2))?.to_vec::<f32>()?, vec![0.0, 2.0, 4.0]);
+/// assert_eq!(x.i(s(1, -1, 3))?.to_vec::<f32>()?, vec![1.0, 4.0]);
 /// # Ok::<(), kiln::Error>(())
 /// ```
-// Meant to be re-exported from the crate root as `kiln_tensor::s`; until then it is unused here.
-#[allow(dead_code)]
 pub fn s(start: impl SliceBound, end: impl SliceBound, step: isize) -> IndexItem {
     IndexItem::slice(start, end, step)
 }
@@ -323,7 +322,7 @@ impl Advanced {
         let mut flat_shape: Shape = xp.shape()[..ax].into();
         flat_shape.push(sizes.iter().product());
         flat_shape.extend_from_slice(&xp.shape()[ax + sizes.len()..]);
-        let flat = xp.reshape_to(&flat_shape)?;
+        let flat = reshape_input(&xp, &flat_shape)?;
         // Row-major linear position over the advanced dims.
         let mut lin: Option<Tensor> = None;
         let mut stride = 1usize;
@@ -400,17 +399,16 @@ impl Tensor {
     ///
     /// ```
     /// use kiln::prelude::*;
-    /// use kiln::tensor::IndexItem;
     /// let x = Tensor::arange(0.0, 12.0, 1.0, DType::F32)?.reshape(&[3, 4])?;
-    /// assert_eq!(x.i(1)?.to_vec::<f32>()?, vec![4.0, 5.0, 6.0, 7.0]);             // x[1]
-    /// assert_eq!(x.i((.., 1..3))?.shape(), &[3, 2]);                              // x[:, 1:3]
-    /// assert_eq!(x.i((-1, IndexItem::slice(None, None, 2)))?.to_vec::<f32>()?, vec![8.0, 10.0]); // x[-1, ::2]
+    /// assert_eq!(x.i(1)?.to_vec::<f32>()?, vec![4.0, 5.0, 6.0, 7.0]);                    // x[1]
+    /// assert_eq!(x.i((.., 1..3))?.shape(), &[3, 2]);                                     // x[:, 1:3]
+    /// assert_eq!(x.i((-1, s(None, None, 2)))?.to_vec::<f32>()?, vec![8.0, 10.0]);        // x[-1, ::2]
     /// assert_eq!(x.i((IndexItem::Ellipsis, IndexItem::NewAxis))?.shape(), &[3, 4, 1]);   // x[..., None]
     /// let idx = Tensor::new([2i64, 0])?;
-    /// assert_eq!(x.i((&idx, 0))?.to_vec::<f32>()?, vec![8.0, 0.0]);                  // x[[2, 0], 0]
+    /// assert_eq!(x.i((&idx, 0))?.to_vec::<f32>()?, vec![8.0, 0.0]);                      // x[[2, 0], 0]
     /// let mask = x.gt(9.0)?;
-    /// assert_eq!(x.i(&mask)?.to_vec::<f32>()?, vec![10.0, 11.0]);                    // x[x > 9]
-    /// x.i((.., 0))?.fill_(-1.0)?;                                                  // x[:, 0] = -1
+    /// assert_eq!(x.i(&mask)?.to_vec::<f32>()?, vec![10.0, 11.0]);                        // x[x > 9]
+    /// x.i((.., 0))?.fill_(-1.0)?;                                                        // x[:, 0] = -1
     /// assert_eq!(x.i((.., 0))?.to_vec::<f32>()?, vec![-1.0; 3]);
     /// # Ok::<(), kiln::Error>(())
     /// ```
@@ -519,11 +517,11 @@ impl Tensor {
         if a.dims.len() == 1 {
             // One index tensor: a plain index_select along its dim.
             let d = a.dims[0];
-            let r = self.index_select(d as isize, &a.idx[0].reshape(&[-1])?)?;
-            return r.reshape_to(&out_shape);
+            let r = self.index_select(d as isize, &reshape_input(&a.idx[0], &[a.idx[0].numel()])?)?;
+            return reshape_result(r, &out_shape);
         }
         let (flat, ax, lin) = a.flatten(self)?;
-        flat.index_select(ax as isize, &lin)?.reshape_to(&out_shape)
+        reshape_result(flat.index_select(ax as isize, &lin)?, &out_shape)
     }
 
     /// `x[indices]` with one optional index tensor per leading dim (PyTorch's
@@ -586,7 +584,14 @@ impl Tensor {
             return if accumulate { self.add(&v) } else { v.deep_clone() };
         }
         let a = Advanced::new("index_put", self, items)?;
-        self.index_put_impl(&a, values, accumulate)
+        let r = self.index_put_impl(&a, values, accumulate)?;
+        // Unfolding several advanced dims leaves a view of the result; the result of
+        // the op must not be one (see Note [Results are not views]).
+        if r.is_view() {
+            r.deep_clone()
+        } else {
+            Ok(r)
+        }
     }
 
     /// PyTorch's `index_put_`: `self[indices] = values` (or `+=` when
@@ -602,7 +607,13 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn index_put_(&self, indices: &[Option<&Tensor>], values: &Tensor, accumulate: bool) -> Result<&Tensor> {
-        let r = self.index_put(indices, values, accumulate)?;
+        let items = self.index_items("index_put_", indices)?;
+        if items.is_empty() {
+            let r = self.index_put(indices, values, accumulate)?;
+            return self.copy_(&r);
+        }
+        let a = Advanced::new("index_put_", self, items)?;
+        let r = self.index_put_impl(&a, values, accumulate)?;
         self.copy_(&r)
     }
 
@@ -627,7 +638,7 @@ impl Tensor {
         // The index dims sit at `ax` both in `target` and in `flat` (see
         // `Advanced::flatten`), so the values fold like `flat` with a reshape.
         let n = lin.shape()[0];
-        let vals = vals.reshape_to(&with_dim(flat.shape(), ax, n))?;
+        let vals = reshape_input(&vals, &with_dim(flat.shape(), ax, n))?;
         let out = if accumulate {
             Tensor::apply1(Op::IndexAdd { dim: ax }, &[&flat, &lin, &vals])?
         } else {
@@ -643,7 +654,7 @@ impl Tensor {
         perm.extend(a.dims.iter().copied());
         perm.extend(rest[ax..].iter().copied());
         let pshape: Shape = perm.iter().map(|&d| self.shape()[d]).collect();
-        let out = out.reshape_to(&pshape)?;
+        let out = reshape_input(&out, &pshape)?;
         let mut inv: SmallVec<[isize; 6]> = smallvec::smallvec![0; n];
         for (i, &p) in perm.iter().enumerate() {
             inv[p] = i as isize;
@@ -784,8 +795,8 @@ impl Tensor {
         let index = self.int64_index("index_select", index)?;
         if self.ndim() == 0 {
             // A 0-d tensor has one slice; the index must name it (0 or -1 with index_select's own check).
-            return Tensor::apply1(Op::IndexSelect { dim: 0 }, &[&self.reshape(&[1])?, &index.reshape(&[-1])?])?
-                .reshape(&[]);
+            let r = Tensor::apply1(Op::IndexSelect { dim: 0 }, &[&self.reshape(&[1])?, &index.reshape(&[-1])?])?;
+            return reshape_result(r, &[]);
         }
         Tensor::apply1(Op::IndexSelect { dim: d }, &[self, &index])
     }

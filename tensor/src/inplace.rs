@@ -131,7 +131,11 @@ impl Tensor {
         if !can_cast(result.dtype(), self.dtype()) {
             return Err(Error::dtype(
                 op,
-                format!("result type {} can't be cast to the desired output type {}", result.dtype(), self.dtype()),
+                format!(
+                    "result type {} can't be cast to the desired output type {}",
+                    result.dtype().scalar_type_name(),
+                    self.dtype().scalar_type_name()
+                ),
             ));
         }
         self.copy_(result)
@@ -148,7 +152,11 @@ impl Tensor {
         if !can_cast(rt, self.dtype()) {
             return Err(Error::dtype(
                 op,
-                format!("result type {rt} can't be cast to the desired output type {}", self.dtype()),
+                format!(
+                    "result type {} can't be cast to the desired output type {}",
+                    rt.scalar_type_name(),
+                    self.dtype().scalar_type_name()
+                ),
             ));
         }
         let r = f(self, other)?;
@@ -203,9 +211,9 @@ impl Tensor {
                 format!("expected mask dtype to be bool but got {}", mask.dtype()),
             ));
         }
-        let v = Tensor::full(&[], value.into(), (self.dtype(), self.device()))?;
-        let r = Tensor::where_cond(mask, &v, self)?;
-        if r.shape() != self.shape() {
+        let fits =
+            crate::broadcast_shapes("masked_fill", mask.shape(), self.shape()).map(|s| s.as_slice() == self.shape());
+        if !matches!(fits, Ok(true)) {
             return Err(Error::shape(
                 "masked_fill",
                 format!(
@@ -215,7 +223,8 @@ impl Tensor {
                 ),
             ));
         }
-        Ok(r)
+        let v = Tensor::full(&[], value.into(), (self.dtype(), self.device()))?;
+        Tensor::where_cond(mask, &v, self)
     }
     pub fn neg_(&self) -> Result<&Tensor> {
         self.check_writable("neg_")?;

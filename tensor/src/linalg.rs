@@ -3,9 +3,10 @@
 //!
 //! Everything lowers to the one primitive `Op::MatMul`: `[..., m, k] @ [..., k, n]`
 //! with equal batch dims of any rank, strided inputs allowed. Broadcast batch
-//! dims are stride-0 views (no copy); batch dims are folded into one only when a
-//! view allows it.
+//! dims are stride-0 views, so no operand is copied; a batch times one matrix is
+//! folded into one GEMM when a view allows it.
 use crate::error::fmt_shape;
+use crate::reduce::reshape_result;
 use crate::{DType, Error, Op, Result, Shape, Tensor};
 
 /// The error PyTorch gives for operands of different dtypes.
@@ -94,32 +95,23 @@ impl Tensor {
             out_shape.push(n);
         }
         let nb: usize = batch.iter().product();
-
-        // A batch of matrices times one matrix: fold the batch into the rows,
-        // one GEMM instead of many, when the strides allow it without a copy.
+        // A batch of matrices times one matrix: fold the batch into the rows, one
+        // GEMM (and one GEMM in backward) instead of many, when the strides allow
+        // it without a copy. The product is reshaped back as a new base (see
+        // Note [Results are not views]).
         if rb == 2 && ra > 2 && a2.layout().reshape_view(&[nb * m, k]).is_some() {
             let folded = a2.reshape_to(&[nb * m, k])?;
-            return Tensor::apply1(Op::MatMul, &[&folded, &b2])?.reshape_to(&out_shape);
+            return reshape_result(Tensor::apply1(Op::MatMul, &[&folded, &b2])?, &out_shape);
         }
-
+        // Otherwise broadcast batch dims are stride-0 views and the primitive reads
+        // strided operands, so nothing is copied.
         let mut ashape = batch.clone();
         ashape.extend_from_slice(&[m, k]);
-        let mut bshape = batch.clone();
+        let mut bshape = batch;
         bshape.extend_from_slice(&[k, n]);
-        let (mut ae, mut be) = (a2.broadcast_to(&ashape)?, b2.broadcast_to(&bshape)?);
-        // Several batch dims become one when both operands allow it as a view.
-        if batch.len() > 1
-            && ae.layout().reshape_view(&[nb, m, k]).is_some()
-            && be.layout().reshape_view(&[nb, k, n]).is_some()
-        {
-            ae = ae.reshape_to(&[nb, m, k])?;
-            be = be.reshape_to(&[nb, k, n])?;
-        }
-        let out = Tensor::apply1(Op::MatMul, &[&ae, &be])?;
-        if out.shape() == out_shape.as_slice() {
-            return Ok(out);
-        }
-        out.reshape_to(&out_shape)
+        let out = Tensor::apply1(Op::MatMul, &[&a2.broadcast_to(&ashape)?, &b2.broadcast_to(&bshape)?])?;
+        // Removing the dims added for 1-D operands reshapes the fresh product.
+        reshape_result(out, &out_shape)
     }
 
     /// Strict 2-D matrix product (`torch.mm`): no broadcasting, no 1-D operands.

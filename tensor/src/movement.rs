@@ -60,7 +60,9 @@ impl Tensor {
         if self.layout().reshape_view(&s).is_some() {
             self.view_op(ViewOp::Reshape(s))
         } else {
-            self.contiguous()?.view_op(ViewOp::Reshape(s))
+            // The copy is internal: the result is a new base, not a view of it
+            // (PyTorch's `_unsafe_view`; see Note [Results are not views]).
+            self.contiguous()?.view_op_as_base(ViewOp::Reshape(s))
         }
     }
 

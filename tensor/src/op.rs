@@ -300,6 +300,15 @@ pub enum Op {
         dim: Option<usize>,
         keepdim: bool,
     },
+    /// `softmax` (or, with `log`, `log_softmax`) along `dim` of a floating tensor,
+    /// computed stably (the max is subtracted first); half-precision inputs
+    /// compute in float32 and round once. A primitive rather than a composite:
+    /// one pass over the data instead of five, and a gradient rule that uses the
+    /// output directly (see the autograd rules).
+    Softmax {
+        dim: usize,
+        log: bool,
+    },
     /// Inclusive prefix sum along `dim` (integers and bool accumulate in int64).
     Cumsum {
         dim: usize,
@@ -396,6 +405,8 @@ impl Op {
             Op::ArgReduce { op: ArgReduceOp::ArgMax, .. } => "argmax",
             Op::ArgReduce { op: ArgReduceOp::ArgMin, .. } => "argmin",
             Op::Cumsum { .. } => "cumsum",
+            Op::Softmax { log: false, .. } => "softmax",
+            Op::Softmax { log: true, .. } => "log_softmax",
             Op::MatMul => "matmul",
             Op::View(v) => v.name(),
             Op::Cat { .. } => "cat",
@@ -415,7 +426,7 @@ impl Op {
         Some(match self {
             Op::Full { .. } | Op::Arange { .. } => 0,
             Op::Unary(_) | Op::Cast(_) | Op::Copy | Op::Reduce { .. } | Op::ArgReduce { .. } | Op::Cumsum { .. } => 1,
-            Op::View(_) | Op::Sort { .. } | Op::TopK { .. } => 1,
+            Op::View(_) | Op::Sort { .. } | Op::TopK { .. } | Op::Softmax { .. } => 1,
             Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
             Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } => 3,
             Op::Assign { .. } => 2,
@@ -584,6 +595,14 @@ impl Op {
                     }
                 };
                 smallvec![Meta { shape, dtype: DType::I64 }]
+            }
+            Op::Softmax { dim, .. } => {
+                let x = &inputs[0];
+                if !x.dtype.is_float() {
+                    return Err(Error::unsupported_dtype(name, x.dtype));
+                }
+                check_dim(*dim, x.shape.len().max(1))?;
+                smallvec![meta(&x.shape, x.dtype)]
             }
             Op::Cumsum { dim } => {
                 let x = &inputs[0];

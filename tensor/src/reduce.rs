@@ -92,6 +92,39 @@ fn resolve(x: &Tensor, op: &'static str, dims: &dyn Dims, keepdim: bool) -> Resu
     Ok(Resolved { x: x.clone(), dims: d, out_shape })
 }
 
+// Note [Results are not views]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The result of an op is a fresh tensor, never a view of a temporary (PyTorch's
+// `_base` is None), even when the op ends by reshaping what it computed (matmul
+// with a 1-D operand or a folded batch, embedding, advanced indexing with a
+// multi-dim index, a 0-d input handled as `[1]`, reshape's copy path). Such a
+// final reshape goes through `reshape_result`, which makes the reshaped tensor a
+// new base over the temporary's storage (PyTorch's `_unsafe_view`): no copy, and
+// the aliasing is unobservable because nothing else holds the temporary. Only
+// when the temporary's strides forbid a view (never for a primitive's
+// contiguous output) does it copy.
+
+/// `t`, an op's fresh temporary, reshaped as the op's result: `t` itself when the
+/// shape matches, else a new base over its storage (see Note [Results are not views]).
+pub(crate) fn reshape_result(t: Tensor, shape: &[usize]) -> Result<Tensor> {
+    if t.shape() == shape {
+        return Ok(t);
+    }
+    if !t.is_view() && t.layout().reshape_view(shape).is_some() {
+        return t.view_op_as_base(crate::ViewOp::Reshape(shape.into()));
+    }
+    t.reshape_to(shape)?.deep_clone()
+}
+
+/// `t` with `shape`: `t` itself when the shape already matches, else a reshape
+/// (a view when the strides allow). For inputs of further ops, not for results.
+pub(crate) fn reshape_input(t: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    if t.shape() == shape {
+        return Ok(t.clone());
+    }
+    t.reshape_to(shape)
+}
+
 /// Half-precision floats compute composites (var, logsumexp) in float32, like
 /// PyTorch's `opmath` type; the result is cast back.
 fn upcast(x: &Tensor) -> Result<Tensor> {
@@ -110,11 +143,10 @@ impl Tensor {
     /// Runs `Op::Reduce` over `dims` (any `Dims`; empty means all).
     fn reduce_op(&self, op: ReduceOp, name: &'static str, dims: &dyn Dims, keepdim: bool) -> Result<Tensor> {
         let r = resolve(self, name, dims, keepdim)?;
-        let out = Tensor::apply1(Op::Reduce { op, dims: r.dims.clone(), keepdim }, &[&r.x])?;
-        if out.shape() != r.out_shape.as_slice() {
-            return out.reshape_to(&r.out_shape);
-        }
-        Ok(out)
+        // A 0-d input runs as `[1]`: without keepdim its result is already 0-d.
+        let keep = keepdim && self.ndim() > 0;
+        let out = Tensor::apply1(Op::Reduce { op, dims: r.dims.clone(), keepdim: keep }, &[&r.x])?;
+        reshape_result(out, &r.out_shape)
     }
 
     /// Reduces every dim to a 0-d tensor.
@@ -334,9 +366,10 @@ impl Tensor {
         let d = r.dims.as_slice();
         let mean = x.mean_dim(d, true)?;
         let dev = x.sub(&mean)?;
-        let ss = dev.mul(&dev)?.sum_dim(d, keepdim)?;
+        let ss = reshape_input(&dev.mul(&dev)?.sum_dim(d, keepdim)?, &r.out_shape)?;
         let denom = (n as f64 - correction as f64).max(0.0);
-        ss.div(denom)?.reshape_to(&r.out_shape)?.to_dtype(self.dtype())
+        // Dividing last keeps the result a fresh tensor (see Note [Results are not views]).
+        ss.div(denom)?.to_dtype(self.dtype())
     }
 
     /// `log(sum(exp(x), dims))`, computed stably: the max is subtracted first
@@ -362,8 +395,9 @@ impl Tensor {
         }
         let m = x.amax(d, true)?;
         let m = m.masked_fill(&m.isinf()?, 0.0)?;
-        let s = x.sub(&m)?.exp()?.sum_dim(d, true)?.log()?.add(&m)?;
-        s.reshape_to(&r.out_shape)?.to_dtype(out_dtype)
+        let s = reshape_input(&x.sub(&m)?.exp()?.sum_dim(d, true)?.log()?, &r.out_shape)?;
+        // Adding the max last keeps the result a fresh tensor (see Note [Results are not views]).
+        s.add(&reshape_input(&m, &r.out_shape)?)?.to_dtype(out_dtype)
     }
 
     // ---- all, any, count_nonzero -----------------------------------------------------

@@ -347,9 +347,22 @@ impl Tensor {
 
     /// Applies a view op: a new tensor over the same storage, recorded like any op.
     pub fn view_op(&self, v: ViewOp) -> Result<Tensor> {
+        self.view_op_impl(v, true)
+    }
+
+    /// PyTorch's `_unsafe_view`: a view op whose result is a new base over the
+    /// same storage rather than a view of `self`. Only for a fresh, internal
+    /// `self` that no user can reach (an op's temporary), so the aliasing is not
+    /// observable (see Note [Results are not views]).
+    pub(crate) fn view_op_as_base(&self, v: ViewOp) -> Result<Tensor> {
+        debug_assert!(!self.is_view(), "view_op_as_base of a view");
+        self.view_op_impl(v, false)
+    }
+
+    fn view_op_impl(&self, v: ViewOp, as_view: bool) -> Result<Tensor> {
         let layout = v.apply(&self.0.layout)?;
         layout.check_bounds(v.name(), self.0.storage.len())?;
-        let base = Some(self.0.base.clone().unwrap_or_else(|| self.clone()));
+        let base = as_view.then(|| self.0.base.clone().unwrap_or_else(|| self.clone()));
         let t = Tensor::make(self.0.storage.clone(), layout, self.0.backend, base);
         if is_grad_enabled() && self.requires_grad() {
             let node = Node::new(Op::View(v), smallvec::smallvec![Edge::of(self)], smallvec::smallvec![t.meta()]);

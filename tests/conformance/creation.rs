@@ -223,10 +223,12 @@ fn to_dtype_every_pair() {
 fn to_dtype_rounding_and_truncation() {
     on_devices(|dev| {
         // f32 -> bf16 rounds to nearest, ties to even; past the largest bf16 -> inf; NaN stays NaN.
-        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7; one f32 ulp above it rounds up.
-        let above_tie = f32::from_bits(0x3F80_8001);
-        let x =
-            t([1.00390625f32, 1.01171875, -1.00390625, above_tie, f32::MAX, -3.4e38, 3.3895e38, f32::NAN, 1e-40], dev);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7 (rounds to even: 1); 1 + 3 * 2^-8 is halfway
+        // between 1 + 2^-7 and 1 + 2^-6 (rounds to even: 1 + 2^-6); one f32 ulp above a tie rounds up.
+        let tie = 1.0 + 2f32.powi(-8);
+        let tie_odd = 1.0 + 3.0 * 2f32.powi(-8);
+        let above_tie = f32::from_bits(tie.to_bits() + 1);
+        let x = t([tie, tie_odd, -tie, above_tie, f32::MAX, -3.4e38, 3.3895e38, f32::NAN, 1e-40], dev);
         let b = x.to_dtype(DType::BF16)?;
         let want = [1.0, 1.015625, -1.0, 1.0078125, f64::INFINITY, f64::NEG_INFINITY, 3.3895313892515355e38];
         assert_eq!(b.dtype(), DType::BF16);

@@ -83,14 +83,23 @@ fn long_rows_wrap_and_large_tensors_are_summarised() {
              14., 15., 16., 17., 18., 19.]{d})"
         );
         assert_eq!(iota(&[20], dev).to_string(), want);
+        let big = Tensor::arange(1000.0, 3000.0, 1.0, (DType::F32, dev))?;
+        assert_eq!(big.to_string(), format!("tensor([1000., 1001., 1002.,  ..., 2997., 2998., 2999.]{d})"));
+        // The notation is chosen from the printed elements only: 1999 / 1 > 1000 means
+        // scientific, and 6 items of width 10 fill a line (PyTorch prints the same).
         let big = iota(&[2000], dev);
-        assert_eq!(big.to_string(), format!("tensor([   0.,    1.,    2.,  ..., 1997., 1998., 1999.]{d})"));
+        assert_eq!(
+            big.to_string(),
+            format!(
+                "tensor([0.0000e+00, 1.0000e+00, 2.0000e+00,  ..., 1.9970e+03, 1.9980e+03,\n        1.9990e+03]{d})"
+            )
+        );
         let m = iota(&[100, 11], dev).to_dtype(DType::I32)?;
         let s = m.to_string();
         let lines: Vec<&str> = s.lines().collect();
         assert!(lines.len() >= 7, "3 rows, `...`, 3 rows:\n{s}");
         assert_eq!(lines[0], "tensor([[   0,    1,    2,  ...,    8,    9,   10],");
-        assert_eq!(lines[1], "         [  11,   12,   13,  ...,   19,   20,   21],");
+        assert_eq!(lines[1], "        [  11,   12,   13,  ...,   19,   20,   21],");
         assert_eq!(lines[3], "        ...,");
         assert!(lines[6].starts_with("        [1089, 1090, 1091,  ..., 1097, 1098, 1099]]"), "{s}");
         if dev == Device::Cpu {

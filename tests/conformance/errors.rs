@@ -60,7 +60,7 @@ fn errors_name_the_op_and_the_operands() {
         check(Tensor::where_cond(&a, 1.0, 0.0), Kind::DType, "where", &["float32"]);
         check(a.to_vec::<i64>(), Kind::DType, "to_vec", &["int64", "float32"]);
         check(a.item::<f32>(), Kind::Invalid, "item", &["6 elements"]);
-        check(a.i(&t([0.5f32], dev)), Kind::DType, "index", &["float32"]);
+        check(a.i(t([0.5f32], dev)), Kind::Index, "index", &["float32"]); // IndexError in PyTorch
         check(a.gather(1, &t([[0i32]], dev)), Kind::DType, "gather", &["int64", "int32"]);
         check(t([1i64], dev).requires_grad_(true).map(|_| ()), Kind::DType, "requires_grad_", &["int64"]);
         check(a.expand(&[2, 2, 3])?.add_(1.0).map(|_| ()), Kind::InPlace, "add_", &["single memory location"]);

@@ -39,7 +39,7 @@ fn basic_indexing_gives_views() {
 fn advanced_indexing_gives_copies() {
     on_devices(|dev| {
         let x = iota(&[3, 4], dev);
-        let rows = x.i(&t([2i64, 0, 2], dev))?;
+        let rows = x.i(t([2i64, 0, 2], dev))?;
         assert_exact(&rows, DType::F32, &[3, 4], &[8.0, 9.0, 10.0, 11.0, 0.0, 1.0, 2.0, 3.0, 8.0, 9.0, 10.0, 11.0]);
         assert!(!rows.shares_storage(&x), "advanced indexing copies");
         // Negative positions count from the end; int32 indices work too.
@@ -52,7 +52,7 @@ fn advanced_indexing_gives_copies() {
         // Boolean masks: x[x > 6], x[row_mask], x[:, col_mask].
         assert_exact(&x.i(&x.gt(6.0)?)?, DType::F32, &[5], &[7.0, 8.0, 9.0, 10.0, 11.0]);
         assert_exact(
-            &x.i(&t([true, false, true], dev))?,
+            &x.i(t([true, false, true], dev))?,
             DType::F32,
             &[2, 4],
             &[0.0, 1.0, 2.0, 3.0, 8.0, 9.0, 10.0, 11.0],
@@ -67,10 +67,10 @@ fn advanced_indexing_gives_copies() {
         // The index form.
         let y = x.index(&[None, Some(&t([3i64, 1], dev))])?;
         assert_exact(&y, DType::F32, &[3, 2], &[3.0, 1.0, 7.0, 5.0, 11.0, 9.0]);
-        assert_err(x.i(&t([3i64], dev)), &["index 3 is out of bounds for dimension 0 with size 3"]);
-        assert_err(x.i(&t([0.0f32], dev)), &["tensors used as indices must be long, int, byte or bool tensors"]);
+        assert_err(x.i(t([3i64], dev)), &["index 3 is out of bounds for dimension 0 with size 3"]);
+        assert_err(x.i(t([0.0f32], dev)), &["tensors used as indices must be long, int, byte or bool tensors"]);
         assert_err(
-            x.i(&t([true, false], dev)),
+            x.i(t([true, false], dev)),
             &["The shape of the mask [2] at index 0 does not match the shape of the indexed tensor [3, 4] at index 0"],
         );
         assert_err(

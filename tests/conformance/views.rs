@@ -51,8 +51,11 @@ fn view_and_reshape() {
         // A transposed tensor still views when the merged dims are adjacent in memory.
         let ok = tr.view(&[4, 3, 1])?;
         assert_eq!(ok.strides()[..2], [1, 4]);
+        // Splitting the stride-1 dim of a transposed tensor is a view too: strides [2, 1, 4].
         let ok = tr.reshape_to(&[2, 2, 3])?;
-        assert!(!ok.shares_storage(&x));
+        assert!(ok.shares_storage(&x));
+        assert_eq!(ok.strides(), &[2, 1, 4]);
+        assert!(!tr.reshape_to(&[3, 4])?.shares_storage(&x));
         assert_exact(&x.reshape(&[-1])?, DType::F32, &[12], &f64s(&x));
         assert_err(x.view(&[-1, -1]), &["only one dimension can be inferred"]);
         assert_err(x.view(&[5, -1]), &["view", "invalid for input of size 12"]);
@@ -129,7 +132,8 @@ fn narrow_and_select() {
 fn slice_with_steps_and_negative_bounds() {
     on_devices(|dev| {
         let x = iota(&[10], dev);
-        let cases: [(Option<isize>, Option<isize>, isize, &[f64]); 7] = [
+        type Case = (Option<isize>, Option<isize>, isize, &'static [f64]);
+        let cases: [Case; 7] = [
             (Some(-3), None, 1, &[7.0, 8.0, 9.0]),
             (Some(1), Some(-1), 2, &[1.0, 3.0, 5.0, 7.0]),
             (Some(-100), Some(100), 4, &[0.0, 4.0, 8.0]),
@@ -315,11 +319,16 @@ fn contiguous_copies_only_when_needed() {
 #[test]
 fn views_of_views_share_the_root_base() {
     on_devices(|dev| {
-        let x = iota(&[4, 6], dev);
+        // A tensor that is no view (iota is a reshape of arange, so a view).
+        let x = Tensor::from_vec((0..24).map(|v| v as f32).collect::<Vec<_>>(), &[4, 6])?.to_device(dev)?;
         let v = x.t()?.narrow(0, 1, 3)?.select(1, 2)?;
         assert!(v.base().is_some_and(|b| b.same(&x)), "a chained view's base is the root tensor");
         assert_aliases(&v, &x, &[3], &[1], 13, &[13, 14, 15]);
         assert!(x.base().is_none() && !x.is_view());
+        // A view of a view (iota's reshape of arange) has the same root.
+        let y = iota(&[4, 6], dev);
+        let root = y.base().expect("a reshape of arange is a view").clone();
+        assert!(y.t()?.i(0)?.base().is_some_and(|b| b.same(&root)));
         // A detached tensor shares the data but not the identity.
         let d = x.detach();
         assert!(d.shares_storage(&x) && !d.same(&x));

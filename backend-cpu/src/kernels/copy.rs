@@ -1,7 +1,7 @@
 //! Creation and data movement: full, arange, cast, contiguous copies,
 //! `assign` (writing into a strided view) and cat.
 use super::elem::{convert, Elem};
-use super::iter::{par_chunks, par_ranges, tasks_for, Nest};
+use super::iter::{par_chunks, par_ranges_by, tasks_for, Nest};
 use super::map::map1;
 use super::{buf, Input};
 use kiln_tensor::{with_dtype, DType, Error, HostBuffer, HostElement, Layout, Meta, Result, Scalar};
@@ -120,8 +120,9 @@ pub(crate) fn copy_into<T: Elem>(dst: &mut [T], dl: &Layout, src: &[T], sl: &Lay
     let nest = Nest::new(dl.shape(), [dl.strides(), sl.strides()], [dl.offset(), sl.offset()]);
     let n = nest.numel();
     let [ds, ss] = nest.inner_strides();
+    let band = nest.tile_band();
     if tasks_for(n, 1) <= 1 || dl.has_internal_overlap() {
-        nest.for_each_run(0, n, |[d, s], len| match (ds, ss) {
+        nest.walk(0, n, band.is_some(), |[d, s], len| match (ds, ss) {
             (1, 1) => dst[d..d + len].copy_from_slice(&src[s..s + len]),
             (1, 0) => dst[d..d + len].fill(src[s]),
             (ds, ss) => {
@@ -133,8 +134,8 @@ pub(crate) fn copy_into<T: Elem>(dst: &mut [T], dl: &Layout, src: &[T], sl: &Lay
         return Ok(());
     }
     let ptr = SharedMut(dst.as_mut_ptr());
-    par_ranges(n, 1, &|a, b| {
-        nest.for_each_run(a, b, |[d, s], len| {
+    par_ranges_by(n, 1, band.unwrap_or(1), &|a, b| {
+        nest.walk(a, b, band.is_some(), |[d, s], len| {
             if (ds, ss) == (1, 1) {
                 // SAFETY: `d + len <= dl.storage_extent() <= dst.len()` and `s + len <= src.len()`
                 // (both layouts were bounds-checked above); `src` and `dst` are distinct borrows so

@@ -9,7 +9,7 @@ use super::map::{fmap, map1, map2, map3};
 use super::simd::{map_binary, map_unary, BinOp, UnOp};
 use super::{buf, Input};
 use half::{bf16, f16};
-use kiln_tensor::{with_dtype, BinaryOp, CmpOp, DType, Error, HostBuffer, Result, UnaryOp};
+use kiln_tensor::{with_dtype, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, Result, UnaryOp};
 
 // ---- float op bodies ---------------------------------------------------------
 
@@ -191,17 +191,8 @@ pub(crate) fn binary(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<HostB
     if dt != b.dtype() {
         return Err(Error::dtype(op.name(), format!("expected equal dtypes, got {dt} and {}", b.dtype())));
     }
-    match op {
-        BinaryOp::And => {
-            return with_dtype!(dt, T => Ok(buf(map2::<T, T, bool>(a, b, 1, |x, y| x.truthy() & y.truthy())?)))
-        }
-        BinaryOp::Or => {
-            return with_dtype!(dt, T => Ok(buf(map2::<T, T, bool>(a, b, 1, |x, y| x.truthy() | y.truthy())?)))
-        }
-        BinaryOp::Xor => {
-            return with_dtype!(dt, T => Ok(buf(map2::<T, T, bool>(a, b, 1, |x, y| x.truthy() ^ y.truthy())?)))
-        }
-        _ => {}
+    if op.is_logical() {
+        return logical(op, a, b);
     }
     Ok(match dt {
         DType::F32 => buf(float_binary::<f32>(op, a, b)?),
@@ -215,6 +206,26 @@ pub(crate) fn binary(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<HostB
         DType::I64 => buf(int_binary::<i64>(op, a, b)?),
         DType::Bool => buf(bool_binary(op, a, b)?),
     })
+}
+
+/// `logical_and` / `or` / `xor`: inputs of other dtypes are first mapped to their
+/// truth values, so the op itself is compiled for bool only.
+fn logical(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<HostBuffer> {
+    let truth = |x: &Input<'_>| -> Result<Option<HostBuffer>> {
+        Ok(match x.dtype() {
+            DType::Bool => None,
+            dt => Some(HostBuffer::Bool(with_dtype!(dt, T => map1::<T, bool>(x, 1, |v| v.truthy())?))),
+        })
+    };
+    let (ta, tb) = (truth(a)?, truth(b)?);
+    let (la, lb) = (Layout::contiguous(a.layout.shape()), Layout::contiguous(b.layout.shape()));
+    let a = ta.as_ref().map_or(*a, |buf| Input { buf, layout: &la });
+    let b = tb.as_ref().map_or(*b, |buf| Input { buf, layout: &lb });
+    Ok(buf(match op {
+        BinaryOp::And => map2::<bool, bool, bool>(&a, &b, 1, |x, y| x & y)?,
+        BinaryOp::Or => map2::<bool, bool, bool>(&a, &b, 1, |x, y| x | y)?,
+        _ => map2::<bool, bool, bool>(&a, &b, 1, |x, y| x ^ y)?,
+    }))
 }
 
 /// The value of an input that broadcasts one element everywhere (all strides 0), if it does.
@@ -366,22 +377,21 @@ macro_rules! cmp_fn {
 cmp_fn!(eq, ==);
 cmp_fn!(lt, <);
 cmp_fn!(le, <=);
-cmp_fn!(gt, >);
-cmp_fn!(ge, >=);
 
 /// Runs a comparison (output bool; every comparison with NaN is false except `ne`).
 pub(crate) fn compare(op: CmpOp, a: &Input<'_>, b: &Input<'_>) -> Result<HostBuffer> {
     if a.dtype() != b.dtype() {
         return Err(Error::dtype(op.name(), format!("expected equal dtypes, got {} and {}", a.dtype(), b.dtype())));
     }
+    // a > b is b < a and a >= b is b <= a: four kernels per dtype.
     with_dtype!(a.dtype(), T => {
         let v = match op {
             CmpOp::Eq => map2::<T, T, bool>(a, b, 1, eq::<T>)?,
             CmpOp::Ne => map2::<T, T, bool>(a, b, 1, |x, y| !eq(x, y))?,
             CmpOp::Lt => map2::<T, T, bool>(a, b, 1, lt::<T>)?,
             CmpOp::Le => map2::<T, T, bool>(a, b, 1, le::<T>)?,
-            CmpOp::Gt => map2::<T, T, bool>(a, b, 1, gt::<T>)?,
-            CmpOp::Ge => map2::<T, T, bool>(a, b, 1, ge::<T>)?,
+            CmpOp::Gt => map2::<T, T, bool>(b, a, 1, lt::<T>)?,
+            CmpOp::Ge => map2::<T, T, bool>(b, a, 1, le::<T>)?,
         };
         Ok(buf(v))
     })

@@ -50,20 +50,19 @@ fn index_along(ndim: usize, dim: usize, idx: &Layout) -> Strides {
     s
 }
 
-/// `out[p] = x[xb(p) + idx[ib(p)] * dim_stride]` over `shape` (contiguous out),
-/// where `xs` are x's strides with the gathered dim zeroed. Indices are valid.
-fn gather_engine<T: Elem>(
-    xv: &[T],
-    xs: &[usize],
-    x_off: usize,
-    dim_stride: usize,
-    idx: &[i64],
-    is: &[usize],
-    i_off: usize,
-    shape: &[usize],
-) -> Vec<T> {
+/// A strided view: data, strides (one per dim of the iteration space) and offset.
+struct View<'a, T> {
+    v: &'a [T],
+    strides: &'a [usize],
+    offset: usize,
+}
+
+/// `out[p] = x[x(p) + idx[idx(p)] * dim_stride]` over `shape` (contiguous out), where
+/// `x`'s strides have the gathered dim zeroed. Indices were validated.
+fn gather_engine<T: Elem>(x: View<'_, T>, dim_stride: usize, idx: View<'_, i64>, shape: &[usize]) -> Vec<T> {
+    let (xv, iv) = (x.v, idx.v);
     let cs = contiguous_strides(shape);
-    let nest = Nest::new(shape, [&cs, xs, is], [0, x_off, i_off]);
+    let nest = Nest::new(shape, [&cs, x.strides, idx.strides], [0, x.offset, idx.offset]);
     let [_, sx, si] = nest.inner_strides();
     let mut out = T::zeros(nest.numel());
     par_chunks(&mut out, 2, &|start, chunk| {
@@ -71,7 +70,7 @@ fn gather_engine<T: Elem>(
             let dst = &mut chunk[o - start..o - start + len];
             if si == 0 {
                 // One index for the whole run: a strided (often contiguous) row copy.
-                let base = xb + idx[ib] as usize * dim_stride;
+                let base = xb + iv[ib] as usize * dim_stride;
                 if sx == 1 {
                     dst.copy_from_slice(&xv[base..base + len]);
                 } else {
@@ -81,7 +80,7 @@ fn gather_engine<T: Elem>(
                 }
             } else {
                 for (j, d) in dst.iter_mut().enumerate() {
-                    *d = xv[xb + j * sx + idx[ib + j * si] as usize * dim_stride];
+                    *d = xv[xb + j * sx + iv[ib + j * si] as usize * dim_stride];
                 }
             }
         });
@@ -98,7 +97,8 @@ pub(crate) fn gather(x: &Input<'_>, index: &Input<'_>, dim: usize) -> Result<Hos
     let xs = zero_dim(xl.strides(), dim);
     let ds = xl.strides()[dim];
     with_dtype!(x.dtype(), T => {
-        let out = gather_engine::<T>(x.slice()?, &xs, xl.offset(), ds, iv, il.strides(), il.offset(), il.shape());
+        let xv = View { v: x.slice::<T>()?, strides: &xs, offset: xl.offset() };
+        let out = gather_engine(xv, ds, View { v: iv, strides: il.strides(), offset: il.offset() }, il.shape());
         Ok(buf(out))
     })
 }
@@ -114,32 +114,31 @@ pub(crate) fn index_select(x: &Input<'_>, index: &Input<'_>, dim: usize, out: &M
     let xs = zero_dim(xl.strides(), dim);
     let is = index_along(shape.len(), dim, il);
     with_dtype!(x.dtype(), T => {
-        let v = gather_engine::<T>(x.slice()?, &xs, xl.offset(), xl.strides()[dim], iv, &is, il.offset(), &shape);
+        let xv = View { v: x.slice::<T>()?, strides: &xs, offset: xl.offset() };
+        let v = gather_engine(xv, xl.strides()[dim], View { v: iv, strides: &is, offset: il.offset() }, &shape);
         debug_assert_eq!(v.len(), numel(&out.shape));
         Ok(buf(v))
     })
 }
 
-/// `out = base; out[..idx(p)..] (op)= src[p]` over `shape` (sequential: later writes win).
-#[allow(clippy::too_many_arguments)]
+/// `out[o(p) + idx[idx(p)] * dim_stride] (op)= src[src(p)]` over `shape`, where `os`
+/// are out's strides with the scattered dim zeroed. Sequential, so later writes win.
 fn scatter_engine<T: Elem>(
     out: &mut [T],
     os: &[usize],
     dim_stride: usize,
-    src: &[T],
-    sl: &Layout,
-    idx: &[i64],
-    is: &[usize],
-    i_off: usize,
+    src: View<'_, T>,
+    idx: View<'_, i64>,
     shape: &[usize],
     add: bool,
 ) {
-    let nest = Nest::new(shape, [os, sl.strides(), is], [0, sl.offset(), i_off]);
+    let (sv, iv) = (src.v, idx.v);
+    let nest = Nest::new(shape, [os, src.strides, idx.strides], [0, src.offset, idx.offset]);
     let [so, ss, si] = nest.inner_strides();
     nest.for_each_run(0, nest.numel(), |[ob, sb, ib], len| {
         for j in 0..len {
-            let o = ob + j * so + idx[ib + j * si] as usize * dim_stride;
-            let v = src[sb + j * ss];
+            let o = ob + j * so + iv[ib + j * si] as usize * dim_stride;
+            let v = sv[sb + j * ss];
             out[o] = if add { out[o].add_(v) } else { v };
         }
     });
@@ -165,7 +164,9 @@ pub(crate) fn scatter(
     let add = reduce == ScatterReduce::Add;
     with_dtype!(base.dtype(), T => {
         let mut out = materialize_vec::<T>(base)?;
-        scatter_engine::<T>(&mut out, &os, cs[dim], src.slice()?, &sl, iv, il.strides(), il.offset(), il.shape(), add);
+        let sv = View { v: src.slice::<T>()?, strides: sl.strides(), offset: sl.offset() };
+        let iview = View { v: iv, strides: il.strides(), offset: il.offset() };
+        scatter_engine(&mut out, &os, cs[dim], sv, iview, il.shape(), add);
         Ok(buf(out))
     })
 }
@@ -181,7 +182,9 @@ pub(crate) fn index_add(base: &Input<'_>, index: &Input<'_>, src: &Input<'_>, di
     let is = index_along(sl.ndim(), dim, il);
     with_dtype!(base.dtype(), T => {
         let mut out = materialize_vec::<T>(base)?;
-        scatter_engine::<T>(&mut out, &os, cs[dim], src.slice()?, &sl, iv, &is, il.offset(), sl.shape(), true);
+        let sv = View { v: src.slice::<T>()?, strides: sl.strides(), offset: sl.offset() };
+        let iview = View { v: iv, strides: &is, offset: il.offset() };
+        scatter_engine(&mut out, &os, cs[dim], sv, iview, sl.shape(), true);
         Ok(buf(out))
     })
 }

@@ -8,6 +8,9 @@ use smallvec::SmallVec;
 /// waking the pool costs a few microseconds, about what 32K simple element-ops cost.
 pub(crate) const PAR_MIN: usize = 32 * 1024;
 
+/// Side of the blocks a tiled walk uses (see `Nest::tile_band`).
+const TILE: usize = 64;
+
 /// Number of threads kernels split large work across.
 pub(crate) fn threads() -> usize {
     rayon::current_num_threads()
@@ -61,6 +64,63 @@ impl<const N: usize> Nest<N> {
     /// Length of the innermost dim (1 for a single element).
     pub fn inner_len(&self) -> usize {
         self.dims.last().map_or(1, |d| d.0)
+    }
+
+    /// Offsets of the element at row-major position `l`.
+    fn offsets_at(&self, mut l: usize) -> [usize; N] {
+        let mut pos = self.offsets;
+        for &(size, st) in self.dims.iter().rev() {
+            let i = l % size;
+            l /= size;
+            for k in 0..N {
+                pos[k] += i * st[k];
+            }
+        }
+        pos
+    }
+
+    /// The work granule of a tiled walk, when one pays: some operand reads (or
+    /// writes) its innermost dim with a stride, as a transposed view does. The
+    /// last two dims are then walked in `TILE x TILE` blocks, so each cache line
+    /// of the strided operand serves `TILE` consecutive rows. Returns the number
+    /// of elements in a band of `TILE` rows; `walk` ranges should be multiples of it.
+    pub fn tile_band(&self) -> Option<usize> {
+        let nd = self.dims.len();
+        if nd < 2 {
+            return None;
+        }
+        let (cols, st) = self.dims[nd - 1];
+        let strided = st.iter().any(|&s| s > 1);
+        (strided && cols >= 8 && self.dims[nd - 2].0 >= 8).then_some(TILE * cols)
+    }
+
+    /// Calls `f(offsets, len)` for runs covering the row-major positions
+    /// `start..end`, in tiles when `tiled` (see `tile_band`; then `start` and `end`
+    /// must be multiples of the innermost size), else in order.
+    #[inline]
+    pub fn walk(&self, start: usize, end: usize, tiled: bool, mut f: impl FnMut([usize; N], usize)) {
+        if !tiled {
+            return self.for_each_run(start, end, f);
+        }
+        let nd = self.dims.len();
+        let (cols, cst) = self.dims[nd - 1];
+        let (rows, rst) = self.dims[nd - 2];
+        let end_row = end.min(self.numel) / cols;
+        let mut row = start / cols;
+        while row < end_row {
+            // Rows row..row + h of one matrix (a band never crosses into the next one).
+            let h = (rows - row % rows).min(TILE).min(end_row - row);
+            let base = self.offsets_at(row * cols);
+            let mut c0 = 0;
+            while c0 < cols {
+                let w = TILE.min(cols - c0);
+                for i in 0..h {
+                    f(std::array::from_fn(|k| base[k] + i * rst[k] + c0 * cst[k]), w);
+                }
+                c0 += w;
+            }
+            row += h;
+        }
     }
 
     /// Calls `f(offsets, len)` for each innermost run covering the row-major
@@ -143,25 +203,41 @@ pub(crate) fn tasks_for(n: usize, cost: usize) -> usize {
 /// work (`cost` element-operations per item) is large enough to pay for it.
 /// See Note [Parallel helpers take &dyn].
 pub(crate) fn par_chunks<T: Send>(out: &mut [T], cost: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
+    // Chunks of whole cache lines where possible.
+    par_chunks_by(out, cost, 16, f)
+}
+
+/// `par_chunks` with chunk lengths that are multiples of `granule` (but the last).
+pub(crate) fn par_chunks_by<T: Send>(out: &mut [T], cost: usize, granule: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
     let n = out.len();
     let tasks = tasks_for(n, cost);
     if tasks <= 1 {
         f(0, out);
         return;
     }
-    // Chunks of whole cache lines where possible.
-    let chunk = n.div_ceil(tasks).next_multiple_of(16).min(n);
+    let chunk = n.div_ceil(tasks).next_multiple_of(granule.max(1)).min(n);
     out.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i * chunk, c));
 }
 
 /// Runs `f(start, end)` over a split of `0..n`, in parallel when large, and
 /// returns the results in order.
 pub(crate) fn par_ranges<R: Send>(n: usize, cost: usize, f: &(dyn Fn(usize, usize) -> R + Sync)) -> Vec<R> {
+    par_ranges_by(n, cost, 1, f)
+}
+
+/// `par_ranges` with range bounds that are multiples of `granule` (but the last).
+pub(crate) fn par_ranges_by<R: Send>(
+    n: usize,
+    cost: usize,
+    granule: usize,
+    f: &(dyn Fn(usize, usize) -> R + Sync),
+) -> Vec<R> {
     let tasks = tasks_for(n, cost);
     if tasks <= 1 {
         return vec![f(0, n)];
     }
-    let chunk = n.div_ceil(tasks);
+    let chunk = n.div_ceil(tasks).next_multiple_of(granule.max(1));
+    let tasks = n.div_ceil(chunk);
     (0..tasks).into_par_iter().map(|i| f((i * chunk).min(n), ((i + 1) * chunk).min(n))).collect()
 }
 

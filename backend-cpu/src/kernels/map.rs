@@ -5,8 +5,8 @@
 //! `map1`..`map3` apply a per-element closure (LLVM vectorises the contiguous
 //! runs); `fmap` hands float kernels whole slices in their compute type (f32 or
 //! f64), staging strided, broadcast or 16-bit operands through small buffers.
-use super::elem::{Elem, FloatElem};
-use super::iter::{par_chunks, Nest};
+use super::elem::{Compute, Elem, FloatElem};
+use super::iter::{par_chunks_by, Nest};
 use super::Input;
 use kiln_tensor::{contiguous_strides, Result};
 
@@ -21,8 +21,9 @@ pub(crate) fn map1<A: Elem, O: Elem>(a: &Input<'_>, cost: usize, f: impl Fn(A) -
     let nest = Nest::new(l.shape(), [&cs, l.strides()], [0, l.offset()]);
     let [_, sa] = nest.inner_strides();
     let mut out = O::zeros(nest.numel());
-    par_chunks(&mut out, cost, &|start, chunk| {
-        nest.for_each_run(start, start + chunk.len(), |[o, ia], len| {
+    let band = nest.tile_band();
+    par_chunks_by(&mut out, cost, band.unwrap_or(16), &|start, chunk| {
+        nest.walk(start, start + chunk.len(), band.is_some(), |[o, ia], len| {
             let dst = &mut chunk[o - start..o - start + len];
             match sa {
                 1 => {
@@ -55,8 +56,9 @@ pub(crate) fn map2<A: Elem, B: Elem, O: Elem>(
     let nest = Nest::new(la.shape(), [&cs, la.strides(), lb.strides()], [0, la.offset(), lb.offset()]);
     let [_, sa, sb] = nest.inner_strides();
     let mut out = O::zeros(nest.numel());
-    par_chunks(&mut out, cost, &|start, chunk| {
-        nest.for_each_run(start, start + chunk.len(), |[o, ia, ib], len| {
+    let band = nest.tile_band();
+    par_chunks_by(&mut out, cost, band.unwrap_or(16), &|start, chunk| {
+        nest.walk(start, start + chunk.len(), band.is_some(), |[o, ia, ib], len| {
             let dst = &mut chunk[o - start..o - start + len];
             match (sa, sb) {
                 (1, 1) => {
@@ -105,8 +107,9 @@ pub(crate) fn map3<A: Elem, B: Elem, C: Elem, O: Elem>(
     );
     let [_, sa, sb, sc] = nest.inner_strides();
     let mut out = O::zeros(nest.numel());
-    par_chunks(&mut out, cost, &|start, chunk| {
-        nest.for_each_run(start, start + chunk.len(), |[o, ia, ib, ic], len| {
+    let band = nest.tile_band();
+    par_chunks_by(&mut out, cost, band.unwrap_or(16), &|start, chunk| {
+        nest.walk(start, start + chunk.len(), band.is_some(), |[o, ia, ib, ic], len| {
             let dst = &mut chunk[o - start..o - start + len];
             if (sa, sb, sc) == (1, 1, 1) {
                 let it = dst.iter_mut().zip(&av[ia..ia + len]).zip(&bv[ib..ib + len]).zip(&cv[ic..ic + len]);
@@ -123,6 +126,9 @@ pub(crate) fn map3<A: Elem, B: Elem, C: Elem, O: Elem>(
     Ok(out)
 }
 
+/// A float kernel: `N` input slices and an output slice of one length, in the compute type.
+pub(crate) type FloatKernel<'k, C, const N: usize> = dyn Fn(&[&[C]; N], &mut [C]) + Sync + 'k;
+
 /// Float kernel engine: `kernel(inputs, out)` on slices of the compute type.
 ///
 /// f32/f64 runs whose inputs are all contiguous are handed over in place;
@@ -136,7 +142,7 @@ pub(crate) fn map3<A: Elem, B: Elem, C: Elem, O: Elem>(
 pub(crate) fn fmap<T: FloatElem, const N: usize>(
     ins: [&Input<'_>; N],
     cost: usize,
-    kernel: &(dyn Fn(&[&[T::C]; N], &mut [T::C]) + Sync),
+    kernel: &FloatKernel<'_, T::C, N>,
 ) -> Result<Vec<T>> {
     let vals: [&[T]; N] = {
         let mut v: [&[T]; N] = [&[]; N];
@@ -156,10 +162,13 @@ pub(crate) fn fmap<T: FloatElem, const N: usize>(
     let inner = nest.inner_strides();
     let all_unit = (0..N).all(|k| inner[k + 1] == 1);
     let mut out = T::zeros(nest.numel());
-    par_chunks(&mut out, cost, &|start, chunk| {
-        let mut bufs = [[<T::C as num_traits::Zero>::zero(); STAGE]; N];
-        let mut obuf = [<T::C as num_traits::Zero>::zero(); STAGE];
-        nest.for_each_run(start, start + chunk.len(), |pos, len| {
+    let band = nest.tile_band();
+    par_chunks_by(&mut out, cost, band.unwrap_or(16), &|start, chunk| {
+        // Staging buffers (one per input, then the output), set up on first use only:
+        // contiguous f32/f64 runs never need them.
+        let cap = chunk.len().min(STAGE);
+        let mut stage: Vec<T::C> = Vec::new();
+        nest.walk(start, start + chunk.len(), band.is_some(), |pos, len| {
             let o = pos[0] - start;
             if all_unit {
                 if let Some(dst) = T::direct_mut(&mut chunk[o..o + len]) {
@@ -169,9 +178,21 @@ pub(crate) fn fmap<T: FloatElem, const N: usize>(
                     return;
                 }
             }
+            if stage.is_empty() {
+                stage = vec![<T::C as Compute>::ZERO; (N + 1) * cap];
+            }
+            let (inbufs, obuf) = stage.split_at_mut(N * cap);
+            let bufs: [&mut [T::C]; N] = {
+                let mut rest = inbufs;
+                std::array::from_fn(|_| {
+                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(cap);
+                    rest = tail;
+                    head
+                })
+            };
             let mut done = 0;
             while done < len {
-                let m = (len - done).min(STAGE);
+                let m = (len - done).min(cap);
                 let mut direct = [false; N];
                 for k in 0..N {
                     let (base, s) = (pos[k + 1] + done * inner[k + 1], inner[k + 1]);
@@ -187,14 +208,15 @@ pub(crate) fn fmap<T: FloatElem, const N: usize>(
                         }
                     }
                 }
-                let srcs: [&[T::C]; N] = std::array::from_fn(|k| {
-                    if direct[k] {
+                let mut srcs: [&[T::C]; N] = [&[]; N];
+                for (k, src) in srcs.iter_mut().enumerate() {
+                    *src = if direct[k] {
                         let base = pos[k + 1] + done;
                         T::direct(&vals[k][base..base + m]).unwrap_or(&[])
                     } else {
                         &bufs[k][..m]
-                    }
-                });
+                    };
+                }
                 let dst = &mut chunk[o + done..o + done + m];
                 match T::direct_mut(dst) {
                     Some(d) => kernel(&srcs, d),

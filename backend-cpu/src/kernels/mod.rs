@@ -4,7 +4,7 @@
 //! engines), `simd` (CPU-feature dispatch and vectorisable f32 math), `elem`
 //! (what kernels need from each element type), `elementwise` (unary, binary,
 //! compare, where), `copy` (full, arange, cast, copies, assign, cat), `reduce`
-//! (reductions, arg-reductions, cumsum), `matmul`, `index` (gather, scatter,
+//! (reductions, arg-reductions, cumsum), `softmax` (fused softmax and log_softmax), `matmul`, `index` (gather, scatter,
 //! index_select, index_add, nonzero) and `sort` (sort, topk).
 //!
 //! Inputs are read through their strided layouts directly; every output is a
@@ -18,6 +18,7 @@ mod map;
 mod matmul;
 mod reduce;
 mod simd;
+mod softmax;
 mod sort;
 #[cfg(test)]
 mod tests;
@@ -48,6 +49,9 @@ impl<'a> Input<'a> {
 /// Runs one primitive on strided inputs, returning one contiguous buffer per output.
 pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<HostBuffer>> {
     let name = op.name();
+    if op.arity().is_some_and(|n| n != ins.len()) || (matches!(op, Op::Cat { .. }) && ins.is_empty()) {
+        return Err(Error::invalid(name, format!("got {} inputs", ins.len())));
+    }
     for x in ins {
         x.layout.check_bounds(name, x.buf.len())?;
     }
@@ -66,6 +70,7 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
         Op::Reduce { op, dims, keepdim: _ } => vec![reduce::reduce(*op, &ins[0], dims, out(0)?)?],
         Op::ArgReduce { op, dim, keepdim: _ } => vec![reduce::arg_reduce(*op, &ins[0], *dim)?],
         Op::Cumsum { dim } => vec![reduce::cumsum(&ins[0], *dim)?],
+        Op::Softmax { dim, log } => vec![softmax::softmax(&ins[0], *dim, *log)?],
         Op::MatMul => vec![matmul::matmul(&ins[0], &ins[1], out(0)?)?],
         Op::Cat { dim } => vec![copy::cat(ins, *dim, out(0)?)?],
         Op::Gather { dim } => vec![index::gather(&ins[0], &ins[1], *dim)?],

@@ -324,7 +324,7 @@ fn run<R: Reducer>(r: R, x: &Input<'_>, dims: &[usize]) -> Result<Vec<R::Out>> {
         }
     }
     // Reduction order is free: put the smallest stride innermost.
-    red.sort_by(|a, b| b.1.cmp(&a.1));
+    red.sort_by_key(|d| std::cmp::Reverse(d.1));
     let rshape: Shape = red.iter().map(|d| d.0).collect();
     let rstr: Shape = red.iter().map(|d| d.1).collect();
     let (n_out, n_red) = (numel(&kshape), numel(&rshape));

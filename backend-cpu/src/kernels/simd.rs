@@ -109,6 +109,8 @@ pub(crate) fn fmadd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// Cody-Waite reduction `x = n ln2 + r` (|r| <= ln2/2), a degree-6 polynomial for
 /// `exp(r)` (SLEEF's coefficients), and the scaling by `2^n` done in two halves so
 /// results that underflow into subnormals are rounded once, correctly.
+// The constants are the published ones, digit for digit.
+#[allow(clippy::excessive_precision)]
 #[inline(always)]
 pub(crate) fn exp_f32<const FMA: bool>(x: f32) -> f32 {
     // Adding 1.5 * 2^23 rounds to an integer kept in the low mantissa bits.
@@ -145,6 +147,7 @@ pub(crate) fn sigmoid_f32<const FMA: bool>(x: f32) -> f32 {
 
 /// `tanh(x)` for f32, branch-free: an odd polynomial (Cephes) for |x| < 0.625,
 /// `1 - 2 / (exp(2|x|) + 1)` above; sign restored at the end. Within 2 ulp.
+#[allow(clippy::excessive_precision)]
 #[inline(always)]
 pub(crate) fn tanh_f32<const FMA: bool>(x: f32) -> f32 {
     let a = x.abs();

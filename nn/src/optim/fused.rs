@@ -235,7 +235,7 @@ mod tests {
         assert_eq!(lerp_complement(0.75, DType::F32), 0.25);
         assert_eq!(lerp_complement(0.1, DType::F64), 0.9);
         assert!(lerp_weight_is_small(0.1) && !lerp_weight_is_small(0.5));
-        assert_eq!(maximum(f32::NAN, 1.0).is_nan(), true);
-        assert_eq!(maximum(1.0f32, f32::NAN).is_nan(), true);
+        assert!(maximum(f32::NAN, 1.0).is_nan());
+        assert!(maximum(1.0f32, f32::NAN).is_nan());
     }
 }

@@ -261,7 +261,7 @@ fn casts_follow_pytorch() {
     assert_eq!(vals::<u8>(&run(Op::Cast(DType::U8), &[&x]))[..4], [2, 254, 255, 44]);
     assert_eq!(vals::<bool>(&run(Op::Cast(DType::Bool), &[&x])), [true, true, true, true, true, false]);
     // f32 -> bf16: round to nearest even, overflow to inf, NaN stays NaN.
-    let y = f32s(&[1.00390625, 1.01171875, 3.4e38, f32::NAN, -0.0], &[5]);
+    let y = f32s(&[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, 3.4e38, f32::NAN, -0.0], &[5]);
     let b = vals::<bf16>(&run(Op::Cast(DType::BF16), &[&y]));
     assert_eq!(&b[..2], &bf(&[1.0, 1.015625])[..]);
     assert!(b[2].to_f32().is_infinite() && b[3].is_nan() && b[4].is_sign_negative());
@@ -330,4 +330,76 @@ fn assign_writes_through_strided_views() {
     let src = f32s(&[7., 8.], &[2]);
     let out = run(Op::Assign { shape: [2usize][..].into(), strides: [3usize][..].into(), offset: 1 }, &[&base, &src]);
     assert_eq!(vals::<f32>(&out), [0., 7., 0., 0., 8., 0.]);
+}
+
+#[test]
+fn transposed_operands_walk_in_tiles() {
+    // Sizes that are not multiples of the tile, large enough to run in parallel.
+    let (r, c) = (333, 517);
+    let v = noise(r * c, 31);
+    let a = f32s(&v, &[r, c]);
+    let at = a.t().unwrap(); // [c, r]
+    let want_t: Vec<f32> = (0..c).flat_map(|j| (0..r).map(move |i| (i, j))).map(|(i, j)| v[i * c + j]).collect();
+    assert_eq!(vals::<f32>(&run(Op::Copy, &[&at])), want_t);
+    let ones = f32s(&vec![1.0; r * c], &[c, r]);
+    let sum: Vec<f32> = want_t.iter().map(|x| x + 1.0).collect();
+    assert_eq!(vals::<f32>(&bin(BinaryOp::Add, &at, &ones)), sum);
+    let e = vals::<f32>(&un(UnaryOp::Neg, &at));
+    assert!(e.iter().zip(&want_t).all(|(p, q)| *p == -q));
+    // bf16 through the staging path, and a cast.
+    let h = t(bf(&v), &[r, c]).t().unwrap();
+    let hv = vals::<f32>(&run(Op::Cast(DType::F32), &[&h]));
+    assert!(hv.iter().zip(&want_t).all(|(p, q)| *p == bf16::from_f32(*q).to_f32()));
+    // A 3-d permutation.
+    let x = t((0..(5 * 70 * 90)).collect::<Vec<i32>>(), &[5, 70, 90]);
+    let p = x.permute(&[0, 2, 1]).unwrap();
+    let got = vals::<i32>(&run(Op::Copy, &[&p]));
+    assert!(
+        (0..5).all(|b| (0..90).all(|j| (0..70).all(|i| got[(b * 90 + j) * 70 + i] == ((b * 70 + i) * 90 + j) as i32)))
+    );
+    // Writing into a transposed view.
+    let base = f32s(&vec![0.0; r * c], &[r, c]);
+    base.t().unwrap().copy_(&f32s(&want_t, &[c, r])).unwrap();
+    assert_eq!(vals::<f32>(&base), v);
+}
+
+#[test]
+fn every_instruction_set_level_computes_the_same_math() {
+    use crate::kernels::simd::{Kernel, MapUnary, UnOp};
+    #[derive(Clone, Copy)]
+    struct E;
+    impl UnOp<f32> for E {
+        fn f<const FMA: bool>(self, x: f32) -> f32 {
+            crate::kernels::simd::exp_f32::<FMA>(x)
+        }
+    }
+    let xs: Vec<f32> = (0..100_000).map(|i| -104.0 + i as f32 * (194.0 / 100_000.0)).collect();
+    let (mut base, mut fused) = (vec![0.0; xs.len()], vec![0.0; xs.len()]);
+    MapUnary { op: E, x: &xs, out: &mut base }.run::<false>();
+    MapUnary { op: E, x: &xs, out: &mut fused }.run::<true>();
+    for ((&x, &b), &f) in xs.iter().zip(&base).zip(&fused) {
+        let want = (x as f64).exp() as f32;
+        assert!(ulps(b, want) <= 1 && ulps(f, want) <= 1, "exp({x}): {b} / {f} vs {want}");
+    }
+}
+
+#[test]
+fn bf16_rounding_matches_the_reference_conversion() {
+    use crate::kernels::elem::f32_to_bf16;
+    let mut bits: Vec<u32> = (0..200_000u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+    bits.extend([
+        0x3F80_8000,
+        0x3F81_8000,
+        0x7F7F_FFFF,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7FC0_0001,
+        0x0000_8000,
+        0x8000_8001,
+    ]);
+    for b in bits {
+        let x = f32::from_bits(b);
+        let (got, want) = (f32_to_bf16(x), bf16::from_f32(x));
+        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{b:#x}");
+    }
 }

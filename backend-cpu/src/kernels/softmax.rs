@@ -1,0 +1,245 @@
+//! `softmax` and `log_softmax` along one dim, fused: one pass for the max, one
+//! for the exponentials and their sum, one to normalise (two for log_softmax,
+//! which needs no stored exponentials).
+//!
+//! The input is viewed as `(outer, n, inner)` with the softmax dim in the middle.
+//! When `inner == 1` (the last dim, the common case) each row is a contiguous
+//! slice folded with several independent lanes, so the max, the exponentials
+//! (`simd::exp_f32`) and the sum vectorise; otherwise the `inner` columns are
+//! the contiguous ones and each pass runs across them. Rows are split across
+//! threads. bf16/f16 compute in float32 and round once; f64 stays in f64.
+//!
+//! NaN handling matches PyTorch: a NaN anywhere in a slice, a `+inf`, or a slice
+//! made only of `-inf` makes the whole slice NaN (the max-shifted exponentials
+//! then hold a NaN, and so does their sum).
+use super::copy::materialize_vec;
+use super::elem::{bf16_to_f32, f32_to_bf16};
+use super::iter::par_blocks;
+use super::simd::{dispatch, exp_f32, Kernel};
+use super::{buf, Input};
+use half::f16;
+use kiln_tensor::{numel, DType, Error, HostBuffer, Result};
+
+/// Lanes of independent accumulators in the row loops (one AVX-512 register of f32).
+const LANES: usize = 16;
+
+/// The float types the kernel computes in.
+trait SoftFloat:
+    Copy
+    + Send
+    + Sync
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+{
+    const NEG_INF: Self;
+    const ZERO: Self;
+    const ONE: Self;
+    fn exp<const FMA: bool>(self) -> Self;
+    fn ln(self) -> Self;
+}
+
+impl SoftFloat for f32 {
+    const NEG_INF: f32 = f32::NEG_INFINITY;
+    const ZERO: f32 = 0.0;
+    const ONE: f32 = 1.0;
+    #[inline(always)]
+    fn exp<const FMA: bool>(self) -> f32 {
+        exp_f32::<FMA>(self)
+    }
+    #[inline(always)]
+    fn ln(self) -> f32 {
+        f32::ln(self)
+    }
+}
+
+impl SoftFloat for f64 {
+    const NEG_INF: f64 = f64::NEG_INFINITY;
+    const ZERO: f64 = 0.0;
+    const ONE: f64 = 1.0;
+    #[inline(always)]
+    fn exp<const FMA: bool>(self) -> f64 {
+        f64::exp(self)
+    }
+    #[inline(always)]
+    fn ln(self) -> f64 {
+        f64::ln(self)
+    }
+}
+
+/// `max(a, b)` that ignores a NaN `b` (a NaN still poisons the sum later) and
+/// compiles to a vector max.
+#[inline(always)]
+fn fmax<F: SoftFloat>(a: F, b: F) -> F {
+    if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+/// One softmax over a contiguous row.
+#[inline(always)]
+fn row<F: SoftFloat, const FMA: bool>(x: &[F], out: &mut [F], log: bool) {
+    let mut mv = [F::NEG_INF; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..LANES {
+            mv[i] = fmax(mv[i], c[i]);
+        }
+    }
+    let mut m = rest.iter().fold(F::NEG_INF, |m, &v| fmax(m, v));
+    for v in mv {
+        m = fmax(m, v);
+    }
+    let mut sv = [F::ZERO; LANES];
+    let mut tail = F::ZERO;
+    if log {
+        for c in x.chunks_exact(LANES) {
+            for i in 0..LANES {
+                sv[i] = sv[i] + (c[i] - m).exp::<FMA>();
+            }
+        }
+        for &v in rest {
+            tail = tail + (v - m).exp::<FMA>();
+        }
+        // `(x - max) - log(sum)`, not `x - (max + log(sum))`: the shifted value is
+        // exact, and adding a large max first would round the small log away.
+        let ls = sv.iter().fold(tail, |a, &b| a + b).ln();
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = (v - m) - ls;
+        }
+    } else {
+        let n = x.len() - rest.len();
+        for (oc, c) in out[..n].chunks_exact_mut(LANES).zip(x.chunks_exact(LANES)) {
+            for i in 0..LANES {
+                let e = (c[i] - m).exp::<FMA>();
+                oc[i] = e;
+                sv[i] = sv[i] + e;
+            }
+        }
+        for (o, &v) in out[n..].iter_mut().zip(rest) {
+            let e = (v - m).exp::<FMA>();
+            *o = e;
+            tail = tail + e;
+        }
+        let inv = F::ONE / sv.iter().fold(tail, |a, &b| a + b);
+        for o in out.iter_mut() {
+            *o = *o * inv;
+        }
+    }
+}
+
+/// One softmax over the middle dim of a contiguous `(n, inner)` block, across columns.
+#[inline(always)]
+fn columns<F: SoftFloat, const FMA: bool>(x: &[F], out: &mut [F], inner: usize, log: bool) {
+    let mut m = vec![F::NEG_INF; inner];
+    for r in x.chunks_exact(inner) {
+        for (a, &v) in m.iter_mut().zip(r) {
+            *a = fmax(*a, v);
+        }
+    }
+    let mut s = vec![F::ZERO; inner];
+    if log {
+        for r in x.chunks_exact(inner) {
+            for ((a, &v), &mx) in s.iter_mut().zip(r).zip(&m) {
+                *a = *a + (v - mx).exp::<FMA>();
+            }
+        }
+        for a in s.iter_mut() {
+            *a = a.ln();
+        }
+        for (o, r) in out.chunks_exact_mut(inner).zip(x.chunks_exact(inner)) {
+            for (((o, &v), &ls), &mx) in o.iter_mut().zip(r).zip(&s).zip(&m) {
+                *o = (v - mx) - ls;
+            }
+        }
+    } else {
+        for (o, r) in out.chunks_exact_mut(inner).zip(x.chunks_exact(inner)) {
+            for (((o, &v), a), &mx) in o.iter_mut().zip(r).zip(s.iter_mut()).zip(&m) {
+                let e = (v - mx).exp::<FMA>();
+                *o = e;
+                *a = *a + e;
+            }
+        }
+        for a in s.iter_mut() {
+            *a = F::ONE / *a;
+        }
+        for o in out.chunks_exact_mut(inner) {
+            for (o, &inv) in o.iter_mut().zip(&s) {
+                *o = *o * inv;
+            }
+        }
+    }
+}
+
+/// A run of consecutive `(n, inner)` blocks, compiled for the best instruction set.
+struct Blocks<'a, F> {
+    x: &'a [F],
+    out: &'a mut [F],
+    n: usize,
+    inner: usize,
+    log: bool,
+}
+
+impl<F: SoftFloat> Kernel for Blocks<'_, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        let block = self.n * self.inner;
+        for (xb, ob) in self.x.chunks_exact(block).zip(self.out.chunks_exact_mut(block)) {
+            if self.inner == 1 {
+                row::<F, FMA>(xb, ob, self.log);
+            } else {
+                columns::<F, FMA>(xb, ob, self.inner, self.log);
+            }
+        }
+    }
+}
+
+/// Softmax of contiguous `xs` viewed as `(outer, n, inner)`.
+fn run<F: SoftFloat>(xs: &[F], n: usize, inner: usize, log: bool) -> Vec<F> {
+    let mut out = vec![F::ZERO; xs.len()];
+    let block = n * inner;
+    if block == 0 {
+        return out;
+    }
+    // About 15 element-operations per element (max, exp, sum, scale).
+    par_blocks(&mut out, block, 15, &|bi, ob| {
+        let xb = &xs[bi * block..bi * block + ob.len()];
+        dispatch(Blocks { x: xb, out: ob, n, inner, log });
+    });
+    out
+}
+
+/// `softmax` (or `log_softmax`) of `x` along `dim`.
+pub(crate) fn softmax(x: &Input<'_>, dim: usize, log: bool) -> Result<HostBuffer> {
+    let shape = x.layout.shape();
+    let (n, inner) = if shape.is_empty() { (1, 1) } else { (shape[dim], numel(&shape[dim + 1..])) };
+    Ok(match x.dtype() {
+        DType::F32 => buf(run(&contiguous::<f32>(x)?, n, inner, log)),
+        DType::F64 => buf(run(&contiguous::<f64>(x)?, n, inner, log)),
+        DType::BF16 => {
+            let xs: Vec<f32> = contiguous::<half::bf16>(x)?.iter().map(|&v| bf16_to_f32(v)).collect();
+            buf(run(&xs, n, inner, log).into_iter().map(f32_to_bf16).collect::<Vec<_>>())
+        }
+        DType::F16 => {
+            let xs: Vec<f32> = contiguous::<f16>(x)?.iter().map(|&v| v.to_f32()).collect();
+            buf(run(&xs, n, inner, log).into_iter().map(f16::from_f32).collect::<Vec<_>>())
+        }
+        dt => return Err(Error::unsupported_dtype(if log { "log_softmax" } else { "softmax" }, dt)),
+    })
+}
+
+/// The elements of `x` in row-major order: borrowed when already contiguous.
+fn contiguous<'a, T: super::elem::Elem>(x: &Input<'a>) -> Result<std::borrow::Cow<'a, [T]>> {
+    let l = x.layout;
+    if l.is_contiguous() {
+        Ok(std::borrow::Cow::Borrowed(&x.slice::<T>()?[l.offset()..l.offset() + l.numel()]))
+    } else {
+        Ok(std::borrow::Cow::Owned(materialize_vec::<T>(x)?))
+    }
+}
