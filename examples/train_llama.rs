@@ -47,7 +47,8 @@ DATA
   --digits N           addition: operands of up to N digits [default: 2]
 TRAINING
   --steps N            optimizer steps [default: 1500]
-  --batch N            sequences per step [default: 16]
+  --batch N            sequences per micro-batch [default: 16]
+  --grad-accum N       micro-batches whose gradients are accumulated into one step [default: 1]
   --seq N              tokens per sequence [default: 64]
   --lr X               peak learning rate (warmup, then cosine decay to lr/10) [default: 1e-2]
   --warmup N           warmup steps [default: 50]
@@ -78,6 +79,7 @@ struct Args {
     digits: u32,
     steps: u64,
     batch: usize,
+    grad_accum: usize,
     seq: usize,
     lr: f64,
     warmup: u64,
@@ -106,6 +108,7 @@ impl Default for Args {
             digits: 2,
             steps: 1500,
             batch: 16,
+            grad_accum: 1,
             seq: 64,
             lr: 1e-2,
             warmup: 50,
@@ -136,12 +139,13 @@ fn parse_num<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T> {
 }
 
 /// The settings that define a run (saved in checkpoints).
-const RUN_KEYS: [&str; 16] = [
+const RUN_KEYS: [&str; 17] = [
     "data",
     "tokenizer",
     "digits",
     "steps",
     "batch",
+    "grad-accum",
     "seq",
     "lr",
     "warmup",
@@ -193,6 +197,12 @@ impl Args {
             "digits" => self.digits = parse_num(&flag, v)?,
             "steps" => self.steps = parse_num(&flag, v)?,
             "batch" => self.batch = parse_num(&flag, v)?,
+            "grad-accum" => {
+                self.grad_accum = parse_num(&flag, v)?;
+                if self.grad_accum == 0 {
+                    return Err(arg_err("--grad-accum must be at least 1"));
+                }
+            }
             "seq" => self.seq = parse_num(&flag, v)?,
             "lr" => self.lr = parse_num(&flag, v)?,
             "warmup" => self.warmup = parse_num(&flag, v)?,
@@ -226,6 +236,7 @@ impl Args {
             "digits" => self.digits.to_string(),
             "steps" => self.steps.to_string(),
             "batch" => self.batch.to_string(),
+            "grad-accum" => self.grad_accum.to_string(),
             "seq" => self.seq.to_string(),
             "lr" => self.lr.to_string(),
             "warmup" => self.warmup.to_string(),
@@ -250,6 +261,9 @@ impl Args {
     fn adopt(&mut self, saved: &Value) -> Result<()> {
         for key in RUN_KEYS {
             let Some(v) = saved.get(key).and_then(Value::as_str) else {
+                if key == "grad-accum" {
+                    continue; // checkpoints from before the option: one micro-batch per step
+                }
                 return Err(arg_err(format!("the checkpoint's settings have no {key}")));
             };
             if key == "steps" && self.given.iter().any(|g| g == "steps") {
@@ -312,7 +326,8 @@ fn load_data(args: &Args) -> Result<Data> {
             let task = AdditionTask::new(args.digits, args.seed);
             // Enough distinct problems that the model cannot memorise them: about one epoch of the run.
             let line_len = 3.0 * args.digits as f64 + 3.0;
-            let n = ((args.steps as f64 * args.batch as f64 * args.seq as f64 / line_len) as usize).max(20_000);
+            let n = ((args.steps as f64 * (args.batch * args.grad_accum) as f64 * args.seq as f64 / line_len) as usize)
+                .max(20_000);
             let train = tokenizer.encode(&task.training_text(n))?;
             let held = task.held_out_problems(1000);
             let val_text: String = held.iter().map(|&(a, b)| AdditionTask::line(a, b)).collect();
@@ -631,7 +646,7 @@ fn run(mut args: Args) -> Result<()> {
     }
     std::fs::create_dir_all(&args.out).map_err(|e| arg_err(format!("cannot create {}: {e}", args.out.display())))?;
     let config_json = serde_json::to_string_pretty(&cfg.to_json(DType::F32)).map_err(|e| arg_err(e.to_string()))?;
-    let tokens_per_step = (args.batch * args.seq) as f64;
+    let tokens_per_step = (args.batch * args.grad_accum * args.seq) as f64;
 
     let bar = ProgressBar::new(args.steps).with_position(step);
     if !console_is_tty() {
@@ -653,16 +668,22 @@ fn run(mut args: Args) -> Result<()> {
         }
     };
     while step < args.steps {
-        let batch = data.train.next_batch()?.to_device(args.device)?;
         let lr = args.lr * schedule.apply(&mut opt, step);
-        let logits = model.forward(&batch, None)?;
-        let loss = causal_lm_loss(&logits, &batch, None)?;
-        loss.backward()?;
+        // Gradients of the micro-batches accumulate in `.grad`; each loss is scaled
+        // by 1 / grad_accum so that the step sees the mean over all of them.
+        let mut loss_sum = 0.0;
+        for _ in 0..args.grad_accum {
+            let batch = data.train.next_batch()?.to_device(args.device)?;
+            let logits = model.forward(&batch, None)?;
+            let loss = causal_lm_loss(&logits, &batch, None)?;
+            loss.div(args.grad_accum as f64)?.backward()?;
+            loss_sum += loss.item_f64()?;
+        }
+        let loss = loss_sum / args.grad_accum as f64;
         let grad_norm = clip_grad_norm_(&opt.params(), args.clip)?.item_f64()?;
         opt.step()?;
         opt.zero_grad();
         step += 1;
-        let loss = loss.item_f64()?;
         if !loss.is_finite() {
             return Err(arg_err(format!("the loss became {loss} at step {step}; try a smaller --lr")));
         }

@@ -559,3 +559,40 @@ fn cross_entropy_errors() -> Result<()> {
     assert_err("average".parse::<Reduction>(), &["reduction", "average"]);
     Ok(())
 }
+
+#[test]
+fn cross_entropy_label_smoothing_matches_pytorch() -> Result<()> {
+    // Values from F.cross_entropy(x, t, reduction=..., label_smoothing=0.15) in PyTorch 2.x.
+    use kiln::tensor::CrossEntropy;
+    let x = Tensor::new([[1.5f32, -0.5, 0.25, 2.0], [0.1, 0.2, -0.3, 0.4], [3.0, -1.0, 0.0, 0.5]])?;
+    x.requires_grad_(true)?;
+    let t = Tensor::new([3i64, -100, 0])?;
+    let opts = |reduction| CrossEntropy { ignore_index: Some(-100), reduction, label_smoothing: 0.15 };
+    let mean = x.cross_entropy_with(&t, opts(Reduction::Mean))?;
+    assert_close(&mean.detach(), DType::F32, &[], &[0.6480802893638611], 1e-6);
+    let sum = x.cross_entropy_with(&t, opts(Reduction::Sum))?;
+    assert_close(&sum.detach(), DType::F32, &[], &[1.2961605787277222], 1e-6);
+    let none = x.cross_entropy_with(&t, opts(Reduction::None))?;
+    assert_close(&none.detach(), DType::F32, &[3], &[0.799985408782959, 0.0, 0.4961751699447632], 1e-6);
+    mean.backward()?;
+    let want = [
+        0.14408667385578156,
+        0.003287544474005699,
+        0.0279034823179245,
+        -0.1752777397632599,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        -0.00903833657503128,
+        -0.010787976905703545,
+        0.002893018303439021,
+        0.01693330705165863,
+    ];
+    assert_close(&x.grad().expect("a gradient"), DType::F32, &[3, 4], &want, 1e-6);
+    // PyTorch's range check.
+    let bad = CrossEntropy { label_smoothing: 1.5, ..Default::default() };
+    let err = x.cross_entropy_with(&t, bad).unwrap_err().to_string();
+    assert!(err.contains("cross_entropy") && err.contains("label_smoothing must be between 0.0 and 1.0"), "{err}");
+    Ok(())
+}

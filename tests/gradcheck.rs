@@ -234,6 +234,14 @@ fn composites() {
             |t| t[0].cross_entropy(&target, Some(-100), kiln::tensor::Reduction::Mean),
             &[x.clone()],
         );
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            let opts = kiln::tensor::CrossEntropy { ignore_index: Some(-100), reduction, label_smoothing: 0.1 };
+            check("cross_entropy label_smoothing", |t| t[0].cross_entropy_with(&target, opts), &[x.clone()]);
+        }
+        let target2d = idx(&[1, 0, 2, 1, 1, 0], &[3, 2], d);
+        let x3 = input(&[3, 3, 2], 30, d);
+        let opts = kiln::tensor::CrossEntropy { ignore_index: None, reduction: Reduction::Mean, label_smoothing: 0.2 };
+        check("cross_entropy [N, C, d]", |t| t[0].cross_entropy_with(&target2d, opts), &[x3]);
         check("tril", |t| t[0].tril(0), &[x.clone()]);
         // Attention: softmax(q k^T / sqrt(d)) v with a causal mask.
         let (q, k, v) = (input(&[2, 4, 3], 27, d), input(&[2, 4, 3], 28, d), input(&[2, 4, 3], 29, d));

@@ -4,8 +4,8 @@
 //! (within the case's tolerance; 0/0 is bit-exact including NaN positions and the
 //! sign of zero) and, for views, strides, storage offset, contiguity and aliasing.
 //!
-//! Gradient outputs are not checked here (see `GRADIENT_OUTPUTS`): their cases run
-//! and check the forward computation only.
+//! Gradient outputs are computed with kiln's autograd (`x.clone().requires_grad_()`
+//! in the case's code becomes a fresh leaf: `deep_clone` + `requires_grad_`).
 mod common;
 
 use common::buffer_mismatch;
@@ -77,16 +77,6 @@ fn case_json(name: &str) -> &'static Value {
 }
 
 // ---- one case ------------------------------------------------------------------------------
-
-/// Gradient outputs, which this file does not check: (case, output).
-const GRADIENT_OUTPUTS: &[(&str, &str)] = &[
-    ("unsqueeze_expand_backward", "gx"),
-    ("cross_entropy_ignore_index", "grad"),
-    ("matmul_batch_broadcast_backward", "ga"),
-    ("matmul_batch_broadcast_backward", "gb"),
-    ("embedding_backward_duplicates", "gW"),
-    ("gather_backward", "gx"),
-];
 
 /// A case bound to a device: its inputs (loaded once, like Python's bound names),
 /// and the bookkeeping that every output gets checked.
@@ -207,11 +197,10 @@ impl Case {
         self.check(out, got);
     }
 
-    /// Asserts that every output was checked (or is a gradient left for autograd) and matched.
+    /// Asserts that every output was checked and matched.
     fn finish(&self) {
         for out in self.spec["outputs"].as_object().expect("outputs").keys() {
-            let deferred = GRADIENT_OUTPUTS.contains(&(self.name, out.as_str()));
-            assert!(self.checked.contains(out) || deferred, "{}: output {out} was never checked", self.name);
+            assert!(self.checked.contains(out), "{}: output {out} was never checked", self.name);
         }
         assert!(self.failures.is_empty(), "{} mismatch(es):\n{}", self.failures.len(), self.failures.join("\n"));
     }
@@ -540,10 +529,24 @@ fn diagonal_view_inplace(c: &mut Case) -> Result<()> {
     Ok(())
 }
 
+/// `x.clone().requires_grad_()`: a fresh leaf holding the input's values.
+fn leaf(c: &Case, name: &str) -> Result<Tensor> {
+    let x = c.input(name).deep_clone()?;
+    x.requires_grad_(true)?;
+    Ok(x)
+}
+
+/// The accumulated gradient of a leaf, which backward must have produced.
+fn grad_of(x: &Tensor) -> Tensor {
+    x.grad().expect("backward produced no gradient for the leaf")
+}
+
 fn unsqueeze_expand_backward(c: &mut Case) -> Result<()> {
-    // The forward half; the gradient `gx` is not checked here.
-    let y = c.input("x").unsqueeze(0)?.expand(&[2, 3, 4])?.mul(&c.input("w"))?.sum()?;
+    let x = leaf(c, "x")?;
+    let y = x.unsqueeze(0)?.expand(&[2, 3, 4])?.mul(&c.input("w"))?.sum()?;
+    y.backward()?;
     c.check("y", &y);
+    c.check("gx", &grad_of(&x));
     Ok(())
 }
 
@@ -579,11 +582,14 @@ fn logsumexp_large(c: &mut Case) -> Result<()> {
 }
 
 fn cross_entropy_ignore_index(c: &mut Case) -> Result<()> {
-    // F.cross_entropy's default ignore_index is -100. The gradient `grad` is not checked here.
-    let (logits, target) = (c.input("logits"), c.input("target"));
-    c.check("mean", &logits.cross_entropy(&target, Some(-100), Reduction::Mean)?);
-    c.check("s", &logits.cross_entropy(&target, Some(-100), Reduction::Sum)?);
-    c.check("none", &logits.cross_entropy(&target, Some(-100), Reduction::None)?);
+    // F.cross_entropy's default ignore_index is -100.
+    let (logits, target) = (leaf(c, "logits")?, c.input("target"));
+    let mean = logits.cross_entropy(&target, Some(-100), Reduction::Mean)?;
+    c.check("s", &logits.cross_entropy(&target, Some(-100), Reduction::Sum)?.detach());
+    c.check("none", &logits.cross_entropy(&target, Some(-100), Reduction::None)?.detach());
+    mean.backward()?;
+    c.check("mean", &mean.detach());
+    c.check("grad", &grad_of(&logits));
     Ok(())
 }
 
@@ -613,9 +619,10 @@ fn matmul_noncontiguous(c: &mut Case) -> Result<()> {
 }
 
 fn matmul_batch_broadcast_backward(c: &mut Case) -> Result<()> {
-    // Only gradients are recorded; run the forward so its ops are exercised.
-    let loss = c.input("a").matmul(&c.input("b"))?.mul(&c.input("g"))?.sum()?;
-    assert_eq!(loss.shape(), &[] as &[usize]);
+    let (a, b) = (leaf(c, "a")?, leaf(c, "b")?);
+    a.matmul(&b)?.mul(&c.input("g"))?.sum()?.backward()?;
+    c.check("ga", &grad_of(&a));
+    c.check("gb", &grad_of(&b));
     Ok(())
 }
 
@@ -654,18 +661,18 @@ fn scatter_add_inplace_partial(c: &mut Case) -> Result<()> {
 }
 
 fn embedding_backward_duplicates(c: &mut Case) -> Result<()> {
-    // Only `gW` is recorded; run the forward so its ops are exercised.
-    let e = Tensor::embedding(&c.input("W"), &c.input("ids"))?;
+    let w = leaf(c, "W")?;
+    let e = Tensor::embedding(&w, &c.input("ids"))?;
     assert_eq!(e.shape(), &[2, 2, 3]);
-    e.mul(&c.input("g"))?.sum()?;
+    e.mul(&c.input("g"))?.sum()?.backward()?;
+    c.check("gW", &grad_of(&w));
     Ok(())
 }
 
 fn gather_backward(c: &mut Case) -> Result<()> {
-    // Only `gx` is recorded; run the forward so its ops are exercised.
-    let y = c.input("x").gather(1, &c.input("i"))?;
-    assert_eq!(y.shape(), &[3, 3]);
-    y.sum()?;
+    let x = leaf(c, "x")?;
+    x.gather(1, &c.input("i"))?.sum()?.backward()?;
+    c.check("gx", &grad_of(&x));
     Ok(())
 }
 

@@ -2,8 +2,7 @@
 //! gradients of a node's outputs, build the gradients of its inputs out of
 //! tensor ops (so backward is itself made of primitives).
 use kiln_tensor::{
-    ArgReduceOp, BinaryOp, DType, Edge, Error, Layout, Op, ReduceOp, Result, ScatterReduce, Shape, Tensor, UnaryOp,
-    ViewOp,
+    ArgReduceOp, BinaryOp, DType, Edge, Layout, Op, ReduceOp, Result, ScatterReduce, Shape, Tensor, UnaryOp, ViewOp,
 };
 use smallvec::SmallVec;
 
@@ -16,21 +15,7 @@ pub(crate) struct Ctx<'a> {
 impl Ctx<'_> {
     /// The saved value of input `i`, refusing one modified in place since the op ran.
     pub fn saved(&self, i: usize) -> Result<&Tensor> {
-        let e = &self.edges[i];
-        let now = e.value.version();
-        if now != e.version {
-            return Err(Error::inplace(
-                "backward",
-                format!(
-                    "one of the variables needed for gradient computation has been modified by an inplace operation: [{} {:?}] is at version {now}; expected version {} instead (it is input {i} of {})",
-                    e.value.dtype(),
-                    e.value.shape(),
-                    e.version,
-                    self.op.name()
-                ),
-            ));
-        }
-        Ok(&e.value)
+        self.edges[i].saved(self.op.name(), i)
     }
     fn needs(&self, i: usize) -> bool {
         self.edges[i].requires_grad

@@ -1,8 +1,10 @@
 //! kiln-bench: kiln's benchmarks, printed as one JSON object per line.
 //!
-//! `kiln-bench matmul --sizes 1024,4096` and `kiln-bench ops`; see `--help`.
-//! `benches/compare_torch.py` runs this binary and the same measurements in
-//! PyTorch, and prints the ratios.
+//! `kiln-bench matmul --sizes 1024,4096`, `kiln-bench ops`, `kiln-bench train`,
+//! `infer`, `decode` and `autograd`; see `--help`. `benches/compare_torch.py`
+//! (matmul, ops) and `benches/compare_torch_train.py` (train, infer, decode) run
+//! this binary and the same measurements in PyTorch, and print the ratios.
+mod llm;
 mod report;
 mod suites;
 mod timing;
@@ -19,6 +21,10 @@ USAGE:
     kiln-bench matmul [--sizes N,N,...] [options]
     kiln-bench ops    [--dim D] [--only NAME,...] [options]
     kiln-bench all    [options]           (matmul, then ops)
+    kiln-bench train  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
+    kiln-bench infer  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
+    kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W]
+    kiln-bench autograd [--steps N] [--warmup W]
 
 BENCHMARKS:
     matmul   square n x n x n float32 matmul of random matrices: gflops (2 n^3 / median time)
@@ -32,6 +38,16 @@ BENCHMARKS:
                softmax             [D, D] over the last dim  bytes = 2 x 4 x N
              and add_latency: us_per_op of `add` on two 1-element tensors
              (median over runs of 1000 ops each)
+    train    one training step of a randomly initialised Llama on random tokens: zero_grad,
+             forward, next-token cross entropy, backward, AdamW (lr 1e-3, betas (0.9, 0.95),
+             weight decay 0.1), reading the loss; tokens_per_s = B x T / median step
+    infer    the forward pass (logits at every position, no grad): tokens_per_s = B x T / median
+    decode   batch 1, greedy decoding with the KV cache after an untimed prefill of a random
+             prompt: tokens_per_s = new tokens / median decoding time
+    autograd 4 x ([512, 1024] @ [1024, 1024] + gelu), summed: forward and forward+backward
+             times and backward_forward_ratio = (forward+backward - forward) / forward
+             Presets: llama-16m (vocab 8192, hidden 384, 6 layers, 6 heads, MLP 1024, untied
+             lm_head, f32; the default) and llama-tiny. Each line has peak_rss_mb.
 
 OPTIONS:
     --device DEV       cpu (default), tpu, tpu:N
@@ -41,6 +57,12 @@ OPTIONS:
     --target-secs S    time the timed runs of one benchmark take (default 2 for ops, 3 for matmul)
     --min-runs N       fewest timed runs (default 3)
     --max-runs N       most timed runs (default 1000)
+    --preset P         model of train/infer/decode (default llama-16m)
+    --batch B, --seq T batch and sequence length of train/infer (default 8 and 256)
+    --steps N          timed steps of train/infer/decode/autograd (default 8; decode 3)
+    --warmup W         untimed steps before them (default 2; decode 1)
+    --prompt P         decode: prompt length (default 64)
+    --new-tokens N     decode: tokens generated (default 64)
     -h, --help         this text
 
 METHOD:
@@ -53,6 +75,7 @@ METHOD:
 EXAMPLES:
     cargo run --release -p kiln-bench -- matmul --sizes 1024,4096 --device cpu
     cargo run --release -p kiln-bench -- ops --only add,softmax
+    cargo run --release -p kiln-bench -- train --preset llama-16m --batch 8 --seq 256 --steps 8 --device cpu
 ";
 
 struct Args {
@@ -64,6 +87,13 @@ struct Args {
     target_s: Option<f64>,
     min_runs: usize,
     max_runs: usize,
+    preset: String,
+    batch: usize,
+    seq: usize,
+    steps: Option<usize>,
+    warmup: Option<usize>,
+    prompt: usize,
+    new_tokens: usize,
 }
 
 fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> std::result::Result<Vec<T>, String> {
@@ -71,6 +101,14 @@ fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> std::result::Result<
         .filter(|s| !s.is_empty())
         .map(|s| s.trim().parse::<T>().map_err(|_| format!("{flag}: cannot parse {s:?}")))
         .collect()
+}
+
+/// A positive integer flag value.
+fn int(flag: &str, v: &str) -> std::result::Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{flag} needs a positive integer, got {v:?}")),
+    }
 }
 
 fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
@@ -83,6 +121,13 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         target_s: None,
         min_runs: 3,
         max_runs: 1000,
+        preset: "llama-16m".into(),
+        batch: 8,
+        seq: 256,
+        steps: None,
+        warmup: None,
+        prompt: 64,
+        new_tokens: 64,
     };
     let mut it = argv.iter();
     while let Some(arg) = it.next() {
@@ -105,12 +150,19 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             }
             "--min-runs" => a.min_runs = value()?.parse().map_err(|_| "--min-runs needs an integer".to_string())?,
             "--max-runs" => a.max_runs = value()?.parse().map_err(|_| "--max-runs needs an integer".to_string())?,
+            "--preset" => a.preset = value()?,
+            "--batch" => a.batch = int("--batch", &value()?)?,
+            "--seq" => a.seq = int("--seq", &value()?)?,
+            "--steps" => a.steps = Some(int("--steps", &value()?)?),
+            "--warmup" => a.warmup = Some(value()?.parse().map_err(|_| "--warmup needs an integer".to_string())?),
+            "--prompt" => a.prompt = int("--prompt", &value()?)?,
+            "--new-tokens" => a.new_tokens = int("--new-tokens", &value()?)?,
             c if !c.starts_with('-') && a.cmd.is_empty() => a.cmd = c.to_string(),
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
     if a.cmd.is_empty() {
-        return Err("missing benchmark name (matmul, ops or all)".into());
+        return Err("missing benchmark name (matmul, ops, all, train, infer, decode or autograd)".into());
     }
     if a.dim == 0 || a.sizes.contains(&0) {
         return Err("sizes must be positive".into());
@@ -150,8 +202,43 @@ fn main() -> ExitCode {
         "matmul" => suites::matmul(&cfg(3.0), &args.sizes),
         "ops" => suites::ops(&cfg(2.0), args.dim),
         "all" => suites::matmul(&cfg(3.0), &args.sizes) + suites::ops(&cfg(2.0), args.dim),
+        cmd @ ("train" | "infer" | "decode" | "autograd") => {
+            if let Err(e) = llm::preset(&args.preset) {
+                eprintln!("kiln-bench: {e}");
+                return ExitCode::from(2);
+            }
+            let decode = cmd == "decode";
+            let a = llm::LlmArgs {
+                device: args.device,
+                preset: args.preset.clone(),
+                batch: args.batch,
+                seq: args.seq,
+                steps: args.steps.unwrap_or(if decode { 3 } else { 8 }),
+                warmup: args.warmup.unwrap_or(if decode { 1 } else { 2 }),
+                prompt: args.prompt,
+                new_tokens: args.new_tokens,
+            };
+            let r = match cmd {
+                "train" => llm::train(&a),
+                "infer" => llm::infer(&a),
+                "decode" => llm::decode(&a),
+                _ => llm::autograd(&a),
+            };
+            match r {
+                Ok(line) => {
+                    line.emit();
+                    0
+                }
+                Err(e) => {
+                    report::Line::new(cmd, "float32", &args.device.to_string()).set("error", e.to_string()).emit();
+                    1
+                }
+            }
+        }
         other => {
-            eprintln!("kiln-bench: unknown benchmark {other:?} (expected matmul, ops or all)\n\n{HELP}");
+            eprintln!(
+                "kiln-bench: unknown benchmark {other:?} (expected matmul, ops, all, train, infer, decode or autograd)\n\n{HELP}"
+            );
             return ExitCode::from(2);
         }
     };
@@ -181,5 +268,8 @@ mod tests {
         assert!(args("matmul --sizes x").is_err());
         assert!(args("ops --bogus").is_err());
         assert!(args("").is_err());
+        let a = args("train --preset llama-tiny --batch 2 --seq 16 --steps 3").unwrap().unwrap();
+        assert_eq!((a.batch, a.seq, a.steps, a.preset.as_str()), (2, 16, Some(3), "llama-tiny"));
+        assert!(args("train --batch 0").is_err());
     }
 }

@@ -19,6 +19,11 @@ impl Line {
         self.0.insert(key.into(), v.into());
         self
     }
+    /// A value set on the line.
+    #[cfg(test)]
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.0.get(key)
+    }
     /// Prints the line and flushes, so a reader sees each result as it is measured.
     pub fn emit(self) {
         let mut out = std::io::stdout().lock();

@@ -8,6 +8,7 @@ use crate::error::fmt_shape;
 use crate::reduce::reshape_result;
 use crate::{wrap_dim, DType, Error, Op, Result, Shape, Tensor};
 use smallvec::SmallVec;
+use std::sync::Arc;
 
 /// How a loss reduces its per-element values (PyTorch's `reduction=`).
 ///
@@ -426,9 +427,7 @@ impl Tensor {
     /// `[N, d1, ...]` or 0-d): `-log_softmax(self, 1)[n, target[n]]`, reduced.
     /// Targets equal to `ignore_index` contribute nothing, and `Mean` divides by
     /// the number of the others (NaN when there are none, as in PyTorch).
-    ///
-    /// Built from `log_softmax`, `gather` and `where`, so its gradient follows
-    /// from theirs.
+    /// [`Tensor::cross_entropy_with`] also takes label smoothing.
     ///
     /// ```
     /// use kiln::prelude::*;
@@ -439,19 +438,52 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn cross_entropy(&self, target: &Tensor, ignore_index: Option<i64>, reduction: Reduction) -> Result<Tensor> {
+        self.cross_entropy_with(target, CrossEntropy { ignore_index, reduction, label_smoothing: 0.0 })
+    }
+
+    /// `F.cross_entropy` with all its options for class-index targets (see
+    /// [`CrossEntropy`]). With label smoothing `ε` over `C` classes the target
+    /// distribution is `(1 - ε) onehot + ε / C`: the loss is
+    /// `(1 - ε) nll + ε / C * sum_c(-log_softmax)`, reduced like the plain loss.
+    ///
+    /// The loss is one autograd node with a dedicated gradient rule, `(softmax -
+    /// (1 - ε) onehot - ε / C) * g`, zero at ignored targets: differentiating
+    /// `log_softmax`, `gather` and `where` one by one would scatter the picked
+    /// gradient into a zero tensor of the logits' size, mask it, and run
+    /// log_softmax's rule on it: several passes over `[N, C]` (the largest tensor
+    /// of a language model's step) for a result this formula gives in one.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// use kiln::tensor::CrossEntropy;
+    /// let logits = Tensor::new([[2.0f32, 0.0]])?;
+    /// let target = Tensor::new([0i64])?;
+    /// let opts = CrossEntropy { label_smoothing: 0.2, ..Default::default() };
+    /// let loss = logits.cross_entropy_with(&target, opts)?.item::<f32>()?;
+    /// let lp = [-(1.0f32 + (-2.0f32).exp()).ln(), -(1.0f32 + 2f32.exp()).ln()];
+    /// assert!((loss - (-0.8 * lp[0] - 0.1 * (lp[0] + lp[1]))).abs() < 1e-6);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn cross_entropy_with(&self, target: &Tensor, opts: CrossEntropy) -> Result<Tensor> {
+        const OP: &str = "cross_entropy";
+        float_only(OP, self)?;
         if !target.dtype().is_int() {
             return Err(Error::dtype(
-                "cross_entropy",
+                OP,
                 format!(
                     "expected target dtype to be an integer dtype (class indices), but got {}; class-probability targets are not supported",
                     target.dtype()
                 ),
             ));
         }
+        let eps = opts.label_smoothing;
+        if !(0.0..=1.0).contains(&eps) {
+            return Err(Error::invalid(OP, format!("label_smoothing must be between 0.0 and 1.0. Got: {eps}")));
+        }
         if self.ndim() == 1 {
             if target.ndim() != 0 {
                 return Err(Error::shape(
-                    "cross_entropy",
+                    OP,
                     format!(
                         "logits of shape {} need a 0-d target, got shape {}",
                         fmt_shape(self.shape()),
@@ -459,8 +491,8 @@ impl Tensor {
                     ),
                 ));
             }
-            let loss = self.unsqueeze(0)?.cross_entropy(&target.unsqueeze(0)?, ignore_index, reduction)?;
-            return if reduction == Reduction::None { reshape_result(loss, &[]) } else { Ok(loss) };
+            let loss = self.unsqueeze(0)?.cross_entropy_with(&target.unsqueeze(0)?, opts)?;
+            return if opts.reduction == Reduction::None { reshape_result(loss, &[]) } else { Ok(loss) };
         }
         let mut want: Shape = self.shape().into();
         if self.ndim() >= 2 {
@@ -468,7 +500,7 @@ impl Tensor {
         }
         if self.ndim() < 2 || target.shape() != want.as_slice() {
             return Err(Error::shape(
-                "cross_entropy",
+                OP,
                 format!(
                     "expected logits [N, C, ...] and a target of shape {}, got logits {} and target {}",
                     fmt_shape(&want),
@@ -478,32 +510,126 @@ impl Tensor {
             ));
         }
         let target = target.to_dtype(DType::I64)?;
-        let logp = self.log_softmax(1)?;
-        let valid = match ignore_index {
+        let valid = match opts.ignore_index {
             Some(ii) => Some(target.ne(ii)?),
             None => None,
         };
+        // Ignored targets pick class 0 (any valid index); their terms are masked out.
         let safe = match &valid {
             Some(v) => Tensor::where_cond(v, &target, &zero_like(&target)?)?,
             None => target,
         };
-        let picked = logp.gather(1, &safe.unsqueeze(1)?)?.squeeze_dim(1)?;
-        let mut nll = picked.neg()?;
-        if let Some(v) = &valid {
-            nll = Tensor::where_cond(v, &nll, &zero_like(&nll)?)?;
+        let loss = {
+            let prev = crate::set_grad_enabled(false);
+            let loss = cross_entropy_forward(self, &safe, valid.as_ref(), opts);
+            crate::set_grad_enabled(prev);
+            loss?
+        };
+        let backward: crate::CustomBackward = Arc::new(move |grads, edges| {
+            let Some(g) = &grads[0] else { return Ok(vec![None]) };
+            let x = edges[0].saved(OP, 0)?;
+            Ok(vec![Some(cross_entropy_backward(x, &safe, valid.as_ref(), opts, g)?)])
+        });
+        Tensor::record_custom(OP, &[self], &[&loss], backward);
+        Ok(loss)
+    }
+}
+
+/// Options of [`Tensor::cross_entropy_with`], PyTorch's `F.cross_entropy`
+/// keyword arguments for class-index targets. The default is PyTorch's:
+/// `ignore_index = -100`, mean reduction, no label smoothing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CrossEntropy {
+    /// Targets equal to this contribute nothing (`None`: every target counts).
+    pub ignore_index: Option<i64>,
+    pub reduction: Reduction,
+    /// `ε` in `[0, 1]`: the target distribution is `(1 - ε) onehot + ε / C`.
+    pub label_smoothing: f64,
+}
+
+impl Default for CrossEntropy {
+    fn default() -> Self {
+        CrossEntropy { ignore_index: Some(-100), reduction: Reduction::Mean, label_smoothing: 0.0 }
+    }
+}
+
+/// `[1, C, 1, ...]` int64 class ids, to compare against `target.unsqueeze(1)`.
+fn class_ids(x: &Tensor) -> Result<Tensor> {
+    let c = x.shape()[1];
+    let mut shape: SmallVec<[isize; 6]> = smallvec::smallvec![1; x.ndim()];
+    shape[1] = c as isize;
+    Tensor::arange(0.0, c as f64, 1.0, (DType::I64, x.device()))?.reshape(&shape)
+}
+
+/// The loss values, computed with grad mode off (the caller records one node).
+fn cross_entropy_forward(x: &Tensor, safe: &Tensor, valid: Option<&Tensor>, opts: CrossEntropy) -> Result<Tensor> {
+    let logp = x.log_softmax(1)?;
+    let mask = |t: Tensor| -> Result<Tensor> {
+        match valid {
+            Some(v) => Tensor::where_cond(v, &t, &zero_like(&t)?),
+            None => Ok(t),
         }
-        match reduction {
-            Reduction::None => Ok(nll),
-            Reduction::Sum => nll.sum(),
-            Reduction::Mean => match &valid {
-                Some(v) => {
-                    // The count may exceed what a half float holds exactly: divide in float32.
-                    let ct = opmath(nll.dtype());
-                    let total = nll.to_dtype(ct)?.sum()?;
-                    total.div(&v.sum()?.to_dtype(ct)?)?.to_dtype(nll.dtype())
-                }
-                None => nll.mean(),
-            },
+    };
+    let nll = mask(logp.gather(1, &safe.unsqueeze(1)?)?.squeeze_dim(1)?.neg()?)?;
+    let eps = opts.label_smoothing;
+    let smooth = if eps > 0.0 { Some(mask(logp.sum_dim(&[1isize][..], false)?.neg()?)?) } else { None };
+    let c = x.shape()[1] as f64;
+    // PyTorch's order: (1 - ε) * nll + smooth * (ε / C), after reducing each.
+    let combine = |nll: Tensor, smooth: Option<Tensor>| -> Result<Tensor> {
+        match smooth {
+            Some(s) => nll.mul(1.0 - eps)?.add(&s.mul(eps / c)?),
+            None => Ok(nll),
+        }
+    };
+    match opts.reduction {
+        Reduction::None => combine(nll, smooth),
+        Reduction::Sum => combine(nll.sum()?, smooth.map(|s| s.sum()).transpose()?),
+        Reduction::Mean => {
+            // The count may exceed what a half float holds exactly: divide in float32.
+            let ct = opmath(nll.dtype());
+            let count = match valid {
+                Some(v) => v.sum()?.to_dtype(ct)?,
+                None => Tensor::full(&[], nll.numel() as f64, (ct, x.device()))?,
+            };
+            let mean = |t: Tensor| -> Result<Tensor> { t.to_dtype(ct)?.sum()?.div(&count)?.to_dtype(t.dtype()) };
+            combine(mean(nll)?, smooth.map(mean).transpose()?)
         }
     }
+}
+
+/// The gradient of the loss with respect to the logits: `(softmax - (1 - ε)
+/// onehot - ε / C) * w`, with `w` the per-target weight of the reduction times
+/// `g`, and zero at ignored targets. Computed in float32 for half precision.
+fn cross_entropy_backward(
+    x: &Tensor,
+    safe: &Tensor,
+    valid: Option<&Tensor>,
+    opts: CrossEntropy,
+    g: &Tensor,
+) -> Result<Tensor> {
+    let ct = opmath(x.dtype());
+    let p = x.to_dtype(ct)?.softmax(1)?;
+    let onehot = class_ids(x)?.eq(&safe.unsqueeze(1)?)?.to_dtype(ct)?;
+    let eps = opts.label_smoothing;
+    let d = if eps > 0.0 { p.sub(&onehot.mul(1.0 - eps)?)?.sub(eps / x.shape()[1] as f64)? } else { p.sub(&onehot)? };
+    let g = g.to_dtype(ct)?;
+    // Per-target weight, shaped like the target.
+    let w = match opts.reduction {
+        Reduction::None => g,
+        Reduction::Sum => g.broadcast_to(safe.shape())?,
+        Reduction::Mean => {
+            let count = match valid {
+                Some(v) => v.sum()?.to_dtype(ct)?,
+                None => Tensor::full(&[], safe.numel() as f64, (ct, x.device()))?,
+            };
+            g.div(&count)?.broadcast_to(safe.shape())?
+        }
+    };
+    let dx = d.mul(&w.unsqueeze(1)?)?;
+    let dx = match valid {
+        // `where`, not a product: with no valid target the mean's weight is inf.
+        Some(v) => Tensor::where_cond(&v.unsqueeze(1)?, &dx, &zero_like(&dx)?)?,
+        None => dx,
+    };
+    dx.to_dtype(x.dtype())
 }

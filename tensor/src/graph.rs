@@ -55,6 +55,26 @@ impl Edge {
     }
 }
 
+impl Edge {
+    /// The saved value, refusing one modified in place since the op ran (PyTorch's
+    /// saved-tensor version check). `op` and `i` name the node and input in the error.
+    pub fn saved(&self, op: &str, i: usize) -> Result<&Tensor> {
+        let now = self.value.version();
+        if now != self.version {
+            return Err(crate::Error::inplace(
+                "backward",
+                format!(
+                    "one of the variables needed for gradient computation has been modified by an inplace operation: [{} {:?}] is at version {now}; expected version {} instead (it is input {i} of {op})",
+                    self.value.dtype(),
+                    self.value.shape(),
+                    self.version,
+                ),
+            ));
+        }
+        Ok(&self.value)
+    }
+}
+
 /// A gradient rule given as a closure: gets the gradients of the node's outputs
 /// (`None` where none flowed) and the input edges, returns one gradient per input.
 pub type CustomBackward = Arc<dyn Fn(&[Option<Tensor>], &[Edge]) -> Result<Vec<Option<Tensor>>> + Send + Sync>;

@@ -31,7 +31,7 @@ pub mod scalar;
 pub mod storage;
 mod tensor;
 
-pub use composite::Reduction;
+pub use composite::{CrossEntropy, Reduction};
 pub use convert::TensorData;
 pub use create::TensorOptions;
 pub use device::{backend_for, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind, Meta};

@@ -560,5 +560,5 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, ignore_index: Option<i64
     let (b, t, v) = (logits.shape()[0], logits.shape()[1], logits.shape()[2]);
     let x = logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?.reshape_to(&[b * (t - 1), v])?;
     let y = labels.narrow(1, 1, t - 1)?.reshape_to(&[b * (t - 1)])?;
-    x.cross_entropy(&y, ignore_index, "mean".parse()?)
+    x.cross_entropy(&y, ignore_index, kiln_tensor::Reduction::Mean)
 }

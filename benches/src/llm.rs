@@ -1,0 +1,250 @@
+//! Model-level benchmarks: `train` (a full AdamW step of a small Llama), `infer`
+//! (its forward pass), `decode` (greedy decoding with the KV cache), and
+//! `autograd` (backward / forward time of a matmul-heavy graph).
+//!
+//! `benches/compare_torch_train.py` runs the same steps in PyTorch. Each
+//! benchmark prints one JSON line (its last line is the result); `peak_rss_mb`
+//! is the process's peak resident memory (`VmHWM`) when the line is printed.
+use crate::report::{sig4, Line};
+use crate::timing::median;
+use kiln::autograd::no_grad;
+use kiln::nn::models::causal_lm_loss;
+use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+use kiln::nn::{LlamaConfig, LlamaForCausalLM, Module};
+use kiln::prelude::*;
+use serde_json::json;
+use std::time::Instant;
+
+/// What the model benchmarks run.
+#[derive(Debug, Clone)]
+pub struct LlmArgs {
+    pub device: Device,
+    pub preset: String,
+    pub batch: usize,
+    pub seq: usize,
+    /// Timed steps (after `warmup` untimed ones).
+    pub steps: usize,
+    pub warmup: usize,
+    pub prompt: usize,
+    pub new_tokens: usize,
+}
+
+/// The model presets, as Hugging Face `config.json` values.
+pub fn preset(name: &str) -> std::result::Result<LlamaConfig, String> {
+    let v = match name {
+        // 16M-ish parameters besides the embeddings: the reference model.
+        "llama-16m" => json!({
+            "model_type": "llama", "vocab_size": 8192, "hidden_size": 384, "intermediate_size": 1024,
+            "num_hidden_layers": 6, "num_attention_heads": 6, "num_key_value_heads": 6,
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": false,
+        }),
+        // A tiny model for smoke runs and tests.
+        "llama-tiny" => json!({
+            "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": false,
+        }),
+        other => return Err(format!("unknown preset {other:?} (expected llama-16m or llama-tiny)")),
+    };
+    LlamaConfig::from_json(&v).map_err(|e| e.to_string())
+}
+
+/// Peak resident memory of this process in MiB (Linux `VmHWM`; NaN elsewhere).
+pub fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<f64>().ok()))
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn line(bench: &str, a: &LlmArgs) -> Line {
+    Line::new(bench, "float32", &a.device.to_string()).set("preset", a.preset.as_str())
+}
+
+/// Random token ids `[b, t]` in `[0, vocab)`, from the global generator.
+fn random_ids(b: usize, t: usize, vocab: usize, device: Device) -> Result<Tensor> {
+    Tensor::randint(0, vocab as i64, &[b, t], (DType::I64, device))
+}
+
+/// Runs `f` `warmup` times untimed and `steps` times timed; seconds per timed call, sorted.
+fn time_steps(warmup: usize, steps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut t = Vec::with_capacity(steps);
+    for _ in 0..steps.max(1) {
+        let t0 = Instant::now();
+        f()?;
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t)
+}
+
+/// `train`: zero_grad + forward + backward + AdamW step + reading the loss.
+pub fn train(a: &LlmArgs) -> Result<Line> {
+    let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
+    let mut model = LlamaForCausalLM::new(&cfg, (DType::F32, a.device))?;
+    model.train(true);
+    let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let mut opt = AdamW::new(model.parameters(), adamw)?;
+    let ids = random_ids(a.batch, a.seq, cfg.vocab_size, a.device)?;
+    let mut losses = vec![];
+    let times = time_steps(a.warmup, a.steps, || {
+        opt.zero_grad();
+        let logits = model.forward(&ids, None)?;
+        let loss = causal_lm_loss(&logits, &ids, None)?;
+        loss.backward()?;
+        opt.step()?;
+        losses.push(loss.item_f64()?);
+        Ok(())
+    })?;
+    let step = median(&times);
+    Ok(line("train", a)
+        .set("batch", a.batch)
+        .set("seq", a.seq)
+        .set("steps", a.steps)
+        .set("tokens_per_s", sig4((a.batch * a.seq) as f64 / step))
+        .set("median_step_ms", sig4(step * 1e3))
+        .set("min_step_ms", sig4(times[0] * 1e3))
+        .set("loss_first", sig4(losses[0]))
+        .set("loss_last", sig4(*losses.last().expect("at least one step")))
+        .set("peak_rss_mb", sig4(peak_rss_mb())))
+}
+
+/// `infer`: the forward pass over the whole batch (logits at every position), no grad.
+pub fn infer(a: &LlmArgs) -> Result<Line> {
+    let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
+    let model = LlamaForCausalLM::new(&cfg, (DType::F32, a.device))?;
+    let ids = random_ids(a.batch, a.seq, cfg.vocab_size, a.device)?;
+    let _g = no_grad();
+    let times = time_steps(a.warmup, a.steps, || {
+        let logits = model.forward(&ids, None)?;
+        logits.backend().synchronize(logits.device())
+    })?;
+    let t = median(&times);
+    Ok(line("infer", a)
+        .set("batch", a.batch)
+        .set("seq", a.seq)
+        .set("steps", a.steps)
+        .set("tokens_per_s", sig4((a.batch * a.seq) as f64 / t))
+        .set("median_ms", sig4(t * 1e3))
+        .set("peak_rss_mb", sig4(peak_rss_mb())))
+}
+
+/// `decode`: batch 1, greedy, one token at a time through the KV cache; the
+/// prefill of the prompt is not timed.
+pub fn decode(a: &LlmArgs) -> Result<Line> {
+    let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
+    let model = LlamaForCausalLM::new(&cfg, (DType::F32, a.device))?;
+    let prompt = random_ids(1, a.prompt, cfg.vocab_size, a.device)?;
+    let _g = no_grad();
+    let mut times = Vec::new();
+    for run in 0..a.warmup + a.steps.max(1) {
+        let mut cache = model.new_cache(a.prompt + a.new_tokens);
+        let logits = model.forward_cached(&prompt, None, &mut cache, true)?;
+        let mut next = logits.argmax(Some(-1), false)?;
+        next.to_vec::<i64>()?;
+        let t0 = Instant::now();
+        for _ in 0..a.new_tokens {
+            let logits = model.forward_cached(&next, None, &mut cache, true)?;
+            next = logits.argmax(Some(-1), false)?;
+            // Reading the token is part of a decoding step (it decides when to stop).
+            next.to_vec::<i64>()?;
+        }
+        if run >= a.warmup {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let t = median(&times);
+    Ok(line("decode", a)
+        .set("batch", 1)
+        .set("prompt", a.prompt)
+        .set("new_tokens", a.new_tokens)
+        .set("steps", a.steps)
+        .set("tokens_per_s", sig4(a.new_tokens as f64 / t))
+        .set("median_ms", sig4(t * 1e3))
+        .set("peak_rss_mb", sig4(peak_rss_mb())))
+}
+
+/// `autograd`: an MLP of four `[512, 1024] @ [1024, 1024]` layers with GELU,
+/// timed forward only and forward + backward; reports backward / forward.
+pub fn autograd(a: &LlmArgs) -> Result<Line> {
+    let (rows, width, layers) = (512, 1024, 4);
+    let o = (DType::F32, a.device);
+    let ws: Vec<Tensor> = (0..layers)
+        .map(|_| {
+            let w = Tensor::randn(&[width, width], o)?.mul(1.0 / (width as f64).sqrt())?;
+            w.requires_grad_(true)?;
+            Ok(w)
+        })
+        .collect::<Result<_>>()?;
+    let x = Tensor::randn(&[rows, width], o)?;
+    let forward = || -> Result<Tensor> {
+        let mut h = x.clone();
+        for w in &ws {
+            h = h.matmul(w)?.gelu()?;
+        }
+        h.sum()
+    };
+    let fwd = time_steps(a.warmup, a.steps, || forward()?.item_f64().map(|_| ()))?;
+    let both = time_steps(a.warmup, a.steps, || {
+        let y = forward()?;
+        y.backward()?;
+        for w in &ws {
+            w.zero_grad();
+        }
+        y.item_f64().map(|_| ())
+    })?;
+    let (f, fb) = (median(&fwd), median(&both));
+    let flops = (2 * rows * width * width * layers) as f64;
+    Ok(Line::new("autograd", "float32", &a.device.to_string())
+        .set("graph", format!("{layers} x ([{rows}, {width}] @ [{width}, {width}] + gelu), sum"))
+        .set("forward_ms", sig4(f * 1e3))
+        .set("forward_backward_ms", sig4(fb * 1e3))
+        .set("backward_forward_ratio", sig4((fb - f) / f))
+        .set("forward_gflops", sig4(flops / f / 1e9))
+        .set("peak_rss_mb", sig4(peak_rss_mb())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> LlmArgs {
+        LlmArgs {
+            device: Device::Cpu,
+            preset: "llama-tiny".into(),
+            batch: 2,
+            seq: 8,
+            steps: 2,
+            warmup: 0,
+            prompt: 4,
+            new_tokens: 3,
+        }
+    }
+
+    fn num(l: &Line, k: &str) -> f64 {
+        l.get(k).and_then(|v| v.as_f64()).unwrap_or_else(|| panic!("no number {k}"))
+    }
+
+    #[test]
+    fn model_benchmarks_run_and_report() -> Result<()> {
+        kiln::init();
+        let t = train(&tiny())?;
+        // A fresh model on random tokens starts near the uniform loss ln(vocab).
+        assert!((num(&t, "loss_first") - 256f64.ln()).abs() < 0.5, "loss {}", num(&t, "loss_first"));
+        assert!(num(&t, "tokens_per_s") > 0.0);
+        assert!(num(&infer(&tiny())?, "tokens_per_s") > 0.0);
+        assert!(num(&decode(&tiny())?, "tokens_per_s") > 0.0);
+        assert!(preset("llama-16m").is_ok() && preset("gpt").is_err());
+        Ok(())
+    }
+}
