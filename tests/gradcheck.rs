@@ -220,6 +220,19 @@ fn composites() {
         check("softmax dim0", |t| t[0].softmax(0), &[x.clone()]);
         check("log_softmax", |t| t[0].log_softmax(-1), &[x.clone()]);
         check("silu", |t| t[0].silu(), &[x.clone()]);
+        // silu's rule uses the silu_backward primitive: its own rule, through double backward.
+        check(
+            "silu double backward",
+            |t| {
+                // The numeric pass runs under no_grad with plain inputs: differentiate a leaf then.
+                let _on = kiln::autograd::enable_grad();
+                let x = if t[0].requires_grad() { t[0].clone() } else { t[0].detach().requires_grad_(true)?.clone() };
+                let y = x.silu()?.sum()?;
+                let g = kiln::autograd::grad(&[&y], &[&x], None, true, true)?;
+                Ok(g[0].clone().expect("a gradient"))
+            },
+            &[x.clone()],
+        );
         check("gelu", |t| t[0].gelu(), &[x.clone()]);
         check("gelu_tanh", |t| t[0].gelu_tanh(), &[x.clone()]);
         check("relu", |t| t[0].relu(), &[x.clone()]);

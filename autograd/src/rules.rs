@@ -124,6 +124,15 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                     let s = x()?.sigmoid()?;
                     Some(g.mul(&s.mul(&s.neg()?.add(1.0)?)?)?)
                 }
+                Silu => Some(g.mul(&prim(Op::Unary(SiluGrad), &[x()?])?)?),
+                SiluGrad => {
+                    // d/dx [s (1 + x (1 - s))] = s (1 - s) (2 + x (1 - 2 s)).
+                    let x = x()?;
+                    let s = x.sigmoid()?;
+                    let one_minus = s.neg()?.add(1.0)?;
+                    let inner = x.mul(&s.mul(-2.0)?.add(1.0)?)?.add(2.0)?;
+                    Some(g.mul(&s.mul(&one_minus)?.mul(&inner)?)?)
+                }
                 Sin => Some(g.mul(&x()?.cos()?)?),
                 Cos => Some(g.mul(&x()?.sin()?.neg()?)?),
                 Erf => {
@@ -327,8 +336,12 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                     sum_dims(&g, &dims, true)?.reshape_to(&in_shape)?
                 }
                 ViewOp::Slice { .. } | ViewOp::Select { .. } | ViewOp::Diagonal { .. } => {
+                    // These views never overlap themselves: the gradient is `g` written into
+                    // zeros at the view's positions (PyTorch's slice_scatter), one pass.
                     let l = v.apply(&Layout::contiguous(&in_shape))?;
-                    strided_backward(&g, &l, &Layout::contiguous(&in_shape), in_shape.iter().product())?
+                    let z = zeros(&in_shape, g.dtype(), &g)?;
+                    let op = Op::Assign { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() };
+                    prim(op, &[&z, &g])?
                 }
                 ViewOp::AsStrided { shape, strides, offset } => {
                     // Both layouts index the input's storage.

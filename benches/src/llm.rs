@@ -105,6 +105,9 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
         losses.push(loss.item_f64()?);
         Ok(())
     })?;
+    if kiln::tensor::profile::enabled() {
+        eprintln!("kernel time per op over all {} steps:\n{}", a.warmup + a.steps, kiln::tensor::profile::report(40));
+    }
     let step = median(&times);
     Ok(line("train", a)
         .set("batch", a.batch)

@@ -355,7 +355,7 @@ impl Tensor {
     }
     /// `x * sigmoid(x)`.
     pub fn silu(&self) -> Result<Tensor> {
-        self.mul(&self.sigmoid()?)
+        self.unary_float(UnaryOp::Silu)
     }
     /// Exact GELU: `x/2 * (1 + erf(x/sqrt(2)))`.
     pub fn gelu(&self) -> Result<Tensor> {

@@ -25,6 +25,7 @@ pub mod layout;
 mod linalg;
 mod movement;
 pub mod op;
+pub mod profile;
 pub mod random;
 mod reduce;
 pub mod scalar;

@@ -22,6 +22,11 @@ pub enum UnaryOp {
     Tanh,
     /// `1 / (1 + exp(-x))` (lax's `logistic`).
     Sigmoid,
+    /// `x * sigmoid(x)`, one pass (SwiGLU's activation).
+    Silu,
+    /// The derivative of silu, `s (1 + x (1 - s))` with `s = sigmoid(x)`: silu's
+    /// gradient rule in one pass instead of six.
+    SiluGrad,
     Sin,
     Cos,
     Erf,
@@ -41,7 +46,10 @@ impl UnaryOp {
     /// Ops that need a floating input.
     pub fn is_float_only(self) -> bool {
         use UnaryOp::*;
-        matches!(self, Exp | Log | Log1p | Expm1 | Sqrt | Rsqrt | Recip | Tanh | Sigmoid | Sin | Cos | Erf)
+        matches!(
+            self,
+            Exp | Log | Log1p | Expm1 | Sqrt | Rsqrt | Recip | Tanh | Sigmoid | Silu | SiluGrad | Sin | Cos | Erf
+        )
     }
     pub fn name(self) -> &'static str {
         use UnaryOp::*;
@@ -58,6 +66,8 @@ impl UnaryOp {
             Recip => "reciprocal",
             Tanh => "tanh",
             Sigmoid => "sigmoid",
+            Silu => "silu",
+            SiluGrad => "silu_backward",
             Sin => "sin",
             Cos => "cos",
             Erf => "erf",

@@ -40,6 +40,11 @@ unop! {
     Recip => |x| F::ONE / x;
     Tanh => |x| x.tanh_::<FMA>();
     Sigmoid => |x| x.sigmoid_::<FMA>();
+    Silu => |x| x * x.sigmoid_::<FMA>();
+    SiluGrad => |x| {
+        let s = x.sigmoid_::<FMA>();
+        s * (F::ONE + x * (F::ONE - s))
+    };
     Sin => |x| x.sin();
     Cos => |x| x.cos();
     Erf => |x| x.erf_();
@@ -161,6 +166,8 @@ fn float_unary<T: FloatElem>(op: UnaryOp, x: &Input<'_>) -> Result<Vec<T>> {
         U::Recip => go!(Recip, 2),
         U::Tanh => go!(Tanh, 6),
         U::Sigmoid => go!(Sigmoid, 5),
+        U::Silu => go!(Silu, 6),
+        U::SiluGrad => go!(SiluGrad, 8),
         U::Sin => go!(Sin, 8),
         U::Cos => go!(Cos, 8),
         U::Erf => go!(Erf, 8),

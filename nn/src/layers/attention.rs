@@ -306,8 +306,10 @@ impl Attention {
         };
         let s = k.shape()[2];
         // scores: [B, KV, G*T, d] @ [B, KV, d, S] -> [B, KV, G*T, S], seen as [B, H, T, S].
-        let qg = q.reshape_to(&[b, kv, g * t, d])?;
-        let scores = qg.matmul(&k.transpose(-1, -2)?)?.mul(self.scaling)?.reshape_to(&[b, h, t, s])?;
+        // The scaling is applied to q ([.., T, d]) rather than to the scores ([.., T, S]):
+        // a smaller pass, and exact when the scale is a power of two (head_dim 64, 256).
+        let qg = q.mul(self.scaling)?.reshape_to(&[b, kv, g * t, d])?;
+        let scores = qg.matmul(&k.transpose(-1, -2)?)?.reshape_to(&[b, h, t, s])?;
         let scores = match mask {
             Some(m) => scores.add(m)?,
             None => scores,

@@ -558,7 +558,13 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, ignore_index: Option<i64
         ));
     }
     let (b, t, v) = (logits.shape()[0], logits.shape()[1], logits.shape()[2]);
-    let x = logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?.reshape_to(&[b * (t - 1), v])?;
-    let y = labels.narrow(1, 1, t - 1)?.reshape_to(&[b * (t - 1)])?;
-    x.cross_entropy(&y, ignore_index, kiln_tensor::Reduction::Mean)
+    // Rather than slicing off the last position of the logits (a copy of the
+    // largest tensor of the step in forward and a zero-padded one in backward),
+    // the labels are shifted and the last position gets an ignored target: the
+    // same terms, the same mean over the `B * (T - 1)` counted targets.
+    let pad = ignore_index.unwrap_or(i64::MIN);
+    let x = logits.to_dtype(DType::F32)?.reshape_to(&[b * t, v])?;
+    let last = Tensor::full(&[b, 1], pad, (DType::I64, labels.device()))?;
+    let y = Tensor::cat(&[&labels.narrow(1, 1, t - 1)?.to_dtype(DType::I64)?, &last], 1)?.reshape_to(&[b * t])?;
+    x.cross_entropy(&y, Some(pad), kiln_tensor::Reduction::Mean)
 }
