@@ -286,3 +286,54 @@ fn trainer_state_round_trips_through_json() {
     s.restore_rng();
     assert_eq!(Tensor::rand(&[4], DType::F32).unwrap().to_vec::<f32>().unwrap(), a);
 }
+
+// ---- interoperability ------------------------------------------------------------------------------
+
+/// The python of a virtual environment with `safetensors` and `numpy`
+/// (`scripts/setup-py-venv` creates it on first use; PyPI must be reachable).
+fn python_with_safetensors() -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/setup-py-venv");
+    let out = std::process::Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[test]
+fn a_trained_checkpoint_loads_back_into_kiln_and_reads_as_a_transformers_llama() {
+    let _g = rng_lock();
+    kiln::manual_seed(11);
+    let cfg = tiny_config(0.0);
+    let model = LlamaForCausalLM::new(&cfg, DType::F32).unwrap();
+    let mut opt = AdamW::new(model.parameters(), AdamWConfig::default()).unwrap();
+    let mut data = loader(2, 16);
+    for _ in 0..2 {
+        let batch = data.next_batch().unwrap();
+        causal_lm_loss(&model.forward(&batch, None).unwrap(), &batch, None).unwrap().backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+    }
+    let dir = temp_dir("interop");
+    model.save_pretrained(&dir).unwrap();
+
+    // Back into kiln: the same logits.
+    let probe = data.next_batch().unwrap();
+    let back = LlamaForCausalLM::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
+    let (a, b) = (model.forward(&probe, None).unwrap(), back.forward(&probe, None).unwrap());
+    assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap(), "reloaded model differs");
+
+    // Into Python's safetensors, checked against what transformers' loader needs.
+    let py = python_with_safetensors();
+    let checker = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_hf_checkpoint.py");
+    let out = std::process::Command::new(&py).arg(&checker).arg(&dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let sums = report["sums"].as_object().unwrap();
+    let state = model.state_dict();
+    assert_eq!(sums.len(), state.len(), "python sees {:?}", sums.keys().collect::<Vec<_>>());
+    for (name, t) in &state {
+        let want: f64 = t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap().iter().sum();
+        let got = sums[name.as_str()].as_f64().unwrap_or_else(|| panic!("python lacks {name}"));
+        assert!((got - want).abs() <= 1e-9 * want.abs().max(1.0), "{name}: python sum {got}, kiln {want}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -122,43 +122,76 @@ impl GemmElem for f64 {
 /// Products of at least this many multiply-adds use gemm's own threading.
 const GEMM_PAR_MIN: usize = 1 << 16;
 
+/// A pointer that may cross to rayon's threads: each task writes a disjoint range.
+#[derive(Clone, Copy)]
+struct OutPtr<T>(*mut T);
+// SAFETY: the pointer is only used to write disjoint `m * n` ranges of one
+// allocation that outlives the parallel loop (see `gemm_batched`).
+unsafe impl<T: Send> Send for OutPtr<T> {}
+// SAFETY: as above; tasks never touch each other's range.
+unsafe impl<T: Send> Sync for OutPtr<T> {}
+
+impl<T> OutPtr<T> {
+    /// The pointer (a method, so closures capture the `Send` wrapper, not the raw field).
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// All products of a batch into one fresh buffer. The buffer is not zeroed
+/// first: gemm is called with `read_dst = false`, so it writes every element of
+/// each product without reading it (a memset of the output saved per matmul).
+/// Needs `m, n, k > 0`.
 fn gemm_batched<T: GemmElem>(a: &[T], b: &[T], g: &Geometry) -> Vec<T> {
     let (m, n) = (g.m, g.n);
-    let mut out = T::zeros(g.batches() * m * n);
+    let total = g.batches() * m * n;
+    let mut out: Vec<T> = Vec::with_capacity(total);
+    let base = OutPtr(out.as_mut_ptr());
     let work = m * n * g.k;
     let nb = g.batches();
+    let run = |i: usize, par: Parallelism| {
+        let (oa, ob) = g.offsets[i];
+        // SAFETY: `i < nb`, so `i * m * n + m * n <= total`, the capacity of `out`:
+        // the range is inside the allocation and disjoint from every other `i`'s.
+        unsafe { gemm_one(base.get().add(i * m * n), a, oa, b, ob, g, par) }
+    };
     if nb > 1 && threads() > 1 && work < (1 << 22) && nb * work >= GEMM_PAR_MIN {
         // Many small products: one per task.
-        out.par_chunks_mut(m * n)
-            .zip(&g.offsets)
-            .for_each(|(c, &(oa, ob))| gemm_one(c, a, oa, b, ob, g, Parallelism::None));
+        (0..nb).into_par_iter().for_each(|i| run(i, Parallelism::None));
     } else {
         let par = if work >= GEMM_PAR_MIN && threads() > 1 { Parallelism::Rayon(threads()) } else { Parallelism::None };
-        for (c, &(oa, ob)) in out.chunks_mut(m * n).zip(&g.offsets) {
-            gemm_one(c, a, oa, b, ob, g, par);
-        }
+        (0..nb).for_each(|i| run(i, par));
     }
+    // SAFETY: every one of the `nb` products wrote all of its `m * n` elements
+    // (gemm with `read_dst = false` assigns each output), so all `total` are initialised.
+    unsafe { out.set_len(total) };
     out
 }
 
-/// `dst (m x n, row-major) = a[oa..] (m x k) @ b[ob..] (k x n)`.
-fn gemm_one<T: GemmElem>(dst: &mut [T], a: &[T], oa: usize, b: &[T], ob: usize, g: &Geometry, par: Parallelism) {
+/// `dst (m x n, row-major) = a[oa..] (m x k) @ b[ob..] (k x n)`, every element of
+/// `dst` written and none read.
+///
+/// # Safety
+/// `dst` must be valid for writes of `m * n` elements that nothing else accesses
+/// during the call.
+unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: usize, g: &Geometry, par: Parallelism) {
     let (m, k, n) = (g.m, g.k, g.n);
-    assert!(dst.len() == m * n && m > 0 && n > 0 && k > 0);
+    assert!(m > 0 && n > 0 && k > 0);
     // Largest element index each operand is read at: in bounds, so every read below is too.
     assert!(oa + (m - 1) * g.a_rs + (k - 1) * g.a_cs < a.len());
     assert!(ob + (k - 1) * g.b_rs + (n - 1) * g.b_cs < b.len());
     // SAFETY: gemm reads lhs at `oa + i * a_rs + p * a_cs` (i < m, p < k) and rhs at
     // `ob + p * b_rs + j * b_cs` (p < k, j < n); the asserts above show the largest such index
     // is inside `a` / `b`, and strides are non-negative so every other one is too. It writes dst
-    // at `i * n + j` (i < m, j < n): exactly the `m * n` elements of `dst`, an exclusive borrow
-    // that cannot alias the shared `a` and `b`. `T` is f32 or f64, which gemm supports.
+    // at `i * n + j` (i < m, j < n): the `m * n` elements the caller guarantees are ours alone,
+    // which cannot alias the shared `a` and `b`. With `read_dst = false` it never reads dst, so
+    // uninitialised memory there is fine. `T` is f32 or f64, which gemm supports.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             n as isize,
             false,
