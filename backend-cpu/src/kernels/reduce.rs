@@ -234,6 +234,8 @@ impl<R: Reducer> Kernel for Fold<'_, R> {
             let mut lanes = [r.init(); LANES];
             let mut it = block.chunks_exact(LANES);
             for c in &mut it {
+                // A fixed-size array, so the lane loop compiles to whole vectors.
+                let c: &[R::In; LANES] = c.try_into().expect("chunks_exact yields LANES elements");
                 for i in 0..LANES {
                     lanes[i] = r.step(lanes[i], c[i]);
                 }
