@@ -337,3 +337,41 @@ fn a_trained_checkpoint_loads_back_into_kiln_and_reads_as_a_transformers_llama()
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn whole_model_gradients_match_finite_differences_in_f64() {
+    // Every parameter of a small Llama (GQA, RoPE, SwiGLU, tied-off lm_head), the
+    // causal LM loss included: a few entries per tensor against central differences.
+    let _g = rng_lock();
+    kiln::manual_seed(3);
+    let cfg = tiny_config(0.0);
+    let model = LlamaForCausalLM::new(&cfg, DType::F64).unwrap();
+    let ids = Tensor::randint(0, 256, &[2, 7], DType::I64).unwrap();
+    let loss = || causal_lm_loss(&model.forward(&ids, None).unwrap(), &ids, None).unwrap();
+    loss().backward().unwrap();
+    let eps = 1e-6;
+    let mut bad = vec![];
+    for (name, p) in model.named_parameters() {
+        let grad = p.grad().unwrap_or_else(|| panic!("{name}: no gradient"));
+        let g = grad.to_vec::<f64>().unwrap();
+        let n = p.numel();
+        for j in [0, n / 3, n / 2, n - 1] {
+            let flat = p.reshape(&[-1]).unwrap();
+            let at = |v: f64| {
+                let _ng = kiln::autograd::no_grad();
+                flat.i(j as isize).unwrap().fill_(v).unwrap();
+                loss().item_f64().unwrap()
+            };
+            let x0 = flat.i(j as isize).unwrap().item_f64().unwrap();
+            let (lp, lm) = (at(x0 + eps), at(x0 - eps));
+            let after = flat.i(j as isize).unwrap().item_f64().unwrap();
+            let num = (lp - lm) / (2.0 * eps);
+            let _ = after;
+            at(x0);
+            if (num - g[j]).abs() > 1e-6 + 1e-4 * num.abs() {
+                bad.push(format!("{name}[{j}]: autograd {} vs numeric {num}", g[j]));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{} mismatches:\n{}", bad.len(), bad.join("\n"));
+}

@@ -33,7 +33,8 @@ impl RmsNorm {
     /// Normalises `x: [..., dim]` over its last dim.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dt = x.dtype();
-        let x32 = x.to_dtype(DType::F32)?;
+        // transformers normalises in float32; half precision is upcast, f64 keeps its precision.
+        let x32 = if matches!(dt, DType::BF16 | DType::F16) { x.to_dtype(DType::F32)? } else { x.clone() };
         let ms = x32.square()?.mean_dim(-1, true)?;
         let y = x32.mul(&ms.add(self.eps)?.rsqrt()?)?.to_dtype(dt)?;
         self.weight.mul(&y)

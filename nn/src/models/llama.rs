@@ -534,7 +534,7 @@ impl Module for LlamaForCausalLM {
 
 /// The causal language-modelling loss of transformers (`labels = input_ids`):
 /// the mean cross entropy of `logits[:, :-1]` (`[B, T, V]`, computed in
-/// float32) against `labels[:, 1:]` (`[B, T]`), skipping targets equal to
+/// float32 for half-precision logits) against `labels[:, 1:]` (`[B, T]`), skipping targets equal to
 /// `ignore_index` (transformers uses -100).
 ///
 /// ```
@@ -563,7 +563,9 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, ignore_index: Option<i64
     // the labels are shifted and the last position gets an ignored target: the
     // same terms, the same mean over the `B * (T - 1)` counted targets.
     let pad = ignore_index.unwrap_or(i64::MIN);
-    let x = logits.to_dtype(DType::F32)?.reshape_to(&[b * t, v])?;
+    // Half-precision logits are upcast like transformers' `logits.float()`; f64 stays f64.
+    let ct = if matches!(logits.dtype(), DType::BF16 | DType::F16) { DType::F32 } else { logits.dtype() };
+    let x = logits.to_dtype(ct)?.reshape_to(&[b * t, v])?;
     let last = Tensor::full(&[b, 1], pad, (DType::I64, labels.device()))?;
     let y = Tensor::cat(&[&labels.narrow(1, 1, t - 1)?.to_dtype(DType::I64)?, &last], 1)?.reshape_to(&[b * t])?;
     x.cross_entropy(&y, Some(pad), kiln_tensor::Reduction::Mean)
