@@ -14,6 +14,7 @@
 //! assert_eq!((inputs.shape(), targets.shape()), (&[2, 4][..], &[2, 4][..]));
 //! # Ok::<(), kiln::Error>(())
 //! ```
+use kiln_tensor::random::Xoshiro256;
 use kiln_tensor::{Error, Result, Tensor};
 use std::path::Path;
 
@@ -132,34 +133,16 @@ pub fn train_val_split(tokens: &[u32], val_fraction: f64) -> Result<(Vec<u32>, V
 /// for data order and corpus generation, independent of kiln's global one so
 /// that model initialisation and data order do not disturb each other.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SeededRng {
-    s: [u64; 4],
-}
+pub struct SeededRng(Xoshiro256);
 
 impl SeededRng {
     /// A generator seeded with `seed`.
     pub fn new(seed: u64) -> SeededRng {
-        let mut z = seed;
-        let mut next = || {
-            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut x = z;
-            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            x ^ (x >> 31)
-        };
-        SeededRng { s: [next(), next(), next(), next()] }
+        SeededRng(Xoshiro256::seeded(seed))
     }
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = self.s[1] << 17;
-        self.s[2] ^= self.s[0];
-        self.s[3] ^= self.s[1];
-        self.s[1] ^= self.s[2];
-        self.s[0] ^= self.s[3];
-        self.s[2] ^= t;
-        self.s[3] = self.s[3].rotate_left(45);
-        r
+        self.0.next_u64()
     }
     /// Uniform in `0..n` (`n > 0`), without modulo bias.
     pub fn below(&mut self, n: u64) -> u64 {

@@ -2,12 +2,16 @@
 //! later): xoshiro256** seeded through splitmix64, like `torch.manual_seed`.
 use std::sync::Mutex;
 
-struct Xoshiro256 {
+/// xoshiro256** seeded through splitmix64: the generator behind the global one,
+/// public so that other seeded streams (a data loader's shuffling) use the same.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Xoshiro256 {
     s: [u64; 4],
 }
 
 impl Xoshiro256 {
-    fn seeded(seed: u64) -> Self {
+    /// A generator seeded with `seed`.
+    pub fn seeded(seed: u64) -> Self {
         let mut z = seed;
         let mut next = || {
             z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -18,7 +22,8 @@ impl Xoshiro256 {
         };
         Xoshiro256 { s: [next(), next(), next(), next()] }
     }
-    fn next_u64(&mut self) -> u64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
         let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
         let t = self.s[1] << 17;
         self.s[2] ^= self.s[0];
