@@ -553,6 +553,14 @@ impl Default for CrossEntropy {
     }
 }
 
+/// The number of targets a mean divides by (those not ignored), 0-d of dtype `ct`.
+fn target_count(safe: &Tensor, valid: Option<&Tensor>, ct: DType) -> Result<Tensor> {
+    match valid {
+        Some(v) => v.sum()?.to_dtype(ct),
+        None => Tensor::full(&[], safe.numel() as f64, (ct, safe.device())),
+    }
+}
+
 /// The loss values, computed with grad mode off (the caller records one node).
 fn cross_entropy_forward(x: &Tensor, safe: &Tensor, valid: Option<&Tensor>, opts: CrossEntropy) -> Result<Tensor> {
     let logp = x.log_softmax(1)?;
@@ -579,10 +587,7 @@ fn cross_entropy_forward(x: &Tensor, safe: &Tensor, valid: Option<&Tensor>, opts
         Reduction::Mean => {
             // The count may exceed what a half float holds exactly: divide in float32.
             let ct = opmath(nll.dtype());
-            let count = match valid {
-                Some(v) => v.sum()?.to_dtype(ct)?,
-                None => Tensor::full(&[], nll.numel() as f64, (ct, x.device()))?,
-            };
+            let count = target_count(safe, valid, ct)?;
             let mean = |t: Tensor| -> Result<Tensor> { t.to_dtype(ct)?.sum()?.div(&count)?.to_dtype(t.dtype()) };
             combine(mean(nll)?, smooth.map(mean).transpose()?)
         }
@@ -614,13 +619,7 @@ fn cross_entropy_backward(
     let w = match opts.reduction {
         Reduction::None => g,
         Reduction::Sum => g.broadcast_to(safe.shape())?,
-        Reduction::Mean => {
-            let count = match valid {
-                Some(v) => v.sum()?.to_dtype(ct)?,
-                None => Tensor::full(&[], safe.numel() as f64, (ct, x.device()))?,
-            };
-            g.div(&count)?.broadcast_to(safe.shape())?
-        }
+        Reduction::Mean => g.div(&target_count(safe, valid, ct)?)?.broadcast_to(safe.shape())?,
     };
     // `where`, not a product with the mask: with no valid target the mean's weight is inf.
     let w = match valid {

@@ -89,18 +89,12 @@ impl Tensor {
                 o.node.snapshot_inputs_aliasing(self.storage())?;
             }
         }
-        if crate::profile::enabled() {
-            let t0 = std::time::Instant::now();
-            self.backend().assign(self, &src)?;
-            self.backend().synchronize(self.device())?;
-            crate::profile::record(
-                "copy_",
-                || format!("{} <- {}", fmt_shape(self.shape()), fmt_shape(src.shape())),
-                t0.elapsed(),
-            );
-        } else {
-            self.backend().assign(self, &src)?;
-        }
+        crate::profile::timed(
+            "copy_",
+            || format!("{} <- {}", fmt_shape(self.shape()), fmt_shape(src.shape())),
+            || self.backend().synchronize(self.device()),
+            || self.backend().assign(self, &src),
+        )?;
         self.storage().bump_version();
         if let Some(node) = node {
             // See Note [In-place on views]: the base gets the functional write as its

@@ -54,7 +54,25 @@ pub fn enabled() -> bool {
     }
 }
 
-pub(crate) fn record(op: &'static str, shapes: impl FnOnce() -> String, dt: Duration) {
+/// Runs `run` (a backend call), and when the profiler is on waits for the device
+/// with `sync` and records the time under `op` and the `shapes` description.
+pub(crate) fn timed<T>(
+    op: &'static str,
+    shapes: impl FnOnce() -> String,
+    sync: impl FnOnce() -> crate::Result<()>,
+    run: impl FnOnce() -> crate::Result<T>,
+) -> crate::Result<T> {
+    if !enabled() {
+        return run();
+    }
+    let t0 = std::time::Instant::now();
+    let out = run()?;
+    sync()?;
+    record(op, shapes, t0.elapsed());
+    Ok(out)
+}
+
+fn record(op: &'static str, shapes: impl FnOnce() -> String, dt: Duration) {
     let mut t = TABLE.lock().unwrap_or_else(|e| e.into_inner());
     let e = t.get_or_insert_with(HashMap::new).entry((op, shapes())).or_insert((0, Duration::ZERO));
     e.0 += 1;

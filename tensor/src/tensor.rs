@@ -321,16 +321,13 @@ impl Tensor {
             Some(t) => t.backend(),
             None => device.backend()?,
         };
-        let storages = if crate::profile::enabled() {
-            let t0 = std::time::Instant::now();
-            let s = backend.exec(&op, inputs, &outs, device)?;
-            backend.synchronize(device)?;
-            let shapes = || inputs.iter().map(|t| crate::error::fmt_shape(t.shape())).collect::<Vec<_>>().join(" ");
-            crate::profile::record(op.name(), shapes, t0.elapsed());
-            s
-        } else {
-            backend.exec(&op, inputs, &outs, device)?
-        };
+        let shapes = || inputs.iter().map(|t| crate::error::fmt_shape(t.shape())).collect::<Vec<_>>().join(" ");
+        let storages = crate::profile::timed(
+            op.name(),
+            shapes,
+            || backend.synchronize(device),
+            || backend.exec(&op, inputs, &outs, device),
+        )?;
         debug_assert_eq!(storages.len(), outs.len());
         let record = is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
         let mut result: SmallVec<[Tensor; 2]> = storages
