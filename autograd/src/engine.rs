@@ -2,18 +2,10 @@
 //! creation order, applies each node's rule, accumulates gradients, runs hooks,
 //! and frees what it used.
 use crate::rules::{self, Ctx};
-use kiln_tensor::{set_grad_enabled, Edge, Error, Node, NodeKind, Origin, Result, Tensor};
+use kiln_tensor::{Edge, Error, GradModeGuard, Node, NodeKind, Origin, Result, Tensor};
 use smallvec::SmallVec;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
-
-/// Restores grad mode when dropped.
-struct GradModeRestore(bool);
-impl Drop for GradModeRestore {
-    fn drop(&mut self) {
-        set_grad_enabled(self.0);
-    }
-}
 
 /// Sums two gradients (either may be absent).
 fn accumulate(acc: &mut Option<Tensor>, g: Tensor) -> Result<()> {
@@ -111,7 +103,7 @@ pub(crate) fn run(
     create_graph: bool,
     sink: &mut Sink<'_>,
 ) -> Result<()> {
-    let _restore = GradModeRestore(set_grad_enabled(create_graph));
+    let _mode = GradModeGuard::set(create_graph);
     let mut grads: HashMap<u64, SmallVec<[Option<Tensor>; 2]>> = HashMap::new();
     let mut heap: BinaryHeap<Pending> = BinaryHeap::new();
     let push = |heap: &mut BinaryHeap<Pending>,

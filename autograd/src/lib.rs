@@ -24,20 +24,11 @@ pub use checkpoint::checkpoint;
 pub use gradcheck::{gradcheck, GradcheckOptions};
 
 use engine::Sink;
-use kiln_tensor::{is_grad_enabled, set_grad_enabled, Error, Result, Tensor};
+use kiln_tensor::{is_grad_enabled, Error, Result, Tensor};
 
 /// While alive, ops record no graph on this thread (PyTorch's `torch.no_grad()`).
 /// Guards nest: dropping one restores the mode that was current when it was made.
-#[must_use = "grad mode is restored when the guard is dropped"]
-pub struct NoGradGuard {
-    prev: bool,
-}
-
-impl Drop for NoGradGuard {
-    fn drop(&mut self) {
-        set_grad_enabled(self.prev);
-    }
-}
+pub type NoGradGuard = kiln_tensor::GradModeGuard;
 
 /// Turns recording off until the returned guard is dropped.
 ///
@@ -53,12 +44,12 @@ impl Drop for NoGradGuard {
 /// # Ok::<(), kiln::Error>(())
 /// ```
 pub fn no_grad() -> NoGradGuard {
-    NoGradGuard { prev: set_grad_enabled(false) }
+    NoGradGuard::set(false)
 }
 
 /// Turns recording back on (inside a `no_grad` region) until the guard is dropped.
 pub fn enable_grad() -> NoGradGuard {
-    NoGradGuard { prev: set_grad_enabled(true) }
+    NoGradGuard::set(true)
 }
 
 /// Runs `f` with recording off.

@@ -520,10 +520,8 @@ impl Tensor {
             None => target,
         };
         let loss = {
-            let prev = crate::set_grad_enabled(false);
-            let loss = cross_entropy_forward(self, &safe, valid.as_ref(), opts);
-            crate::set_grad_enabled(prev);
-            loss?
+            let _off = crate::GradModeGuard::set(false);
+            cross_entropy_forward(self, &safe, valid.as_ref(), opts)?
         };
         let backward: crate::CustomBackward = Arc::new(move |grads, edges| {
             let Some(g) = &grads[0] else { return Ok(vec![None]) };

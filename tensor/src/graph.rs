@@ -162,9 +162,10 @@ impl Node {
         let mut guard = self.inputs();
         for e in guard.iter_mut().flatten() {
             if std::ptr::eq(&**e.value.storage(), storage) && e.value.version() == e.version {
-                let prev = set_grad_enabled(false);
-                let copy = e.value.deep_clone();
-                set_grad_enabled(prev);
+                let copy = {
+                    let _off = GradModeGuard::set(false);
+                    e.value.deep_clone()
+                };
                 e.value = copy?;
                 e.version = e.value.version();
             }
@@ -230,4 +231,24 @@ pub fn is_grad_enabled() -> bool {
 /// Sets grad mode on this thread and returns the previous value.
 pub fn set_grad_enabled(on: bool) -> bool {
     GRAD_ENABLED.with(|g| g.replace(on))
+}
+
+/// Sets grad mode on this thread until dropped, then restores the mode that was
+/// current when it was made (also when unwinding). Guards nest.
+#[must_use = "grad mode is restored when the guard is dropped"]
+pub struct GradModeGuard {
+    prev: bool,
+}
+
+impl GradModeGuard {
+    /// Grad mode `on` until the guard is dropped.
+    pub fn set(on: bool) -> GradModeGuard {
+        GradModeGuard { prev: set_grad_enabled(on) }
+    }
+}
+
+impl Drop for GradModeGuard {
+    fn drop(&mut self) {
+        set_grad_enabled(self.prev);
+    }
 }

@@ -39,7 +39,7 @@ pub use device::{backend_for, is_registered, register_backend, registered_device
 pub use dtype::{Category, DType, Element};
 pub use elementwise::Operand;
 pub use error::{Error, Result};
-pub use graph::{is_grad_enabled, set_grad_enabled, CustomBackward, Edge, Hook, Node, NodeKind, Origin};
+pub use graph::{is_grad_enabled, set_grad_enabled, CustomBackward, Edge, GradModeGuard, Hook, Node, NodeKind, Origin};
 pub use indexing::{s, IndexItem, SliceBound, TensorIndex};
 pub use layout::{broadcast_shapes, contiguous_strides, numel, wrap_dim, Layout, Shape, Strides};
 pub use op::{ArgReduceOp, BinaryOp, CmpOp, Op, ReduceOp, ScatterReduce, UnaryOp, ViewOp};
