@@ -88,7 +88,14 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
     let mut out: Vec<Option<Tensor>> = vec![None; n];
     let g = match grads.first() {
         Some(Some(g)) => g.clone(),
-        _ if matches!(ctx.op, Op::Sort { .. } | Op::TopK { .. }) => return Ok(out),
+        // Only attention's log-sum-exp output got a gradient: `out`'s is zero.
+        _ if matches!(ctx.op, Op::Attention { .. }) && matches!(grads.get(1), Some(Some(_))) => {
+            let (q, v) = (ctx.shape(0), ctx.shape(2));
+            zeros(&[q[0], q[1], q[2], v[3]], ctx.dtype(0), &ctx.edges[0].value)?
+        }
+        _ if matches!(ctx.op, Op::RmsNorm { .. }) && matches!(grads.get(1), Some(Some(_))) => {
+            zeros(ctx.shape(0), ctx.dtype(0), &ctx.edges[0].value)?
+        }
         _ => return Ok(out),
     };
     match ctx.op {
@@ -293,6 +300,70 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
             if ctx.needs(0) {
                 out[0] = Some(softmax_backward(ctx.saved(0)?, &g, *dim, *log)?);
             }
+        }
+        Op::Rotary => {
+            // out = x * cos + R(x) * sin with R(x) = [-x2, x1]; R^T(y) = [y2, -y1], so
+            // dx = g * cos + R^T(g * sin) = rotary(g, cos, -swap_halves(sin)).
+            let (x, cos, sin) = (ctx.saved(0)?, ctx.saved(1)?, ctx.saved(2)?);
+            let n = x.ndim();
+            let h = (x.shape()[n - 1] / 2) as isize;
+            let swap = |t: &Tensor| Tensor::cat(&[&t.narrow(-1, h, h as usize)?, &t.narrow(-1, 0, h as usize)?], -1);
+            if ctx.needs(0) {
+                out[0] = Some(prim(Op::Rotary, &[&g, cos, &swap(sin)?.neg()?])?);
+            }
+            let lead: Vec<usize> = (0..n - 2).collect();
+            if ctx.needs(1) {
+                out[1] = Some(sum_dims(&g.mul(x)?, &lead, false)?);
+            }
+            if ctx.needs(2) {
+                let rx = Tensor::cat(&[&x.narrow(-1, h, h as usize)?.neg()?, &x.narrow(-1, 0, h as usize)?], -1)?;
+                out[2] = Some(sum_dims(&g.mul(&rx)?, &lead, false)?);
+            }
+        }
+        Op::Attention { scale, causal } => {
+            // Reached only when the primitive is applied directly (the tensor method records
+            // its own node, which keeps `out` and `lse`): recompute them.
+            let [q, k, v] = [0, 1, 2].map(|i| ctx.saved(i));
+            let (q, k, v) = (q?, k?, v?);
+            let outs = {
+                let _off = kiln_tensor::GradModeGuard::set(false);
+                Tensor::apply(ctx.op.clone(), &[q, k, v])?
+            };
+            let g_lse = grads.get(1).and_then(|g| g.as_ref());
+            let grads = kiln_tensor::attention_grads([q, k, v, &outs[0], &outs[1]], &g, g_lse, *scale, *causal)?;
+            for (i, gi) in grads.into_iter().enumerate() {
+                if ctx.needs(i) {
+                    out[i] = Some(gi);
+                }
+            }
+        }
+        Op::RmsNorm { eps } => {
+            // Reached only when the primitive is applied directly (`Tensor::rms_norm`
+            // records its own node): differentiable ops, rstd recomputed from x.
+            let (x, w) = (ctx.saved(0)?, ctx.saved(1)?);
+            let r = x.mul(x)?.mean_dim(-1, true)?.add(*eps)?.rsqrt()?;
+            let yhat = x.mul(&r)?;
+            let gw = g.mul(w)?;
+            let mut gx = r.mul(&gw.sub(&yhat.mul(&gw.mul(&yhat)?.mean_dim(-1, true)?)?)?)?;
+            // rstd's own gradient: d rstd / dx = -rstd³ x / D.
+            if let Some(Some(gr)) = grads.get(1) {
+                let d = x.shape()[x.ndim() - 1] as f64;
+                let r3 = r.mul(&r)?.mul(&r)?.mul(-1.0 / d)?;
+                gx = gx.add(&x.mul(&r3)?.mul(&gr.to_dtype(x.dtype())?.unsqueeze(-1)?)?)?;
+            }
+            if ctx.needs(0) {
+                out[0] = Some(gx);
+            }
+            if ctx.needs(1) {
+                let lead: Vec<usize> = (0..x.ndim() - 1).collect();
+                out[1] = Some(sum_dims(&g.mul(&yhat)?, &lead, false)?);
+            }
+        }
+        Op::AttentionBackward { .. } | Op::CrossEntropyBackward { .. } | Op::RmsNormBackward { .. } => {
+            return Err(kiln_tensor::Error::invalid(
+                ctx.op.name(),
+                "this fused gradient kernel is not differentiable; a backward with create_graph builds the gradient from differentiable ops instead",
+            ));
         }
         Op::Cumsum { dim } => {
             if ctx.needs(0) {

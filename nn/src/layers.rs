@@ -11,7 +11,7 @@ mod mlp;
 mod norm;
 mod rotary;
 
-pub use attention::{causal_mask, Attention, AttentionConfig, LayerKvCache};
+pub use attention::{causal_mask, Attention, AttentionConfig, AttentionMask, LayerKvCache};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use linear::Linear;

@@ -280,6 +280,10 @@ impl Tensor {
         float_only("rms_norm", self)?;
         let k = weight.map_or(1, |w| w.ndim().max(1));
         let dims = self.trailing_dims("rms_norm", k, weight, "weight")?;
+        let full_precision = matches!(self.dtype(), DType::F32 | DType::F64);
+        if k == 1 && full_precision && weight.is_none_or(|w| w.ndim() == 1 && w.dtype() == self.dtype()) {
+            return self.rms_norm_fused(weight, eps);
+        }
         let x = self.to_dtype(opmath(self.dtype()))?;
         let ms = x.mul(&x)?.mean_dim(dims.as_slice(), true)?;
         let mut y = x.mul(&ms.add(eps)?.rsqrt()?)?;
@@ -287,6 +291,56 @@ impl Tensor {
             y = y.mul(&w.to_dtype(opmath(w.dtype()))?)?;
         }
         y.to_dtype(self.dtype())
+    }
+
+    /// [`Tensor::rms_norm`] over the last dim through the fused `Op::RmsNorm`
+    /// (float32 and float64 with a weight of the same dtype): one pass forward,
+    /// one backward (`Op::RmsNormBackward`, reusing the saved `rstd`), recorded
+    /// as one autograd node; with `create_graph` the gradients are composed of
+    /// differentiable ops instead.
+    fn rms_norm_fused(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        const OP: &str = "rms_norm";
+        let d = self.shape()[self.ndim() - 1];
+        let ones = match weight {
+            Some(_) => None,
+            None => Some(Tensor::ones(&[d], (self.dtype(), self.device()))?),
+        };
+        let w = weight.or(ones.as_ref()).expect("a weight or ones");
+        let outs = {
+            let _off = crate::GradModeGuard::set(false);
+            Tensor::apply(Op::RmsNorm { eps }, &[self, w])?
+        };
+        let (y, rstd) = (outs[0].clone(), outs[1].clone());
+        let backward: crate::CustomBackward = Arc::new(move |grads, edges| {
+            let Some(g) = &grads[0] else { return Ok(vec![None; edges.len()]) };
+            let x = edges[0].saved(OP, 0)?;
+            let w = match &ones {
+                Some(o) => o,
+                None => edges[1].saved(OP, 1)?,
+            };
+            let (dx, dw) = if crate::is_grad_enabled() {
+                // Differentiable: rstd recomputed from x.
+                let r = x.mul(x)?.mean_dim(-1, true)?.add(eps)?.rsqrt()?;
+                let yhat = x.mul(&r)?;
+                let gw = g.mul(w)?;
+                let dx = r.mul(&gw.sub(&yhat.mul(&gw.mul(&yhat)?.mean_dim(-1, true)?)?)?)?;
+                let lead: Vec<isize> = (0..x.ndim() as isize - 1).collect();
+                (dx, g.mul(&yhat)?.sum_dim(lead.as_slice(), false)?)
+            } else {
+                let r = Tensor::apply(Op::RmsNormBackward { eps }, &[x, w, &rstd, g])?;
+                (r[0].clone(), r[1].clone())
+            };
+            let mut out = vec![edges[0].requires_grad.then_some(dx)];
+            if edges.len() > 1 {
+                out.push(edges[1].requires_grad.then_some(dw));
+            }
+            Ok(out)
+        });
+        match weight {
+            Some(w) => Tensor::record_custom(OP, &[self, w], &[&y], backward),
+            None => Tensor::record_custom(OP, &[self], &[&y], backward),
+        }
+        Ok(y)
     }
 
     /// Layer normalisation (`torch.nn.functional.layer_norm`) over the trailing
@@ -439,6 +493,24 @@ impl Tensor {
     /// ```
     pub fn cross_entropy(&self, target: &Tensor, ignore_index: Option<i64>, reduction: Reduction) -> Result<Tensor> {
         self.cross_entropy_with(target, CrossEntropy { ignore_index, reduction, label_smoothing: 0.0 })
+    }
+
+    /// Rotary position embedding as transformers applies it to a query or key:
+    /// `self * cos + rotate_half(self) * sin` for `self: [..., T, d]` (`d` even)
+    /// and tables `cos, sin: [T, d]`, where `rotate_half(x) = cat(-x[..., d/2:],
+    /// x[..., :d/2])`. One fused pass (`Op::Rotary`) that rounds like the
+    /// unfused expression; differentiable in all three inputs.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([[1.0f32, 2.0, 3.0, 4.0]])?;
+    /// let (c, s) = (0.5f32, 0.25f32);
+    /// let out = x.rotary_embedding(&Tensor::full(&[1, 4], c, DType::F32)?, &Tensor::full(&[1, 4], s, DType::F32)?)?;
+    /// assert_eq!(out.to_vec::<f32>()?, [1.0 * c - 3.0 * s, 2.0 * c - 4.0 * s, 3.0 * c + 1.0 * s, 4.0 * c + 2.0 * s]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn rotary_embedding(&self, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        Tensor::apply1(Op::Rotary, &[self, cos, sin])
     }
 
     /// `F.cross_entropy` with all its options for class-index targets (see
@@ -594,9 +666,11 @@ fn cross_entropy_forward(x: &Tensor, safe: &Tensor, valid: Option<&Tensor>, opts
 
 /// The gradient of the loss with respect to the logits: `(softmax - (1 - ε)
 /// onehot - ε / C) * w`, with `w` the per-target weight of the reduction times
-/// `g`, zero at ignored targets. Three passes over `[N, C]`: the softmax, a
-/// scatter-add of `-(1 - ε)` at the targets (no one-hot tensor is built), and
-/// the product with `w` (with `- ε / C` a fourth). Float32 for half precision.
+/// `g`, zero at ignored targets. Normally one fused pass over `[N, C]`
+/// (`Op::CrossEntropyBackward`); with grad mode on (a backward with
+/// `create_graph`) it is composed of differentiable ops: the softmax, a
+/// scatter-add of `-(1 - ε)` at the targets (no one-hot tensor is built), the
+/// subtraction of `ε / C` and the product with `w`. Float32 for half precision.
 fn cross_entropy_backward(
     x: &Tensor,
     safe: &Tensor,
@@ -606,12 +680,6 @@ fn cross_entropy_backward(
 ) -> Result<Tensor> {
     let ct = opmath(x.dtype());
     let eps = opts.label_smoothing;
-    let idx = safe.unsqueeze(1)?;
-    let hit = Tensor::full(idx.shape(), -(1.0 - eps), (ct, x.device()))?;
-    let mut d = x.to_dtype(ct)?.softmax(1)?.scatter_add(1, &idx, &hit)?;
-    if eps > 0.0 {
-        d = d.sub(eps / x.shape()[1] as f64)?;
-    }
     let g = g.to_dtype(ct)?;
     // Per-target weight, shaped like the target (small next to `d`).
     let w = match opts.reduction {
@@ -624,5 +692,14 @@ fn cross_entropy_backward(
         Some(v) => Tensor::where_cond(v, &w, &zero_like(&w)?)?,
         None => w,
     };
+    if !crate::is_grad_enabled() {
+        return Tensor::apply1(Op::CrossEntropyBackward { smoothing: eps }, &[x, safe, &w.contiguous()?]);
+    }
+    let idx = safe.unsqueeze(1)?;
+    let hit = Tensor::full(idx.shape(), -(1.0 - eps), (ct, x.device()))?;
+    let mut d = x.to_dtype(ct)?.softmax(1)?.scatter_add(1, &idx, &hit)?;
+    if eps > 0.0 {
+        d = d.sub(eps / x.shape()[1] as f64)?;
+    }
     d.mul(&w.unsqueeze(1)?)?.to_dtype(x.dtype())
 }

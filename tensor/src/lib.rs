@@ -10,6 +10,7 @@
 
 pub use half;
 
+mod attention;
 mod composite;
 mod convert;
 mod create;
@@ -32,6 +33,7 @@ pub mod scalar;
 pub mod storage;
 mod tensor;
 
+pub use attention::attention_grads;
 pub use composite::{CrossEntropy, Reduction};
 pub use convert::TensorData;
 pub use create::TensorOptions;

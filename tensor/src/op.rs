@@ -319,6 +319,57 @@ pub enum Op {
         dim: usize,
         log: bool,
     },
+    /// Rotary position embedding as transformers applies it: inputs `x [..., T,
+    /// d]` (`d` even), `cos [T, d]`, `sin [T, d]` of one floating dtype; the
+    /// output `x * cos + rotate_half(x) * sin` with `rotate_half(x) =
+    /// cat(-x[..., d/2:], x[..., :d/2])`, each product and the sum rounded in
+    /// the element type as the unfused ops round them. One pass instead of six.
+    Rotary,
+    /// Fused scaled dot-product attention (PyTorch's
+    /// `F.scaled_dot_product_attention`, flash-attention style): inputs `q [B, H,
+    /// T, D]`, `k [B, Hk, S, D]`, `v [B, Hk, S, Dv]` of one floating dtype, with
+    /// `H` a multiple of `Hk` (query head `h` reads key/value head `h / (H /
+    /// Hk)`, grouped-query attention). Outputs `out [B, H, T, Dv] =
+    /// softmax(scale q k^T) v` and the row log-sum-exp `lse [B, H, T]` of the scaled scores
+    /// (float32, float64 for float64 inputs), which the backward needs. With
+    /// `causal`, query `i` sees keys `j <= i + S - T` (the causal mask aligned to
+    /// the bottom right, as with a KV cache of `S - T` earlier positions), which
+    /// needs `S >= T`. A primitive rather than a composite: scores and
+    /// probabilities never exist as `[B, H, T, S]` tensors, and causal blocks
+    /// above the diagonal are skipped.
+    Attention {
+        scale: f64,
+        causal: bool,
+    },
+    /// The gradients of [`Op::Attention`]: inputs `q, k, v, out, lse, g` (`g` the
+    /// gradient of `out`), outputs `dq, dk, dv`. Probabilities are recomputed from
+    /// `q`, `k` and `lse`.
+    AttentionBackward {
+        scale: f64,
+        causal: bool,
+    },
+    /// The gradient of cross entropy with respect to the logits, fused: inputs
+    /// logits `x [N, C, ...]` (floating), targets `t [N, ...]` (int64, valid
+    /// class indices) and per-target weights `w [N, ...]` (float32 for half `x`,
+    /// else `x`'s dtype); the output, `x`'s shape and dtype, is `(softmax(x) -
+    /// (1 - smoothing) onehot(t) - smoothing / C) * w` along dim 1. One pass
+    /// where the composite needs four (softmax, scatter, subtraction, product).
+    CrossEntropyBackward {
+        smoothing: f64,
+    },
+    /// RMS normalisation over the last dim, fused: inputs `x [..., D]` and
+    /// `w [D]` of one floating dtype; outputs `y = x * rstd * w` (`x`'s shape and
+    /// dtype) and `rstd = 1 / sqrt(mean(x², -1) + eps)` (`[...]`, float32, or
+    /// float64 for float64 `x`), which the backward reuses. Half precision
+    /// computes in float32 and rounds `y` once.
+    RmsNorm {
+        eps: f64,
+    },
+    /// The gradients of [`Op::RmsNorm`]: inputs `x, w, rstd, g` (`g` the gradient
+    /// of `y`), outputs `dx` and `dw`.
+    RmsNormBackward {
+        eps: f64,
+    },
     /// Inclusive prefix sum along `dim` (integers and bool accumulate in int64).
     Cumsum {
         dim: usize,
@@ -373,6 +424,67 @@ pub enum Op {
     },
 }
 
+/// Checks the `q, k, v` inputs of the attention primitives (see [`Op::Attention`]).
+fn attention_shapes<'a>(
+    name: &'static str,
+    q: &'a Meta,
+    k: &'a Meta,
+    v: &'a Meta,
+    causal: bool,
+) -> Result<(&'a Meta, &'a Meta, &'a Meta)> {
+    for (what, m) in [("query", q), ("key", k), ("value", v)] {
+        if !m.dtype.is_float() {
+            return Err(Error::dtype(name, format!("expected a floating point {what}, got {}", m.dtype)));
+        }
+        if m.dtype != q.dtype {
+            return Err(Error::dtype(
+                name,
+                format!(
+                    "expected query, key and value to have the same dtype, but got {}, {} and {}",
+                    q.dtype, k.dtype, v.dtype
+                ),
+            ));
+        }
+    }
+    let (qs, ks, vs) = (&q.shape, &k.shape, &v.shape);
+    let ok = qs.len() == 4
+        && ks.len() == 4
+        && vs.len() == 4
+        && ks[0] == qs[0]
+        && vs[0] == qs[0]
+        && vs[1] == ks[1]
+        && ks[1] > 0
+        && qs[1] % ks[1] == 0
+        && ks[3] == qs[3]
+        && vs[2] == ks[2];
+    if !ok {
+        return Err(Error::shape(
+            name,
+            format!(
+                "expected query [B, H, T, D], key [B, Hk, S, D] and value [B, Hk, S, Dv] with H a multiple of Hk, got {}, {} and {}",
+                fmt_shape(qs),
+                fmt_shape(ks),
+                fmt_shape(vs)
+            ),
+        ));
+    }
+    if causal && ks[2] < qs[2] {
+        return Err(Error::shape(
+            name,
+            format!(
+                "a causal mask needs at least as many keys as queries (query i sees keys j <= i + S - T), got T = {} and S = {}",
+                qs[2], ks[2]
+            ),
+        ));
+    }
+    Ok((q, k, v))
+}
+
+/// `[B, H, T, D, Hk, S, Dv]` of checked attention inputs.
+fn attention_dims(q: &Meta, k: &Meta, v: &Meta) -> [usize; 7] {
+    [q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1], k.shape[2], v.shape[3]]
+}
+
 fn meta(shape: &[usize], dtype: DType) -> Meta {
     Meta { shape: shape.into(), dtype }
 }
@@ -415,6 +527,12 @@ impl Op {
             Op::ArgReduce { op: ArgReduceOp::ArgMax, .. } => "argmax",
             Op::ArgReduce { op: ArgReduceOp::ArgMin, .. } => "argmin",
             Op::Cumsum { .. } => "cumsum",
+            Op::Rotary => "rotary_embedding",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::RmsNormBackward { .. } => "rms_norm_backward",
+            Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Op::Attention { .. } => "scaled_dot_product_attention",
+            Op::AttentionBackward { .. } => "scaled_dot_product_attention_backward",
             Op::Softmax { log: false, .. } => "softmax",
             Op::Softmax { log: true, .. } => "log_softmax",
             Op::MatMul => "matmul",
@@ -439,7 +557,10 @@ impl Op {
             Op::View(_) | Op::Sort { .. } | Op::TopK { .. } | Op::Softmax { .. } => 1,
             Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
             Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } => 3,
-            Op::Assign { .. } => 2,
+            Op::Assign { .. } | Op::RmsNorm { .. } => 2,
+            Op::RmsNormBackward { .. } => 4,
+            Op::Attention { .. } | Op::Rotary | Op::CrossEntropyBackward { .. } => 3,
+            Op::AttentionBackward { .. } => 6,
             Op::Cat { .. } => return None,
         })
     }
@@ -613,6 +734,135 @@ impl Op {
                 }
                 check_dim(*dim, x.shape.len().max(1))?;
                 smallvec![meta(&x.shape, x.dtype)]
+            }
+            Op::RmsNorm { .. } | Op::RmsNormBackward { .. } => {
+                let (x, w) = (&inputs[0], &inputs[1]);
+                if !x.dtype.is_float() {
+                    return Err(Error::unsupported_dtype(name, x.dtype));
+                }
+                same_dtype(x, w)?;
+                let n = x.shape.len();
+                if n == 0 || w.shape.as_slice() != [x.shape[n - 1]] {
+                    return Err(Error::shape(
+                        name,
+                        format!(
+                            "expected x [..., D] and weight [D], got {} and {}",
+                            fmt_shape(&x.shape),
+                            fmt_shape(&w.shape)
+                        ),
+                    ));
+                }
+                let rdt = if x.dtype == DType::F64 { DType::F64 } else { DType::F32 };
+                let rows = meta(&x.shape[..n - 1], rdt);
+                if matches!(self, Op::RmsNorm { .. }) {
+                    smallvec![x.clone(), rows]
+                } else {
+                    let (r, g) = (&inputs[2], &inputs[3]);
+                    if *r != rows || g != x {
+                        return Err(Error::shape(
+                            name,
+                            format!(
+                                "expected rstd {} ({rdt}) and a gradient like x {} ({}), got {} ({}) and {} ({})",
+                                fmt_shape(&rows.shape),
+                                fmt_shape(&x.shape),
+                                x.dtype,
+                                fmt_shape(&r.shape),
+                                r.dtype,
+                                fmt_shape(&g.shape),
+                                g.dtype
+                            ),
+                        ));
+                    }
+                    smallvec![x.clone(), w.clone()]
+                }
+            }
+            Op::CrossEntropyBackward { .. } => {
+                let (x, t, w) = (&inputs[0], &inputs[1], &inputs[2]);
+                if !x.dtype.is_float() {
+                    return Err(Error::unsupported_dtype(name, x.dtype));
+                }
+                index_dtype(t)?;
+                let wdt = match x.dtype {
+                    DType::BF16 | DType::F16 => DType::F32,
+                    d => d,
+                };
+                let mut want = x.shape.clone();
+                let ok = want.len() >= 2 && {
+                    want.remove(1);
+                    t.shape == want && w.shape == want
+                };
+                if !ok || w.dtype != wdt {
+                    return Err(Error::shape(
+                        name,
+                        format!(
+                            "expected logits [N, C, ...], targets and weights [N, ...] ({wdt} weights), got {}, {} and {} ({})",
+                            fmt_shape(&x.shape),
+                            fmt_shape(&t.shape),
+                            fmt_shape(&w.shape),
+                            w.dtype
+                        ),
+                    ));
+                }
+                smallvec![x.clone()]
+            }
+            Op::Rotary => {
+                let (x, cos, sin) = (&inputs[0], &inputs[1], &inputs[2]);
+                if !x.dtype.is_float() {
+                    return Err(Error::unsupported_dtype(name, x.dtype));
+                }
+                same_dtype(x, cos)?;
+                same_dtype(x, sin)?;
+                let n = x.shape.len();
+                let ok = n >= 2
+                    && x.shape[n - 1] % 2 == 0
+                    && cos.shape.as_slice() == &x.shape[n - 2..]
+                    && sin.shape == cos.shape;
+                if !ok {
+                    return Err(Error::shape(
+                        name,
+                        format!(
+                            "expected x [..., T, d] with d even and cos, sin [T, d], got {}, {} and {}",
+                            fmt_shape(&x.shape),
+                            fmt_shape(&cos.shape),
+                            fmt_shape(&sin.shape)
+                        ),
+                    ));
+                }
+                smallvec![x.clone()]
+            }
+            Op::Attention { causal, .. } => {
+                let (q, k, v) = attention_shapes(name, &inputs[0], &inputs[1], &inputs[2], *causal)?;
+                let [b, h, t, _, _, _, dv] = attention_dims(q, k, v);
+                let lse = if q.dtype == DType::F64 { DType::F64 } else { DType::F32 };
+                smallvec![meta(&[b, h, t, dv], q.dtype), meta(&[b, h, t], lse)]
+            }
+            Op::AttentionBackward { causal, .. } => {
+                let (q, k, v) = attention_shapes(name, &inputs[0], &inputs[1], &inputs[2], *causal)?;
+                let [b, h, t, _, _, _, dv] = attention_dims(q, k, v);
+                let lse_dt = if q.dtype == DType::F64 { DType::F64 } else { DType::F32 };
+                let (out, lse, g) = (&inputs[3], &inputs[4], &inputs[5]);
+                if out.shape.as_slice() != [b, h, t, dv]
+                    || g.shape != out.shape
+                    || lse.shape.as_slice() != [b, h, t]
+                    || out.dtype != q.dtype
+                    || g.dtype != q.dtype
+                    || lse.dtype != lse_dt
+                {
+                    return Err(Error::shape(
+                        name,
+                        format!(
+                            "expected out and grad [{b}, {h}, {t}, {dv}] ({}) and lse [{b}, {h}, {t}] ({lse_dt}), got {} ({}), {} ({}) and {} ({})",
+                            q.dtype,
+                            fmt_shape(&out.shape),
+                            out.dtype,
+                            fmt_shape(&g.shape),
+                            g.dtype,
+                            fmt_shape(&lse.shape),
+                            lse.dtype
+                        ),
+                    ));
+                }
+                smallvec![q.clone(), k.clone(), v.clone()]
             }
             Op::Cumsum { dim } => {
                 let x = &inputs[0];

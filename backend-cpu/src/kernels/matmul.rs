@@ -106,7 +106,7 @@ fn via_f32<T: Elem>(a: &Input<'_>, b: &Input<'_>) -> Result<Vec<T>> {
 }
 
 /// Element types `gemm` multiplies natively.
-trait GemmElem: Elem {
+pub(super) trait GemmElem: Elem {
     const ZERO: Self;
     const ONE: Self;
 }
@@ -207,6 +207,87 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
             false,
             false,
             par,
+        )
+    }
+}
+
+/// A strided matrix inside a slice: element `(i, j)` is `data[off + i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+pub(super) struct MatRef<'a, T> {
+    pub data: &'a [T],
+    pub off: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> MatRef<'a, T> {
+    /// The transpose (a view: strides swapped).
+    pub fn t(self) -> MatRef<'a, T> {
+        MatRef { rs: self.cs, cs: self.rs, ..self }
+    }
+    /// The matrix from row `i` on.
+    pub fn rows_from(self, i: usize) -> MatRef<'a, T> {
+        MatRef { off: self.off + i * self.rs, ..self }
+    }
+}
+
+/// `dst[i * ld + j] = scale * (a @ b)[i][j]` (or `+=` with `accumulate`) for
+/// `i < m`, `j < n`, with `a` `m x k` and `b` `k x n`: one product on the
+/// calling thread, for kernels that parallelise over many small products.
+/// Panics (before touching memory) if a matrix does not fit its slice.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_small<T: GemmElem>(
+    dst: &mut [T],
+    ld: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    scale: T,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(n <= ld || m == 1, "gemm_small: rows of {n} overlap at stride {ld}");
+    assert!((m - 1) * ld + n <= dst.len(), "gemm_small: destination too short");
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                dst[i * ld..i * ld + n].fill(T::ZERO);
+            }
+        }
+        return;
+    }
+    assert!(a.off + (m - 1) * a.rs + (k - 1) * a.cs < a.data.len(), "gemm_small: lhs out of bounds");
+    assert!(b.off + (k - 1) * b.rs + (n - 1) * b.cs < b.data.len(), "gemm_small: rhs out of bounds");
+    // SAFETY: gemm reads lhs at `a.off + i * a.rs + p * a.cs` and rhs at `b.off + p * b.rs +
+    // j * b.cs` for i < m, p < k, j < n: the asserts bound the largest such index inside
+    // each slice (strides are unsigned, so every other index is smaller). It writes (and
+    // with `read_dst` reads) dst at `i * ld + j`, whose largest value is inside `dst`,
+    // which we borrow exclusively, so it cannot alias `a` or `b`. T is f32 or f64.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            ld as isize,
+            accumulate,
+            a.data.as_ptr().add(a.off),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr().add(b.off),
+            b.cs as isize,
+            b.rs as isize,
+            T::ONE,
+            scale,
+            false,
+            false,
+            false,
+            Parallelism::None,
         )
     }
 }

@@ -4,11 +4,14 @@
 //! engines), `simd` (CPU-feature dispatch and vectorisable f32 math), `elem`
 //! (what kernels need from each element type), `elementwise` (unary, binary,
 //! compare, where), `copy` (full, arange, cast, copies, assign, cat), `reduce`
-//! (reductions, arg-reductions, cumsum), `softmax` (fused softmax and log_softmax), `matmul`, `index` (gather, scatter,
+//! (reductions, arg-reductions, cumsum), `softmax` (fused softmax and log_softmax), `matmul`,
+//! `attention` (fused scaled dot-product attention and its gradients), `rotary`
+//! (rotary position embedding), `norm` (RMS normalisation and its gradients), `index` (gather, scatter,
 //! index_select, index_add, nonzero) and `sort` (sort, topk).
 //!
 //! Inputs are read through their strided layouts directly; every output is a
 //! fresh contiguous buffer of the shape and dtype `Op::infer` gave.
+mod attention;
 mod copy;
 mod elem;
 mod elementwise;
@@ -16,7 +19,9 @@ mod index;
 mod iter;
 mod map;
 mod matmul;
+mod norm;
 mod reduce;
+mod rotary;
 mod simd;
 mod softmax;
 mod sort;
@@ -72,6 +77,14 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
         Op::Cumsum { dim } => vec![reduce::cumsum(&ins[0], *dim)?],
         Op::Softmax { dim, log } => vec![softmax::softmax(&ins[0], *dim, *log)?],
         Op::MatMul => vec![matmul::matmul(&ins[0], &ins[1], out(0)?)?],
+        Op::Rotary => vec![rotary::rotary(&ins[0], &ins[1], &ins[2])?],
+        Op::RmsNorm { eps } => norm::rms_norm(&ins[0], &ins[1], *eps)?,
+        Op::RmsNormBackward { .. } => norm::rms_norm_backward(ins)?,
+        Op::CrossEntropyBackward { smoothing } => {
+            vec![softmax::cross_entropy_backward(&ins[0], &ins[1], &ins[2], *smoothing)?]
+        }
+        Op::Attention { scale, causal } => attention::forward(ins, *scale, *causal)?,
+        Op::AttentionBackward { scale, causal } => attention::backward(ins, *scale, *causal)?,
         Op::Cat { dim } => vec![copy::cat(ins, *dim, out(0)?)?],
         Op::Gather { dim } => vec![index::gather(&ins[0], &ins[1], *dim)?],
         Op::Scatter { dim, reduce } => vec![index::scatter(&ins[0], &ins[1], &ins[2], *dim, *reduce)?],

@@ -24,7 +24,7 @@ use kiln_tensor::{numel, DType, Error, HostBuffer, Result};
 const LANES: usize = 16;
 
 /// The float types the kernel computes in.
-trait SoftFloat:
+pub(super) trait SoftFloat:
     Copy
     + Send
     + Sync
@@ -72,7 +72,7 @@ impl SoftFloat for f64 {
 /// `max(a, b)` that ignores a NaN `b` (a NaN still poisons the sum later) and
 /// compiles to a vector max.
 #[inline(always)]
-fn fmax<F: SoftFloat>(a: F, b: F) -> F {
+pub(super) fn fmax<F: SoftFloat>(a: F, b: F) -> F {
     if b > a {
         b
     } else {
@@ -242,4 +242,100 @@ fn contiguous<'a, T: super::elem::Elem>(x: &Input<'a>) -> Result<std::borrow::Co
     } else {
         Ok(std::borrow::Cow::Owned(materialize_vec::<T>(x)?))
     }
+}
+
+/// Conversions the cross-entropy gradient needs on top of [`SoftFloat`].
+pub(super) trait CeFloat: SoftFloat + super::elem::Elem {}
+impl CeFloat for f32 {}
+impl CeFloat for f64 {}
+
+/// The cross-entropy gradient of a run of consecutive `(n, inner)` blocks.
+struct CeBlocks<'a, F> {
+    x: &'a [F],
+    out: &'a mut [F],
+    /// Targets and weights of these blocks, `inner` per block.
+    t: &'a [i64],
+    w: &'a [F],
+    n: usize,
+    inner: usize,
+    smoothing: f64,
+}
+
+impl<F: CeFloat> Kernel for CeBlocks<'_, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        let CeBlocks { x, out, t, w, n, inner, smoothing } = self;
+        let block = n * inner;
+        let hit = <F as super::elem::Elem>::of_f64(1.0 - smoothing);
+        let spread = <F as super::elem::Elem>::of_f64(smoothing / n as f64);
+        for (bi, (xb, ob)) in x.chunks_exact(block).zip(out.chunks_exact_mut(block)).enumerate() {
+            if inner == 1 {
+                row::<F, FMA>(xb, ob, false);
+            } else {
+                columns::<F, FMA>(xb, ob, inner, false);
+            }
+            for j in 0..inner {
+                let (tj, wj) = (t[bi * inner + j] as usize, w[bi * inner + j]);
+                if smoothing != 0.0 || inner != 1 {
+                    for c in 0..n {
+                        let o = &mut ob[c * inner + j];
+                        *o = (*o - spread) * wj;
+                    }
+                } else {
+                    for o in ob.iter_mut() {
+                        *o = *o * wj;
+                    }
+                }
+                let o = &mut ob[tj * inner + j];
+                *o = *o - hit * wj;
+            }
+        }
+    }
+}
+
+fn ce_run<F: CeFloat>(xs: &[F], t: &[i64], w: &[F], n: usize, inner: usize, smoothing: f64) -> Vec<F> {
+    let mut out = vec![F::ZERO; xs.len()];
+    let block = n * inner;
+    if block == 0 {
+        return out;
+    }
+    par_blocks(&mut out, block, 16, &|bi, ob| {
+        let blocks = ob.len() / block;
+        let (xb, tb, wb) =
+            (&xs[bi * block..][..ob.len()], &t[bi * inner..][..blocks * inner], &w[bi * inner..][..blocks * inner]);
+        dispatch(CeBlocks { x: xb, out: ob, t: tb, w: wb, n, inner, smoothing });
+    });
+    out
+}
+
+/// `Op::CrossEntropyBackward`: `(softmax(x) - (1 - smoothing) onehot(t) -
+/// smoothing / C) * w` along dim 1 of `x [N, C, ...]`.
+pub(crate) fn cross_entropy_backward(
+    x: &Input<'_>,
+    t: &Input<'_>,
+    w: &Input<'_>,
+    smoothing: f64,
+) -> Result<HostBuffer> {
+    let shape = x.layout.shape();
+    let (n, inner) = (shape[1], numel(&shape[2..]));
+    let tv = materialize_vec::<i64>(t)?;
+    if let Some(bad) = tv.iter().find(|&&c| c < 0 || c as usize >= n) {
+        return Err(Error::index("cross_entropy_backward", format!("target {bad} is out of bounds for {n} classes")));
+    }
+    Ok(match x.dtype() {
+        DType::F32 => buf(ce_run(&contiguous::<f32>(x)?, &tv, &materialize_vec::<f32>(w)?, n, inner, smoothing)),
+        DType::F64 => buf(ce_run(&contiguous::<f64>(x)?, &tv, &materialize_vec::<f64>(w)?, n, inner, smoothing)),
+        DType::BF16 => {
+            let xs: Vec<f32> = contiguous::<half::bf16>(x)?.iter().map(|&v| bf16_to_f32(v)).collect();
+            let d = ce_run(&xs, &tv, &materialize_vec::<f32>(w)?, n, inner, smoothing);
+            buf(d.into_iter().map(f32_to_bf16).collect::<Vec<_>>())
+        }
+        DType::F16 => {
+            let xs: Vec<f32> = contiguous::<f16>(x)?.iter().map(|&v| v.to_f32()).collect();
+            let d = ce_run(&xs, &tv, &materialize_vec::<f32>(w)?, n, inner, smoothing);
+            buf(d.into_iter().map(f16::from_f32).collect::<Vec<_>>())
+        }
+        dt => return Err(Error::unsupported_dtype("cross_entropy_backward", dt)),
+    })
 }

@@ -163,6 +163,20 @@ pub fn causal_mask(
 /// Heads are never looped over nor copied for the grouping: queries `[B, H, T, d]`
 /// are viewed as `[B, KV, (H/KV)*T, d]`, so one batched matmul against keys
 /// `[B, KV, S, d]` serves every query head of a group.
+/// Which keys each query of [`Attention::forward`] may see.
+#[derive(Debug, Clone, Copy)]
+pub enum AttentionMask<'a> {
+    /// Every key.
+    None,
+    /// The causal mask: with `past` cached positions, query `i` sees keys
+    /// `j <= past + i`.
+    Causal,
+    /// An additive mask broadcastable to the scores `[B, H, T, S]`: 0 keeps a
+    /// key, the dtype's lowest value drops it (see [`causal_mask`], which adds
+    /// padding to the causal mask).
+    Additive(&'a Tensor),
+}
+
 #[derive(Debug, Clone)]
 pub struct Attention {
     /// `[heads * head_dim, hidden]`.
@@ -272,14 +286,21 @@ impl Attention {
     }
 
     /// Attention over `x: [B, T, hidden]` with RoPE tables for the `T` new
-    /// positions, an additive mask from [`causal_mask`] (`None`: nothing
-    /// masked), and optionally a cache holding earlier keys and values (updated
-    /// in place). Returns `[B, T, hidden]` (after `o_proj`).
+    /// positions, a mask (see [`AttentionMask`]), and optionally a cache holding
+    /// earlier keys and values (updated in place). Returns `[B, T, hidden]`
+    /// (after `o_proj`).
+    ///
+    /// In float32 and float64, without an additive mask and without active
+    /// dropout, the attention itself runs as one fused kernel
+    /// ([`Tensor::scaled_dot_product_attention`]); otherwise (padding masks,
+    /// dropout, half precision) it is computed step by step as transformers'
+    /// eager attention does: scores, mask, softmax in float32, product with the
+    /// values, so half-precision results round exactly as transformers' do.
     pub fn forward(
         &self,
         x: &Tensor,
         rope: &RopeTables,
-        mask: Option<&Tensor>,
+        mask: AttentionMask<'_>,
         cache: Option<&mut LayerKvCache>,
     ) -> Result<Tensor> {
         if x.ndim() != 3 {
@@ -305,20 +326,40 @@ impl Attention {
             None => (k, v),
         };
         let s = k.shape()[2];
-        // scores: [B, KV, G*T, d] @ [B, KV, d, S] -> [B, KV, G*T, S], seen as [B, H, T, S].
-        // The scaling is applied to q ([.., T, d]) rather than to the scores ([.., T, S]):
-        // a smaller pass, and exact when the scale is a power of two (head_dim 64, 256).
-        let qg = q.mul(self.scaling)?.reshape_to(&[b, kv, g * t, d])?;
-        let scores = qg.matmul(&k.transpose(-1, -2)?)?.reshape_to(&[b, h, t, s])?;
-        let scores = match mask {
-            Some(m) => scores.add(m)?,
-            None => scores,
+        let dropout = self.dropout.is_training() && self.dropout.p > 0.0;
+        let fused = matches!(q.dtype(), DType::F32 | DType::F64) && !dropout;
+        let out = match mask {
+            AttentionMask::None | AttentionMask::Causal if fused => {
+                let causal = matches!(mask, AttentionMask::Causal);
+                q.scaled_dot_product_attention(&k, &v, causal, Some(self.scaling))?
+            }
+            _ => {
+                let built;
+                let additive = match mask {
+                    AttentionMask::None => None,
+                    AttentionMask::Causal => {
+                        built = causal_mask(t, s - t, None, q.dtype(), q.device())?;
+                        built.as_ref()
+                    }
+                    AttentionMask::Additive(m) => Some(m),
+                };
+                // scores: [B, KV, G*T, d] @ [B, KV, d, S] -> [B, KV, G*T, S], seen as [B, H, T, S].
+                // The scaling is applied to q ([.., T, d]) rather than to the scores ([.., T, S]):
+                // a smaller pass, and exact when the scale is a power of two (head_dim 64, 256).
+                let qg = q.mul(self.scaling)?.reshape_to(&[b, kv, g * t, d])?;
+                let scores = qg.matmul(&k.transpose(-1, -2)?)?.reshape_to(&[b, h, t, s])?;
+                let scores = match additive {
+                    Some(m) => scores.add(m)?,
+                    None => scores,
+                };
+                let probs = softmax_f32(&scores)?;
+                let probs = self.dropout.forward(&probs)?;
+                // [B, KV, G*T, S] @ [B, KV, S, d] -> [B, KV, G*T, d] = [B, H, T, d].
+                probs.reshape_to(&[b, kv, g * t, s])?.matmul(&v)?.reshape_to(&[b, h, t, d])?
+            }
         };
-        let probs = softmax_f32(&scores)?;
-        let probs = self.dropout.forward(&probs)?;
-        // [B, KV, G*T, S] @ [B, KV, S, d] -> [B, KV, G*T, d] = [B, H, T, d] -> [B, T, H*d].
-        let out = probs.reshape_to(&[b, kv, g * t, s])?.matmul(&v)?;
-        let out = out.reshape_to(&[b, h, t, d])?.transpose(1, 2)?.reshape_to(&[b, t, h * d])?;
+        // [B, H, T, d] -> [B, T, H*d].
+        let out = out.transpose(1, 2)?.reshape_to(&[b, t, h * d])?;
         self.o_proj.forward(&out)
     }
 

@@ -33,6 +33,10 @@ impl RmsNorm {
     /// Normalises `x: [..., dim]` over its last dim.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dt = x.dtype();
+        if matches!(dt, DType::F32 | DType::F64) && self.weight.dtype() == dt {
+            // The same products in one fused pass (`Tensor::rms_norm`).
+            return x.rms_norm(Some(&self.weight), self.eps);
+        }
         // transformers normalises in float32; half precision is upcast, f64 keeps its precision.
         let x32 = if matches!(dt, DType::BF16 | DType::F16) { x.to_dtype(DType::F32)? } else { x.clone() };
         let ms = x32.square()?.mean_dim(-1, true)?;

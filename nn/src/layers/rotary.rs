@@ -28,14 +28,14 @@ pub enum RopeScaling {
     },
 }
 
-/// The cosine and signed sine tables for a run of positions, in the compute
+/// The cosine and sine tables for a run of positions, in the compute
 /// dtype: `cos` and `sin` are `[T, head_dim]` (see [`RotaryEmbedding::apply`]).
 #[derive(Debug, Clone)]
 pub struct RopeTables {
     /// `cos(pos * inv_freq)`, the half-dim frequencies repeated twice: `[T, d]`.
     pub cos: Tensor,
-    /// `sin(pos * inv_freq)` with the first half negated: `[T, d]`.
-    pub sin_signed: Tensor,
+    /// `sin(pos * inv_freq)`, likewise: `[T, d]`.
+    pub sin: Tensor,
 }
 
 /// Rotary embeddings: `x * cos + rotate_half(x) * sin` on the last dim of
@@ -129,11 +129,11 @@ impl RotaryEmbedding {
             }
             cos.extend_from_slice(&c_row);
             cos.extend_from_slice(&c_row);
-            sin.extend(s_row.iter().map(|s| -s));
+            sin.extend_from_slice(&s_row);
             sin.extend_from_slice(&s_row);
         }
         let to = |v: Vec<f32>| -> Result<Tensor> { Tensor::from_vec(v, &[len, d])?.to_dtype(dtype)?.to_device(device) };
-        Ok(RopeTables { cos: to(cos)?, sin_signed: to(sin)? })
+        Ok(RopeTables { cos: to(cos)?, sin: to(sin)? })
     }
 
     /// Rotates `x: [..., T, head_dim]` with tables for its `T` positions (see [`RopeTables::apply`]).
@@ -144,8 +144,8 @@ impl RotaryEmbedding {
 
 impl RopeTables {
     /// Rotates `x: [..., T, d]` (`T` and `d` those of the tables):
-    /// `x * cos + rotate_half(x) * sin`, computed as `x * cos + swap_halves(x) * sin_signed`
-    /// (the same products, so the same rounding).
+    /// `x * cos + rotate_half(x) * sin`, fused ([`Tensor::rotary_embedding`]) with
+    /// the rounding of the unfused expression.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let (len, d) = (self.cos.shape()[0], self.cos.shape()[1]);
         let n = x.ndim();
@@ -155,9 +155,7 @@ impl RopeTables {
                 format!("expected [..., {len}, {d}] for tables of {len} positions, got {:?}", x.shape()),
             ));
         }
-        let h = d / 2;
-        let swapped = Tensor::cat(&[&x.narrow(-1, h as isize, h)?, &x.narrow(-1, 0, h)?], -1)?;
-        x.mul(&self.cos)?.add(&swapped.mul(&self.sin_signed)?)
+        x.rotary_embedding(&self.cos, &self.sin)
     }
 }
 

@@ -4,8 +4,8 @@
 use super::config::LlamaConfig;
 use crate::io::{load_checkpoint_dir, save_checkpoint_dir, write_atomic};
 use crate::layers::{
-    causal_mask, normal_param, parameter, Attention, AttentionConfig, Embedding, LayerKvCache, Linear, RmsNorm,
-    RotaryEmbedding, SwiGluMlp,
+    causal_mask, normal_param, parameter, Attention, AttentionConfig, AttentionMask, Embedding, LayerKvCache, Linear,
+    RmsNorm, RotaryEmbedding, SwiGluMlp,
 };
 use crate::module::{join_name, Module};
 use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
@@ -119,7 +119,7 @@ impl DecoderLayer {
         &self,
         x: &Tensor,
         rope: &crate::layers::RopeTables,
-        mask: Option<&Tensor>,
+        mask: AttentionMask<'_>,
         cache: Option<&mut LayerKvCache>,
         acts: Option<(&mut BTreeMap<String, Tensor>, usize)>,
     ) -> Result<Tensor> {
@@ -237,11 +237,19 @@ impl LlamaModel {
         let (dt, dev) = (x.dtype(), x.device());
         // Built once per forward and shared by every layer.
         let rope = self.rotary.tables(past, t, dt, dev)?;
-        let mask = causal_mask(t, past, attention_mask, dt, dev)?;
+        // Padding needs an explicit mask; the plain causal mask is the fused kernel's own.
+        let padded = match attention_mask {
+            Some(_) => causal_mask(t, past, attention_mask, dt, dev)?,
+            None => None,
+        };
+        let mask = match &padded {
+            Some(m) => AttentionMask::Additive(m),
+            None => AttentionMask::Causal,
+        };
         let mut cache = cache;
         for (i, layer) in self.layers.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(&x, &rope, mask.as_ref(), lc, acts.as_deref_mut().map(|a| (a, i)))?;
+            x = layer.forward(&x, &rope, mask, lc, acts.as_deref_mut().map(|a| (a, i)))?;
         }
         let x = self.norm.forward(&x)?;
         if let Some(a) = acts {

@@ -1,0 +1,219 @@
+//! RMS normalisation over the last dim (`Op::RmsNorm`) and its gradients
+//! (`Op::RmsNormBackward`), one pass over each row.
+//!
+//! Forward, per row of `D`: `ss = sum(x²)` (independent lanes, so it
+//! vectorises), `rstd = 1 / sqrt(ss / D + eps)`, `y = (x * rstd) * w` (the
+//! products in the order of the unfused expression). Backward, with `gw = g *
+//! w`: `dx = rstd * gw - x * rstd³ * sum(gw * x) / D` and `dw = sum over rows of
+//! g * x * rstd`, each task summing its rows' `dw` before the partial sums are
+//! added. bf16/f16 compute in float32 and round once.
+use super::copy::materialize_vec;
+use super::elem::Elem;
+use super::simd::{dispatch, Kernel};
+use super::softmax::SoftFloat;
+use super::{buf, Input};
+use half::{bf16, f16};
+use kiln_tensor::{DType, Error, HostBuffer, Result};
+use rayon::prelude::*;
+
+const LANES: usize = 16;
+/// Elements per parallel task (whole rows).
+const TASK_ELEMS: usize = 1 << 15;
+
+trait NormFloat: SoftFloat + Elem {
+    fn sqrt(self) -> Self;
+}
+impl NormFloat for f32 {
+    fn sqrt(self) -> f32 {
+        f32::sqrt(self)
+    }
+}
+impl NormFloat for f64 {
+    fn sqrt(self) -> f64 {
+        f64::sqrt(self)
+    }
+}
+
+/// `sum(a * b)` with independent lanes.
+#[inline(always)]
+fn dot<F: NormFloat>(a: &[F], b: &[F]) -> F {
+    let mut acc = [F::ZERO; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail = ca.remainder().iter().zip(cb.remainder()).fold(F::ZERO, |s, (&x, &y)| s + x * y);
+    for (xa, xb) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] = acc[i] + xa[i] * xb[i];
+        }
+    }
+    acc.iter().fold(tail, |s, &v| s + v)
+}
+
+struct Forward<'a, F> {
+    x: &'a [F],
+    w: &'a [F],
+    y: &'a mut [F],
+    rstd: &'a mut [F],
+    eps: F,
+}
+
+impl<F: NormFloat> Kernel for Forward<'_, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        let Forward { x, w, y, rstd, eps } = self;
+        let d = w.len();
+        let inv_d = F::ONE / F::of_f64(d as f64);
+        for ((xr, yr), r) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)).zip(rstd.iter_mut()) {
+            let rs = F::ONE / (dot(xr, xr) * inv_d + eps).sqrt();
+            *r = rs;
+            for ((o, &xv), &wv) in yr.iter_mut().zip(xr).zip(w) {
+                *o = (xv * rs) * wv;
+            }
+        }
+    }
+}
+
+struct Backward<'a, F> {
+    x: &'a [F],
+    w: &'a [F],
+    rstd: &'a [F],
+    g: &'a [F],
+    dx: &'a mut [F],
+    /// This task's partial `dw`.
+    dw: &'a mut [F],
+}
+
+impl<F: NormFloat> Kernel for Backward<'_, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        let Backward { x, w, rstd, g, dx, dw } = self;
+        let d = w.len();
+        let inv_d = F::ONE / F::of_f64(d as f64);
+        let rows = x.chunks_exact(d).zip(g.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).zip(rstd);
+        for (((xr, gr), dr), &rs) in rows {
+            // sum(g * w * x), then dx = rs * g * w - x * rs³ * that / D.
+            let mut acc = [F::ZERO; LANES];
+            let mut tail = F::ZERO;
+            let n = d - d % LANES;
+            for j in (0..n).step_by(LANES) {
+                for i in 0..LANES {
+                    acc[i] = acc[i] + gr[j + i] * w[j + i] * xr[j + i];
+                }
+            }
+            for j in n..d {
+                tail = tail + gr[j] * w[j] * xr[j];
+            }
+            let s = acc.iter().fold(tail, |a, &v| a + v);
+            let c = rs * rs * rs * s * inv_d;
+            for j in 0..d {
+                dr[j] = rs * (gr[j] * w[j]) - xr[j] * c;
+                dw[j] = dw[j] + gr[j] * (xr[j] * rs);
+            }
+        }
+    }
+}
+
+fn rows_per_task(d: usize) -> usize {
+    (TASK_ELEMS / d.max(1)).max(1)
+}
+
+fn forward_typed<F: NormFloat>(x: &[F], w: &[F], eps: f64) -> (Vec<F>, Vec<F>) {
+    let d = w.len();
+    let rows = x.len().checked_div(d).unwrap_or(0);
+    let mut y = F::zeros(x.len());
+    let mut rstd = F::zeros(rows);
+    if d == 0 {
+        // Empty rows: mean of nothing is NaN, like the unfused expression.
+        rstd.iter_mut().for_each(|r| *r = F::ONE / (F::of_f64(f64::NAN) + F::of_f64(eps)).sqrt());
+        return (y, rstd);
+    }
+    let eps = F::of_f64(eps);
+    let per = rows_per_task(d);
+    y.par_chunks_mut(per * d).zip(rstd.par_chunks_mut(per)).enumerate().for_each(|(i, (y, rstd))| {
+        let x = &x[i * per * d..][..y.len()];
+        dispatch(Forward { x, w, y, rstd, eps });
+    });
+    (y, rstd)
+}
+
+fn backward_typed<F: NormFloat>(x: &[F], w: &[F], rstd: &[F], g: &[F]) -> (Vec<F>, Vec<F>) {
+    let d = w.len();
+    let mut dx = F::zeros(x.len());
+    if d == 0 || x.is_empty() {
+        return (dx, F::zeros(d));
+    }
+    let per = rows_per_task(d);
+    let partials: Vec<Vec<F>> = dx
+        .par_chunks_mut(per * d)
+        .enumerate()
+        .map(|(i, dx)| {
+            let (start, len) = (i * per * d, dx.len());
+            let mut dw = F::zeros(d);
+            let rs = &rstd[i * per..][..len / d];
+            dispatch(Backward { x: &x[start..][..len], w, rstd: rs, g: &g[start..][..len], dx, dw: &mut dw });
+            dw
+        })
+        .collect();
+    let mut dw = F::zeros(d);
+    for p in partials {
+        for (a, b) in dw.iter_mut().zip(p) {
+            *a = *a + b;
+        }
+    }
+    (dx, dw)
+}
+
+fn contiguous<T: Elem>(x: &Input<'_>) -> Result<Vec<T>> {
+    materialize_vec::<T>(x)
+}
+
+fn widen<T: Elem>(x: &Input<'_>) -> Result<Vec<f32>> {
+    Ok(contiguous::<T>(x)?.into_iter().map(|v| v.cast_f32()).collect())
+}
+
+fn narrow<T: Elem>(v: Vec<f32>) -> Vec<T> {
+    v.into_iter().map(T::of_f32).collect()
+}
+
+/// `Op::RmsNorm`: outputs `y` and `rstd`.
+pub(crate) fn rms_norm(x: &Input<'_>, w: &Input<'_>, eps: f64) -> Result<Vec<HostBuffer>> {
+    fn half<T: Elem>(x: &Input<'_>, w: &Input<'_>, eps: f64) -> Result<Vec<HostBuffer>> {
+        let (y, r) = forward_typed(&widen::<T>(x)?, &widen::<T>(w)?, eps);
+        Ok(vec![buf(narrow::<T>(y)), buf(r)])
+    }
+    Ok(match x.dtype() {
+        DType::F32 => {
+            let (y, r) = forward_typed(&contiguous::<f32>(x)?, &contiguous::<f32>(w)?, eps);
+            vec![buf(y), buf(r)]
+        }
+        DType::F64 => {
+            let (y, r) = forward_typed(&contiguous::<f64>(x)?, &contiguous::<f64>(w)?, eps);
+            vec![buf(y), buf(r)]
+        }
+        DType::BF16 => half::<bf16>(x, w, eps)?,
+        DType::F16 => half::<f16>(x, w, eps)?,
+        dt => return Err(Error::unsupported_dtype("rms_norm", dt)),
+    })
+}
+
+/// `Op::RmsNormBackward`: inputs `x, w, rstd, g`; outputs `dx`, `dw`.
+pub(crate) fn rms_norm_backward(ins: &[Input<'_>]) -> Result<Vec<HostBuffer>> {
+    let (x, w, r, g) = (&ins[0], &ins[1], &ins[2], &ins[3]);
+    fn half<T: Elem>(x: &Input<'_>, w: &Input<'_>, r: &Input<'_>, g: &Input<'_>) -> Result<Vec<HostBuffer>> {
+        let (dx, dw) = backward_typed(&widen::<T>(x)?, &widen::<T>(w)?, &contiguous::<f32>(r)?, &widen::<T>(g)?);
+        Ok(vec![buf(narrow::<T>(dx)), buf(narrow::<T>(dw))])
+    }
+    fn typed<F: NormFloat>(x: &Input<'_>, w: &Input<'_>, r: &Input<'_>, g: &Input<'_>) -> Result<Vec<HostBuffer>> {
+        let (dx, dw) =
+            backward_typed(&contiguous::<F>(x)?, &contiguous::<F>(w)?, &contiguous::<F>(r)?, &contiguous::<F>(g)?);
+        Ok(vec![buf(dx), buf(dw)])
+    }
+    match x.dtype() {
+        DType::F32 => typed::<f32>(x, w, r, g),
+        DType::F64 => typed::<f64>(x, w, r, g),
+        DType::BF16 => half::<bf16>(x, w, r, g),
+        DType::F16 => half::<f16>(x, w, r, g),
+        dt => Err(Error::unsupported_dtype("rms_norm_backward", dt)),
+    }
+}

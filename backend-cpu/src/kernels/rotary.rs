@@ -1,0 +1,61 @@
+//! Rotary position embedding (`Op::Rotary`), fused: `x * cos + rotate_half(x) *
+//! sin` in one pass over `x`, where `rotate_half(x) = cat(-x[.., d/2:],
+//! x[.., :d/2])`. Every product and the sum round in the element type, as the
+//! unfused ops do, so half-precision results are the same bits.
+use super::copy::materialize_vec;
+use super::elem::Elem;
+use super::iter::par_blocks;
+use super::{buf, Input};
+use half::{bf16, f16};
+use kiln_tensor::{DType, Error, HostBuffer, Result};
+
+fn run<T: Elem>(x: &Input<'_>, cos: &Input<'_>, sin: &Input<'_>) -> Result<Vec<T>> {
+    let shape = x.layout.shape();
+    let n = shape.len();
+    let (t, d) = (shape[n - 2], shape[n - 1]);
+    let h = d / 2;
+    let (cos, sin) = (materialize_vec::<T>(cos)?, materialize_vec::<T>(sin)?);
+    let xs = x.slice::<T>()?;
+    let (strides, off) = (x.layout.strides(), x.layout.offset());
+    let dims = &shape[..n - 1];
+    let sd = strides[n - 1];
+    let minus = T::of_f64(-1.0);
+    let mut out = T::zeros(x.layout.numel());
+    par_blocks(&mut out, d.max(1), 4, &|r, orow| {
+        // Storage offset of row `r` (row-major over all dims but the last).
+        let (mut rest, mut base) = (r, off);
+        for (&len, &st) in dims.iter().zip(strides).rev() {
+            base += (rest % len) * st;
+            rest /= len;
+        }
+        let pos = r % t;
+        let (c, s) = (&cos[pos * d..][..d], &sin[pos * d..][..d]);
+        let (lo, hi) = orow.split_at_mut(h);
+        if sd == 1 {
+            let row = &xs[base..base + d];
+            let (x1, x2) = row.split_at(h);
+            for j in 0..h {
+                lo[j] = x1[j].mul_(c[j]).add_(x2[j].mul_(minus).mul_(s[j]));
+                hi[j] = x2[j].mul_(c[h + j]).add_(x1[j].mul_(s[h + j]));
+            }
+        } else {
+            let at = |j: usize| xs[base + j * sd];
+            for j in 0..h {
+                lo[j] = at(j).mul_(c[j]).add_(at(h + j).mul_(minus).mul_(s[j]));
+                hi[j] = at(h + j).mul_(c[h + j]).add_(at(j).mul_(s[h + j]));
+            }
+        }
+    });
+    Ok(out)
+}
+
+/// `Op::Rotary`: inputs `x [..., T, d]`, `cos [T, d]`, `sin [T, d]` (`d` even).
+pub(crate) fn rotary(x: &Input<'_>, cos: &Input<'_>, sin: &Input<'_>) -> Result<HostBuffer> {
+    Ok(match x.dtype() {
+        DType::F32 => buf(run::<f32>(x, cos, sin)?),
+        DType::F64 => buf(run::<f64>(x, cos, sin)?),
+        DType::BF16 => buf(run::<bf16>(x, cos, sin)?),
+        DType::F16 => buf(run::<f16>(x, cos, sin)?),
+        dt => return Err(Error::unsupported_dtype("rotary_embedding", dt)),
+    })
+}

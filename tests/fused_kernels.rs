@@ -1,0 +1,360 @@
+//! Fused kernels against the op-by-op definitions they replace, on every
+//! registered device. Scaled dot-product attention against its definition (matmul, mask,
+//! softmax, matmul) on every registered device: values, gradients (first and
+//! second order), grouped-query heads, causal masks with a KV-cache offset,
+//! strided inputs, half precision and errors; and the fused rotary embedding
+//! against transformers' unfused expression; the fused cross-entropy gradient
+//! against the differentiable composite used under `create_graph`; fused RMS
+//! normalisation against its expression.
+use kiln::autograd::{gradcheck, GradcheckOptions};
+use kiln::prelude::*;
+use kiln::tensor::Op;
+
+fn devices() -> Vec<Device> {
+    kiln::registered_devices()
+}
+
+/// Deterministic values in about [-2, 2].
+fn input(shape: &[usize], seed: u64, dtype: DType, dev: Device) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n)
+        .map(|i| {
+            let x = (i as u64).wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(40503)) % 1000;
+            (x as f64 / 1000.0 - 0.5) * 4.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape).unwrap().to_dtype(dtype).unwrap().to_device(dev).unwrap()
+}
+
+/// The definition, with key/value heads repeated for grouped-query attention.
+fn reference(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Result<Tensor> {
+    let (b, h, t) = (q.shape()[0], q.shape()[1], q.shape()[2]);
+    let (hk, s) = (k.shape()[1], k.shape()[2]);
+    let rep = |x: &Tensor| -> Result<Tensor> {
+        let c = x.shape()[3];
+        x.unsqueeze(2)?.broadcast_to(&[b, hk, h / hk, s, c])?.reshape(&[b as isize, h as isize, s as isize, c as isize])
+    };
+    let z = q.matmul(&rep(k)?.transpose(-1, -2)?)?.mul(scale)?;
+    let z = if causal {
+        let hide: Vec<bool> = (0..t).flat_map(|i| (0..s).map(move |j| j + t > i + s)).collect();
+        z.masked_fill(&Tensor::from_vec(hide, &[t, s])?.to_device(q.device())?, f64::NEG_INFINITY)?
+    } else {
+        z
+    };
+    z.softmax(-1)?.matmul(&rep(v)?)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.shape(), b.shape());
+    let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+/// `(B, H, Hk, T, S, D, Dv)`: plain, grouped-query, decode-like, a KV-cache
+/// offset, and query/key counts that cross the kernel's 64-row blocks.
+const CASES: [(usize, usize, usize, usize, usize, usize, usize); 6] = [
+    (1, 1, 1, 4, 4, 3, 3),
+    (2, 4, 2, 5, 5, 3, 2),
+    (1, 3, 1, 1, 6, 4, 4),
+    (2, 2, 2, 3, 7, 2, 5),
+    (1, 2, 1, 70, 70, 8, 8),
+    (1, 1, 1, 65, 130, 4, 3),
+];
+
+#[test]
+fn forward_matches_the_definition() {
+    for dev in devices() {
+        for (ci, &(b, h, hk, t, s, d, dv)) in CASES.iter().enumerate() {
+            for causal in [false, true] {
+                for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
+                    let q = input(&[b, h, t, d], 1 + ci as u64, dtype, dev);
+                    let k = input(&[b, hk, s, d], 2 + ci as u64, dtype, dev);
+                    let v = input(&[b, hk, s, dv], 3 + ci as u64, dtype, dev);
+                    let scale = 0.7;
+                    let out = q.scaled_dot_product_attention(&k, &v, causal, Some(scale)).unwrap();
+                    assert_eq!(out.shape(), [b, h, t, dv]);
+                    let want = reference(
+                        &q.to_dtype(DType::F64).unwrap(),
+                        &k.to_dtype(DType::F64).unwrap(),
+                        &v.to_dtype(DType::F64).unwrap(),
+                        causal,
+                        scale,
+                    )
+                    .unwrap();
+                    let diff = max_diff(&out, &want);
+                    assert!(diff < tol, "case {ci} causal {causal} {dtype}: max diff {diff}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn strided_inputs_and_default_scale() {
+    for dev in devices() {
+        // Heads taken from [B, T, H, D] projections by a transpose, as a model does.
+        let q = input(&[2, 6, 3, 4], 7, DType::F64, dev).transpose(1, 2).unwrap();
+        let k = input(&[2, 6, 3, 4], 8, DType::F64, dev).transpose(1, 2).unwrap();
+        let v = input(&[2, 6, 3, 5], 9, DType::F64, dev).transpose(1, 2).unwrap();
+        assert!(!q.is_contiguous());
+        let out = q.scaled_dot_product_attention(&k, &v, true, None).unwrap();
+        let want = reference(&q, &k, &v, true, 0.5).unwrap();
+        assert!(max_diff(&out, &want) < 1e-12);
+        // 3-D inputs are one batch.
+        let out3 = q
+            .select(0, 1)
+            .unwrap()
+            .scaled_dot_product_attention(&k.select(0, 1).unwrap(), &v.select(0, 1).unwrap(), true, None)
+            .unwrap();
+        assert!(max_diff(&out3, &want.select(0, 1).unwrap()) < 1e-12);
+    }
+}
+
+#[test]
+fn gradients_match_the_definition() {
+    for dev in devices() {
+        for (ci, &(b, h, hk, t, s, d, dv)) in CASES.iter().enumerate() {
+            for causal in [false, true] {
+                let leaf = |shape: &[usize], seed: u64| {
+                    input(shape, seed, DType::F64, dev).requires_grad_(true).unwrap().clone()
+                };
+                let (q, k, v) = (leaf(&[b, h, t, d], 11), leaf(&[b, hk, s, d], 12), leaf(&[b, hk, s, dv], 13));
+                let w = input(&[b, h, t, dv], 14, DType::F64, dev);
+                let fused =
+                    q.scaled_dot_product_attention(&k, &v, causal, Some(0.6)).unwrap().mul(&w).unwrap().sum().unwrap();
+                let g1 = kiln::autograd::grad(&[&fused], &[&q, &k, &v], None, false, false).unwrap();
+                let refd = reference(&q, &k, &v, causal, 0.6).unwrap().mul(&w).unwrap().sum().unwrap();
+                let g2 = kiln::autograd::grad(&[&refd], &[&q, &k, &v], None, false, false).unwrap();
+                for (i, (a, r)) in g1.iter().zip(&g2).enumerate() {
+                    let diff = max_diff(a.as_ref().unwrap(), r.as_ref().unwrap());
+                    assert!(diff < 1e-10, "case {ci} causal {causal}: gradient {i} differs by {diff}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn finite_differences_first_and_second_order() {
+    for dev in devices() {
+        let q = input(&[1, 2, 3, 2], 21, DType::F64, dev);
+        let k = input(&[1, 1, 4, 2], 22, DType::F64, dev);
+        let v = input(&[1, 1, 4, 3], 23, DType::F64, dev);
+        let f = |t: &[Tensor]| t[0].scaled_dot_product_attention(&t[1], &t[2], true, None);
+        gradcheck(f, &[q.clone(), k.clone(), v.clone()], GradcheckOptions::default()).unwrap();
+        // Second order: the gradient of q (built with create_graph) differentiated again.
+        let dq = |t: &[Tensor]| -> Result<Tensor> {
+            let _on = kiln::autograd::enable_grad();
+            let leaf = |x: &Tensor| -> Result<Tensor> {
+                Ok(if x.requires_grad() { x.clone() } else { x.detach().requires_grad_(true)?.clone() })
+            };
+            let (q, k, v) = (leaf(&t[0])?, leaf(&t[1])?, leaf(&t[2])?);
+            let y = q.scaled_dot_product_attention(&k, &v, true, None)?.mul(&v.sum()?)?.sum()?;
+            Ok(kiln::autograd::grad(&[&y], &[&q], None, true, true)?[0].clone().expect("a gradient"))
+        };
+        gradcheck(dq, &[q, k, v], GradcheckOptions::default()).unwrap();
+    }
+}
+
+#[test]
+fn the_primitive_differentiates_its_log_sum_exp() {
+    for dev in devices() {
+        let leaf =
+            |shape: &[usize], seed: u64| input(shape, seed, DType::F64, dev).requires_grad_(true).unwrap().clone();
+        let (q, k, v) = (leaf(&[1, 2, 3, 2], 31), leaf(&[1, 2, 5, 2], 32), leaf(&[1, 2, 5, 2], 33));
+        let outs = Tensor::apply(Op::Attention { scale: 0.5, causal: true }, &[&q, &k, &v]).unwrap();
+        assert_eq!(outs[1].shape(), [1, 2, 3]);
+        assert_eq!(outs[1].dtype(), DType::F64);
+        let loss = outs[0].sum().unwrap().add(&outs[1].mul(2.0).unwrap().sum().unwrap()).unwrap();
+        let g = kiln::autograd::grad(&[&loss], &[&q, &k, &v], None, false, false).unwrap();
+        // The same from the definition: lse = logsumexp of the masked, scaled scores.
+        let z = q.matmul(&k.transpose(-1, -2).unwrap()).unwrap().mul(0.5).unwrap();
+        let hide: Vec<bool> = (0..3).flat_map(|i| (0..5).map(move |j| j > i + 2)).collect();
+        let z = z
+            .masked_fill(&Tensor::from_vec(hide, &[3, 5]).unwrap().to_device(dev).unwrap(), f64::NEG_INFINITY)
+            .unwrap();
+        let lse = z.logsumexp(-1, false).unwrap();
+        assert!(max_diff(&outs[1], &lse) < 1e-12);
+        let want = reference(&q, &k, &v, true, 0.5)
+            .unwrap()
+            .sum()
+            .unwrap()
+            .add(&lse.mul(2.0).unwrap().sum().unwrap())
+            .unwrap();
+        let gw = kiln::autograd::grad(&[&want], &[&q, &k, &v], None, false, false).unwrap();
+        for (a, b) in g.iter().zip(&gw) {
+            assert!(max_diff(a.as_ref().unwrap(), b.as_ref().unwrap()) < 1e-10);
+        }
+    }
+}
+
+#[test]
+fn half_precision_computes_in_float32() {
+    for dev in devices() {
+        for dt in [DType::BF16, DType::F16] {
+            let q = input(&[1, 2, 9, 8], 41, dt, dev);
+            let k = input(&[1, 2, 9, 8], 42, dt, dev);
+            let v = input(&[1, 2, 9, 8], 43, dt, dev);
+            let out = q.scaled_dot_product_attention(&k, &v, true, None).unwrap();
+            assert_eq!(out.dtype(), dt);
+            let f = |x: &Tensor| x.to_dtype(DType::F64).unwrap();
+            let want = reference(&f(&q), &f(&k), &f(&v), true, 1.0 / 8f64.sqrt()).unwrap();
+            // One rounding of the result (values below 2 in magnitude).
+            let tol = if dt == DType::BF16 { 2.0 * 2f64.powi(-8) } else { 2.0 * 2f64.powi(-11) };
+            assert!(max_diff(&out, &want) <= tol, "{dt}: {}", max_diff(&out, &want));
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    for dev in devices() {
+        let t = |shape: &[usize]| input(shape, 1, DType::F32, dev);
+        let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+        let e = msg(t(&[1, 3, 4, 2]).scaled_dot_product_attention(&t(&[1, 2, 4, 2]), &t(&[1, 2, 4, 2]), false, None));
+        assert!(e.contains("H a multiple of Hk") && e.contains("[1, 3, 4, 2]"), "{e}");
+        let e = msg(t(&[1, 1, 4, 2]).scaled_dot_product_attention(&t(&[1, 1, 4, 3]), &t(&[1, 1, 4, 2]), false, None));
+        assert!(e.contains("scaled_dot_product_attention"), "{e}");
+        let e = msg(t(&[1, 1, 5, 2]).scaled_dot_product_attention(&t(&[1, 1, 4, 2]), &t(&[1, 1, 4, 2]), true, None));
+        assert!(e.contains("causal") && e.contains("T = 5") && e.contains("S = 4"), "{e}");
+        let e = msg(t(&[1, 1, 4, 2]).scaled_dot_product_attention(
+            &t(&[1, 1, 4, 2]).to_dtype(DType::F64).unwrap(),
+            &t(&[1, 1, 4, 2]),
+            false,
+            None,
+        ));
+        assert!(e.contains("same dtype"), "{e}");
+        let i = t(&[1, 1, 4, 2]).to_dtype(DType::I64).unwrap();
+        let e = msg(i.scaled_dot_product_attention(&i, &i, false, None));
+        assert!(e.contains("floating point"), "{e}");
+        let e = msg(t(&[4, 2]).scaled_dot_product_attention(&t(&[4, 2]), &t(&[4, 2]), false, None));
+        assert!(e.contains("[B, H, T, D]"), "{e}");
+    }
+}
+
+/// transformers' `x * cos + rotate_half(x) * sin`, op by op.
+fn rotary_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let h = (x.dim_size(-1)? / 2) as isize;
+    let half = h as usize;
+    let rot = Tensor::cat(&[&x.narrow(-1, h, half)?.neg()?, &x.narrow(-1, 0, half)?], -1)?;
+    x.mul(cos)?.add(&rot.mul(sin)?)
+}
+
+#[test]
+fn rotary_embedding_matches_the_unfused_expression() {
+    for dev in devices() {
+        for dt in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+            // A strided input: heads taken from [B, T, H, d] by a transpose.
+            let x = input(&[2, 5, 3, 6], 51, dt, dev).transpose(1, 2).unwrap();
+            let cos = input(&[5, 6], 52, dt, dev);
+            let sin = input(&[5, 6], 53, dt, dev);
+            let got = x.rotary_embedding(&cos, &sin).unwrap();
+            let want = rotary_reference(&x, &cos, &sin).unwrap();
+            assert_eq!(got.shape(), [2, 3, 5, 6]);
+            // The same products and sum, rounded the same way: identical bits.
+            assert_eq!(got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap(), "{dt}");
+        }
+        let x = input(&[2, 3, 4], 54, DType::F64, dev);
+        let (cos, sin) = (input(&[3, 4], 55, DType::F64, dev), input(&[3, 4], 56, DType::F64, dev));
+        let f = |t: &[Tensor]| t[0].rotary_embedding(&t[1], &t[2]);
+        gradcheck(f, &[x.clone(), cos.clone(), sin.clone()], GradcheckOptions::default()).unwrap();
+        let e = x.rotary_embedding(&cos.narrow(0, 0, 2).unwrap(), &sin).unwrap_err().to_string();
+        assert!(e.contains("rotary_embedding") && e.contains("cos, sin [T, d]"), "{e}");
+        let e = input(&[3, 5], 1, DType::F64, dev)
+            .rotary_embedding(&input(&[3, 5], 2, DType::F64, dev), &input(&[3, 5], 3, DType::F64, dev))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("d even"), "{e}");
+    }
+}
+
+#[test]
+fn fused_cross_entropy_gradient_matches_the_composite() {
+    use kiln::tensor::CrossEntropy;
+    for dev in devices() {
+        for (shape, tshape, targets) in
+            [(vec![4, 7], vec![4], vec![0i64, 6, -100, 3]), (vec![2, 5, 3], vec![2, 3], vec![4, 0, -100, 1, 2, 3])]
+        {
+            for dt in [DType::F64, DType::F32, DType::BF16] {
+                for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+                    for label_smoothing in [0.0, 0.3] {
+                        let opts = CrossEntropy { ignore_index: Some(-100), reduction, label_smoothing };
+                        let x = input(&shape, 61, dt, dev).requires_grad_(true).unwrap().clone();
+                        let t = Tensor::from_slice(&targets, &tshape).unwrap().to_device(dev).unwrap();
+                        let loss = x.cross_entropy_with(&t, opts).unwrap();
+                        let up = input(loss.shape(), 62, loss.dtype(), dev);
+                        let y = loss.mul(&up).unwrap().sum().unwrap();
+                        // Without create_graph: the fused kernel.
+                        let fused = kiln::autograd::grad(&[&y], &[&x], None, true, false).unwrap()[0].clone().unwrap();
+                        // With create_graph: the differentiable composite.
+                        let comp = kiln::autograd::grad(&[&y], &[&x], None, false, true).unwrap()[0].clone().unwrap();
+                        assert_eq!(fused.dtype(), dt);
+                        let tol = match dt {
+                            DType::F64 => 1e-14,
+                            DType::F32 => 1e-6,
+                            _ => 1e-2,
+                        };
+                        let diff = max_diff(&fused, &comp);
+                        assert!(diff <= tol, "{shape:?} {dt} {reduction:?} eps {label_smoothing}: {diff}");
+                    }
+                }
+            }
+        }
+        // Targets are checked by the kernel too.
+        let x = input(&[2, 3], 63, DType::F32, dev);
+        let bad = Tensor::apply1(
+            Op::CrossEntropyBackward { smoothing: 0.0 },
+            &[
+                &x,
+                &Tensor::new([0i64, 3]).unwrap().to_device(dev).unwrap(),
+                &Tensor::ones(&[2], DType::F32).unwrap().to_device(dev).unwrap(),
+            ],
+        );
+        assert!(bad.unwrap_err().to_string().contains("out of bounds"));
+    }
+}
+
+#[test]
+fn fused_rms_norm_matches_the_unfused_expression() {
+    for dev in devices() {
+        for (dt, tol) in [(DType::F64, 1e-14), (DType::F32, 1e-6)] {
+            for d in [1usize, 5, 37, 384] {
+                let x = input(&[3, 4, d], 71, dt, dev).requires_grad_(true).unwrap().clone();
+                let w = input(&[d], 72, dt, dev).requires_grad_(true).unwrap().clone();
+                let y = x.rms_norm(Some(&w), 1e-5).unwrap();
+                let want = {
+                    let r = x.mul(&x).unwrap().mean_dim(-1, true).unwrap().add(1e-5).unwrap().rsqrt().unwrap();
+                    x.mul(&r).unwrap().mul(&w).unwrap()
+                };
+                assert!(max_diff(&y, &want) <= tol, "{dt} d {d}: {}", max_diff(&y, &want));
+                let up = input(&[3, 4, d], 73, dt, dev);
+                let l1 = y.mul(&up).unwrap().sum().unwrap();
+                let l2 = want.mul(&up).unwrap().sum().unwrap();
+                let g1 = kiln::autograd::grad(&[&l1], &[&x, &w], None, false, false).unwrap();
+                let g2 = kiln::autograd::grad(&[&l2], &[&x, &w], None, false, false).unwrap();
+                for (a, b) in g1.iter().zip(&g2) {
+                    let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+                    assert!(max_diff(a, b) <= tol * 100.0, "{dt} d {d}: gradient differs by {}", max_diff(a, b));
+                }
+            }
+        }
+        // First and second order by finite differences (the second through create_graph's composite).
+        let x = input(&[2, 3], 74, DType::F64, dev);
+        let w = input(&[3], 75, DType::F64, dev);
+        gradcheck(
+            |t: &[Tensor]| t[0].rms_norm(Some(&t[1]), 1e-5),
+            &[x.clone(), w.clone()],
+            GradcheckOptions::default(),
+        )
+        .unwrap();
+        gradcheck(|t: &[Tensor]| t[0].rms_norm(None, 1e-5), std::slice::from_ref(&x), GradcheckOptions::default())
+            .unwrap();
+        let dx = |t: &[Tensor]| -> Result<Tensor> {
+            let _on = kiln::autograd::enable_grad();
+            let x = if t[0].requires_grad() { t[0].clone() } else { t[0].detach().requires_grad_(true)?.clone() };
+            let y = x.rms_norm(Some(&t[1]), 1e-5)?.mul(&x)?.sum()?;
+            Ok(kiln::autograd::grad(&[&y], &[&x], None, true, true)?[0].clone().expect("a gradient"))
+        };
+        gradcheck(dx, &[x, w], GradcheckOptions::default()).unwrap();
+    }
+}
