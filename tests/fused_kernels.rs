@@ -358,3 +358,68 @@ fn fused_rms_norm_matches_the_unfused_expression() {
         gradcheck(dx, &[x, w], GradcheckOptions::default()).unwrap();
     }
 }
+
+#[test]
+fn silu_mul_matches_silu_times() {
+    for dev in devices() {
+        for dt in [DType::F64, DType::F32] {
+            let a = input(&[3, 33], 81, dt, dev);
+            let b = input(&[3, 33], 82, dt, dev);
+            // The same operations in the same order: identical bits.
+            assert_eq!(
+                a.silu_mul(&b).unwrap().to_vec_f64().unwrap(),
+                a.silu().unwrap().mul(&b).unwrap().to_vec_f64().unwrap()
+            );
+        }
+        let a = input(&[2, 5], 83, DType::BF16, dev);
+        let b = input(&[2, 5], 84, DType::BF16, dev);
+        let f = |x: &Tensor| x.to_dtype(DType::F64).unwrap();
+        let want = f(&a).silu().unwrap().mul(&f(&b)).unwrap();
+        assert!(max_diff(&a.silu_mul(&b).unwrap(), &want) <= 4.0 * 2f64.powi(-8));
+        // Broadcasting, and integers promote to float.
+        let row = input(&[1, 5], 85, DType::F32, dev);
+        assert_eq!(a.to_dtype(DType::F32).unwrap().silu_mul(&row).unwrap().shape(), [2, 5]);
+        let i = Tensor::new([1i64, 2]).unwrap().to_device(dev).unwrap();
+        assert_eq!(i.silu_mul(&i).unwrap().dtype(), DType::F32);
+        // Gradients to second order.
+        let (x, y) = (input(&[2, 3], 86, DType::F64, dev), input(&[2, 3], 87, DType::F64, dev));
+        gradcheck(|t: &[Tensor]| t[0].silu_mul(&t[1]), &[x.clone(), y.clone()], GradcheckOptions::default()).unwrap();
+        let dx = |t: &[Tensor]| -> Result<Tensor> {
+            let _on = kiln::autograd::enable_grad();
+            let leaf = |v: &Tensor| -> Result<Tensor> {
+                Ok(if v.requires_grad() { v.clone() } else { v.detach().requires_grad_(true)?.clone() })
+            };
+            let (x, y) = (leaf(&t[0])?, leaf(&t[1])?);
+            let l = x.silu_mul(&y)?.mul(&y)?.sum()?;
+            let g = kiln::autograd::grad(&[&l], &[&x, &y], None, true, true)?;
+            g[0].clone().expect("dx").add(&g[1].clone().expect("dy"))
+        };
+        gradcheck(dx, &[x, y], GradcheckOptions::default()).unwrap();
+    }
+}
+
+#[test]
+fn logsumexp_over_one_dim_matches_the_definition() {
+    for dev in devices() {
+        for dt in [DType::F64, DType::F32] {
+            let x = input(&[3, 37, 2], 91, dt, dev);
+            for dim in [0isize, 1, 2] {
+                let got = x.logsumexp(dim, false).unwrap();
+                let want = x.to_dtype(DType::F64).unwrap().exp().unwrap().sum_dim(dim, false).unwrap().log().unwrap();
+                assert!(max_diff(&got, &want) < 1e-5, "{dt} dim {dim}");
+                assert_eq!(x.logsumexp(dim, true).unwrap().ndim(), 3);
+            }
+        }
+        let inf = f64::INFINITY;
+        let x = Tensor::from_vec(vec![-inf, -inf, 1.0, inf, 0.0, f64::NAN], &[3, 2]).unwrap().to_device(dev).unwrap();
+        let v = x.logsumexp(1, false).unwrap().to_vec_f64().unwrap();
+        assert_eq!(v[0], -inf);
+        assert_eq!(v[1], inf);
+        assert!(v[2].is_nan());
+        let empty = Tensor::zeros(&[2, 0], DType::F32).unwrap().to_device(dev).unwrap();
+        assert_eq!(empty.logsumexp(1, false).unwrap().to_vec_f64().unwrap(), vec![-inf, -inf]);
+        let x = input(&[2, 4], 92, DType::F64, dev);
+        gradcheck(|t: &[Tensor]| t[0].logsumexp(1, false), std::slice::from_ref(&x), GradcheckOptions::default())
+            .unwrap();
+    }
+}

@@ -31,18 +31,36 @@ pub(crate) enum Sink<'a> {
     Capture { inputs: &'a [Tensor], found: Vec<Option<Tensor>> },
 }
 
+/// Whether `t` is the only tensor holding its storage and covers all of it,
+/// contiguously: then it can become a leaf's `.grad` without a copy, as no
+/// other tensor (a view, a saved value of the graph) can see later writes.
+fn owns_whole_storage(t: &Tensor) -> bool {
+    let l = t.layout();
+    Arc::strong_count(t.storage()) == 1 && l.is_contiguous() && l.offset() == 0 && l.numel() == t.storage().len()
+}
+
 impl Sink<'_> {
     /// Offers the gradient of a leaf; returns true when it was consumed.
     fn leaf(&mut self, leaf: &Tensor, g: Tensor) -> Result<()> {
         let g = run_hooks(leaf.leaf_hooks(), g)?;
         match self {
             Sink::Accumulate => {
-                let g = g.detach();
+                let g = {
+                    let d = g.detach();
+                    drop(g);
+                    d
+                };
                 let new = match leaf.grad() {
                     None => {
-                        // A fresh buffer, so later in-place updates of .grad never alias the graph.
+                        // A fresh buffer, so later in-place updates of .grad never alias the graph:
+                        // the gradient itself when nothing else holds its storage (the usual case,
+                        // a kernel's output), else a copy.
                         if g.shape() == leaf.shape() && g.dtype() == leaf.dtype() {
-                            g.deep_clone()?.detach()
+                            if owns_whole_storage(&g) {
+                                g
+                            } else {
+                                g.deep_clone()?.detach()
+                            }
                         } else {
                             g.to_dtype(leaf.dtype())?.broadcast_to(leaf.shape())?.contiguous()?.detach()
                         }
@@ -168,6 +186,9 @@ pub(crate) fn run(
         if !retain_graph {
             node.release();
         }
+        // The outputs' gradients are spent: dropping them here lets a leaf adopt a
+        // gradient buffer they shared (a view's gradient) instead of copying it.
+        drop(out_grads);
         for (e, g) in edges.iter().zip(in_grads) {
             let Some(g) = g else { continue };
             if !e.requires_grad {

@@ -78,6 +78,13 @@ fn strided_backward(g: &Tensor, view: &Layout, input: &Layout, extent: usize) ->
     prim(Op::IndexSelect { dim: 0 }, &[&flat, &ii])?.reshape_to(input.shape())
 }
 
+/// Whether the last two dims of `t` are stored column-major (a transposed view).
+fn is_transposed(t: &Tensor) -> bool {
+    let (s, st) = (t.shape(), t.strides());
+    let n = s.len();
+    n >= 2 && s[n - 2] > 1 && s[n - 1] > 1 && st[n - 2] == 1 && st[n - 1] >= s[n - 2]
+}
+
 fn transpose_last(t: &Tensor) -> Result<Tensor> {
     t.transpose(-1, -2)
 }
@@ -236,6 +243,30 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                         out[1] = Some(g.mul(&x.div(&den)?)?.neg()?);
                     }
                 }
+                SiluMul => {
+                    // silu(a) * b: da = silu'(a) * (g * b), db = silu(a) * g.
+                    let (a, b) = (ctx.saved(0)?, ctx.saved(1)?);
+                    if na {
+                        out[0] = Some(prim(Op::Binary(SiluGradMul), &[a, &g.mul(b)?])?);
+                    }
+                    if nb {
+                        out[1] = Some(prim(Op::Binary(SiluMul), &[a, &g])?);
+                    }
+                }
+                SiluGradMul => {
+                    // silu'(a) * b: da = silu''(a) * b * g, db = silu'(a) * g, with
+                    // silu''(a) = s (1 - s) (2 + a (1 - 2 s)).
+                    let (a, b) = (ctx.saved(0)?, ctx.saved(1)?);
+                    if na {
+                        let s = a.sigmoid()?;
+                        let inner = a.mul(&s.mul(-2.0)?.add(1.0)?)?.add(2.0)?;
+                        let second = s.mul(&s.neg()?.add(1.0)?)?.mul(&inner)?;
+                        out[0] = Some(g.mul(b)?.mul(&second)?);
+                    }
+                    if nb {
+                        out[1] = Some(prim(Op::Binary(SiluGradMul), &[a, &g])?);
+                    }
+                }
                 And | Or | Xor => {}
             }
         }
@@ -365,6 +396,12 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                 "this fused gradient kernel is not differentiable; a backward with create_graph builds the gradient from differentiable ops instead",
             ));
         }
+        Op::LogSumExp { dim } => {
+            if ctx.needs(0) {
+                let p = prim(Op::Softmax { dim: *dim, log: false }, &[ctx.saved(0)?])?;
+                out[0] = Some(p.mul(&g.unsqueeze(*dim as isize)?)?);
+            }
+        }
         Op::Cumsum { dim } => {
             if ctx.needs(0) {
                 // Reverse cumulative sum: total - cumsum(g) + g.
@@ -374,11 +411,24 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
             }
         }
         Op::MatMul => {
+            // Each gradient is computed in the memory order of its input: for an input
+            // that is a transposed view (a weight `W` used as `x @ W^T`), the product is
+            // formed transposed and handed back as a transposed view, so the gradient
+            // reaching `W` is contiguous instead of needing a copy.
+            let (a, b) = (ctx.saved(0)?, ctx.saved(1)?);
             if ctx.needs(0) {
-                out[0] = Some(prim(Op::MatMul, &[&g, &transpose_last(ctx.saved(1)?)?])?);
+                out[0] = Some(if is_transposed(a) {
+                    transpose_last(&prim(Op::MatMul, &[b, &transpose_last(&g)?])?)?
+                } else {
+                    prim(Op::MatMul, &[&g, &transpose_last(b)?])?
+                });
             }
             if ctx.needs(1) {
-                out[1] = Some(prim(Op::MatMul, &[&transpose_last(ctx.saved(0)?)?, &g])?);
+                out[1] = Some(if is_transposed(b) {
+                    transpose_last(&prim(Op::MatMul, &[&transpose_last(&g)?, a])?)?
+                } else {
+                    prim(Op::MatMul, &[&transpose_last(a)?, &g])?
+                });
             }
         }
         Op::View(v) => {

@@ -224,3 +224,26 @@ fn chain_of_100k_ops() -> Result<()> {
     drop(y);
     Ok(())
 }
+
+#[test]
+fn grad_never_aliases_tensors_the_caller_holds() -> Result<()> {
+    // The upstream gradient flows unchanged to the leaf: .grad must be a copy of it.
+    let x = leaf(&[1.0, 2.0]);
+    let y = x.add(0.0)?;
+    let up = t(&[5.0, 7.0]);
+    autograd::backward_with(&y, &up, false)?;
+    let g = x.grad().expect("a gradient");
+    g.add_(1.0)?;
+    assert_eq!(up.to_vec::<f32>()?, vec![5.0, 7.0]);
+    // A gradient that is a kernel's fresh output becomes .grad itself, and is still
+    // independent of everything else.
+    let z = leaf(&[1.0, 2.0]);
+    let w = t(&[3.0, 4.0]);
+    z.mul(&w)?.sum()?.backward()?;
+    let gz = z.grad().expect("a gradient");
+    assert_eq!(gz.to_vec::<f32>()?, vec![3.0, 4.0]);
+    gz.mul_(2.0)?;
+    assert_eq!(w.to_vec::<f32>()?, vec![3.0, 4.0]);
+    assert_eq!(z.grad().expect("a gradient").to_vec::<f32>()?, vec![6.0, 8.0]);
+    Ok(())
+}

@@ -633,16 +633,33 @@ fn target_count(safe: &Tensor, valid: Option<&Tensor>, ct: DType) -> Result<Tens
 
 /// The loss values, computed with grad mode off (the caller records one node).
 fn cross_entropy_forward(x: &Tensor, safe: &Tensor, valid: Option<&Tensor>, opts: CrossEntropy) -> Result<Tensor> {
-    let logp = x.log_softmax(1)?;
     let mask = |t: Tensor| -> Result<Tensor> {
         match valid {
             Some(v) => Tensor::where_cond(v, &t, &zero_like(&t)?),
             None => Ok(t),
         }
     };
-    let nll = mask(logp.gather(1, &safe.unsqueeze(1)?)?.squeeze_dim(1)?.neg()?)?;
     let eps = opts.label_smoothing;
-    let smooth = if eps > 0.0 { Some(mask(logp.sum_dim(&[1isize][..], false)?.neg()?)?) } else { None };
+    let (nll, smooth) = if matches!(x.dtype(), DType::F32 | DType::F64) {
+        // -log_softmax(x)[t] = lse(x) - x[t]: one read of the logits, no [N, C] output;
+        // sum_c -log_softmax(x) = C lse(x) - sum_c x.
+        let lse = x.logsumexp(1, false)?;
+        let picked = x.gather(1, &safe.unsqueeze(1)?)?.squeeze_dim(1)?;
+        let nll = mask(lse.sub(&picked)?)?;
+        let smooth = if eps > 0.0 {
+            let c = x.shape()[1] as f64;
+            Some(mask(lse.mul(c)?.sub(&x.sum_dim(&[1isize][..], false)?)?)?)
+        } else {
+            None
+        };
+        (nll, smooth)
+    } else {
+        // Half precision rounds log_softmax like PyTorch before picking.
+        let logp = x.log_softmax(1)?;
+        let nll = mask(logp.gather(1, &safe.unsqueeze(1)?)?.squeeze_dim(1)?.neg()?)?;
+        let smooth = if eps > 0.0 { Some(mask(logp.sum_dim(&[1isize][..], false)?.neg()?)?) } else { None };
+        (nll, smooth)
+    };
     let c = x.shape()[1] as f64;
     // PyTorch's order: (1 - ε) * nll + smooth * (ε / C), after reducing each.
     let combine = |nll: Tensor, smooth: Option<Tensor>| -> Result<Tensor> {

@@ -159,6 +159,24 @@ impl Tensor {
     pub fn fmin(&self, other: &Tensor) -> Result<Tensor> {
         self.binary(BinaryOp::Fmin, other.into())
     }
+    /// `silu(self) * other` (the SwiGLU gate, `F.silu(gate) * up`) in one pass,
+    /// with broadcasting; floating dtypes (integers promote to float32). The
+    /// product is computed before rounding, so half-precision results can
+    /// differ by one rounding from `self.silu()?.mul(other)`.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let a = Tensor::new([1.0f64, -2.0])?;
+    /// let b = Tensor::new([3.0f64, 0.5])?;
+    /// let want = a.silu()?.mul(&b)?.to_vec::<f64>()?;
+    /// assert_eq!(a.silu_mul(&b)?.to_vec::<f64>()?, want);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn silu_mul(&self, other: &Tensor) -> Result<Tensor> {
+        let o = Operand::Tensor(other);
+        let dt = result_type(&[Operand::Tensor(self), o]).to_float();
+        self.binary_in(BinaryOp::SiluMul, o, dt)
+    }
     pub fn atan2(&self, other: &Tensor) -> Result<Tensor> {
         let o = Operand::Tensor(other);
         let dt = result_type(&[Operand::Tensor(self), o]).to_float();

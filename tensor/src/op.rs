@@ -109,6 +109,10 @@ pub enum BinaryOp {
     Or,
     Xor,
     Atan2,
+    /// `silu(a) * b`, the SwiGLU gate in one pass (float only).
+    SiluMul,
+    /// `silu'(a) * b`, the SwiGLU gate's gradient in one pass (float only).
+    SiluGradMul,
 }
 
 impl BinaryOp {
@@ -134,6 +138,8 @@ impl BinaryOp {
             Or => "logical_or",
             Xor => "logical_xor",
             Atan2 => "atan2",
+            SiluMul => "silu_mul",
+            SiluGradMul => "silu_grad_mul",
         }
     }
 }
@@ -370,6 +376,14 @@ pub enum Op {
     RmsNormBackward {
         eps: f64,
     },
+    /// `log(sum(exp(x)))` along `dim` of a floating tensor (the dim removed),
+    /// computed stably in two passes over each slice (max, then the shifted
+    /// exponentials); an infinite max stands in as 0, so a slice of all `-inf`
+    /// gives `-inf` and one holding `+inf` gives `+inf`, like PyTorch. Half
+    /// precision computes in float32 and rounds once.
+    LogSumExp {
+        dim: usize,
+    },
     /// Inclusive prefix sum along `dim` (integers and bool accumulate in int64).
     Cumsum {
         dim: usize,
@@ -528,6 +542,7 @@ impl Op {
             Op::ArgReduce { op: ArgReduceOp::ArgMin, .. } => "argmin",
             Op::Cumsum { .. } => "cumsum",
             Op::Rotary => "rotary_embedding",
+            Op::LogSumExp { .. } => "logsumexp",
             Op::RmsNorm { .. } => "rms_norm",
             Op::RmsNormBackward { .. } => "rms_norm_backward",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
@@ -554,7 +569,7 @@ impl Op {
         Some(match self {
             Op::Full { .. } | Op::Arange { .. } => 0,
             Op::Unary(_) | Op::Cast(_) | Op::Copy | Op::Reduce { .. } | Op::ArgReduce { .. } | Op::Cumsum { .. } => 1,
-            Op::View(_) | Op::Sort { .. } | Op::TopK { .. } | Op::Softmax { .. } => 1,
+            Op::View(_) | Op::Sort { .. } | Op::TopK { .. } | Op::Softmax { .. } | Op::LogSumExp { .. } => 1,
             Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
             Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } => 3,
             Op::Assign { .. } | Op::RmsNorm { .. } => 2,
@@ -634,7 +649,7 @@ impl Op {
                         "subtraction, the `-` operator, with two bool tensors is not supported; use the `^` operator or logical_xor() instead",
                     ));
                 }
-                if matches!(b, BinaryOp::Atan2) && !x.dtype.is_float() {
+                if matches!(b, BinaryOp::Atan2 | BinaryOp::SiluMul | BinaryOp::SiluGradMul) && !x.dtype.is_float() {
                     return Err(Error::unsupported_dtype(name, x.dtype));
                 }
                 let dt = if b.is_logical() { DType::Bool } else { x.dtype };
@@ -863,6 +878,14 @@ impl Op {
                     ));
                 }
                 smallvec![q.clone(), k.clone(), v.clone()]
+            }
+            Op::LogSumExp { dim } => {
+                let x = &inputs[0];
+                if !x.dtype.is_float() {
+                    return Err(Error::unsupported_dtype(name, x.dtype));
+                }
+                check_dim(*dim, x.shape.len())?;
+                smallvec![Meta { shape: reduced_shape(&x.shape, &[*dim], false), dtype: x.dtype }]
             }
             Op::Cumsum { dim } => {
                 let x = &inputs[0];

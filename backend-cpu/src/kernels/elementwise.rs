@@ -90,6 +90,11 @@ binop! {
     Fmax => |a, b| if a > b || b.is_nan() { a } else { b };
     Fmin => |a, b| if a < b || b.is_nan() { a } else { b };
     Atan2 => |a, b| a.atan2(b);
+    SiluMul => |a, b| a * a.sigmoid_::<FMA>() * b;
+    SiluGradMul => |a, b| {
+        let s = a.sigmoid_::<FMA>();
+        s * (F::ONE + a * (F::ONE - s)) * b
+    };
 }
 
 /// PyTorch's `div_floor_floating`: floor division that agrees with Python's `//`,
@@ -286,6 +291,8 @@ fn float_binary<T: FloatElem>(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Res
         B::Fmax => go!(Fmax, 1),
         B::Fmin => go!(Fmin, 1),
         B::Atan2 => go!(Atan2, 8),
+        B::SiluMul => go!(SiluMul, 6),
+        B::SiluGradMul => go!(SiluGradMul, 8),
         B::And | B::Or | B::Xor => Err(Error::backend("cpu", format!("{} is a logical op", op.name()))),
     }
 }
@@ -344,7 +351,9 @@ fn int_binary<T: IntElem>(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<
         B::Pow => map2::<T, T, T>(a, b, 4, |x, y| x.wpow(y.cast_i64() as u64)),
         B::Maximum | B::Fmax => map2::<T, T, T>(a, b, 1, |x, y| if x > y { x } else { y }),
         B::Minimum | B::Fmin => map2::<T, T, T>(a, b, 1, |x, y| if x < y { x } else { y }),
-        B::Atan2 | B::And | B::Or | B::Xor => Err(Error::unsupported_dtype(op.name(), T::DTYPE)),
+        B::Atan2 | B::SiluMul | B::SiluGradMul | B::And | B::Or | B::Xor => {
+            Err(Error::unsupported_dtype(op.name(), T::DTYPE))
+        }
     }
 }
 
@@ -362,7 +371,9 @@ fn bool_binary(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<Vec<bool>> 
         B::Remainder | B::Fmod => map2::<bool, bool, bool>(a, b, 1, |_, _| false),
         // 0 ** 0 = 1, 0 ** 1 = 0, 1 ** y = 1.
         B::Pow => map2::<bool, bool, bool>(a, b, 1, |x, y| x | !y),
-        B::Sub | B::Atan2 | B::And | B::Or | B::Xor => Err(Error::unsupported_dtype(op.name(), DType::Bool)),
+        B::Sub | B::Atan2 | B::SiluMul | B::SiluGradMul | B::And | B::Or | B::Xor => {
+            Err(Error::unsupported_dtype(op.name(), DType::Bool))
+        }
     }
 }
 

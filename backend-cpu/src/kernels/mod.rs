@@ -76,6 +76,7 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
         Op::ArgReduce { op, dim, keepdim: _ } => vec![reduce::arg_reduce(*op, &ins[0], *dim)?],
         Op::Cumsum { dim } => vec![reduce::cumsum(&ins[0], *dim)?],
         Op::Softmax { dim, log } => vec![softmax::softmax(&ins[0], *dim, *log)?],
+        Op::LogSumExp { dim } => vec![softmax::logsumexp(&ins[0], *dim)?],
         Op::MatMul => vec![matmul::matmul(&ins[0], &ins[1], out(0)?)?],
         Op::Rotary => vec![rotary::rotary(&ins[0], &ins[1], &ins[2])?],
         Op::RmsNorm { eps } => norm::rms_norm(&ins[0], &ins[1], *eps)?,

@@ -339,3 +339,104 @@ pub(crate) fn cross_entropy_backward(
         dt => return Err(Error::unsupported_dtype("cross_entropy_backward", dt)),
     })
 }
+
+/// The log-sum-exp of each `(n, inner)` block of a run, over `n`.
+struct LseBlocks<'a, F> {
+    x: &'a [F],
+    out: &'a mut [F],
+    n: usize,
+    inner: usize,
+}
+
+impl<F: CeFloat> Kernel for LseBlocks<'_, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        let LseBlocks { x, out, n, inner } = self;
+        // An infinite max stands in as 0: all -inf gives log(0) = -inf, a +inf gives +inf.
+        let shift =
+            |m: F| if m == F::NEG_INF || m == <F as super::elem::Elem>::of_f64(f64::INFINITY) { F::ZERO } else { m };
+        for (xb, ob) in x.chunks_exact(n * inner).zip(out.chunks_exact_mut(inner)) {
+            if inner == 1 {
+                let mut mv = [F::NEG_INF; LANES];
+                let chunks = xb.chunks_exact(LANES);
+                let rest = chunks.remainder();
+                for c in chunks {
+                    for i in 0..LANES {
+                        mv[i] = fmax(mv[i], c[i]);
+                    }
+                }
+                let m = shift(rest.iter().chain(&mv).fold(F::NEG_INF, |m, &v| fmax(m, v)));
+                let mut sv = [F::ZERO; LANES];
+                for c in xb.chunks_exact(LANES) {
+                    for i in 0..LANES {
+                        sv[i] = sv[i] + (c[i] - m).exp::<FMA>();
+                    }
+                }
+                let tail = rest.iter().fold(F::ZERO, |s, &v| s + (v - m).exp::<FMA>());
+                ob[0] = sv.iter().fold(tail, |a, &b| a + b).ln() + m;
+            } else {
+                let mut m = vec![F::NEG_INF; inner];
+                for r in xb.chunks_exact(inner) {
+                    for (a, &v) in m.iter_mut().zip(r) {
+                        *a = fmax(*a, v);
+                    }
+                }
+                m.iter_mut().for_each(|v| *v = shift(*v));
+                ob.fill(F::ZERO);
+                for r in xb.chunks_exact(inner) {
+                    for ((a, &v), &mx) in ob.iter_mut().zip(r).zip(&m) {
+                        *a = *a + (v - mx).exp::<FMA>();
+                    }
+                }
+                for (a, &mx) in ob.iter_mut().zip(&m) {
+                    *a = a.ln() + mx;
+                }
+            }
+        }
+    }
+}
+
+fn lse_run<F: CeFloat>(xs: &[F], n: usize, inner: usize) -> Vec<F> {
+    let outer = xs.len().checked_div(n * inner).unwrap_or(0);
+    let mut out = vec![F::ZERO; outer * inner];
+    if out.is_empty() {
+        return out;
+    }
+    par_blocks(&mut out, inner, 4 * n, &|bi, ob| {
+        let xb = &xs[bi * n * inner..][..n * inner];
+        dispatch(LseBlocks { x: xb, out: ob, n, inner });
+    });
+    out
+}
+
+/// `Op::LogSumExp` along `dim`.
+pub(crate) fn logsumexp(x: &Input<'_>, dim: usize) -> Result<HostBuffer> {
+    let shape = x.layout.shape();
+    let (n, inner) = if shape.is_empty() { (1, 1) } else { (shape[dim], numel(&shape[dim + 1..])) };
+    if n == 0 {
+        // The sum of nothing is 0, its log -inf.
+        let len = numel(&shape[..dim]) * inner;
+        let neg = f64::NEG_INFINITY;
+        return Ok(match x.dtype() {
+            DType::F32 => buf(vec![neg as f32; len]),
+            DType::F64 => buf(vec![neg; len]),
+            DType::BF16 => buf(vec![half::bf16::NEG_INFINITY; len]),
+            DType::F16 => buf(vec![f16::NEG_INFINITY; len]),
+            dt => return Err(Error::unsupported_dtype("logsumexp", dt)),
+        });
+    }
+    Ok(match x.dtype() {
+        DType::F32 => buf(lse_run(&contiguous::<f32>(x)?, n, inner)),
+        DType::F64 => buf(lse_run(&contiguous::<f64>(x)?, n, inner)),
+        DType::BF16 => {
+            let xs: Vec<f32> = contiguous::<half::bf16>(x)?.iter().map(|&v| bf16_to_f32(v)).collect();
+            buf(lse_run(&xs, n, inner).into_iter().map(f32_to_bf16).collect::<Vec<_>>())
+        }
+        DType::F16 => {
+            let xs: Vec<f32> = contiguous::<f16>(x)?.iter().map(|&v| v.to_f32()).collect();
+            buf(lse_run(&xs, n, inner).into_iter().map(f16::from_f32).collect::<Vec<_>>())
+        }
+        dt => return Err(Error::unsupported_dtype("logsumexp", dt)),
+    })
+}

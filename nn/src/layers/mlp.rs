@@ -1,7 +1,7 @@
 //! The SwiGLU MLP of Llama and Qwen: `down(silu(gate(x)) * up(x))`.
 use super::Linear;
 use crate::module::{join_name, Module};
-use kiln_tensor::{Result, Tensor, TensorOptions};
+use kiln_tensor::{DType, Result, Tensor, TensorOptions};
 
 /// The gated feed-forward block of Llama/Qwen (`LlamaMLP`): parameters
 /// `gate_proj` and `up_proj` (`[intermediate, hidden]`) and `down_proj`
@@ -34,10 +34,17 @@ impl SwiGluMlp {
     }
 
     /// `down(silu(gate(x)) * up(x))` for `x: [..., hidden]`.
+    ///
+    /// In float32 and float64 the gate is one fused pass ([`Tensor::silu_mul`]);
+    /// half precision rounds `silu` before the product, as transformers does.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate_proj.forward(x)?.silu()?;
+        let g = self.gate_proj.forward(x)?;
         let u = self.up_proj.forward(x)?;
-        self.down_proj.forward(&g.mul(&u)?)
+        let h = match g.dtype() {
+            DType::F32 | DType::F64 => g.silu_mul(&u)?,
+            _ => g.silu()?.mul(&u)?,
+        };
+        self.down_proj.forward(&h)
     }
 }
 
