@@ -219,18 +219,40 @@ fn run<F: SoftFloat>(xs: &[F], n: usize, inner: usize, log: bool) -> Vec<F> {
 pub(crate) fn softmax(x: &Input<'_>, dim: usize, log: bool) -> Result<HostBuffer> {
     let shape = x.layout.shape();
     let (n, inner) = if shape.is_empty() { (1, 1) } else { (shape[dim], numel(&shape[dim + 1..])) };
+    struct Softmax {
+        n: usize,
+        inner: usize,
+        log: bool,
+    }
+    impl InComputeType for Softmax {
+        fn run<F: ComputeFloat>(&self, xs: &[F]) -> Result<Vec<F>> {
+            Ok(run(xs, self.n, self.inner, self.log))
+        }
+    }
+    in_compute_type(x, if log { "log_softmax" } else { "softmax" }, Softmax { n, inner, log })
+}
+
+/// A computation over the elements of a floating tensor, in its compute type.
+trait InComputeType {
+    fn run<F: ComputeFloat>(&self, xs: &[F]) -> Result<Vec<F>>;
+}
+
+/// Runs `k` on `x`'s elements in row-major order, in `x`'s compute type (f32 and
+/// f64 as they are, bf16 and f16 widened to f32), and returns its result in
+/// `x`'s dtype (rounded once for the half types).
+fn in_compute_type<K: InComputeType>(x: &Input<'_>, name: &'static str, k: K) -> Result<HostBuffer> {
     Ok(match x.dtype() {
-        DType::F32 => buf(run(&contiguous::<f32>(x)?, n, inner, log)),
-        DType::F64 => buf(run(&contiguous::<f64>(x)?, n, inner, log)),
+        DType::F32 => buf(k.run(&contiguous::<f32>(x)?)?),
+        DType::F64 => buf(k.run(&contiguous::<f64>(x)?)?),
         DType::BF16 => {
             let xs: Vec<f32> = contiguous::<half::bf16>(x)?.iter().map(|&v| bf16_to_f32(v)).collect();
-            buf(run(&xs, n, inner, log).into_iter().map(f32_to_bf16).collect::<Vec<_>>())
+            buf(k.run(&xs)?.into_iter().map(f32_to_bf16).collect::<Vec<_>>())
         }
         DType::F16 => {
             let xs: Vec<f32> = contiguous::<f16>(x)?.iter().map(|&v| v.to_f32()).collect();
-            buf(run(&xs, n, inner, log).into_iter().map(f16::from_f32).collect::<Vec<_>>())
+            buf(k.run(&xs)?.into_iter().map(f16::from_f32).collect::<Vec<_>>())
         }
-        dt => return Err(Error::unsupported_dtype(if log { "log_softmax" } else { "softmax" }, dt)),
+        dt => return Err(Error::unsupported_dtype(name, dt)),
     })
 }
 
@@ -244,10 +266,10 @@ fn contiguous<'a, T: super::elem::Elem>(x: &Input<'a>) -> Result<std::borrow::Co
     }
 }
 
-/// Conversions the cross-entropy gradient needs on top of [`SoftFloat`].
-pub(super) trait CeFloat: SoftFloat + super::elem::Elem {}
-impl CeFloat for f32 {}
-impl CeFloat for f64 {}
+/// The types kernels here compute in (f32, f64), with their element conversions.
+trait ComputeFloat: SoftFloat + super::elem::Elem {}
+impl ComputeFloat for f32 {}
+impl ComputeFloat for f64 {}
 
 /// The cross-entropy gradient of a run of consecutive `(n, inner)` blocks.
 struct CeBlocks<'a, F> {
@@ -261,7 +283,7 @@ struct CeBlocks<'a, F> {
     smoothing: f64,
 }
 
-impl<F: CeFloat> Kernel for CeBlocks<'_, F> {
+impl<F: ComputeFloat> Kernel for CeBlocks<'_, F> {
     type Out = ();
     #[inline(always)]
     fn run<const FMA: bool>(self) {
@@ -294,7 +316,7 @@ impl<F: CeFloat> Kernel for CeBlocks<'_, F> {
     }
 }
 
-fn ce_run<F: CeFloat>(xs: &[F], t: &[i64], w: &[F], n: usize, inner: usize, smoothing: f64) -> Vec<F> {
+fn ce_run<F: ComputeFloat>(xs: &[F], t: &[i64], w: &[F], n: usize, inner: usize, smoothing: f64) -> Vec<F> {
     let mut out = vec![F::ZERO; xs.len()];
     let block = n * inner;
     if block == 0 {
@@ -323,21 +345,20 @@ pub(crate) fn cross_entropy_backward(
     if let Some(bad) = tv.iter().find(|&&c| c < 0 || c as usize >= n) {
         return Err(Error::index("cross_entropy_backward", format!("target {bad} is out of bounds for {n} classes")));
     }
-    Ok(match x.dtype() {
-        DType::F32 => buf(ce_run(&contiguous::<f32>(x)?, &tv, &materialize_vec::<f32>(w)?, n, inner, smoothing)),
-        DType::F64 => buf(ce_run(&contiguous::<f64>(x)?, &tv, &materialize_vec::<f64>(w)?, n, inner, smoothing)),
-        DType::BF16 => {
-            let xs: Vec<f32> = contiguous::<half::bf16>(x)?.iter().map(|&v| bf16_to_f32(v)).collect();
-            let d = ce_run(&xs, &tv, &materialize_vec::<f32>(w)?, n, inner, smoothing);
-            buf(d.into_iter().map(f32_to_bf16).collect::<Vec<_>>())
+    struct Ce<'a> {
+        t: Vec<i64>,
+        /// The weights, in the compute type (`Op::infer` checked their dtype).
+        w: &'a Input<'a>,
+        n: usize,
+        inner: usize,
+        smoothing: f64,
+    }
+    impl InComputeType for Ce<'_> {
+        fn run<F: ComputeFloat>(&self, xs: &[F]) -> Result<Vec<F>> {
+            Ok(ce_run(xs, &self.t, &materialize_vec::<F>(self.w)?, self.n, self.inner, self.smoothing))
         }
-        DType::F16 => {
-            let xs: Vec<f32> = contiguous::<f16>(x)?.iter().map(|&v| v.to_f32()).collect();
-            let d = ce_run(&xs, &tv, &materialize_vec::<f32>(w)?, n, inner, smoothing);
-            buf(d.into_iter().map(f16::from_f32).collect::<Vec<_>>())
-        }
-        dt => return Err(Error::unsupported_dtype("cross_entropy_backward", dt)),
-    })
+    }
+    in_compute_type(x, "cross_entropy_backward", Ce { t: tv, w, n, inner, smoothing })
 }
 
 /// The log-sum-exp of each `(n, inner)` block of a run, over `n`.
@@ -348,7 +369,7 @@ struct LseBlocks<'a, F> {
     inner: usize,
 }
 
-impl<F: CeFloat> Kernel for LseBlocks<'_, F> {
+impl<F: ComputeFloat> Kernel for LseBlocks<'_, F> {
     type Out = ();
     #[inline(always)]
     fn run<const FMA: bool>(self) {
@@ -397,7 +418,7 @@ impl<F: CeFloat> Kernel for LseBlocks<'_, F> {
     }
 }
 
-fn lse_run<F: CeFloat>(xs: &[F], n: usize, inner: usize) -> Vec<F> {
+fn lse_run<F: ComputeFloat>(xs: &[F], n: usize, inner: usize) -> Vec<F> {
     let outer = xs.len().checked_div(n * inner).unwrap_or(0);
     let mut out = vec![F::ZERO; outer * inner];
     if out.is_empty() {
@@ -426,17 +447,14 @@ pub(crate) fn logsumexp(x: &Input<'_>, dim: usize) -> Result<HostBuffer> {
             dt => return Err(Error::unsupported_dtype("logsumexp", dt)),
         });
     }
-    Ok(match x.dtype() {
-        DType::F32 => buf(lse_run(&contiguous::<f32>(x)?, n, inner)),
-        DType::F64 => buf(lse_run(&contiguous::<f64>(x)?, n, inner)),
-        DType::BF16 => {
-            let xs: Vec<f32> = contiguous::<half::bf16>(x)?.iter().map(|&v| bf16_to_f32(v)).collect();
-            buf(lse_run(&xs, n, inner).into_iter().map(f32_to_bf16).collect::<Vec<_>>())
+    struct Lse {
+        n: usize,
+        inner: usize,
+    }
+    impl InComputeType for Lse {
+        fn run<F: ComputeFloat>(&self, xs: &[F]) -> Result<Vec<F>> {
+            Ok(lse_run(xs, self.n, self.inner))
         }
-        DType::F16 => {
-            let xs: Vec<f32> = contiguous::<f16>(x)?.iter().map(|&v| v.to_f32()).collect();
-            buf(lse_run(&xs, n, inner).into_iter().map(f16::from_f32).collect::<Vec<_>>())
-        }
-        dt => return Err(Error::unsupported_dtype("logsumexp", dt)),
-    })
+    }
+    in_compute_type(x, "logsumexp", Lse { n, inner })
 }
