@@ -423,3 +423,23 @@ fn logsumexp_over_one_dim_matches_the_definition() {
             .unwrap();
     }
 }
+
+#[test]
+fn the_rms_norm_primitive_differentiates_its_rstd() {
+    for dev in devices() {
+        let leaf =
+            |shape: &[usize], seed: u64| input(shape, seed, DType::F64, dev).requires_grad_(true).unwrap().clone();
+        let (x, w) = (leaf(&[2, 3, 5], 101), leaf(&[5], 102));
+        let outs = Tensor::apply(Op::RmsNorm { eps: 1e-5 }, &[&x, &w]).unwrap();
+        let loss = outs[0].sum().unwrap().add(&outs[1].mul(3.0).unwrap().sum().unwrap()).unwrap();
+        let g = kiln::autograd::grad(&[&loss], &[&x, &w], None, false, false).unwrap();
+        // The same from the definition.
+        let r = x.mul(&x).unwrap().mean_dim(-1, true).unwrap().add(1e-5).unwrap().rsqrt().unwrap();
+        assert!(max_diff(&outs[1], &r.squeeze_dim(-1).unwrap()) < 1e-14);
+        let want = x.mul(&r).unwrap().mul(&w).unwrap().sum().unwrap().add(&r.mul(3.0).unwrap().sum().unwrap()).unwrap();
+        let gw = kiln::autograd::grad(&[&want], &[&x, &w], None, false, false).unwrap();
+        for (a, b) in g.iter().zip(&gw) {
+            assert!(max_diff(a.as_ref().unwrap(), b.as_ref().unwrap()) < 1e-12);
+        }
+    }
+}

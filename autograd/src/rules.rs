@@ -78,6 +78,14 @@ fn strided_backward(g: &Tensor, view: &Layout, input: &Layout, extent: usize) ->
     prim(Op::IndexSelect { dim: 0 }, &[&flat, &ii])?.reshape_to(input.shape())
 }
 
+/// `silu''(x) = d/dx [s (1 + x (1 - s))] = s (1 - s) (2 + x (1 - 2 s))`, `s = sigmoid(x)`.
+fn silu_second_derivative(x: &Tensor) -> Result<Tensor> {
+    let s = x.sigmoid()?;
+    let one_minus = s.neg()?.add(1.0)?;
+    let inner = x.mul(&s.mul(-2.0)?.add(1.0)?)?.add(2.0)?;
+    s.mul(&one_minus)?.mul(&inner)
+}
+
 /// Whether the last two dims of `t` are stored column-major (a transposed view).
 fn is_transposed(t: &Tensor) -> bool {
     let (s, st) = (t.shape(), t.strides());
@@ -139,14 +147,7 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                     Some(g.mul(&s.mul(&s.neg()?.add(1.0)?)?)?)
                 }
                 Silu => Some(g.mul(&prim(Op::Unary(SiluGrad), &[x()?])?)?),
-                SiluGrad => {
-                    // d/dx [s (1 + x (1 - s))] = s (1 - s) (2 + x (1 - 2 s)).
-                    let x = x()?;
-                    let s = x.sigmoid()?;
-                    let one_minus = s.neg()?.add(1.0)?;
-                    let inner = x.mul(&s.mul(-2.0)?.add(1.0)?)?.add(2.0)?;
-                    Some(g.mul(&s.mul(&one_minus)?.mul(&inner)?)?)
-                }
+                SiluGrad => Some(g.mul(&silu_second_derivative(x()?)?)?),
                 Sin => Some(g.mul(&x()?.cos()?)?),
                 Cos => Some(g.mul(&x()?.sin()?.neg()?)?),
                 Erf => {
@@ -254,14 +255,10 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                     }
                 }
                 SiluGradMul => {
-                    // silu'(a) * b: da = silu''(a) * b * g, db = silu'(a) * g, with
-                    // silu''(a) = s (1 - s) (2 + a (1 - 2 s)).
+                    // silu'(a) * b: da = silu''(a) * b * g, db = silu'(a) * g.
                     let (a, b) = (ctx.saved(0)?, ctx.saved(1)?);
                     if na {
-                        let s = a.sigmoid()?;
-                        let inner = a.mul(&s.mul(-2.0)?.add(1.0)?)?.add(2.0)?;
-                        let second = s.mul(&s.neg()?.add(1.0)?)?.mul(&inner)?;
-                        out[0] = Some(g.mul(b)?.mul(&second)?);
+                        out[0] = Some(g.mul(b)?.mul(&silu_second_derivative(a)?)?);
                     }
                     if nb {
                         out[1] = Some(prim(Op::Binary(SiluGradMul), &[a, &g])?);
@@ -370,24 +367,18 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
         }
         Op::RmsNorm { eps } => {
             // Reached only when the primitive is applied directly (`Tensor::rms_norm`
-            // records its own node): differentiable ops, rstd recomputed from x.
+            // records its own node, which keeps rstd): recompute it.
             let (x, w) = (ctx.saved(0)?, ctx.saved(1)?);
-            let r = x.mul(x)?.mean_dim(-1, true)?.add(*eps)?.rsqrt()?;
-            let yhat = x.mul(&r)?;
-            let gw = g.mul(w)?;
-            let mut gx = r.mul(&gw.sub(&yhat.mul(&gw.mul(&yhat)?.mean_dim(-1, true)?)?)?)?;
-            // rstd's own gradient: d rstd / dx = -rstd³ x / D.
-            if let Some(Some(gr)) = grads.get(1) {
-                let d = x.shape()[x.ndim() - 1] as f64;
-                let r3 = r.mul(&r)?.mul(&r)?.mul(-1.0 / d)?;
-                gx = gx.add(&x.mul(&r3)?.mul(&gr.to_dtype(x.dtype())?.unsqueeze(-1)?)?)?;
-            }
-            if ctx.needs(0) {
-                out[0] = Some(gx);
-            }
-            if ctx.needs(1) {
-                let lead: Vec<usize> = (0..x.ndim() - 1).collect();
-                out[1] = Some(sum_dims(&g.mul(&yhat)?, &lead, false)?);
+            let rstd = {
+                let _off = kiln_tensor::GradModeGuard::set(false);
+                Tensor::apply(ctx.op.clone(), &[x, w])?.swap_remove(1)
+            };
+            let g_rstd = grads.get(1).and_then(|g| g.as_ref());
+            let grads = kiln_tensor::rms_norm_grads([x, w, &rstd], &g, g_rstd, *eps)?;
+            for (i, gi) in grads.into_iter().enumerate() {
+                if ctx.needs(i) {
+                    out[i] = Some(gi);
+                }
             }
         }
         Op::AttentionBackward { .. } | Op::CrossEntropyBackward { .. } | Op::RmsNormBackward { .. } => {

@@ -318,18 +318,7 @@ impl Tensor {
                 Some(o) => o,
                 None => edges[1].saved(OP, 1)?,
             };
-            let (dx, dw) = if crate::is_grad_enabled() {
-                // Differentiable: rstd recomputed from x.
-                let r = x.mul(x)?.mean_dim(-1, true)?.add(eps)?.rsqrt()?;
-                let yhat = x.mul(&r)?;
-                let gw = g.mul(w)?;
-                let dx = r.mul(&gw.sub(&yhat.mul(&gw.mul(&yhat)?.mean_dim(-1, true)?)?)?)?;
-                let lead: Vec<isize> = (0..x.ndim() as isize - 1).collect();
-                (dx, g.mul(&yhat)?.sum_dim(lead.as_slice(), false)?)
-            } else {
-                let r = Tensor::apply(Op::RmsNormBackward { eps }, &[x, w, &rstd, g])?;
-                (r[0].clone(), r[1].clone())
-            };
+            let [dx, dw] = rms_norm_grads([x, w, &rstd], g, None, eps)?;
             let mut out = vec![edges[0].requires_grad.then_some(dx)];
             if edges.len() > 1 {
                 out.push(edges[1].requires_grad.then_some(dw));
@@ -605,6 +594,32 @@ impl Tensor {
     }
 }
 
+/// The gradients `[dx, dw]` of `Op::RmsNorm` given `[x, w, rstd]`, the gradient
+/// `g` of `y` and optionally `g_rstd` of `rstd`. Uses the fused
+/// `Op::RmsNormBackward` unless grad mode is on (a backward with `create_graph`)
+/// or `g_rstd` is given: then the gradients are composed of differentiable
+/// primitives, with `rstd` recomputed from `x`.
+pub fn rms_norm_grads(saved: [&Tensor; 3], g: &Tensor, g_rstd: Option<&Tensor>, eps: f64) -> Result<[Tensor; 2]> {
+    let [x, w, rstd] = saved;
+    if !crate::is_grad_enabled() && g_rstd.is_none() {
+        let r = Tensor::apply(Op::RmsNormBackward { eps }, &[x, w, rstd, g])?;
+        return Ok([r[0].clone(), r[1].clone()]);
+    }
+    let r = x.mul(x)?.mean_dim(-1, true)?.add(eps)?.rsqrt()?;
+    let yhat = x.mul(&r)?;
+    let gw = g.mul(w)?;
+    let mut dx = r.mul(&gw.sub(&yhat.mul(&gw.mul(&yhat)?.mean_dim(-1, true)?)?)?)?;
+    if let Some(gr) = g_rstd {
+        // d rstd / dx = -rstd³ x / D.
+        let d = x.shape()[x.ndim() - 1] as f64;
+        let r3 = r.mul(&r)?.mul(&r)?.mul(-1.0 / d)?;
+        dx = dx.add(&x.mul(&r3)?.mul(&gr.to_dtype(x.dtype())?.unsqueeze(-1)?)?)?;
+    }
+    let lead: Vec<isize> = (0..x.ndim() as isize - 1).collect();
+    let dw = g.mul(&yhat)?.sum_dim(lead.as_slice(), false)?;
+    Ok([dx, dw])
+}
+
 /// Options of [`Tensor::cross_entropy_with`], PyTorch's `F.cross_entropy`
 /// keyword arguments for class-index targets. The default is PyTorch's:
 /// `ignore_index = -100`, mean reduction, no label smoothing.
@@ -710,7 +725,7 @@ fn cross_entropy_backward(
         None => w,
     };
     if !crate::is_grad_enabled() {
-        return Tensor::apply1(Op::CrossEntropyBackward { smoothing: eps }, &[x, safe, &w.contiguous()?]);
+        return Tensor::apply1(Op::CrossEntropyBackward { smoothing: eps }, &[x, safe, &w]);
     }
     let idx = safe.unsqueeze(1)?;
     let hit = Tensor::full(idx.shape(), -(1.0 - eps), (ct, x.device()))?;

@@ -34,7 +34,7 @@ pub mod storage;
 mod tensor;
 
 pub use attention::attention_grads;
-pub use composite::{CrossEntropy, Reduction};
+pub use composite::{rms_norm_grads, CrossEntropy, Reduction};
 pub use convert::TensorData;
 pub use create::TensorOptions;
 pub use device::{backend_for, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind, Meta};

@@ -17,7 +17,7 @@
 //!
 //! f32 and f64 compute in their own type; bf16 and f16 are widened to f32 and
 //! rounded once at the end.
-use super::copy::materialize_vec;
+use super::copy::{contiguous, narrow_f32, widen_f32};
 use super::elem::Elem;
 use super::matmul::{gemm_small, GemmElem, MatRef};
 use super::simd::{dispatch, Kernel};
@@ -322,13 +322,9 @@ fn backward_typed<F: AttnFloat>(ops: [Operand<'_, F>; 5], lse: &[F], dm: Dims) -
     (dq, dk, dv)
 }
 
-/// `x` widened to f32 in a contiguous buffer.
+/// `x` widened to f32 in a contiguous buffer, with its layout.
 fn widen<T: Elem>(x: &Input<'_>) -> Result<(Vec<f32>, Layout)> {
-    Ok((materialize_vec::<T>(x)?.into_iter().map(|v| v.cast_f32()).collect(), Layout::contiguous(x.layout.shape())))
-}
-
-fn narrow<T: Elem>(v: Vec<f32>) -> Vec<T> {
-    v.into_iter().map(T::of_f32).collect()
+    Ok((widen_f32::<T>(x)?, Layout::contiguous(x.layout.shape())))
 }
 
 /// `Op::Attention`: outputs `out` and `lse`.
@@ -344,7 +340,7 @@ pub(crate) fn forward(ins: &[Input<'_>], scale: f64, causal: bool) -> Result<Vec
         let w = ins.iter().map(widen::<T>).collect::<Result<Vec<_>>>()?;
         let o = |i: usize| Operand::new(&w[i].0[..], &w[i].1);
         let (out, lse) = forward_typed(o(0), o(1), o(2), dm);
-        Ok(vec![buf(narrow::<T>(out)), buf(lse)])
+        Ok(vec![buf(narrow_f32::<T>(out)), buf(lse)])
     }
     match q.dtype() {
         DType::F32 => typed::<f32>(ins, dm),
@@ -368,24 +364,14 @@ pub(crate) fn backward(ins: &[Input<'_>], scale: f64, causal: bool) -> Result<Ve
         let w = w.into_iter().collect::<Result<Vec<_>>>()?;
         let o = |i: usize| Operand::new(&w[i].0[..], &w[i].1);
         let (dq, dk, dv) = backward_typed([o(0), o(1), o(2), o(3), o(4)], lse, dm);
-        Ok(vec![buf(narrow::<T>(dq)), buf(narrow::<T>(dk)), buf(narrow::<T>(dv))])
+        Ok(vec![buf(narrow_f32::<T>(dq)), buf(narrow_f32::<T>(dk)), buf(narrow_f32::<T>(dv))])
     }
     let name = "scaled_dot_product_attention_backward";
     match ins[0].dtype() {
-        DType::F32 => typed::<f32>(ins, &contiguous_lse::<f32>(&ins[4])?, dm),
-        DType::F64 => typed::<f64>(ins, &contiguous_lse::<f64>(&ins[4])?, dm),
-        DType::BF16 => half::<bf16>(ins, &contiguous_lse::<f32>(&ins[4])?, dm),
-        DType::F16 => half::<f16>(ins, &contiguous_lse::<f32>(&ins[4])?, dm),
+        DType::F32 => typed::<f32>(ins, &contiguous::<f32>(&ins[4])?, dm),
+        DType::F64 => typed::<f64>(ins, &contiguous::<f64>(&ins[4])?, dm),
+        DType::BF16 => half::<bf16>(ins, &contiguous::<f32>(&ins[4])?, dm),
+        DType::F16 => half::<f16>(ins, &contiguous::<f32>(&ins[4])?, dm),
         dt => Err(Error::unsupported_dtype(name, dt)),
-    }
-}
-
-/// The log-sum-exps in row-major order.
-fn contiguous_lse<F: Elem>(x: &Input<'_>) -> Result<Vec<F>> {
-    let l = x.layout;
-    if l.is_contiguous() {
-        Ok(x.slice::<F>()?[l.offset()..l.offset() + l.numel()].to_vec())
-    } else {
-        materialize_vec::<F>(x)
     }
 }

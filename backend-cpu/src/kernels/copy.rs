@@ -64,6 +64,27 @@ pub(crate) fn materialize_vec<T: Elem>(x: &Input<'_>) -> Result<Vec<T>> {
     map1::<T, T>(x, 1, |v| v)
 }
 
+/// The elements of `x` in row-major order: borrowed when already contiguous,
+/// else a copy.
+pub(crate) fn contiguous<'a, T: Elem>(x: &Input<'a>) -> Result<std::borrow::Cow<'a, [T]>> {
+    let l = x.layout;
+    if l.is_contiguous() {
+        Ok(std::borrow::Cow::Borrowed(&x.slice::<T>()?[l.offset()..l.offset() + l.numel()]))
+    } else {
+        Ok(std::borrow::Cow::Owned(materialize_vec::<T>(x)?))
+    }
+}
+
+/// The elements of `x` (bf16, f16) in row-major order, widened to f32 (exactly).
+pub(crate) fn widen_f32<T: Elem>(x: &Input<'_>) -> Result<Vec<f32>> {
+    Ok(contiguous::<T>(x)?.iter().map(|v| v.cast_f32()).collect())
+}
+
+/// f32 results rounded once into `T`.
+pub(crate) fn narrow_f32<T: Elem>(v: Vec<f32>) -> Vec<T> {
+    v.into_iter().map(T::of_f32).collect()
+}
+
 /// Writes `src` (same shape and dtype) into `dst` through `dst_layout`.
 pub(crate) fn assign(dst: &mut HostBuffer, dst_layout: &Layout, src: &Input<'_>) -> Result<()> {
     if dst.dtype() != src.dtype() || dst_layout.shape() != src.layout.shape() {

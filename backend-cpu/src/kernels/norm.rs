@@ -7,7 +7,7 @@
 //! w`: `dx = rstd * gw - x * rstd³ * sum(gw * x) / D` and `dw = sum over rows of
 //! g * x * rstd`, each task summing its rows' `dw` before the partial sums are
 //! added. bf16/f16 compute in float32 and round once.
-use super::copy::materialize_vec;
+use super::copy::{contiguous, narrow_f32, widen_f32};
 use super::elem::Elem;
 use super::simd::{dispatch, Kernel};
 use super::softmax::SoftFloat;
@@ -164,23 +164,11 @@ fn backward_typed<F: NormFloat>(x: &[F], w: &[F], rstd: &[F], g: &[F]) -> (Vec<F
     (dx, dw)
 }
 
-fn contiguous<T: Elem>(x: &Input<'_>) -> Result<Vec<T>> {
-    materialize_vec::<T>(x)
-}
-
-fn widen<T: Elem>(x: &Input<'_>) -> Result<Vec<f32>> {
-    Ok(contiguous::<T>(x)?.into_iter().map(|v| v.cast_f32()).collect())
-}
-
-fn narrow<T: Elem>(v: Vec<f32>) -> Vec<T> {
-    v.into_iter().map(T::of_f32).collect()
-}
-
 /// `Op::RmsNorm`: outputs `y` and `rstd`.
 pub(crate) fn rms_norm(x: &Input<'_>, w: &Input<'_>, eps: f64) -> Result<Vec<HostBuffer>> {
     fn half<T: Elem>(x: &Input<'_>, w: &Input<'_>, eps: f64) -> Result<Vec<HostBuffer>> {
-        let (y, r) = forward_typed(&widen::<T>(x)?, &widen::<T>(w)?, eps);
-        Ok(vec![buf(narrow::<T>(y)), buf(r)])
+        let (y, r) = forward_typed(&widen_f32::<T>(x)?, &widen_f32::<T>(w)?, eps);
+        Ok(vec![buf(narrow_f32::<T>(y)), buf(r)])
     }
     Ok(match x.dtype() {
         DType::F32 => {
@@ -201,8 +189,9 @@ pub(crate) fn rms_norm(x: &Input<'_>, w: &Input<'_>, eps: f64) -> Result<Vec<Hos
 pub(crate) fn rms_norm_backward(ins: &[Input<'_>]) -> Result<Vec<HostBuffer>> {
     let (x, w, r, g) = (&ins[0], &ins[1], &ins[2], &ins[3]);
     fn half<T: Elem>(x: &Input<'_>, w: &Input<'_>, r: &Input<'_>, g: &Input<'_>) -> Result<Vec<HostBuffer>> {
-        let (dx, dw) = backward_typed(&widen::<T>(x)?, &widen::<T>(w)?, &contiguous::<f32>(r)?, &widen::<T>(g)?);
-        Ok(vec![buf(narrow::<T>(dx)), buf(narrow::<T>(dw))])
+        let (dx, dw) =
+            backward_typed(&widen_f32::<T>(x)?, &widen_f32::<T>(w)?, &contiguous::<f32>(r)?, &widen_f32::<T>(g)?);
+        Ok(vec![buf(narrow_f32::<T>(dx)), buf(narrow_f32::<T>(dw))])
     }
     fn typed<F: NormFloat>(x: &Input<'_>, w: &Input<'_>, r: &Input<'_>, g: &Input<'_>) -> Result<Vec<HostBuffer>> {
         let (dx, dw) =

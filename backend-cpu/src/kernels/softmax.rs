@@ -12,7 +12,7 @@
 //! NaN handling matches PyTorch: a NaN anywhere in a slice, a `+inf`, or a slice
 //! made only of `-inf` makes the whole slice NaN (the max-shifted exponentials
 //! then hold a NaN, and so does their sum).
-use super::copy::materialize_vec;
+use super::copy::{contiguous, materialize_vec};
 use super::elem::{bf16_to_f32, f32_to_bf16};
 use super::iter::par_blocks;
 use super::simd::{dispatch, exp_f32, Kernel};
@@ -254,16 +254,6 @@ fn in_compute_type<K: InComputeType>(x: &Input<'_>, name: &'static str, k: K) ->
         }
         dt => return Err(Error::unsupported_dtype(name, dt)),
     })
-}
-
-/// The elements of `x` in row-major order: borrowed when already contiguous.
-fn contiguous<'a, T: super::elem::Elem>(x: &Input<'a>) -> Result<std::borrow::Cow<'a, [T]>> {
-    let l = x.layout;
-    if l.is_contiguous() {
-        Ok(std::borrow::Cow::Borrowed(&x.slice::<T>()?[l.offset()..l.offset() + l.numel()]))
-    } else {
-        Ok(std::borrow::Cow::Owned(materialize_vec::<T>(x)?))
-    }
 }
 
 /// The types kernels here compute in (f32, f64), with their element conversions.
