@@ -157,12 +157,6 @@ pub fn causal_mask(
     Ok(Some(host.to_dtype(dtype)?.to_device(device)?))
 }
 
-/// Grouped-query causal self-attention (`LlamaAttention`, `Qwen3Attention`):
-/// `o_proj(softmax(q k^T / sqrt(d) + mask) v)` with RoPE on `q` and `k`.
-///
-/// Heads are never looped over nor copied for the grouping: queries `[B, H, T, d]`
-/// are viewed as `[B, KV, (H/KV)*T, d]`, so one batched matmul against keys
-/// `[B, KV, S, d]` serves every query head of a group.
 /// Which keys each query of [`Attention::forward`] may see.
 #[derive(Debug, Clone, Copy)]
 pub enum AttentionMask<'a> {
@@ -177,6 +171,13 @@ pub enum AttentionMask<'a> {
     Additive(&'a Tensor),
 }
 
+/// Grouped-query causal self-attention (`LlamaAttention`, `Qwen3Attention`):
+/// `o_proj(softmax(q k^T / sqrt(d) + mask) v)` with RoPE on `q` and `k`.
+///
+/// Heads are never looped over nor copied for the grouping: the fused kernel
+/// reads key/value head `h / (H/KV)` for query head `h`, and the step-by-step
+/// path views queries `[B, H, T, d]` as `[B, KV, (H/KV)*T, d]`, so one batched
+/// matmul against keys `[B, KV, S, d]` serves every query head of a group.
 #[derive(Debug, Clone)]
 pub struct Attention {
     /// `[heads * head_dim, hidden]`.
