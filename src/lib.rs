@@ -12,7 +12,9 @@
 //! ```
 //!
 //! The CPU backend (`kiln-cpu`) is registered automatically when this crate is
-//! linked; [`init`] registers it explicitly (idempotent).
+//! linked; [`init`] registers it explicitly (idempotent). The PJRT backend
+//! (`kiln-tpu`, `Device::Tpu(n)`) loads a plugin, so it is registered on
+//! request: [`tpu::register`].
 
 pub use kiln_autograd as autograd;
 pub use kiln_cpu as cpu;
@@ -22,11 +24,29 @@ pub use kiln_tensor::{
     is_grad_enabled, manual_seed, register_backend, registered_devices, set_grad_enabled, Backend, DType, Device,
     DeviceKind, Error, Layout, Op, Operand, Result, Scalar, Tensor, TensorOptions,
 };
+pub use kiln_tpu as tpu;
 
 /// Registers the built-in backends (the CPU one). Called automatically at
 /// start-up; calling it again does nothing.
 pub fn init() {
     kiln_cpu::register();
+}
+
+/// Makes `device` usable: registers the built-in backend serving it (the CPU
+/// backend, or the PJRT backend for `Device::Tpu(n)`, which loads its plugin:
+/// see [`tpu::register`]) and checks that the device exists.
+///
+/// ```no_run
+/// kiln::init_device(kiln::Device::Tpu(0))?;
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub fn init_device(device: Device) -> Result<()> {
+    match device.kind() {
+        DeviceKind::Cpu => kiln_cpu::register(),
+        DeviceKind::Tpu => kiln_tpu::register()?,
+        DeviceKind::PrivateUse1 => {}
+    }
+    device.backend().map(|_| ())
 }
 
 /// `use kiln::prelude::*;` brings the everyday names into scope.

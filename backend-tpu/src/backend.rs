@@ -1,0 +1,389 @@
+//! `PjrtBackend`: the `Backend` for `Device::Tpu(n)`. Each primitive becomes a
+//! one-op StableHLO program (views read inside it), compiled once per distinct
+//! program text and cached, and dispatched asynchronously (Strict) or waited
+//! for and checked (Debug).
+use crate::lower::{self, ArgView, Check};
+use crate::mode::{mode, nan_trap, Mode};
+use crate::pjrt::{Buffer, Client, Event, Executable};
+use kiln_tensor::{Backend, DType, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A storage's memory on a PJRT device: one flat buffer, shared (immutably)
+/// by every program that reads it. An in-place write replaces it.
+#[derive(Debug, Clone)]
+pub struct PjrtBuffer(pub Arc<Buffer>);
+
+impl kiln_tensor::DeviceBuffer for PjrtBuffer {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// Work dispatched in Strict mode that nobody has waited for yet: the op and
+/// its completion event.
+struct Pending {
+    op: &'static str,
+    event: Event,
+}
+
+/// Counters of the executable cache and dispatches (see [`PjrtBackend::stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Programs compiled (cache misses).
+    pub compiles: u64,
+    /// Dispatches served by a cached executable.
+    pub hits: u64,
+    /// Programs executed.
+    pub executions: u64,
+}
+
+/// The PJRT backend: one client, its executable cache and the queue of
+/// asynchronous work whose errors have not been collected yet.
+pub struct PjrtBackend {
+    client: Arc<Client>,
+    cache: Mutex<HashMap<String, Arc<Executable>>>,
+    pending: Mutex<Vec<Pending>>,
+    compiles: AtomicU64,
+    hits: AtomicU64,
+    executions: AtomicU64,
+}
+
+impl std::fmt::Debug for PjrtBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PjrtBackend({:?})", self.client)
+    }
+}
+
+fn err(msg: impl Into<String>) -> Error {
+    Error::backend("pjrt", msg)
+}
+
+/// The flat device buffer behind a tensor's storage.
+fn buffer_of(t: &Tensor) -> Result<Arc<Buffer>> {
+    let g = t.storage().read();
+    match &*g {
+        StorageData::Device(d) => d
+            .as_any()
+            .downcast_ref::<PjrtBuffer>()
+            .map(|b| b.0.clone())
+            .ok_or_else(|| err(format!("a tensor on {} holds another backend's buffer", t.device()))),
+        StorageData::Host(_) => Err(err(format!("a tensor on {} holds host memory", t.device()))),
+    }
+}
+
+/// The number of pending dispatches after which finished ones are collected.
+const REAP_AT: usize = 64;
+
+impl PjrtBackend {
+    pub fn new(client: Arc<Client>) -> PjrtBackend {
+        PjrtBackend {
+            client,
+            cache: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Vec::new()),
+            compiles: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+            executions: AtomicU64::new(0),
+        }
+    }
+
+    pub fn client(&self) -> &Arc<Client> {
+        &self.client
+    }
+
+    pub fn stats(&self) -> Stats {
+        Stats {
+            compiles: self.compiles.load(Ordering::Relaxed),
+            hits: self.hits.load(Ordering::Relaxed),
+            executions: self.executions.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The executable for a program text: from the cache, or compiled and cached.
+    pub fn executable(&self, text: &str) -> Result<Arc<Executable>> {
+        if let Some(e) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(text) {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(e.clone());
+        }
+        let exe = Arc::new(self.client.compile(text).map_err(|e| err(format!("{e}\nprogram:\n{text}")))?);
+        self.compiles.fetch_add(1, Ordering::Relaxed);
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).insert(text.to_string(), exe.clone());
+        Ok(exe)
+    }
+
+    /// Runs a program on `device`: waits for it in Debug mode, else queues its
+    /// event. The trailing outputs are the bool `checks` of the lowering, read
+    /// before returning in every mode (see Note [Checks on the device]).
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        name: &'static str,
+        text: &str,
+        args: &[&Buffer],
+        outs: &[Meta],
+        checks: &[Check],
+        inputs: &[&Tensor],
+        device: Device,
+    ) -> Result<Vec<Buffer>> {
+        let exe = self.executable(text)?;
+        let mut metas: Vec<(DType, Vec<usize>)> =
+            outs.iter().map(|m| (m.dtype, vec![m.shape.iter().product()])).collect();
+        metas.extend(checks.iter().map(|_| (DType::Bool, vec![])));
+        let (mut bufs, event) = exe.execute(args, device.index(), &metas)?;
+        self.executions.fetch_add(1, Ordering::Relaxed);
+        let flags = bufs.split_off(outs.len());
+        for (flag, c) in flags.iter().zip(checks) {
+            let mut byte = [0u8; 1];
+            flag.copy_to_host(&mut byte).map_err(|e| err(format!("{name} failed on {device}: {e}")))?;
+            if byte[0] == 0 {
+                return Err(self.check_error(name, c, inputs));
+            }
+        }
+        match mode() {
+            Mode::Debug => {
+                event.wait(name).map_err(|e| err(format!("{name} failed on {device}: {e}")))?;
+                if nan_trap() {
+                    for (b, m) in bufs.iter().zip(outs) {
+                        if m.dtype.is_float() {
+                            self.trap_nonfinite(name, b, m.dtype, device)?;
+                        }
+                    }
+                }
+            }
+            Mode::Strict => self.queue(Pending { op: name, event })?,
+        }
+        Ok(bufs)
+    }
+
+    /// The CPU backend's error for a failed check, naming the offending value.
+    fn check_error(&self, name: &'static str, c: &Check, inputs: &[&Tensor]) -> Error {
+        match c {
+            Check::ZeroDivision => Error::invalid(name, "ZeroDivisionError: integer division or modulo by zero"),
+            Check::NegativePower => Error::invalid(name, "Integers to negative integer powers are not allowed."),
+            Check::Index { input, dim, size } => {
+                let bad = inputs
+                    .get(*input)
+                    .and_then(|t| self.to_host(t).ok())
+                    .and_then(|h| (0..h.len()).map(|i| h.get_i64(i)).find(|&v| v < 0 || v >= *size as i64));
+                match bad {
+                    Some(v) => {
+                        Error::index(name, format!("index {v} is out of bounds for dimension {dim} with size {size}"))
+                    }
+                    None => {
+                        Error::index(name, format!("an index is out of bounds for dimension {dim} with size {size}"))
+                    }
+                }
+            }
+        }
+    }
+
+    fn queue(&self, p: Pending) -> Result<()> {
+        let mut q = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        q.push(p);
+        if q.len() < REAP_AT {
+            return Ok(());
+        }
+        // Collect the finished ones; the first failure surfaces now.
+        let mut keep = Vec::with_capacity(q.len());
+        let mut first_err = None;
+        for p in q.drain(..) {
+            if first_err.is_none() && p.event.is_ready().unwrap_or(false) {
+                if let Err(e) = settle(&p) {
+                    first_err = Some(e);
+                }
+            } else if first_err.is_none() {
+                keep.push(p);
+            }
+        }
+        *q = keep;
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Waits for every queued dispatch and surfaces the first asynchronous failure.
+    pub fn drain(&self) -> Result<()> {
+        let pending: Vec<Pending> = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut first = Ok(());
+        for p in &pending {
+            let r = settle(p);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// Debug mode's NaN/Inf trap: fails when a float output holds a non-finite value.
+    fn trap_nonfinite(&self, name: &'static str, b: &Buffer, dtype: DType, device: Device) -> Result<()> {
+        let n = b.numel();
+        let ty = lower::Ty::new(&[n], dtype);
+        let (mut bl, args) = lower::Builder::new(&[ty]);
+        let f = bl.convert_raw(&args[0], DType::F64);
+        let a = bl.unary("abs", &f);
+        let inf = bl.splat(lower::Lit::F(f64::INFINITY), DType::F64, &[n]);
+        let finite = bl.compare("LT", &a, &inf);
+        let all = bl.reduce(&finite, lower::Lit::B(true), &[0], "and");
+        let text = bl.finish(&[all]);
+        let exe = self.executable(&text)?;
+        let (outs, ev) = exe.execute(&[b], device.index(), &[(DType::Bool, vec![])])?;
+        ev.wait("the NaN/Inf trap")?;
+        let mut byte = [0u8; 1];
+        outs[0].copy_to_host(&mut byte)?;
+        if byte[0] == 0 {
+            return Err(Error::invalid(
+                "nan_trap",
+                format!("{name} produced a NaN or infinite value on {device} (KILN_TPU_NAN_TRAP is on)"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn storage(&self, buf: Buffer, dtype: DType, device: Device) -> Arc<Storage> {
+        let len = buf.numel();
+        Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer(Arc::new(buf)))), dtype, len, device))
+    }
+}
+
+// Note [Checks on the device]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// XLA clamps out-of-range gather/scatter indices and returns garbage for an
+// integer division by zero, where the CPU backend (and PyTorch) raise an
+// error. A silent wrong answer is not acceptable, so the lowering of those ops
+// also computes one bool per condition (every index in range, no zero
+// divisor, no negative integer exponent), and the backend reads these flags
+// before the op returns, in Strict mode too: the wait covers only the
+// program producing one byte, and only ops with a condition pay it (index
+// ops, integer division and integer pow). On failure the offending value is
+// read back so the error names it, like the CPU's.
+
+/// Waits for one dispatch.
+fn settle(p: &Pending) -> Result<()> {
+    p.event.wait(p.op).map_err(|e| err(format!("{} (dispatched asynchronously) failed: {e}", p.op)))
+}
+
+impl Backend for PjrtBackend {
+    fn name(&self) -> &'static str {
+        "pjrt"
+    }
+
+    fn device_count(&self) -> usize {
+        self.client.device_count()
+    }
+
+    fn from_host(&self, buf: HostBuffer, device: Device) -> Result<Arc<Storage>> {
+        let dtype = buf.dtype();
+        let len = buf.len();
+        let bytes = buf.to_le_bytes();
+        let b = self.client.buffer_from_host(&bytes, dtype, &[len], device.index())?;
+        Ok(self.storage(b, dtype, device))
+    }
+
+    fn to_host(&self, t: &Tensor) -> Result<HostBuffer> {
+        self.drain()?;
+        let buf = buffer_of(t)?;
+        let l = t.layout();
+        let whole = l.is_contiguous() && l.offset() == 0 && l.numel() == buf.numel();
+        let dtype = t.dtype();
+        let out = if whole {
+            buf
+        } else {
+            let text = lower::read_module(l, buf.numel(), dtype)?;
+            let meta = Meta { shape: [l.numel()].as_slice().into(), dtype };
+            Arc::new(self.run("to_host", &text, &[&buf], &[meta], &[], &[], t.device())?.remove(0))
+        };
+        let mut bytes = vec![0u8; out.numel() * dtype.size_in_bytes()];
+        out.copy_to_host(&mut bytes)?;
+        HostBuffer::from_le_bytes(dtype, &bytes)
+    }
+
+    fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
+        if let Some(values) = lower::creation_args(op) {
+            let text = lower::creation_module(op)?;
+            let args: Vec<Buffer> = values
+                .iter()
+                .map(|(bytes, dt)| self.client.buffer_from_host(bytes, *dt, &[], device.index()))
+                .collect::<Result<_>>()?;
+            let refs: Vec<&Buffer> = args.iter().collect();
+            let out = self.run(op.name(), &text, &refs, outs, &[], &[], device)?;
+            return Ok(out.into_iter().zip(outs).map(|(b, m)| self.storage(b, m.dtype, device)).collect());
+        }
+        let bufs: Vec<Arc<Buffer>> = inputs.iter().map(|t| buffer_of(t)).collect::<Result<_>>()?;
+        let views: Vec<ArgView<'_>> = inputs
+            .iter()
+            .zip(&bufs)
+            .map(|(t, b)| ArgView { layout: t.layout(), len: b.numel(), dtype: t.dtype() })
+            .collect();
+        let (text, checks) = lower::exec_module(op, &views, outs)?;
+        let args: Vec<&Buffer> = bufs.iter().map(|b| &**b).collect();
+        let out = self.run(op.name(), &text, &args, outs, &checks, inputs, device)?;
+        Ok(out.into_iter().zip(outs).map(|(b, m)| self.storage(b, m.dtype, device)).collect())
+    }
+
+    fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        if dst.dtype() != src.dtype() || dst.shape() != src.shape() {
+            return Err(Error::invalid(
+                "assign",
+                format!(
+                    "needs equal shapes and dtypes, got {:?} {} and {:?} {}",
+                    dst.shape(),
+                    dst.dtype(),
+                    src.shape(),
+                    src.dtype()
+                ),
+            ));
+        }
+        let same = Arc::ptr_eq(dst.storage(), src.storage());
+        // The write holds the destination's lock from reading its buffer to
+        // replacing it (Note [Storage mutability]); the source is read first.
+        let src_buf = if same { None } else { Some(buffer_of(src)?) };
+        let mut g = dst.storage().write();
+        let dst_buf = match &*g {
+            StorageData::Device(d) => d
+                .as_any()
+                .downcast_ref::<PjrtBuffer>()
+                .map(|b| b.0.clone())
+                .ok_or_else(|| err("the destination holds another backend's buffer"))?,
+            StorageData::Host(_) => return Err(err("the destination holds host memory")),
+        };
+        let src_view = ArgView {
+            layout: src.layout(),
+            len: src_buf.as_ref().map_or(dst_buf.numel(), |b| b.numel()),
+            dtype: src.dtype(),
+        };
+        let text = lower::assign_module(dst.layout(), dst_buf.numel(), src_view, same)?;
+        let mut args: Vec<&Buffer> = vec![&dst_buf];
+        if let Some(s) = &src_buf {
+            args.push(s);
+        }
+        let meta = Meta { shape: [dst_buf.numel()].as_slice().into(), dtype: dst.dtype() };
+        let new = self.run("copy_", &text, &args, &[meta], &[], &[], dst.device())?.remove(0);
+        *g = StorageData::Device(Box::new(PjrtBuffer(Arc::new(new))));
+        Ok(())
+    }
+
+    fn nonzero(&self, t: &Tensor) -> Result<Tensor> {
+        let host = self.to_host(t)?;
+        let shape = t.shape().to_vec();
+        let strides = kiln_tensor::contiguous_strides(&shape);
+        let mut idx = vec![];
+        let mut n = 0;
+        for i in 0..host.len() {
+            if host.get_f64(i) != 0.0 {
+                let mut r = i;
+                for s in strides.iter() {
+                    idx.push((r / s) as i64);
+                    r %= s;
+                }
+                n += 1;
+            }
+        }
+        Tensor::from_vec(idx, &[n, shape.len()])?.to_device(t.device())
+    }
+
+    fn synchronize(&self, _device: Device) -> Result<()> {
+        self.drain()
+    }
+}

@@ -1,0 +1,117 @@
+//! kiln-tpu: the PJRT backend for `Device::Tpu(n)`. Primitives lower to
+//! StableHLO (`lower/`) and run through a PJRT plugin (`pjrt/`): libtpu on
+//! TPUs, the CUDA plugin on GPUs, the XLA:CPU plugin anywhere.
+//!
+//! ```no_run
+//! use kiln_tensor::{Device, DType, Tensor};
+//! kiln_tpu::register()?; // finds the plugin: KILN_PJRT_PLUGIN, else the fetched XLA:CPU one
+//! let x = Tensor::ones(&[2, 3], (DType::F32, Device::Tpu(0)))?;
+//! let y = (&x + &x).exp()?;
+//! assert_eq!(y.to_vec::<f32>()?.len(), 6);
+//! # Ok::<(), kiln_tensor::Error>(())
+//! ```
+mod backend;
+pub mod lower;
+mod mode;
+pub mod pjrt;
+
+pub use backend::{PjrtBackend, PjrtBuffer, Stats};
+pub use mode::{mode, nan_trap, set_mode, set_nan_trap, with_mode, Mode};
+
+use kiln_tensor::{DeviceKind, Error, Result};
+use std::sync::{Arc, Mutex, OnceLock};
+
+static BACKEND: OnceLock<&'static PjrtBackend> = OnceLock::new();
+static INIT: Mutex<()> = Mutex::new(());
+
+/// Loads the PJRT plugin ([`pjrt::find_plugin`]), creates a client and
+/// registers the backend for `Device::Tpu(n)`. Idempotent: later calls return
+/// the first registration's result without loading anything.
+///
+/// `KILN_PJRT_CPU_DEVICES=N` sets the number of devices of the XLA:CPU plugin
+/// (its `cpu_device_count` option; other plugins ignore the variable).
+pub fn register() -> Result<()> {
+    if BACKEND.get().is_some() {
+        return Ok(());
+    }
+    let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    if BACKEND.get().is_some() {
+        return Ok(());
+    }
+    let path = pjrt::find_plugin()?;
+    let api = pjrt::Api::load(&path)?;
+    let mut opts = vec![];
+    if let Ok(n) = std::env::var("KILN_PJRT_CPU_DEVICES") {
+        let n: i64 = n
+            .parse()
+            .map_err(|_| Error::invalid("register", format!("KILN_PJRT_CPU_DEVICES={n:?} is not a number")))?;
+        if path.to_string_lossy().contains("cpu") {
+            opts.push(("cpu_device_count", pjrt::OptionValue::Int(n)));
+        }
+    }
+    let client = Arc::new(pjrt::Client::new(api, &opts)?);
+    let b: &'static PjrtBackend = Box::leak(Box::new(PjrtBackend::new(client)));
+    kiln_tensor::register_backend(DeviceKind::Tpu, Box::new(Registered(b)));
+    let _ = BACKEND.set(b);
+    Ok(())
+}
+
+/// The registered backend (after [`register`]).
+pub fn backend() -> Result<&'static PjrtBackend> {
+    BACKEND
+        .get()
+        .copied()
+        .ok_or_else(|| Error::device("tpu", "the PJRT backend is not registered: call kiln_tpu::register()"))
+}
+
+/// Executable-cache and dispatch counters of the registered backend.
+pub fn stats() -> Result<Stats> {
+    Ok(backend()?.stats())
+}
+
+/// Waits for all work dispatched to PJRT devices and surfaces the first
+/// asynchronous failure.
+pub fn sync() -> Result<()> {
+    backend()?.drain()
+}
+
+/// The registry owns a `Box<dyn Backend>`; the backend itself is shared with
+/// [`backend()`], so the registry gets this forwarding handle.
+struct Registered(&'static PjrtBackend);
+
+impl kiln_tensor::Backend for Registered {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn device_count(&self) -> usize {
+        self.0.device_count()
+    }
+    fn from_host(
+        &self,
+        buf: kiln_tensor::HostBuffer,
+        device: kiln_tensor::Device,
+    ) -> Result<Arc<kiln_tensor::Storage>> {
+        self.0.from_host(buf, device)
+    }
+    fn to_host(&self, t: &kiln_tensor::Tensor) -> Result<kiln_tensor::HostBuffer> {
+        self.0.to_host(t)
+    }
+    fn exec(
+        &self,
+        op: &kiln_tensor::Op,
+        inputs: &[&kiln_tensor::Tensor],
+        outs: &[kiln_tensor::Meta],
+        device: kiln_tensor::Device,
+    ) -> Result<Vec<Arc<kiln_tensor::Storage>>> {
+        self.0.exec(op, inputs, outs, device)
+    }
+    fn assign(&self, dst: &kiln_tensor::Tensor, src: &kiln_tensor::Tensor) -> Result<()> {
+        self.0.assign(dst, src)
+    }
+    fn nonzero(&self, t: &kiln_tensor::Tensor) -> Result<kiln_tensor::Tensor> {
+        self.0.nonzero(t)
+    }
+    fn synchronize(&self, device: kiln_tensor::Device) -> Result<()> {
+        self.0.synchronize(device)
+    }
+}

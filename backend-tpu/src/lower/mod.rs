@@ -1,0 +1,570 @@
+//! The StableHLO emitter: MLIR text in the generic op form, built by a small
+//! [`Builder`]. `ops.rs` holds one lowering per primitive, `view.rs` the reads
+//! and writes of strided views of flat buffers; [`exec_module`],
+//! [`read_module`] and [`assign_module`] assemble whole programs. Nothing here
+//! needs a device, so every lowering has golden-text tests.
+mod ops;
+mod view;
+
+pub use ops::{lower_op, Check};
+pub use view::{read_view, write_view};
+
+use kiln_tensor::{DType, Error, Layout, Meta, Result};
+use std::fmt::Write;
+
+/// A tensor type: shape and dtype.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Ty {
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+impl Ty {
+    pub fn new(shape: &[usize], dtype: DType) -> Ty {
+        Ty { shape: shape.to_vec(), dtype }
+    }
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    /// `tensor<2x3xf32>`.
+    pub fn mlir(&self) -> String {
+        let mut s = String::from("tensor<");
+        for d in &self.shape {
+            let _ = write!(s, "{d}x");
+        }
+        s.push_str(elem_type(self.dtype));
+        s.push('>');
+        s
+    }
+    pub fn with_dtype(&self, dtype: DType) -> Ty {
+        Ty { shape: self.shape.clone(), dtype }
+    }
+}
+
+/// The MLIR element type of a dtype (bool is `i1`, uint8 `ui8`).
+pub fn elem_type(d: DType) -> &'static str {
+    match d {
+        DType::Bool => "i1",
+        DType::U8 => "ui8",
+        DType::I8 => "i8",
+        DType::I16 => "i16",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+    }
+}
+
+/// An SSA value and its type.
+#[derive(Debug, Clone)]
+pub struct Val {
+    pub name: String,
+    pub ty: Ty,
+}
+
+impl Val {
+    pub fn shape(&self) -> &[usize] {
+        &self.ty.shape
+    }
+    pub fn dtype(&self) -> DType {
+        self.ty.dtype
+    }
+}
+
+/// A scalar literal before conversion to an element type.
+#[derive(Debug, Clone, Copy)]
+pub enum Lit {
+    F(f64),
+    I(i64),
+    B(bool),
+}
+
+/// `array<i64: 1, 2>`.
+pub fn arr(v: &[usize]) -> String {
+    let items: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+    if items.is_empty() {
+        "array<i64>".into()
+    } else {
+        format!("array<i64: {}>", items.join(", "))
+    }
+}
+
+/// `[1, 2]` (for dimension lists inside dialect attributes).
+pub fn list(v: &[usize]) -> String {
+    let items: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// The literal text of `v` converted to `dtype` with PyTorch's cast rules
+/// (float to integer truncates through int64, anything to bool is `!= 0`,
+/// everything into bf16/f16 goes through float32). Floats are written as their
+/// bit pattern, so NaN, infinities and signed zeros are exact.
+pub fn literal(v: Lit, dtype: DType) -> String {
+    let as_f64 = match v {
+        Lit::F(f) => f,
+        Lit::I(i) => i as f64,
+        Lit::B(b) => b as u8 as f64,
+    };
+    let as_i64 = match v {
+        Lit::F(f) => f as i64,
+        Lit::I(i) => i,
+        Lit::B(b) => b as i64,
+    };
+    let truth = match v {
+        Lit::F(f) => f != 0.0,
+        Lit::I(i) => i != 0,
+        Lit::B(b) => b,
+    };
+    let f32v = match v {
+        Lit::I(i) => i as f32,
+        _ => as_f64 as f32,
+    };
+    match dtype {
+        DType::Bool => if truth { "true" } else { "false" }.into(),
+        DType::U8 => (as_i64 as u8).to_string(),
+        DType::I8 => (as_i64 as i8).to_string(),
+        DType::I16 => (as_i64 as i16).to_string(),
+        DType::I32 => (as_i64 as i32).to_string(),
+        DType::I64 => as_i64.to_string(),
+        DType::F16 => format!("0x{:04X}", half::f16::from_f32(f32v).to_bits()),
+        DType::BF16 => format!("0x{:04X}", half::bf16::from_f32(f32v).to_bits()),
+        DType::F32 => format!("0x{:08X}", f32v.to_bits()),
+        DType::F64 => format!("0x{:016X}", as_f64.to_bits()),
+    }
+}
+
+/// The little-endian bytes of `v` converted to `dtype` exactly as [`literal`]
+/// writes it: the value of a scalar argument uploaded at run time.
+pub fn literal_bytes(v: Lit, dtype: DType) -> Vec<u8> {
+    let text = literal(v, dtype);
+    let hex = |t: &str| u64::from_str_radix(t.trim_start_matches("0x"), 16).expect("a hex literal");
+    let int = |t: &str| t.parse::<i64>().expect("an integer literal");
+    match dtype {
+        DType::Bool => vec![(text == "true") as u8],
+        DType::U8 => vec![text.parse::<u8>().expect("a uint8 literal")],
+        DType::I8 => (int(&text) as i8).to_le_bytes().to_vec(),
+        DType::I16 => (int(&text) as i16).to_le_bytes().to_vec(),
+        DType::I32 => (int(&text) as i32).to_le_bytes().to_vec(),
+        DType::I64 => int(&text).to_le_bytes().to_vec(),
+        DType::F16 | DType::BF16 => (hex(&text) as u16).to_le_bytes().to_vec(),
+        DType::F32 => (hex(&text) as u32).to_le_bytes().to_vec(),
+        DType::F64 => hex(&text).to_le_bytes().to_vec(),
+    }
+}
+
+/// The scalar values a creation op takes at run time (see [`creation_module`]).
+pub fn creation_args(op: &kiln_tensor::Op) -> Option<Vec<(Vec<u8>, DType)>> {
+    use kiln_tensor::{Op, Scalar};
+    match op {
+        Op::Full { value, dtype, .. } => {
+            let lit = match *value {
+                Scalar::Bool(v) => Lit::B(v),
+                Scalar::Int(v) => Lit::I(v),
+                Scalar::Float(v) => Lit::F(v),
+            };
+            Some(vec![(literal_bytes(lit, *dtype), *dtype)])
+        }
+        Op::Arange { start, step, .. } => {
+            Some(vec![(start.to_le_bytes().to_vec(), DType::F64), (step.to_le_bytes().to_vec(), DType::F64)])
+        }
+        _ => None,
+    }
+}
+
+/// The program of a creation op (`Full`, `Arange`) whose values are scalar
+/// arguments, so that one executable serves every value: a fill value or a
+/// range start that changes every step (an optimizer's bias correction, a
+/// decoding position) never recompiles.
+pub fn creation_module(op: &kiln_tensor::Op) -> Result<String> {
+    use kiln_tensor::Op;
+    match op {
+        Op::Full { shape, dtype, .. } => {
+            let (mut b, args) = Builder::new(&[Ty::new(&[], *dtype)]);
+            let v = b.broadcast(&args[0], shape, &[]);
+            let n = v.ty.numel();
+            let flat = b.reshape(&v, &[n]);
+            Ok(b.finish(&[flat]))
+        }
+        Op::Arange { len, dtype, .. } => {
+            let f = Ty::new(&[], DType::F64);
+            let (mut b, args) = Builder::new(&[f.clone(), f]);
+            let i = b.iota(&[*len], 0, DType::F64);
+            let st = b.broadcast(&args[1], &[*len], &[]);
+            let s0 = b.broadcast(&args[0], &[*len], &[]);
+            let p = b.mul(&st, &i);
+            let v = b.add(&s0, &p);
+            let out = b.cast(&v, *dtype);
+            Ok(b.finish(&[out]))
+        }
+        other => Err(Error::backend("pjrt", format!("{} is not a creation op", other.name()))),
+    }
+}
+
+/// Builds one function body in MLIR's generic op form.
+pub struct Builder {
+    body: String,
+    next: usize,
+    args: Vec<Ty>,
+}
+
+impl Builder {
+    /// A builder for a function of the given argument types, and the arguments as values.
+    pub fn new(args: &[Ty]) -> (Builder, Vec<Val>) {
+        let vals = args.iter().enumerate().map(|(i, t)| Val { name: format!("%a{i}"), ty: t.clone() }).collect();
+        (Builder { body: String::new(), next: 0, args: args.to_vec() }, vals)
+    }
+
+    fn fresh(&mut self) -> String {
+        self.next += 1;
+        format!("%v{}", self.next)
+    }
+
+    /// Emits `"name"(operands) {attrs} : (types) -> out` and returns its result.
+    pub fn op(&mut self, name: &str, operands: &[&Val], attrs: &str, out: Ty) -> Val {
+        self.op_n(name, operands, "", attrs, &[out]).pop().expect("one result")
+    }
+
+    /// An op with one region and one result.
+    pub fn op_region(&mut self, name: &str, operands: &[&Val], region: &str, attrs: &str, out: Ty) -> Val {
+        self.op_n(name, operands, region, attrs, std::slice::from_ref(&out)).pop().expect("one result")
+    }
+
+    /// An op with several results and an optional region text.
+    pub fn op_n(&mut self, name: &str, operands: &[&Val], region: &str, attrs: &str, outs: &[Ty]) -> Vec<Val> {
+        let id = self.fresh();
+        let ops: Vec<&str> = operands.iter().map(|v| v.name.as_str()).collect();
+        let in_tys: Vec<String> = operands.iter().map(|v| v.ty.mlir()).collect();
+        let out_tys: Vec<String> = outs.iter().map(|t| t.mlir()).collect();
+        let lhs = if outs.len() == 1 { id.clone() } else { format!("{id}:{}", outs.len()) };
+        let _ = write!(self.body, "    {lhs} = \"{name}\"({})", ops.join(", "));
+        if !region.is_empty() {
+            let _ = write!(self.body, " ({region})");
+        }
+        if !attrs.is_empty() {
+            let _ = write!(self.body, " {{{attrs}}}");
+        }
+        let out_list = if outs.len() == 1 { out_tys[0].clone() } else { format!("({})", out_tys.join(", ")) };
+        let _ = writeln!(self.body, " : ({}) -> {out_list}", in_tys.join(", "));
+        if outs.len() == 1 {
+            vec![Val { name: id, ty: outs[0].clone() }]
+        } else {
+            outs.iter().enumerate().map(|(i, t)| Val { name: format!("{id}#{i}"), ty: t.clone() }).collect()
+        }
+    }
+
+    /// The text of a one-block region with arguments of the given types, whose
+    /// body `f` builds and returns the values the block yields.
+    pub fn region(&mut self, arg_tys: &[Ty], f: impl FnOnce(&mut Builder, Vec<Val>) -> Vec<Val>) -> String {
+        let saved = std::mem::take(&mut self.body);
+        let args: Vec<Val> = arg_tys.iter().map(|t| Val { name: self.fresh(), ty: t.clone() }).collect();
+        let header: Vec<String> = args.iter().map(|a| format!("{}: {}", a.name, a.ty.mlir())).collect();
+        let _ = writeln!(self.body, "{{\n  ^bb0({}):", header.join(", "));
+        let rets = f(self, args);
+        let names: Vec<&str> = rets.iter().map(|v| v.name.as_str()).collect();
+        let tys: Vec<String> = rets.iter().map(|v| v.ty.mlir()).collect();
+        let _ = write!(self.body, "    \"stablehlo.return\"({}) : ({}) -> ()\n  }}", names.join(", "), tys.join(", "));
+        std::mem::replace(&mut self.body, saved)
+    }
+
+    /// The whole module with `outs` returned from `@main`.
+    pub fn finish(self, outs: &[Val]) -> String {
+        let args: Vec<String> = self.args.iter().enumerate().map(|(i, t)| format!("%a{i}: {}", t.mlir())).collect();
+        let out_tys: Vec<String> = outs.iter().map(|v| v.ty.mlir()).collect();
+        let names: Vec<&str> = outs.iter().map(|v| v.name.as_str()).collect();
+        format!(
+            "module @kiln attributes {{mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32}} {{\n  func.func public @main({}) -> ({}) {{\n{}    \"func.return\"({}) : ({}) -> ()\n  }}\n}}\n",
+            args.join(", "),
+            out_tys.join(", "),
+            self.body,
+            names.join(", "),
+            out_tys.join(", ")
+        )
+    }
+
+    // ---- building blocks ---------------------------------------------------------------
+
+    /// A scalar constant of `dtype`.
+    pub fn constant(&mut self, v: Lit, dtype: DType) -> Val {
+        let ty = Ty::new(&[], dtype);
+        let attrs = format!("value = dense<{}> : {}", literal(v, dtype), ty.mlir());
+        self.op("stablehlo.constant", &[], &attrs, ty)
+    }
+    /// `v` broadcast to `shape`.
+    pub fn splat(&mut self, v: Lit, dtype: DType, shape: &[usize]) -> Val {
+        let c = self.constant(v, dtype);
+        self.broadcast(&c, shape, &[])
+    }
+    /// A constant like `like` (same shape and dtype).
+    pub fn splat_like(&mut self, v: Lit, like: &Val) -> Val {
+        let (dt, shape) = (like.dtype(), like.shape().to_vec());
+        self.splat(v, dt, &shape)
+    }
+    /// `broadcast_in_dim`: operand dim `i` becomes output dim `dims[i]`.
+    pub fn broadcast(&mut self, x: &Val, shape: &[usize], dims: &[usize]) -> Val {
+        if x.shape() == shape && dims.iter().enumerate().all(|(i, &d)| i == d) {
+            return x.clone();
+        }
+        let attrs = format!("broadcast_dimensions = {}", arr(dims));
+        self.op("stablehlo.broadcast_in_dim", &[x], &attrs, Ty::new(shape, x.dtype()))
+    }
+    pub fn unary(&mut self, name: &str, x: &Val) -> Val {
+        self.op(&format!("stablehlo.{name}"), &[x], "", x.ty.clone())
+    }
+    pub fn binary(&mut self, name: &str, a: &Val, b: &Val) -> Val {
+        self.op(&format!("stablehlo.{name}"), &[a, b], "", a.ty.clone())
+    }
+    pub fn add(&mut self, a: &Val, b: &Val) -> Val {
+        self.binary("add", a, b)
+    }
+    pub fn sub(&mut self, a: &Val, b: &Val) -> Val {
+        self.binary("subtract", a, b)
+    }
+    pub fn mul(&mut self, a: &Val, b: &Val) -> Val {
+        self.binary("multiply", a, b)
+    }
+    pub fn div(&mut self, a: &Val, b: &Val) -> Val {
+        self.binary("divide", a, b)
+    }
+    /// `compare` with direction `EQ`, `NE`, `LT`, `LE`, `GT`, `GE`: output bool.
+    pub fn compare(&mut self, dir: &str, a: &Val, b: &Val) -> Val {
+        let kind = match a.dtype() {
+            d if d.is_float() => "FLOAT",
+            DType::Bool | DType::U8 => "UNSIGNED",
+            _ => "SIGNED",
+        };
+        let attrs = format!(
+            "comparison_direction = #stablehlo<comparison_direction {dir}>, compare_type = #stablehlo<comparison_type {kind}>"
+        );
+        self.op("stablehlo.compare", &[a, b], &attrs, a.ty.with_dtype(DType::Bool))
+    }
+    /// `compare(x, v)` against a constant.
+    pub fn compare_lit(&mut self, dir: &str, x: &Val, v: Lit) -> Val {
+        let c = self.splat_like(v, x);
+        self.compare(dir, x, &c)
+    }
+    pub fn select(&mut self, c: &Val, a: &Val, b: &Val) -> Val {
+        self.op("stablehlo.select", &[c, a, b], "", a.ty.clone())
+    }
+    pub fn and(&mut self, a: &Val, b: &Val) -> Val {
+        self.binary("and", a, b)
+    }
+    pub fn or(&mut self, a: &Val, b: &Val) -> Val {
+        self.binary("or", a, b)
+    }
+    pub fn not(&mut self, a: &Val) -> Val {
+        self.unary("not", a)
+    }
+    /// `x != x`.
+    pub fn is_nan(&mut self, x: &Val) -> Val {
+        self.compare("NE", x, x)
+    }
+    /// A plain element conversion (`stablehlo.convert`).
+    pub fn convert_raw(&mut self, x: &Val, to: DType) -> Val {
+        if x.dtype() == to {
+            return x.clone();
+        }
+        self.op("stablehlo.convert", &[x], "", x.ty.with_dtype(to))
+    }
+    /// PyTorch's cast (`tensor.to(dtype)`): to bool is `!= 0` (NaN is true), float
+    /// to integer truncates through int64 (then wraps), into bf16/f16 goes through float32.
+    pub fn cast(&mut self, x: &Val, to: DType) -> Val {
+        let from = x.dtype();
+        if from == to {
+            return x.clone();
+        }
+        if to == DType::Bool {
+            return self.compare_lit("NE", x, Lit::I(0));
+        }
+        if from == DType::Bool {
+            return self.convert_raw(x, to);
+        }
+        if from.is_float() && !to.is_float() {
+            let t = self.convert_raw(x, DType::I64);
+            return self.convert_raw(&t, to);
+        }
+        if matches!(to, DType::BF16 | DType::F16) && from != DType::F32 && !matches!(from, DType::BF16 | DType::F16) {
+            let t = self.convert_raw(x, DType::F32);
+            return self.convert_raw(&t, to);
+        }
+        if !from.is_float() && !to.is_float() {
+            // Integer to integer wraps, through int64 like the CPU kernels.
+            let t = self.convert_raw(x, DType::I64);
+            return self.convert_raw(&t, to);
+        }
+        self.convert_raw(x, to)
+    }
+    pub fn reshape(&mut self, x: &Val, shape: &[usize]) -> Val {
+        if x.shape() == shape {
+            return x.clone();
+        }
+        self.op("stablehlo.reshape", &[x], "", Ty::new(shape, x.dtype()))
+    }
+    pub fn transpose(&mut self, x: &Val, perm: &[usize]) -> Val {
+        if perm.iter().enumerate().all(|(i, &p)| i == p) {
+            return x.clone();
+        }
+        let shape: Vec<usize> = perm.iter().map(|&p| x.shape()[p]).collect();
+        self.op("stablehlo.transpose", &[x], &format!("permutation = {}", arr(perm)), Ty::new(&shape, x.dtype()))
+    }
+    pub fn slice(&mut self, x: &Val, start: &[usize], limit: &[usize], strides: &[usize]) -> Val {
+        if start.iter().all(|&s| s == 0) && limit == x.shape() && strides.iter().all(|&s| s == 1) {
+            return x.clone();
+        }
+        let shape: Vec<usize> = (0..start.len()).map(|i| (limit[i] - start[i]).div_ceil(strides[i])).collect();
+        let attrs =
+            format!("start_indices = {}, limit_indices = {}, strides = {}", arr(start), arr(limit), arr(strides));
+        self.op("stablehlo.slice", &[x], &attrs, Ty::new(&shape, x.dtype()))
+    }
+    /// `x[..., a:b, ...]` along `dim`.
+    pub fn slice_dim(&mut self, x: &Val, dim: usize, a: usize, b: usize) -> Val {
+        let mut start = vec![0; x.ty.rank()];
+        let mut limit = x.shape().to_vec();
+        start[dim] = a;
+        limit[dim] = b;
+        self.slice(x, &start, &limit, &vec![1; x.ty.rank()])
+    }
+    /// `0, 1, 2, ...` along `dim` of `shape`.
+    pub fn iota(&mut self, shape: &[usize], dim: usize, dtype: DType) -> Val {
+        self.op("stablehlo.iota", &[], &format!("iota_dimension = {dim} : i64"), Ty::new(shape, dtype))
+    }
+    pub fn concat(&mut self, xs: &[&Val], dim: usize) -> Val {
+        let mut shape = xs[0].shape().to_vec();
+        shape[dim] = xs.iter().map(|x| x.shape()[dim]).sum();
+        let dt = xs[0].dtype();
+        self.op("stablehlo.concatenate", xs, &format!("dimension = {dim} : i64"), Ty::new(&shape, dt))
+    }
+    /// Pads with `value`: `low`/`high` elements before/after each dim.
+    pub fn pad(&mut self, x: &Val, value: Lit, low: &[usize], high: &[usize]) -> Val {
+        if low.iter().chain(high).all(|&p| p == 0) {
+            return x.clone();
+        }
+        let v = self.constant(value, x.dtype());
+        let shape: Vec<usize> = (0..low.len()).map(|i| x.shape()[i] + low[i] + high[i]).collect();
+        let attrs = format!(
+            "edge_padding_low = {}, edge_padding_high = {}, interior_padding = {}",
+            arr(low),
+            arr(high),
+            arr(&vec![0; low.len()])
+        );
+        self.op("stablehlo.pad", &[x, &v], &attrs, Ty::new(&shape, x.dtype()))
+    }
+    /// Reduces `dims` of `x` with the binary op `body` (e.g. `add`; `nan_maximum` and
+    /// `nan_minimum` propagate NaN) from `init`.
+    pub fn reduce(&mut self, x: &Val, init: Lit, dims: &[usize], body: &str) -> Val {
+        let dt = x.dtype();
+        let init = self.constant(init, dt);
+        let st = Ty::new(&[], dt);
+        let body = body.to_string();
+        let region = self.region(&[st.clone(), st], |b, a| {
+            vec![match body.as_str() {
+                "nan_maximum" => ops::nan_max(b, &a[0], &a[1], true),
+                "nan_minimum" => ops::nan_max(b, &a[0], &a[1], false),
+                _ => b.binary(&body, &a[0], &a[1]),
+            }]
+        });
+        let shape: Vec<usize> = (0..x.ty.rank()).filter(|d| !dims.contains(d)).map(|d| x.shape()[d]).collect();
+        self.op_region(
+            "stablehlo.reduce",
+            &[x, &init],
+            &region,
+            &format!("dimensions = {}", arr(dims)),
+            Ty::new(&shape, dt),
+        )
+    }
+    /// Batched matrix product: `lhs [batch..., m, k] @ rhs [batch..., k, n]`
+    /// (general dimension numbers), computed at full precision.
+    pub fn dot_general(&mut self, lhs: &Val, rhs: &Val, lb: &[usize], rb: &[usize], lc: &[usize], rc: &[usize]) -> Val {
+        let mut shape: Vec<usize> = lb.iter().map(|&d| lhs.shape()[d]).collect();
+        shape.extend((0..lhs.ty.rank()).filter(|d| !lb.contains(d) && !lc.contains(d)).map(|d| lhs.shape()[d]));
+        shape.extend((0..rhs.ty.rank()).filter(|d| !rb.contains(d) && !rc.contains(d)).map(|d| rhs.shape()[d]));
+        let attrs = format!(
+            "dot_dimension_numbers = #stablehlo.dot<lhs_batching_dimensions = {}, rhs_batching_dimensions = {}, lhs_contracting_dimensions = {}, rhs_contracting_dimensions = {}>, precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]",
+            list(lb),
+            list(rb),
+            list(lc),
+            list(rc)
+        );
+        self.op("stablehlo.dot_general", &[lhs, rhs], &attrs, Ty::new(&shape, lhs.dtype()))
+    }
+}
+
+/// Describes one program argument: a flat device buffer of `len` elements of
+/// `dtype`, read through `layout` (a view of it).
+#[derive(Debug, Clone)]
+pub struct ArgView<'a> {
+    pub layout: &'a Layout,
+    pub len: usize,
+    pub dtype: DType,
+}
+
+/// The program of one primitive: arguments are the inputs' flat storages,
+/// each read through its view; outputs are flat (their storages), followed by
+/// one bool scalar per returned [`Check`].
+pub fn exec_module(op: &kiln_tensor::Op, inputs: &[ArgView<'_>], outs: &[Meta]) -> Result<(String, Vec<Check>)> {
+    let arg_tys: Vec<Ty> = inputs.iter().map(|a| Ty::new(&[a.len], a.dtype)).collect();
+    let (mut b, args) = Builder::new(&arg_tys);
+    let mut vals = Vec::with_capacity(inputs.len());
+    for (a, v) in inputs.iter().zip(&args) {
+        vals.push(read_view(&mut b, v, a.layout)?);
+    }
+    let (results, checks) = lower_op(&mut b, op, &vals, outs)?;
+    if results.len() != outs.len() {
+        return Err(Error::backend(
+            "pjrt",
+            format!("lowering of {} produced {} outputs, expected {}", op.name(), results.len(), outs.len()),
+        ));
+    }
+    let mut flat = Vec::with_capacity(results.len() + checks.len());
+    for (r, m) in results.iter().zip(outs) {
+        if r.shape() != &m.shape[..] || r.dtype() != m.dtype {
+            return Err(Error::backend(
+                "pjrt",
+                format!(
+                    "lowering of {} produced {:?} {}, expected {:?} {}",
+                    op.name(),
+                    r.shape(),
+                    r.dtype(),
+                    m.shape,
+                    m.dtype
+                ),
+            ));
+        }
+        let n = r.ty.numel();
+        flat.push(b.reshape(r, &[n]));
+    }
+    let kinds = checks.iter().map(|c| c.1.clone()).collect();
+    flat.extend(checks.into_iter().map(|c| c.0));
+    Ok((b.finish(&flat), kinds))
+}
+
+/// A program reading the view `layout` of a flat buffer into a flat contiguous one.
+pub fn read_module(layout: &Layout, len: usize, dtype: DType) -> Result<String> {
+    let (mut b, args) = Builder::new(&[Ty::new(&[len], dtype)]);
+    let v = read_view(&mut b, &args[0], layout)?;
+    let n = v.ty.numel();
+    let flat = b.reshape(&v, &[n]);
+    Ok(b.finish(&[flat]))
+}
+
+/// A program writing `src` (read through `src_layout` from its flat storage)
+/// into the positions `dst_layout` views of the flat buffer `dst`; the output
+/// is the new flat `dst`. With `same_storage`, `src` reads from `dst` itself
+/// (one argument).
+pub fn assign_module(dst_layout: &Layout, dst_len: usize, src: ArgView<'_>, same_storage: bool) -> Result<String> {
+    let mut tys = vec![Ty::new(&[dst_len], src.dtype)];
+    if !same_storage {
+        tys.push(Ty::new(&[src.len], src.dtype));
+    }
+    let (mut b, args) = Builder::new(&tys);
+    let s = read_view(&mut b, args.last().expect("an argument"), src.layout)?;
+    let out = write_view(&mut b, &args[0], dst_layout, &s)?;
+    Ok(b.finish(&[out]))
+}
+
+#[cfg(test)]
+mod tests;

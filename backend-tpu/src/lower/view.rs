@@ -1,0 +1,172 @@
+//! Views over immutable device buffers: every storage is a flat 1-D buffer,
+//! and a view (any `Layout`: offset, strides, broadcast dims) is read or
+//! written by a few StableHLO ops (see Note [Views of flat buffers]).
+use super::{Builder, Lit, Ty, Val};
+use kiln_tensor::{DType, Error, Layout, Result};
+
+// Note [Views of flat buffers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// PJRT buffers are immutable, so kiln keeps each storage as one flat buffer and
+// reads a view of it inside the program that consumes it. Most layouts are a
+// strided window of the storage: drop the size-1 and broadcast (stride 0)
+// dims, order the others by decreasing stride s_0 > ... > s_{m-1}; when each
+// stride divides the previous one and each dim fits inside its outer stride
+// (n_{j+1} s_{j+1} <= s_j), the elements are exactly
+//     flat[offset .. offset + n_0 s_0]  reshaped to  [n_0, s_0/s_1, ..., s_{m-2}/s_{m-1}, s_{m-1}]
+// sliced to [0:n_0, 0:n_1, ..., 0:n_{m-1}, 0:1], then transposed back to the
+// view's dim order and broadcast over the dropped dims. That covers
+// contiguous tensors, narrow/slice with steps, select, transpose/permute,
+// expand and diagonal (whose window may run past the end of the storage: the
+// buffer is padded first; the padding is never selected). Any other layout
+// (overlapping as_strided views) becomes a gather of computed flat indices.
+// Writes use dynamic_update_slice for a contiguous run and a scatter of the
+// computed flat indices otherwise; writes never target broadcast dims (the
+// tensor layer refuses writes through overlapping views).
+
+/// The flat element index of every position of `layout`, as int64 `[*shape, 1]`.
+fn flat_indices(b: &mut Builder, layout: &Layout) -> Val {
+    let shape = layout.shape().to_vec();
+    let mut idx = b.splat(Lit::I(layout.offset() as i64), DType::I64, &shape);
+    for (d, (&n, &s)) in shape.iter().zip(layout.strides()).enumerate() {
+        if n > 1 && s != 0 {
+            let io = b.iota(&shape, d, DType::I64);
+            let st = b.splat(Lit::I(s as i64), DType::I64, &shape);
+            let term = b.mul(&io, &st);
+            idx = b.add(&idx, &term);
+        }
+    }
+    let mut with_vec = shape.clone();
+    with_vec.push(1);
+    b.reshape(&idx, &with_vec)
+}
+
+/// The strided-window decomposition of a layout (see the Note): the kept dims
+/// in decreasing stride order, or `None` when the layout is not a window.
+fn window(layout: &Layout) -> Option<Vec<usize>> {
+    let (shape, strides) = (layout.shape(), layout.strides());
+    let mut kept: Vec<usize> = (0..shape.len()).filter(|&d| shape[d] > 1 && strides[d] != 0).collect();
+    kept.sort_by(|&a, &b| strides[b].cmp(&strides[a]));
+    for w in kept.windows(2) {
+        let (outer, inner) = (w[0], w[1]);
+        let (so, si) = (strides[outer], strides[inner]);
+        if so == si || so % si != 0 || shape[inner] * si > so {
+            return None;
+        }
+    }
+    Some(kept)
+}
+
+/// Reads the view `layout` of the flat buffer `flat` as a value of `layout`'s shape.
+pub fn read_view(b: &mut Builder, flat: &Val, layout: &Layout) -> Result<Val> {
+    let len = flat.ty.numel();
+    let shape = layout.shape().to_vec();
+    let numel = layout.numel();
+    if numel == 0 {
+        return Ok(b.splat(Lit::I(0), flat.dtype(), &shape));
+    }
+    if layout.storage_extent() > len {
+        return Err(Error::backend(
+            "pjrt",
+            format!(
+                "a view {:?} / {:?} + {} runs past its storage of {len} elements",
+                shape,
+                layout.strides(),
+                layout.offset()
+            ),
+        ));
+    }
+    if layout.is_contiguous() && layout.offset() == 0 && numel == len {
+        return Ok(b.reshape(flat, &shape));
+    }
+    let Some(kept) = window(layout) else {
+        let idx = flat_indices(b, layout);
+        return Ok(gather_flat(b, flat, &idx, &shape));
+    };
+    let strides = layout.strides();
+    let off = layout.offset();
+    let m = kept.len();
+    // The window's reshape dims and extent.
+    let (dims, extent) = if m == 0 {
+        (vec![1], 1)
+    } else {
+        let mut dims = vec![shape[kept[0]]];
+        for j in 1..m {
+            dims.push(strides[kept[j - 1]] / strides[kept[j]]);
+        }
+        dims.push(strides[kept[m - 1]]);
+        (dims, shape[kept[0]] * strides[kept[0]])
+    };
+    let mut src = flat.clone();
+    if off + extent > len {
+        src = b.pad(&src, Lit::I(0), &[0], &[off + extent - len]);
+    }
+    let run = b.slice(&src, &[off], &[off + extent], &[1]);
+    let v = if m == 0 {
+        b.reshape(&run, &[])
+    } else {
+        let r = b.reshape(&run, &dims);
+        let mut limit: Vec<usize> = kept.iter().map(|&d| shape[d]).collect();
+        limit.push(1);
+        let sl = b.slice(&r, &vec![0; m + 1], &limit, &vec![1; m + 1]);
+        let sorted_shape: Vec<usize> = kept.iter().map(|&d| shape[d]).collect();
+        let v = b.reshape(&sl, &sorted_shape);
+        // Back to the view's dim order: output j is the kept dim that comes j-th in the view.
+        let mut in_order = kept.clone();
+        in_order.sort();
+        let perm: Vec<usize> = in_order.iter().map(|d| kept.iter().position(|k| k == d).expect("kept")).collect();
+        b.transpose(&v, &perm)
+    };
+    let mut in_order = kept;
+    in_order.sort();
+    Ok(b.broadcast(&v, &shape, &in_order))
+}
+
+/// `flat[idx]` for int64 indices `[*shape, 1]` into a 1-D buffer.
+fn gather_flat(b: &mut Builder, flat: &Val, idx: &Val, shape: &[usize]) -> Val {
+    let rank = shape.len();
+    let attrs = format!(
+        "dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = {rank}>, indices_are_sorted = false, slice_sizes = array<i64: 1>"
+    );
+    b.op("stablehlo.gather", &[flat, idx], &attrs, Ty::new(shape, flat.dtype()))
+}
+
+/// Writes `src` (the view's shape) at the positions `layout` views of the flat
+/// buffer `base`; returns the new flat buffer.
+pub fn write_view(b: &mut Builder, base: &Val, layout: &Layout, src: &Val) -> Result<Val> {
+    let len = base.ty.numel();
+    let numel = layout.numel();
+    if src.shape() != layout.shape() || src.dtype() != base.dtype() {
+        return Err(Error::backend(
+            "pjrt",
+            format!(
+                "write_view: value {:?} {} for a view {:?} of {}",
+                src.shape(),
+                src.dtype(),
+                layout.shape(),
+                base.dtype()
+            ),
+        ));
+    }
+    if numel == 0 {
+        return Ok(base.clone());
+    }
+    if layout.storage_extent() > len {
+        return Err(Error::backend("pjrt", format!("a written view runs past its storage of {len} elements")));
+    }
+    if layout.is_contiguous() {
+        let flat_src = b.reshape(src, &[numel]);
+        if layout.offset() == 0 && numel == len {
+            return Ok(flat_src);
+        }
+        let start = b.constant(Lit::I(layout.offset() as i64), DType::I64);
+        return Ok(b.op("stablehlo.dynamic_update_slice", &[base, &flat_src, &start], "", base.ty.clone()));
+    }
+    let idx = flat_indices(b, layout);
+    let rank = layout.ndim();
+    let st = Ty::new(&[], base.dtype());
+    let region = b.region(&[st.clone(), st], |_, a| vec![a[1].clone()]);
+    let attrs = format!(
+        "scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = {rank}>, indices_are_sorted = false, unique_indices = false"
+    );
+    Ok(b.op_region("stablehlo.scatter", &[base, &idx, src], &region, &attrs, base.ty.clone()))
+}
