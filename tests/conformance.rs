@@ -36,27 +36,23 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Every device the suite runs on: the devices of all registered backends.
 pub fn devices() -> Vec<Device> {
-    let d = kiln::registered_devices();
-    assert!(d.contains(&Device::Cpu), "the CPU backend must always be registered, got {d:?}");
-    d
+    common::devices()
 }
 
 /// Runs `f` once per device; a failure (an `Err` or a panic) names the device.
 pub fn on_devices(f: impl Fn(Device) -> Result<()>) {
-    for dev in devices() {
-        match catch_unwind(AssertUnwindSafe(|| f(dev))) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => panic!("on device {dev}: unexpected error: {e}"),
-            Err(p) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                panic!("on device {dev}: {msg}");
-            }
+    common::for_each_device_and_mode(|dev, mode| match catch_unwind(AssertUnwindSafe(|| f(dev))) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("on device {dev} ({mode}): unexpected error: {e}"),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            panic!("on device {dev} ({mode}): {msg}");
         }
-    }
+    });
 }
 
 /// A tensor from nested arrays (`[[1.0f32, 2.0], [3.0, 4.0]]`) on `dev`.

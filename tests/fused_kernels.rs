@@ -6,12 +6,13 @@
 //! against transformers' unfused expression; the fused cross-entropy gradient
 //! against the differentiable composite used under `create_graph`; fused RMS
 //! normalisation against its expression.
+mod common;
 use kiln::autograd::{gradcheck, GradcheckOptions};
 use kiln::prelude::*;
 use kiln::tensor::Op;
 
 fn devices() -> Vec<Device> {
-    kiln::registered_devices()
+    common::devices()
 }
 
 /// Deterministic values in about [-2, 2].

@@ -2,11 +2,12 @@
 //! composite, on every registered device: part of the conformance suite.
 // Cases pass `&[x.clone()]`: the inputs are reused across many checks.
 #![allow(clippy::cloned_ref_to_slice_refs)]
+mod common;
 use kiln::autograd::{gradcheck, GradcheckOptions};
 use kiln::prelude::*;
 
 fn devices() -> Vec<Device> {
-    kiln::registered_devices()
+    common::devices()
 }
 
 /// Deterministic f64 values in roughly [-1.5, 1.5], without ties.

@@ -208,13 +208,11 @@ impl Case {
 
 /// Runs a case on every registered device.
 fn run(name: &'static str, f: fn(&mut Case) -> Result<()>) {
-    let devices = kiln::registered_devices();
-    assert!(!devices.is_empty(), "no device registered");
-    for dev in devices {
+    common::for_each_device_and_mode(|dev, mode| {
         let mut c = Case::load(name, dev);
-        f(&mut c).unwrap_or_else(|e| panic!("case {name} on {dev}: {e}"));
+        f(&mut c).unwrap_or_else(|e| panic!("case {name} on {dev} ({mode}): {e}"));
         c.finish();
-    }
+    });
 }
 
 macro_rules! fixture_cases {

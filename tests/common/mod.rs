@@ -4,6 +4,7 @@
 
 use kiln::prelude::*;
 use kiln::tensor::HostBuffer;
+use kiln::DeviceKind;
 
 /// How one element of a float tensor compares to the expected one.
 /// `atol == rtol == 0` means bit-exact: NaN matches NaN and the sign of zero counts.
@@ -107,5 +108,39 @@ pub fn assert_panics<R>(f: impl FnOnce() -> R, parts: &[&str]) {
         .unwrap_or_default();
     for p in parts {
         assert!(msg.contains(p), "panic message {msg:?} does not contain {p:?}");
+    }
+}
+
+/// Registers the PJRT backend on the XLA:CPU plugin, fetching the plugin first
+/// when neither `KILN_PJRT_PLUGIN` nor the cache directory provides one (so the
+/// suite never skips the PJRT device), then returns every registered device.
+pub fn devices() -> Vec<Device> {
+    static READY: std::sync::Once = std::sync::Once::new();
+    READY.call_once(|| {
+        if kiln::tpu::pjrt::find_plugin().is_err() {
+            let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-pjrt-plugin");
+            let out = std::process::Command::new(&script)
+                .output()
+                .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+            assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+        }
+        kiln::tpu::register().unwrap_or_else(|e| panic!("registering the PJRT backend: {e}"));
+    });
+    let d = kiln::registered_devices();
+    assert!(d.contains(&Device::Cpu), "the CPU backend must always be registered, got {d:?}");
+    assert!(d.contains(&Device::Tpu(0)), "the PJRT backend must be registered, got {d:?}");
+    d
+}
+
+/// Runs `f` on every device; PJRT devices run it once per eager mode (Strict, then Debug).
+pub fn for_each_device_and_mode(mut f: impl FnMut(Device, &str)) {
+    for dev in devices() {
+        if dev.kind() == DeviceKind::Tpu {
+            for m in [kiln::tpu::Mode::Strict, kiln::tpu::Mode::Debug] {
+                kiln::tpu::with_mode(m, || f(dev, if m == kiln::tpu::Mode::Strict { "strict" } else { "debug" }));
+            }
+        } else {
+            f(dev, "eager");
+        }
     }
 }

@@ -51,3 +51,19 @@ pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+/// Registers the PJRT backend on the XLA:CPU plugin, fetching the plugin first
+/// (`scripts/fetch-pjrt-plugin`) when neither `KILN_PJRT_PLUGIN` nor the cache holds one.
+pub fn register_tpu() {
+    static READY: std::sync::Once = std::sync::Once::new();
+    READY.call_once(|| {
+        if kiln::tpu::pjrt::find_plugin().is_err() {
+            let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-pjrt-plugin");
+            let out = std::process::Command::new(&script)
+                .output()
+                .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+            assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+        }
+        kiln::tpu::register().unwrap_or_else(|e| panic!("registering the PJRT backend: {e}"));
+    });
+}
