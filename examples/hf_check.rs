@@ -6,7 +6,7 @@
 //! ```sh
 //! cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors \
 //!     [--dtype f32|bf16] [--steps N] [--lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1] \
-//!     [--generate N] [--device cpu]
+//!     [--generate N] [--device cpu|tpu] [--mode strict|debug]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -40,7 +40,8 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
   --lr X --beta1 X --beta2 X --eps X --weight-decay X
                        AdamW hyperparameters [default: 1e-3 0.9 0.95 1e-8 0.1]
   --generate N         greedy-generate N tokens after generate.prompt (writes generate.output)
-  --device D           device [default: cpu]
+  --device D           device: cpu, or tpu (the PJRT backend; KILN_PJRT_PLUGIN picks the plugin) [default: cpu]
+  --mode M             eager mode of the PJRT backend: strict or debug [default: strict, or KILN_TPU_MODE]
 ";
 
 struct Args {
@@ -68,6 +69,7 @@ fn parse_args() -> Args {
     let mut adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
     let mut gen = None;
     let mut device = Device::Cpu;
+    let mut mode = None;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
@@ -96,8 +98,18 @@ fn parse_args() -> Args {
             "--weight-decay" => adamw.weight_decay = num(&value),
             "--generate" => gen = Some(int(&value)),
             "--device" => device = Device::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
+            "--mode" => {
+                mode = Some(
+                    kiln::tpu::Mode::parse(&value)
+                        .unwrap_or_else(|| fail(&format!("--mode {value}: expected strict or debug"))),
+                )
+            }
             other => fail(&format!("unknown option {other}")),
         }
+    }
+    kiln::init_device(device).unwrap_or_else(|e| fail(&e.to_string()));
+    if let Some(m) = mode {
+        kiln::tpu::set_mode(m);
     }
     Args {
         model: model.unwrap_or_else(|| fail("--model is required")),
@@ -109,6 +121,11 @@ fn parse_args() -> Args {
         generate: gen,
         device,
     }
+}
+
+/// The PJRT backend's counters when `device` is a PJRT device.
+fn pjrt_stats(device: Device) -> Option<kiln::tpu::Stats> {
+    (device.kind() == kiln::DeviceKind::Tpu).then(|| kiln::tpu::stats().ok()).flatten()
 }
 
 /// A float32 CPU copy (never a view of the live tensor: parameters change in place).
@@ -190,12 +207,28 @@ fn run(a: Args) -> Result<()> {
             Ok(())
         };
         snapshot("adamw_step1", &mut out)?;
+        let stats0 = pjrt_stats(a.device);
+        let t = Instant::now();
         for _ in 1..a.steps {
             opt.zero_grad();
             let (_, l) = loss_of(&model)?;
             l.backward()?;
             opt.step()?;
             curve.push(l.item_f64()? as f32);
+        }
+        if a.steps > 1 {
+            let per = t.elapsed().as_secs_f64() / (a.steps - 1) as f64;
+            eprintln!("training step (forward, backward, AdamW, loss read) {:.2} ms on {}", per * 1e3, a.device);
+            if let (Some(s0), Some(s1)) = (stats0, pjrt_stats(a.device)) {
+                let (runs, compiles) = (s1.executions - s0.executions, s1.compiles - s0.compiles);
+                let lookups = (s1.hits + s1.compiles) - (s0.hits + s0.compiles);
+                eprintln!(
+                    "PJRT executable cache over steps 2..{}: {runs} programs run, {compiles} compiled, hit rate {:.2}% ({} compiles in all)",
+                    a.steps,
+                    100.0 * (lookups - compiles) as f64 / lookups.max(1) as f64,
+                    s1.compiles
+                );
+            }
         }
         {
             let _g = kiln::autograd::no_grad();

@@ -62,7 +62,7 @@ MODEL
   --kv-heads N         key/value heads [default: 2]
   --intermediate N     MLP width [default: 192]
 RUN
-  --device DEV         cpu [default: cpu]
+  --device DEV         cpu, or tpu / tpu:N (the PJRT backend) [default: cpu]
   --out DIR            checkpoints, final model, loss.csv, loss.png [default: runs/train_llama]
   --resume             continue from the latest checkpoint in --out (with its settings)
   --eval-every N       validation loss (and accuracy) every N steps [default: 100]
@@ -216,7 +216,7 @@ impl Args {
             "intermediate" => self.intermediate = parse_num(&flag, v)?,
             "device" => {
                 let d = Device::parse(v)?;
-                d.backend()?; // an unregistered device fails here, naming it
+                kiln::init_device(d)?; // registers the PJRT backend for tpu; a missing device fails here, naming it
                 self.device = d;
             }
             "out" => self.out = PathBuf::from(v),

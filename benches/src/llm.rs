@@ -96,7 +96,15 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
     let mut opt = AdamW::new(model.parameters(), adamw)?;
     let ids = random_ids(a.batch, a.seq, cfg.vocab_size, a.device)?;
     let mut losses = vec![];
+    // On a PJRT device: the executable cache's counters over the timed steps.
+    let pjrt = a.device.kind() == kiln::DeviceKind::Tpu;
+    let stats = |on: bool| if on { kiln::tpu::stats().ok() } else { None };
+    let (mut calls, mut after_warmup) = (0usize, None);
     let times = time_steps(a.warmup, a.steps, || {
+        if calls == a.warmup {
+            after_warmup = stats(pjrt);
+        }
+        calls += 1;
         opt.zero_grad();
         let logits = model.forward(&ids, None)?;
         let loss = causal_lm_loss(&logits, &ids, None)?;
@@ -109,7 +117,7 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
         eprintln!("kernel time per op over all {} steps:\n{}", a.warmup + a.steps, kiln::tensor::profile::report(40));
     }
     let step = median(&times);
-    Ok(line("train", a)
+    let mut l = line("train", a)
         .set("batch", a.batch)
         .set("seq", a.seq)
         .set("steps", a.steps)
@@ -118,7 +126,17 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
         .set("min_step_ms", sig4(times[0] * 1e3))
         .set("loss_first", sig4(losses[0]))
         .set("loss_last", sig4(*losses.last().expect("at least one step")))
-        .set("peak_rss_mb", sig4(peak_rss_mb())))
+        .set("peak_rss_mb", sig4(peak_rss_mb()));
+    if let (Some(s0), Some(s1)) = (after_warmup, stats(pjrt)) {
+        let lookups = (s1.hits + s1.compiles) - (s0.hits + s0.compiles);
+        let compiles = s1.compiles - s0.compiles;
+        l = l
+            .set("pjrt_programs_per_step", sig4((s1.executions - s0.executions) as f64 / a.steps as f64))
+            .set("pjrt_compiles_timed_steps", compiles)
+            .set("pjrt_compiles_total", s1.compiles)
+            .set("pjrt_cache_hit_rate", sig4((lookups - compiles) as f64 / lookups.max(1) as f64));
+    }
+    Ok(l)
 }
 
 /// `infer`: the forward pass over the whole batch (logits at every position), no grad.

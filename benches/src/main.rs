@@ -184,7 +184,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Err(e) = args.device.backend() {
+    if let Err(e) = kiln::init_device(args.device) {
         eprintln!("kiln-bench: {e}");
         return ExitCode::from(2);
     }
