@@ -4,7 +4,7 @@
 //! for and checked (Debug).
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
-use crate::pjrt::{Buffer, Client, Event, Executable};
+use crate::pjrt::{Buffer, Client, Event, Executable, Upload};
 use kiln_tensor::{Backend, DType, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,11 +24,20 @@ impl kiln_tensor::DeviceBuffer for PjrtBuffer {
     }
 }
 
-/// Work dispatched in Strict mode that nobody has waited for yet: the op and
-/// its completion event.
-struct Pending {
-    op: &'static str,
-    event: Event,
+/// Work dispatched in Strict mode that nobody has waited for yet: a program
+/// and its completion event, or a host-to-device copy and the bytes it reads.
+enum Pending {
+    Program { op: &'static str, event: Event },
+    Upload(Upload),
+}
+
+impl Pending {
+    fn is_ready(&self) -> bool {
+        match self {
+            Pending::Program { event, .. } => event.is_ready().unwrap_or(false),
+            Pending::Upload(u) => u.is_done(),
+        }
+    }
 }
 
 /// Counters of the executable cache and dispatches (see [`PjrtBackend::stats`]).
@@ -154,7 +163,7 @@ impl PjrtBackend {
                     }
                 }
             }
-            Mode::Strict => self.queue(Pending { op: name, event })?,
+            Mode::Strict => self.queue(Pending::Program { op: name, event })?,
         }
         Ok(bufs)
     }
@@ -191,11 +200,11 @@ impl PjrtBackend {
         let mut keep = Vec::with_capacity(q.len());
         let mut first_err = None;
         for p in q.drain(..) {
-            if first_err.is_none() && p.event.is_ready().unwrap_or(false) {
-                if let Err(e) = settle(&p) {
+            if first_err.is_none() && p.is_ready() {
+                if let Err(e) = settle(p) {
                     first_err = Some(e);
                 }
-            } else if first_err.is_none() {
+            } else {
                 keep.push(p);
             }
         }
@@ -207,7 +216,7 @@ impl PjrtBackend {
     pub fn drain(&self) -> Result<()> {
         let pending: Vec<Pending> = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         let mut first = Ok(());
-        for p in &pending {
+        for p in pending {
             let r = settle(p);
             if first.is_ok() {
                 first = r;
@@ -260,8 +269,13 @@ impl PjrtBackend {
 // read back so the error names it, like the CPU's.
 
 /// Waits for one dispatch.
-fn settle(p: &Pending) -> Result<()> {
-    p.event.wait(p.op).map_err(|e| err(format!("{} (dispatched asynchronously) failed: {e}", p.op)))
+fn settle(p: Pending) -> Result<()> {
+    match p {
+        Pending::Program { op, event } => {
+            event.wait(op).map_err(|e| err(format!("{op} (dispatched asynchronously) failed: {e}")))
+        }
+        Pending::Upload(u) => u.wait(),
+    }
 }
 
 impl Backend for PjrtBackend {
@@ -277,7 +291,11 @@ impl Backend for PjrtBackend {
         let dtype = buf.dtype();
         let len = buf.len();
         let bytes = buf.to_le_bytes();
-        let b = self.client.buffer_from_host(&bytes, dtype, &[len], device.index())?;
+        let (b, upload) = self.client.buffer_from_host_async(bytes, dtype, &[len], device.index())?;
+        match mode() {
+            Mode::Debug => upload.wait()?,
+            Mode::Strict => self.queue(Pending::Upload(upload))?,
+        }
         Ok(self.storage(b, dtype, device))
     }
 
@@ -353,7 +371,10 @@ impl Backend for PjrtBackend {
             len: src_buf.as_ref().map_or(dst_buf.numel(), |b| b.numel()),
             dtype: src.dtype(),
         };
-        let text = lower::assign_module(dst.layout(), dst_buf.numel(), src_view, same)?;
+        // Nobody else holds the destination's buffer (the storage and this clone):
+        // donate it, so the write happens in place instead of into a copy.
+        let donate = Arc::strong_count(&dst_buf) == 2;
+        let text = lower::assign_module(dst.layout(), dst_buf.numel(), src_view, same, donate)?;
         let mut args: Vec<&Buffer> = vec![&dst_buf];
         if let Some(s) = &src_buf {
             args.push(s);

@@ -210,13 +210,15 @@ pub struct Builder {
     body: String,
     next: usize,
     args: Vec<Ty>,
+    /// `(argument, output)` pairs: the argument's buffer is donated to the output.
+    aliases: Vec<(usize, usize)>,
 }
 
 impl Builder {
     /// A builder for a function of the given argument types, and the arguments as values.
     pub fn new(args: &[Ty]) -> (Builder, Vec<Val>) {
         let vals = args.iter().enumerate().map(|(i, t)| Val { name: format!("%a{i}"), ty: t.clone() }).collect();
-        (Builder { body: String::new(), next: 0, args: args.to_vec() }, vals)
+        (Builder { body: String::new(), next: 0, args: args.to_vec(), aliases: vec![] }, vals)
     }
 
     fn fresh(&mut self) -> String {
@@ -271,9 +273,24 @@ impl Builder {
         std::mem::replace(&mut self.body, saved)
     }
 
+    /// Donates argument `arg`'s buffer to output `out` (same type): the program
+    /// may write the output in place (`tf.aliasing_output`), and the caller must
+    /// not use the argument's buffer afterwards.
+    pub fn alias(&mut self, arg: usize, out: usize) {
+        self.aliases.push((arg, out));
+    }
+
     /// The whole module with `outs` returned from `@main`.
     pub fn finish(self, outs: &[Val]) -> String {
-        let args: Vec<String> = self.args.iter().enumerate().map(|(i, t)| format!("%a{i}: {}", t.mlir())).collect();
+        let args: Vec<String> = self
+            .args
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match self.aliases.iter().find(|a| a.0 == i) {
+                Some((_, o)) => format!("%a{i}: {} {{tf.aliasing_output = {o} : i32}}", t.mlir()),
+                None => format!("%a{i}: {}", t.mlir()),
+            })
+            .collect();
         let out_tys: Vec<String> = outs.iter().map(|v| v.ty.mlir()).collect();
         let names: Vec<&str> = outs.iter().map(|v| v.name.as_str()).collect();
         format!(
@@ -554,8 +571,15 @@ pub fn read_module(layout: &Layout, len: usize, dtype: DType) -> Result<String> 
 /// A program writing `src` (read through `src_layout` from its flat storage)
 /// into the positions `dst_layout` views of the flat buffer `dst`; the output
 /// is the new flat `dst`. With `same_storage`, `src` reads from `dst` itself
-/// (one argument).
-pub fn assign_module(dst_layout: &Layout, dst_len: usize, src: ArgView<'_>, same_storage: bool) -> Result<String> {
+/// (one argument). With `donate`, `dst`'s buffer is donated to the output, so
+/// the write happens in place.
+pub fn assign_module(
+    dst_layout: &Layout,
+    dst_len: usize,
+    src: ArgView<'_>,
+    same_storage: bool,
+    donate: bool,
+) -> Result<String> {
     let mut tys = vec![Ty::new(&[dst_len], src.dtype)];
     if !same_storage {
         tys.push(Ty::new(&[src.len], src.dtype));
@@ -563,6 +587,9 @@ pub fn assign_module(dst_layout: &Layout, dst_len: usize, src: ArgView<'_>, same
     let (mut b, args) = Builder::new(&tys);
     let s = read_view(&mut b, args.last().expect("an argument"), src.layout)?;
     let out = write_view(&mut b, &args[0], dst_layout, &s)?;
+    if donate {
+        b.alias(0, 0);
+    }
     Ok(b.finish(&[out]))
 }
 

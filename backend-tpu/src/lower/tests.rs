@@ -88,16 +88,26 @@ fn views_lower_to_slices_transposes_and_broadcasts() {
 #[test]
 fn writes_use_dynamic_update_slice_or_scatter() {
     let src = Layout::contiguous(&[2]);
-    let run =
-        assign_module(&lay(&[2], &[1], 3), 8, ArgView { layout: &src, len: 2, dtype: DType::F32 }, false).unwrap();
+    let run = assign_module(&lay(&[2], &[1], 3), 8, ArgView { layout: &src, len: 2, dtype: DType::F32 }, false, false)
+        .unwrap();
     assert!(run.contains("stablehlo.dynamic_update_slice") && !run.contains("stablehlo.scatter"), "{run}");
     let strided =
-        assign_module(&lay(&[2], &[4], 1), 8, ArgView { layout: &src, len: 2, dtype: DType::F32 }, false).unwrap();
-    assert!(strided.contains("stablehlo.scatter"), "{strided}");
-    // Source and destination in one storage: one argument.
-    let same =
-        assign_module(&lay(&[2], &[1], 0), 4, ArgView { layout: &lay(&[2], &[1], 2), len: 4, dtype: DType::F32 }, true)
+        assign_module(&lay(&[2], &[4], 1), 8, ArgView { layout: &src, len: 2, dtype: DType::F32 }, false, true)
             .unwrap();
+    assert!(strided.contains("stablehlo.scatter"), "{strided}");
+    assert!(
+        strided.contains("%a0: tensor<8xf32> {tf.aliasing_output = 0 : i32}"),
+        "the destination is donated: {strided}"
+    );
+    // Source and destination in one storage: one argument.
+    let same = assign_module(
+        &lay(&[2], &[1], 0),
+        4,
+        ArgView { layout: &lay(&[2], &[1], 2), len: 4, dtype: DType::F32 },
+        true,
+        false,
+    )
+    .unwrap();
     assert!(same.contains("@main(%a0: tensor<4xf32>) ->"), "{same}");
 }
 

@@ -328,6 +328,37 @@ impl Client {
         dims: &[usize],
         device: usize,
     ) -> Result<Buffer> {
+        // SAFETY of the semantics: ImmutableOnlyDuringCall lets the plugin read `bytes` during the call only.
+        let (buf, done) = self.upload(bytes, dtype, dims, device, ffi::HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL)?;
+        drop(done);
+        Ok(buf)
+    }
+
+    /// Starts copying `bytes` into a new buffer on device `i` and returns at once:
+    /// the transfer runs while the host goes on. The returned [`Upload`] owns the
+    /// bytes until the transfer is done (dropping it waits for that).
+    pub fn buffer_from_host_async(
+        self: &Arc<Self>,
+        bytes: Vec<u8>,
+        dtype: DType,
+        dims: &[usize],
+        device: usize,
+    ) -> Result<(Buffer, Upload)> {
+        let (buf, done) =
+            self.upload(&bytes, dtype, dims, device, ffi::HOST_BUFFER_IMMUTABLE_UNTIL_TRANSFER_COMPLETES)?;
+        // The bytes move into the Upload without moving their heap allocation, which
+        // is what the plugin reads.
+        Ok((buf, Upload { event: done, bytes }))
+    }
+
+    fn upload(
+        self: &Arc<Self>,
+        bytes: &[u8],
+        dtype: DType,
+        dims: &[usize],
+        device: usize,
+        semantics: std::ffi::c_int,
+    ) -> Result<(Buffer, Option<Event>)> {
         let n: usize = dims.iter().product();
         if n * dtype.size_in_bytes() != bytes.len() {
             return Err(err(format!(
@@ -346,15 +377,12 @@ impl Client {
         a.kind = buffer_type(dtype);
         a.dims = dims64.as_ptr();
         a.num_dims = dims64.len();
-        a.host_buffer_semantics = ffi::HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL;
+        a.host_buffer_semantics = semantics;
         a.device = self.device(device)?;
         self.api.call("Client_BufferFromHostBuffer", self.api.t().client_buffer_from_host_buffer, &mut a)?;
-        // With ImmutableOnlyDuringCall the data was copied; the event (if any) only
-        // says so, so it is released at once.
-        if !a.done_with_host_buffer.is_null() {
-            drop(Event { api: self.api.clone(), raw: a.done_with_host_buffer });
-        }
-        Ok(Buffer { client: self.clone(), raw: a.buffer, dtype, dims: dims.to_vec() })
+        let done =
+            (!a.done_with_host_buffer.is_null()).then(|| Event { api: self.api.clone(), raw: a.done_with_host_buffer });
+        Ok((Buffer { client: self.clone(), raw: a.buffer, dtype, dims: dims.to_vec() }, done))
     }
 
     /// Compiles a StableHLO module (MLIR text) for one device, portable across
@@ -465,6 +493,40 @@ impl Drop for Event {
         let mut a = ffi::PJRT_Event_Args::new();
         a.event = self.raw;
         let _ = self.api.call("Event_Destroy", self.api.t().event_destroy, &mut a);
+    }
+}
+
+/// Host bytes being copied to a device: kept alive until the plugin is done
+/// with them. Dropping an `Upload` waits for the transfer.
+pub struct Upload {
+    event: Option<Event>,
+    // Read by the plugin (through the pointer passed at the upload) until `event` fires.
+    #[allow(dead_code)]
+    bytes: Vec<u8>,
+}
+
+impl Upload {
+    /// Whether the plugin is done with the bytes (they may then be freed).
+    pub fn is_done(&self) -> bool {
+        self.event.as_ref().is_none_or(|e| e.is_ready().unwrap_or(true))
+    }
+    /// Waits for the transfer; its failure becomes `Err`.
+    pub fn wait(mut self) -> Result<()> {
+        match self.event.take() {
+            Some(e) => e.wait("copying host data to a device"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Upload {
+    fn drop(&mut self) {
+        if let Some(e) = self.event.take() {
+            // The bytes must outlive the transfer; a failure of the transfer itself
+            // surfaces when the buffer is read.
+            let _ = e.wait("copying host data to a device");
+        }
+        // `bytes` is freed after this, once the plugin no longer reads it.
     }
 }
 
