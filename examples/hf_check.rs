@@ -6,7 +6,7 @@
 //! ```sh
 //! cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors \
 //!     [--dtype f32|bf16] [--steps N] [--lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1] \
-//!     [--generate N] [--device cpu|tpu] [--mode strict|debug]
+//!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -41,7 +41,7 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
                        AdamW hyperparameters [default: 1e-3 0.9 0.95 1e-8 0.1]
   --generate N         greedy-generate N tokens after generate.prompt (writes generate.output)
   --device D           device: cpu, or tpu (the PJRT backend; KILN_PJRT_PLUGIN picks the plugin) [default: cpu]
-  --mode M             eager mode of the PJRT backend: strict or debug [default: strict, or KILN_TPU_MODE]
+  --mode M             mode of the PJRT backend: strict, debug or defer [default: strict, or KILN_TPU_MODE]
 ";
 
 struct Args {
@@ -101,7 +101,7 @@ fn parse_args() -> Args {
             "--mode" => {
                 mode = Some(
                     kiln::tpu::Mode::parse(&value)
-                        .unwrap_or_else(|| fail(&format!("--mode {value}: expected strict or debug"))),
+                        .unwrap_or_else(|| fail(&format!("--mode {value}: expected strict, debug or defer"))),
                 )
             }
             other => fail(&format!("unknown option {other}")),

@@ -63,6 +63,7 @@ MODEL
   --intermediate N     MLP width [default: 192]
 RUN
   --device DEV         cpu, or tpu / tpu:N (the PJRT backend) [default: cpu]
+  --mode M             the PJRT backend's mode: strict, debug or defer [default: strict, or KILN_TPU_MODE]
   --out DIR            checkpoints, final model, loss.csv, loss.png [default: runs/train_llama]
   --resume             continue from the latest checkpoint in --out (with its settings)
   --eval-every N       validation loss (and accuracy) every N steps [default: 100]
@@ -218,6 +219,11 @@ impl Args {
                 let d = Device::parse(v)?;
                 kiln::init_device(d)?; // registers the PJRT backend for tpu; a missing device fails here, naming it
                 self.device = d;
+            }
+            "mode" => {
+                let m = kiln::tpu::Mode::parse(v)
+                    .ok_or_else(|| arg_err(format!("--mode {v}: expected strict, debug or defer")))?;
+                kiln::tpu::set_mode(m);
             }
             "out" => self.out = PathBuf::from(v),
             "eval-every" => self.eval_every = parse_num(&flag, v)?,

@@ -1,28 +1,17 @@
 //! `PjrtBackend`: the `Backend` for `Device::Tpu(n)`. Each primitive becomes a
 //! one-op StableHLO program (views read inside it), compiled once per distinct
 //! program text and cached, and dispatched asynchronously (Strict) or waited
-//! for and checked (Debug).
-use crate::lower::{self, ArgView, Check};
+//! for and checked (Debug); under DeferAndFuse ops append to a pending graph
+//! that runs as one program (`defer.rs`).
+pub use crate::defer::PjrtBuffer;
+use crate::defer::{out_meta, Graph};
+use crate::lower::{self, ArgView, Check, Val};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, Event, Executable, Upload};
 use kiln_tensor::{Backend, DType, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-
-/// A storage's memory on a PJRT device: one flat buffer, shared (immutably)
-/// by every program that reads it. An in-place write replaces it.
-#[derive(Debug, Clone)]
-pub struct PjrtBuffer(pub Arc<Buffer>);
-
-impl kiln_tensor::DeviceBuffer for PjrtBuffer {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
-}
 
 /// Work dispatched in Strict mode that nobody has waited for yet: a program
 /// and its completion event, or a host-to-device copy and the bytes it reads.
@@ -49,6 +38,8 @@ pub struct Stats {
     pub hits: u64,
     /// Programs executed.
     pub executions: u64,
+    /// Deferred graphs run (DeferAndFuse), counted in `executions` too.
+    pub graphs: u64,
 }
 
 /// The PJRT backend: one client, its executable cache and the queue of
@@ -57,9 +48,13 @@ pub struct PjrtBackend {
     client: Arc<Client>,
     cache: Mutex<HashMap<String, Arc<Executable>>>,
     pending: Mutex<Vec<Pending>>,
+    /// DeferAndFuse's pending graph of each device.
+    graphs: Mutex<HashMap<usize, Graph>>,
+    max_ops: usize,
     compiles: AtomicU64,
     hits: AtomicU64,
     executions: AtomicU64,
+    graphs_run: AtomicU64,
 }
 
 impl std::fmt::Debug for PjrtBackend {
@@ -72,17 +67,20 @@ fn err(msg: impl Into<String>) -> Error {
     Error::backend("pjrt", msg)
 }
 
-/// The flat device buffer behind a tensor's storage.
-fn buffer_of(t: &Tensor) -> Result<Arc<Buffer>> {
-    let g = t.storage().read();
-    match &*g {
+/// What a storage holds, when it is this backend's.
+fn data_in(d: &StorageData, device: Device) -> Result<PjrtBuffer> {
+    match d {
         StorageData::Device(d) => d
             .as_any()
             .downcast_ref::<PjrtBuffer>()
-            .map(|b| b.0.clone())
-            .ok_or_else(|| err(format!("a tensor on {} holds another backend's buffer", t.device()))),
-        StorageData::Host(_) => Err(err(format!("a tensor on {} holds host memory", t.device()))),
+            .cloned()
+            .ok_or_else(|| err(format!("a tensor on {device} holds another backend's buffer"))),
+        StorageData::Host(_) => Err(err(format!("a tensor on {device} holds host memory"))),
     }
+}
+
+fn data_of(t: &Tensor) -> Result<PjrtBuffer> {
+    data_in(&t.storage().read(), t.device())
 }
 
 /// The number of pending dispatches after which finished ones are collected.
@@ -94,10 +92,194 @@ impl PjrtBackend {
             client,
             cache: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
+            graphs: Mutex::new(HashMap::new()),
+            max_ops: std::env::var("KILN_TPU_DEFER_MAX_OPS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&n: &usize| n > 0)
+                .unwrap_or(crate::defer::DEFAULT_MAX_OPS),
             compiles: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             executions: AtomicU64::new(0),
+            graphs_run: AtomicU64::new(0),
         }
+    }
+
+    /// The device buffer behind a tensor's storage, running its pending graph
+    /// first when the storage holds a deferred result.
+    fn buffer_of(&self, t: &Tensor) -> Result<Arc<Buffer>> {
+        let data = data_of(t)?;
+        if let Some(b) = data.ready() {
+            return Ok(b);
+        }
+        if let PjrtBuffer::Deferred(slot) = &data {
+            self.flush(slot.device)?;
+            if let Some(b) = slot.filled.get() {
+                return Ok(b.clone());
+            }
+        }
+        Err(err("a deferred result was never computed (its graph ran without it)"))
+    }
+
+    /// Runs the pending graph of `device` (DeferAndFuse), if any.
+    pub fn flush(&self, device: usize) -> Result<()> {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        self.run_graph(&mut graphs, device)
+    }
+
+    /// Runs every pending graph.
+    pub fn flush_all(&self) -> Result<()> {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let devices: Vec<usize> = graphs.keys().copied().collect();
+        let mut first = Ok(());
+        for d in devices {
+            let r = self.run_graph(&mut graphs, d);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// The value of `t`'s storage inside graph `g`: an earlier output of it, or a
+    /// ready buffer as a parameter.
+    fn value_in(&self, g: &mut Graph, data: &PjrtBuffer) -> Result<Val> {
+        match data {
+            PjrtBuffer::Deferred(slot) if slot.graph == g.id => Ok(g.outs[slot.index].0.clone()),
+            other => match other.ready() {
+                Some(b) => Ok(g.param(&b)),
+                None => Err(err("an input is pending in another device's graph")),
+            },
+        }
+    }
+
+    /// DeferAndFuse: appends `op` to the device's pending graph.
+    fn defer_exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let g = graphs.entry(device.index()).or_insert_with(|| Graph::new(device.index()));
+        let (results, checks) = if let Some(values) = lower::creation_args(op) {
+            let mut args = vec![];
+            for (bytes, dt) in values {
+                let b = Arc::new(self.client.buffer_from_host(&bytes, dt, &[1], device.index())?);
+                let p = g.param(&b);
+                args.push(g.builder.reshape(&p, &[]));
+            }
+            (vec![lower::creation_lower(&mut g.builder, op, &args)?], vec![])
+        } else {
+            let mut vals = Vec::with_capacity(inputs.len());
+            for t in inputs {
+                let flat = self.value_in(g, &data_of(t)?)?;
+                vals.push(lower::read_view(&mut g.builder, &flat, t.layout())?);
+            }
+            lower::lower_op(&mut g.builder, op, &vals, outs)?
+        };
+        let mut storages = Vec::with_capacity(outs.len());
+        for (r, m) in results.iter().zip(outs) {
+            if r.shape() != &m.shape[..] || r.dtype() != m.dtype {
+                return Err(err(format!(
+                    "lowering of {} produced {:?} {}, expected {:?}",
+                    op.name(),
+                    r.shape(),
+                    r.dtype(),
+                    m
+                )));
+            }
+            let n = r.ty.numel();
+            let flat = g.builder.reshape(r, &[n]);
+            let slot = g.output(flat);
+            storages.push(Arc::new(Storage::new(
+                StorageData::Device(Box::new(PjrtBuffer::Deferred(slot))),
+                m.dtype,
+                n,
+                device,
+            )));
+        }
+        g.ops += 1;
+        let must_run = !checks.is_empty() || g.ops >= self.max_ops;
+        for (v, c) in checks {
+            g.checks.push((v, c, op.name(), inputs.iter().map(|t| (*t).clone()).collect()));
+        }
+        if must_run {
+            // An op with a device-side check runs now, so its error surfaces at the call.
+            self.run_graph(&mut graphs, device.index())?;
+        }
+        Ok(storages)
+    }
+
+    /// DeferAndFuse: appends an in-place write to the device's pending graph.
+    fn defer_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        let device = dst.device();
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let g = graphs.entry(device.index()).or_insert_with(|| Graph::new(device.index()));
+        let src_flat = self.value_in(g, &data_of(src)?)?;
+        let s = lower::read_view(&mut g.builder, &src_flat, src.layout())?;
+        let mut w = dst.storage().write();
+        let dst_flat = self.value_in(g, &data_in(&w, device)?)?;
+        let new = lower::write_view(&mut g.builder, &dst_flat, dst.layout(), &s)?;
+        let slot = g.output(new);
+        *w = StorageData::Device(Box::new(PjrtBuffer::Deferred(slot)));
+        drop(w);
+        g.ops += 1;
+        if g.ops >= self.max_ops {
+            self.run_graph(&mut graphs, device.index())?;
+        }
+        Ok(())
+    }
+
+    /// Compiles (or finds) and runs one device's pending graph; fills its live
+    /// slots and verifies its checks (see Note [Deferred buffers]).
+    fn run_graph(&self, graphs: &mut HashMap<usize, Graph>, device: usize) -> Result<()> {
+        let Some(slot) = graphs.get_mut(&device) else { return Ok(()) };
+        if slot.is_empty() {
+            return Ok(());
+        }
+        let Graph { builder: mut b, params, outs, checks, .. } = std::mem::replace(slot, Graph::new(device));
+        let mut live = vec![];
+        let mut slots = vec![];
+        for (v, w) in outs {
+            if let Some(s) = w.upgrade() {
+                live.push(v);
+                slots.push(s);
+            }
+        }
+        if live.is_empty() && checks.is_empty() {
+            return Ok(());
+        }
+        // Parameters only the graph still holds are donated to an output of their type.
+        let mut taken = vec![false; live.len()];
+        for (pi, (buf, v)) in params.iter().enumerate() {
+            if Arc::strong_count(buf) == 1 {
+                if let Some(j) = (0..live.len()).find(|&j| !taken[j] && live[j].ty == v.ty) {
+                    taken[j] = true;
+                    b.alias(pi, j);
+                }
+            }
+        }
+        let n_live = live.len();
+        let mut outputs = live;
+        outputs.extend(checks.iter().map(|c| c.0.clone()));
+        let text = b.finish(&outputs);
+        let exe = self.executable(&text)?;
+        let args: Vec<&Buffer> = params.iter().map(|p| &*p.0).collect();
+        let (mut bufs, event) = exe.execute(&args, device, &out_meta(&outputs))?;
+        self.executions.fetch_add(1, Ordering::Relaxed);
+        self.graphs_run.fetch_add(1, Ordering::Relaxed);
+        drop(args);
+        drop(params);
+        let flags = bufs.split_off(n_live);
+        for (s, buf) in slots.iter().zip(bufs) {
+            let _ = s.filled.set(Arc::new(buf));
+        }
+        self.queue(Pending::Program { op: "a deferred graph", event })?;
+        for (flag, (_, c, name, inputs)) in flags.iter().zip(&checks) {
+            let mut byte = [0u8; 1];
+            flag.copy_to_host(&mut byte)?;
+            if byte[0] == 0 {
+                let refs: Vec<&Tensor> = inputs.iter().collect();
+                return Err(self.check_error(name, c, &refs));
+            }
+        }
+        Ok(())
     }
 
     pub fn client(&self) -> &Arc<Client> {
@@ -109,6 +291,7 @@ impl PjrtBackend {
             compiles: self.compiles.load(Ordering::Relaxed),
             hits: self.hits.load(Ordering::Relaxed),
             executions: self.executions.load(Ordering::Relaxed),
+            graphs: self.graphs_run.load(Ordering::Relaxed),
         }
     }
 
@@ -163,7 +346,7 @@ impl PjrtBackend {
                     }
                 }
             }
-            Mode::Strict => self.queue(Pending::Program { op: name, event })?,
+            Mode::Strict | Mode::Defer => self.queue(Pending::Program { op: name, event })?,
         }
         Ok(bufs)
     }
@@ -252,7 +435,7 @@ impl PjrtBackend {
 
     fn storage(&self, buf: Buffer, dtype: DType, device: Device) -> Arc<Storage> {
         let len = buf.numel();
-        Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer(Arc::new(buf)))), dtype, len, device))
+        Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(buf)))), dtype, len, device))
     }
 }
 
@@ -294,14 +477,14 @@ impl Backend for PjrtBackend {
         let (b, upload) = self.client.buffer_from_host_async(bytes, dtype, &[len], device.index())?;
         match mode() {
             Mode::Debug => upload.wait()?,
-            Mode::Strict => self.queue(Pending::Upload(upload))?,
+            Mode::Strict | Mode::Defer => self.queue(Pending::Upload(upload))?,
         }
         Ok(self.storage(b, dtype, device))
     }
 
     fn to_host(&self, t: &Tensor) -> Result<HostBuffer> {
+        let buf = self.buffer_of(t)?;
         self.drain()?;
-        let buf = buffer_of(t)?;
         let l = t.layout();
         let whole = l.is_contiguous() && l.offset() == 0 && l.numel() == buf.numel();
         let dtype = t.dtype();
@@ -318,6 +501,9 @@ impl Backend for PjrtBackend {
     }
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
+        if mode() == Mode::Defer {
+            return self.defer_exec(op, inputs, outs, device);
+        }
         if let Some(values) = lower::creation_args(op) {
             let text = lower::creation_module(op)?;
             let args: Vec<Buffer> = values
@@ -328,7 +514,7 @@ impl Backend for PjrtBackend {
             let out = self.run(op.name(), &text, &refs, outs, &[], &[], device)?;
             return Ok(out.into_iter().zip(outs).map(|(b, m)| self.storage(b, m.dtype, device)).collect());
         }
-        let bufs: Vec<Arc<Buffer>> = inputs.iter().map(|t| buffer_of(t)).collect::<Result<_>>()?;
+        let bufs: Vec<Arc<Buffer>> = inputs.iter().map(|t| self.buffer_of(t)).collect::<Result<_>>()?;
         let views: Vec<ArgView<'_>> = inputs
             .iter()
             .zip(&bufs)
@@ -353,18 +539,21 @@ impl Backend for PjrtBackend {
                 ),
             ));
         }
+        if mode() == Mode::Defer {
+            return self.defer_assign(dst, src);
+        }
         let same = Arc::ptr_eq(dst.storage(), src.storage());
         // The write holds the destination's lock from reading its buffer to
-        // replacing it (Note [Storage mutability]); the source is read first.
-        let src_buf = if same { None } else { Some(buffer_of(src)?) };
-        let mut g = dst.storage().write();
-        let dst_buf = match &*g {
-            StorageData::Device(d) => d
-                .as_any()
-                .downcast_ref::<PjrtBuffer>()
-                .map(|b| b.0.clone())
-                .ok_or_else(|| err("the destination holds another backend's buffer"))?,
-            StorageData::Host(_) => return Err(err("the destination holds host memory")),
+        // replacing it (Note [Storage mutability]); the source is read first, and a
+        // deferred destination is computed before the lock is taken (running a
+        // graph takes the graph lock, which deferred writes take before storage locks).
+        let src_buf = if same { None } else { Some(self.buffer_of(src)?) };
+        let (mut g, dst_buf) = loop {
+            self.buffer_of(dst)?;
+            let g = dst.storage().write();
+            if let Some(b) = data_in(&g, dst.device())?.ready() {
+                break (g, b);
+            }
         };
         let src_view = ArgView {
             layout: src.layout(),
@@ -381,7 +570,7 @@ impl Backend for PjrtBackend {
         }
         let meta = Meta { shape: [dst_buf.numel()].as_slice().into(), dtype: dst.dtype() };
         let new = self.run("copy_", &text, &args, &[meta], &[], &[], dst.device())?.remove(0);
-        *g = StorageData::Device(Box::new(PjrtBuffer(Arc::new(new))));
+        *g = StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(new))));
         Ok(())
     }
 
@@ -405,6 +594,7 @@ impl Backend for PjrtBackend {
     }
 
     fn synchronize(&self, _device: Device) -> Result<()> {
-        self.drain()
+        let r = self.flush_all();
+        self.drain().and(r)
     }
 }

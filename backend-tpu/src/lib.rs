@@ -11,6 +11,7 @@
 //! # Ok::<(), kiln_tensor::Error>(())
 //! ```
 mod backend;
+mod defer;
 pub mod lower;
 mod mode;
 pub mod pjrt;
@@ -72,7 +73,9 @@ pub fn stats() -> Result<Stats> {
 /// Waits for all work dispatched to PJRT devices and surfaces the first
 /// asynchronous failure.
 pub fn sync() -> Result<()> {
-    backend()?.drain()
+    let b = backend()?;
+    let r = b.flush_all();
+    b.drain().and(r)
 }
 
 /// The registry owns a `Box<dyn Backend>`; the backend itself is shared with

@@ -13,14 +13,19 @@ pub enum Mode {
     /// Each op waits for completion; index ops are bounds-checked before the
     /// call returns, and the NaN/Inf trap (if on) checks every float output.
     Debug,
+    /// DeferAndFuse: ops append to a pending graph per device, which runs as
+    /// one compiled program at the next sync point (reading data, `sync()`, an
+    /// op with a device-side check, or `KILN_TPU_DEFER_MAX_OPS` ops).
+    Defer,
 }
 
 impl Mode {
-    /// Parses `strict` or `debug` (case-insensitive).
+    /// Parses `strict`, `debug` or `defer` (case-insensitive).
     pub fn parse(s: &str) -> Option<Mode> {
         match s.to_ascii_lowercase().as_str() {
             "strict" => Some(Mode::Strict),
             "debug" => Some(Mode::Debug),
+            "defer" => Some(Mode::Defer),
             _ => None,
         }
     }
@@ -30,7 +35,7 @@ fn env_mode() -> Mode {
     static M: OnceLock<Mode> = OnceLock::new();
     *M.get_or_init(|| match std::env::var("KILN_TPU_MODE") {
         Ok(s) => Mode::parse(&s).unwrap_or_else(|| {
-            eprintln!("kiln: KILN_TPU_MODE={s:?} is not a mode (strict, debug); using strict");
+            eprintln!("kiln: KILN_TPU_MODE={s:?} is not a mode (strict, debug, defer); using strict");
             Mode::Strict
         }),
         Err(_) => Mode::Strict,

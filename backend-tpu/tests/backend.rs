@@ -140,3 +140,27 @@ fn devices_beyond_the_plugins_are_refused() {
         assert_eq!((&y + &y).to_vec::<f32>().unwrap(), vec![2., 2.]);
     }
 }
+
+#[test]
+fn deferred_in_place_writes_keep_views_and_order() {
+    setup();
+    with_mode(Mode::Defer, || {
+        let x = Tensor::zeros(&[2, 3], (DType::F32, TPU)).unwrap();
+        let row = x.select(0, 1).unwrap();
+        let before = x.deep_clone().unwrap(); // read before the write
+        row.add_(&Tensor::ones(&[3], (DType::F32, TPU)).unwrap()).unwrap();
+        let doubled = x.mul(2.0).unwrap(); // read after the write
+        x.narrow(1, 0, 1).unwrap().fill_(5.0).unwrap(); // write after read
+        assert_eq!(before.to_vec::<f32>().unwrap(), vec![0.0; 6]);
+        assert_eq!(doubled.to_vec::<f32>().unwrap(), vec![0., 0., 0., 2., 2., 2.]);
+        assert_eq!(x.to_vec::<f32>().unwrap(), vec![5., 0., 0., 5., 1., 1.]);
+        assert_eq!(row.to_vec::<f32>().unwrap(), vec![5., 1., 1.]);
+    });
+}
+
+#[test]
+fn deferred_index_errors_surface_at_the_op() {
+    setup();
+    let e = with_mode(Mode::Defer, gather_out_of_range).unwrap_err().to_string();
+    assert!(e.contains("index 7 is out of bounds for dimension 1 with size 3"), "{e}");
+}

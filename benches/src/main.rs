@@ -51,6 +51,7 @@ BENCHMARKS:
 
 OPTIONS:
     --device DEV       cpu (default), tpu, tpu:N
+    --mode MODE        the PJRT backend's mode: strict (default), debug, defer
     --sizes LIST       matmul sizes (default 1024,4096)
     --dim D            side of the [D, D] tensors of `ops` (default 4096)
     --only LIST        run only the ops whose names contain one of these words
@@ -81,6 +82,7 @@ EXAMPLES:
 struct Args {
     cmd: String,
     device: Device,
+    mode: Option<kiln::tpu::Mode>,
     sizes: Vec<usize>,
     dim: usize,
     only: Vec<String>,
@@ -115,6 +117,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
     let mut a = Args {
         cmd: String::new(),
         device: Device::Cpu,
+        mode: None,
         sizes: vec![1024, 4096],
         dim: 4096,
         only: vec![],
@@ -142,6 +145,10 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         match flag {
             "-h" | "--help" | "help" => return Ok(None),
             "--device" => a.device = Device::parse(&value()?).map_err(|e| e.to_string())?,
+            "--mode" => {
+                let v = value()?;
+                a.mode = Some(kiln::tpu::Mode::parse(&v).ok_or(format!("--mode {v}: expected strict, debug or defer"))?)
+            }
             "--sizes" => a.sizes = parse_list("--sizes", &value()?)?,
             "--dim" => a.dim = value()?.parse().map_err(|_| "--dim needs an integer".to_string())?,
             "--only" => a.only = parse_list("--only", &value()?)?,
@@ -187,6 +194,9 @@ fn main() -> ExitCode {
     if let Err(e) = kiln::init_device(args.device) {
         eprintln!("kiln-bench: {e}");
         return ExitCode::from(2);
+    }
+    if let Some(m) = args.mode {
+        kiln::tpu::set_mode(m);
     }
     kiln::manual_seed(0);
     let cfg = |default_target: f64| Config {

@@ -265,7 +265,7 @@ fn qwen3_adamw_steps_match_torch() {
     check_adamw("qwen3", Device::Cpu);
 }
 
-/// The same fixtures on the PJRT device (XLA:CPU plugin), in one eager mode:
+/// The same fixtures on the PJRT device (XLA:CPU plugin), in one mode:
 /// logits, loss, activations, gradients, generation, AdamW steps and the loss curve.
 fn check_on_tpu(mode: kiln::tpu::Mode) {
     support::register_tpu();
@@ -287,4 +287,10 @@ fn tpu_strict_matches_transformers() {
 #[test]
 fn tpu_debug_matches_transformers() {
     check_on_tpu(kiln::tpu::Mode::Debug);
+}
+
+#[test]
+fn tpu_defer_matches_transformers() {
+    check_on_tpu(kiln::tpu::Mode::Defer);
+    kiln::tpu::sync().unwrap();
 }

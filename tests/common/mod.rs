@@ -132,12 +132,15 @@ pub fn devices() -> Vec<Device> {
     d
 }
 
-/// Runs `f` on every device; PJRT devices run it once per eager mode (Strict, then Debug).
+/// Runs `f` on every device; PJRT devices run it once per mode (Strict, Debug, DeferAndFuse).
 pub fn for_each_device_and_mode(mut f: impl FnMut(Device, &str)) {
+    use kiln::tpu::Mode;
     for dev in devices() {
         if dev.kind() == DeviceKind::Tpu {
-            for m in [kiln::tpu::Mode::Strict, kiln::tpu::Mode::Debug] {
-                kiln::tpu::with_mode(m, || f(dev, if m == kiln::tpu::Mode::Strict { "strict" } else { "debug" }));
+            for (m, name) in [(Mode::Strict, "strict"), (Mode::Debug, "debug"), (Mode::Defer, "defer")] {
+                kiln::tpu::with_mode(m, || f(dev, name));
+                // Nothing deferred outlives the mode it was made in.
+                kiln::tpu::sync().unwrap_or_else(|e| panic!("on device {dev} ({name}): {e}"));
             }
         } else {
             f(dev, "eager");

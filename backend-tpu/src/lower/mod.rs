@@ -181,25 +181,30 @@ pub fn creation_args(op: &kiln_tensor::Op) -> Option<Vec<(Vec<u8>, DType)>> {
 /// range start that changes every step (an optimizer's bias correction, a
 /// decoding position) never recompiles.
 pub fn creation_module(op: &kiln_tensor::Op) -> Result<String> {
+    let tys: Vec<Ty> = creation_args(op)
+        .ok_or_else(|| Error::backend("pjrt", format!("{} is not a creation op", op.name())))?
+        .iter()
+        .map(|(_, dt)| Ty::new(&[], *dt))
+        .collect();
+    let (mut b, args) = Builder::new(&tys);
+    let v = creation_lower(&mut b, op, &args)?;
+    let n = v.ty.numel();
+    let flat = b.reshape(&v, &[n]);
+    Ok(b.finish(&[flat]))
+}
+
+/// The lowering of a creation op from its scalar arguments (see [`creation_args`]).
+pub fn creation_lower(b: &mut Builder, op: &kiln_tensor::Op, args: &[Val]) -> Result<Val> {
     use kiln_tensor::Op;
     match op {
-        Op::Full { shape, dtype, .. } => {
-            let (mut b, args) = Builder::new(&[Ty::new(&[], *dtype)]);
-            let v = b.broadcast(&args[0], shape, &[]);
-            let n = v.ty.numel();
-            let flat = b.reshape(&v, &[n]);
-            Ok(b.finish(&[flat]))
-        }
+        Op::Full { shape, .. } => Ok(b.broadcast(&args[0], shape, &[])),
         Op::Arange { len, dtype, .. } => {
-            let f = Ty::new(&[], DType::F64);
-            let (mut b, args) = Builder::new(&[f.clone(), f]);
             let i = b.iota(&[*len], 0, DType::F64);
             let st = b.broadcast(&args[1], &[*len], &[]);
             let s0 = b.broadcast(&args[0], &[*len], &[]);
             let p = b.mul(&st, &i);
             let v = b.add(&s0, &p);
-            let out = b.cast(&v, *dtype);
-            Ok(b.finish(&[out]))
+            Ok(b.cast(&v, *dtype))
         }
         other => Err(Error::backend("pjrt", format!("{} is not a creation op", other.name()))),
     }
@@ -217,8 +222,16 @@ pub struct Builder {
 impl Builder {
     /// A builder for a function of the given argument types, and the arguments as values.
     pub fn new(args: &[Ty]) -> (Builder, Vec<Val>) {
-        let vals = args.iter().enumerate().map(|(i, t)| Val { name: format!("%a{i}"), ty: t.clone() }).collect();
-        (Builder { body: String::new(), next: 0, args: args.to_vec(), aliases: vec![] }, vals)
+        let mut b = Builder { body: String::new(), next: 0, args: vec![], aliases: vec![] };
+        let vals = args.iter().map(|t| b.add_arg(t.clone())).collect();
+        (b, vals)
+    }
+
+    /// Appends an argument to the function and returns it as a value.
+    pub fn add_arg(&mut self, ty: Ty) -> Val {
+        let v = Val { name: format!("%a{}", self.args.len()), ty: ty.clone() };
+        self.args.push(ty);
+        v
     }
 
     fn fresh(&mut self) -> String {

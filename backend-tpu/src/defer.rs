@@ -1,0 +1,128 @@
+//! DeferAndFuse: in this mode ops on PJRT tensors append to a pending graph
+//! per device instead of running; at a sync point the graph becomes one
+//! StableHLO module, compiled once per structure and executed, and the
+//! deferred results are filled in (see Note [Deferred buffers]).
+use crate::lower::{Builder, Check, Ty, Val};
+use crate::pjrt::Buffer;
+use kiln_tensor::{DType, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+
+// Note [Deferred buffers]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A storage on a PJRT device holds a `PjrtBuffer`: a ready device buffer, or,
+// under DeferAndFuse, a `Slot` of the device's pending graph: an output that
+// will exist once the graph runs. A deferred op reads its inputs' values in
+// the graph (a previous op's output, or a ready buffer added as a program
+// parameter), appends its lowering, and returns storages holding new slots.
+// An in-place write appends the write's lowering and points the storage at
+// the new slot, so every view sees it, as in the eager modes.
+//
+// The graph runs when a result is needed: reading data, `synchronize` /
+// `kiln_tpu::sync()`, an op in another mode reading a deferred input, an op
+// with a device-side check (its error must surface at the call), or the size
+// limit. Only slots still referenced by some storage become program outputs
+// (the rest is dead code XLA removes). A parameter whose buffer nothing but
+// the graph holds any more (its storage was overwritten in place) is donated
+// to an output of its type (`tf.aliasing_output`), so XLA updates it in place.
+// The module text is the executable cache's key: the same sequence of ops on
+// the same shapes compiles once, and the values of creation ops are program
+// arguments, so a changing scalar never recompiles.
+
+/// The default number of ops after which a pending graph runs (`KILN_TPU_DEFER_MAX_OPS`).
+pub const DEFAULT_MAX_OPS: usize = 4096;
+
+static NEXT_GRAPH: AtomicU64 = AtomicU64::new(1);
+
+/// A deferred output: filled with its buffer when its graph runs.
+#[derive(Debug)]
+pub struct Slot {
+    pub graph: u64,
+    pub device: usize,
+    pub index: usize,
+    pub filled: OnceLock<Arc<Buffer>>,
+}
+
+/// The pending graph of one device.
+pub struct Graph {
+    pub id: u64,
+    pub device: usize,
+    pub builder: Builder,
+    /// Ready buffers the graph reads, in argument order, with their values.
+    pub params: Vec<(Arc<Buffer>, Val)>,
+    /// Outputs appended so far (flat values) and the slots waiting for them.
+    pub outs: Vec<(Val, Weak<Slot>)>,
+    /// Device-side checks of the ops appended since the last run, with the
+    /// op's name and its inputs (for the error message).
+    pub checks: Vec<(Val, Check, &'static str, Vec<Tensor>)>,
+    pub ops: usize,
+}
+
+impl Graph {
+    pub fn new(device: usize) -> Graph {
+        Graph {
+            id: NEXT_GRAPH.fetch_add(1, Ordering::Relaxed),
+            device,
+            builder: Builder::new(&[]).0,
+            params: vec![],
+            outs: vec![],
+            checks: vec![],
+            ops: 0,
+        }
+    }
+
+    /// The value of a ready buffer in the graph (a parameter, added once).
+    pub fn param(&mut self, buf: &Arc<Buffer>) -> Val {
+        if let Some((_, v)) = self.params.iter().find(|(b, _)| Arc::ptr_eq(b, buf)) {
+            return v.clone();
+        }
+        let v = self.builder.add_arg(Ty::new(&[buf.numel()], buf.dtype()));
+        self.params.push((buf.clone(), v.clone()));
+        v
+    }
+
+    /// Records a flat output value and returns the slot that will hold it.
+    pub fn output(&mut self, v: Val) -> Arc<Slot> {
+        let slot =
+            Arc::new(Slot { graph: self.id, device: self.device, index: self.outs.len(), filled: OnceLock::new() });
+        self.outs.push((v, Arc::downgrade(&slot)));
+        slot
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.outs.is_empty() && self.checks.is_empty()
+    }
+}
+
+/// What a storage on a PJRT device holds.
+#[derive(Debug, Clone)]
+pub enum PjrtBuffer {
+    /// A device buffer.
+    Ready(Arc<Buffer>),
+    /// An output of a pending graph (DeferAndFuse).
+    Deferred(Arc<Slot>),
+}
+
+impl PjrtBuffer {
+    /// Elements and dtype are those of the storage; this is only the data.
+    pub fn ready(&self) -> Option<Arc<Buffer>> {
+        match self {
+            PjrtBuffer::Ready(b) => Some(b.clone()),
+            PjrtBuffer::Deferred(s) => s.filled.get().cloned(),
+        }
+    }
+}
+
+impl kiln_tensor::DeviceBuffer for PjrtBuffer {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// The program output types of the live outputs, for execution.
+pub fn out_meta(vals: &[Val]) -> Vec<(DType, Vec<usize>)> {
+    vals.iter().map(|v| (v.dtype(), v.shape().to_vec())).collect()
+}

@@ -1,0 +1,45 @@
+//! DeferAndFuse runs a chain of ops as one program. A test binary of its own:
+//! it counts the backend's executions, which other tests would disturb.
+use kiln_tensor::{DType, Device, Tensor};
+use kiln_tpu::{with_mode, Mode};
+
+const TPU: Device = Device::Tpu(0);
+
+fn setup() {
+    kiln_cpu::register();
+    if kiln_tpu::pjrt::find_plugin().is_err() {
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-pjrt-plugin");
+        let out = std::process::Command::new(&script).output().expect("running fetch-pjrt-plugin");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    kiln_tpu::register().expect("registering the PJRT backend");
+}
+
+#[test]
+fn defer_and_fuse_runs_a_chain_of_ops_as_one_program() {
+    setup();
+    let x = Tensor::arange(0.0, 8.0, 1.0, (DType::F32, TPU)).unwrap();
+    let want: Vec<f32> = {
+        let mut y = x.clone();
+        for _ in 0..10 {
+            y = y.mul(0.5).unwrap().exp().unwrap().add(1.0).unwrap().log().unwrap();
+        }
+        y.to_vec::<f32>().unwrap()
+    };
+    kiln_tpu::sync().unwrap();
+    let before = kiln_tpu::stats().unwrap();
+    let got = with_mode(Mode::Defer, || {
+        let mut y = x.clone();
+        for _ in 0..10 {
+            y = y.mul(0.5).unwrap().exp().unwrap().add(1.0).unwrap().log().unwrap();
+        }
+        let mid = kiln_tpu::stats().unwrap();
+        assert_eq!(mid.executions, before.executions, "nothing runs before the result is needed");
+        y.to_vec::<f32>().unwrap()
+    });
+    let after = kiln_tpu::stats().unwrap();
+    // The scalar operands are uploaded; the 40 ops run as one program.
+    assert_eq!(after.graphs - before.graphs, 1, "{before:?} -> {after:?}");
+    assert_eq!(after.executions - before.executions, 1, "{before:?} -> {after:?}");
+    assert_eq!(got, want, "fused results equal op-by-op results");
+}
