@@ -3,6 +3,7 @@
 //! program text and cached, and dispatched asynchronously (Strict) or waited
 //! for and checked (Debug); under DeferAndFuse ops append to a pending graph
 //! that runs as one program (`defer.rs`).
+use crate::cache::{self, DiskCache, DiskOutcome};
 pub use crate::defer::PjrtBuffer;
 use crate::defer::{out_meta, Graph};
 use crate::lower::{self, ArgView, Check, Val};
@@ -30,7 +31,7 @@ impl Pending {
 }
 
 /// Counters of the executable cache and dispatches (see [`PjrtBackend::stats`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Stats {
     /// Programs compiled (cache misses).
     pub compiles: u64,
@@ -40,6 +41,16 @@ pub struct Stats {
     pub executions: u64,
     /// Deferred graphs run (DeferAndFuse), counted in `executions` too.
     pub graphs: u64,
+    /// Executables loaded from the on-disk cache instead of compiled.
+    pub disk_hits: u64,
+    /// Programs not found on disk (compiled, then stored).
+    pub disk_misses: u64,
+    /// Corrupt or foreign disk entries, compiled again and rewritten.
+    pub disk_rebuilt: u64,
+    /// Time spent compiling, in seconds.
+    pub compile_secs: f64,
+    /// Time spent loading executables from disk, in seconds.
+    pub load_secs: f64,
 }
 
 /// The PJRT backend: one client, its executable cache and the queue of
@@ -55,6 +66,8 @@ pub struct PjrtBackend {
     hits: AtomicU64,
     executions: AtomicU64,
     graphs_run: AtomicU64,
+    compile_ns: AtomicU64,
+    disk: Option<DiskCache>,
 }
 
 impl std::fmt::Debug for PjrtBackend {
@@ -89,7 +102,6 @@ const REAP_AT: usize = 64;
 impl PjrtBackend {
     pub fn new(client: Arc<Client>) -> PjrtBackend {
         PjrtBackend {
-            client,
             cache: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
             graphs: Mutex::new(HashMap::new()),
@@ -102,6 +114,9 @@ impl PjrtBackend {
             hits: AtomicU64::new(0),
             executions: AtomicU64::new(0),
             graphs_run: AtomicU64::new(0),
+            compile_ns: AtomicU64::new(0),
+            disk: cache::cache_dir().map(|d| DiskCache::new(d, &client, &crate::pjrt::default_compile_options())),
+            client,
         }
     }
 
@@ -292,6 +307,11 @@ impl PjrtBackend {
             hits: self.hits.load(Ordering::Relaxed),
             executions: self.executions.load(Ordering::Relaxed),
             graphs: self.graphs_run.load(Ordering::Relaxed),
+            disk_hits: self.disk.as_ref().map_or(0, |d| d.hits.load(Ordering::Relaxed)),
+            disk_misses: self.disk.as_ref().map_or(0, |d| d.misses.load(Ordering::Relaxed)),
+            disk_rebuilt: self.disk.as_ref().map_or(0, |d| d.rebuilt.load(Ordering::Relaxed)),
+            compile_secs: self.compile_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            load_secs: self.disk.as_ref().map_or(0, |d| d.load_ns.load(Ordering::Relaxed)) as f64 * 1e-9,
         }
     }
 
@@ -301,8 +321,25 @@ impl PjrtBackend {
             self.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(e.clone());
         }
-        let exe = Arc::new(self.client.compile(text).map_err(|e| err(format!("{e}\nprogram:\n{text}")))?);
-        self.compiles.fetch_add(1, Ordering::Relaxed);
+        let compile = || {
+            let t = std::time::Instant::now();
+            let exe = self.client.compile(text).map_err(|e| err(format!("{e}\nprogram:\n{text}")))?;
+            let dt = t.elapsed();
+            self.compiles.fetch_add(1, Ordering::Relaxed);
+            self.compile_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
+            cache::log(&format!("compiled a program of {} bytes in {:.1} ms", text.len(), dt.as_secs_f64() * 1e3));
+            Ok(exe)
+        };
+        let exe = Arc::new(match &self.disk {
+            Some(d) => {
+                let (exe, outcome) = d.get_or_compile(&self.client, text, compile)?;
+                if outcome == DiskOutcome::Hit {
+                    cache::log(&format!("loaded a program of {} bytes from {}", text.len(), d.dir().display()));
+                }
+                exe
+            }
+            None => compile()?,
+        });
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).insert(text.to_string(), exe.clone());
         Ok(exe)
     }

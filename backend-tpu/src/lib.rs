@@ -11,6 +11,7 @@
 //! # Ok::<(), kiln_tensor::Error>(())
 //! ```
 mod backend;
+pub mod cache;
 mod defer;
 pub mod lower;
 mod mode;

@@ -134,7 +134,10 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
             .set("pjrt_programs_per_step", sig4((s1.executions - s0.executions) as f64 / a.steps as f64))
             .set("pjrt_compiles_timed_steps", compiles)
             .set("pjrt_compiles_total", s1.compiles)
-            .set("pjrt_cache_hit_rate", sig4((lookups - compiles) as f64 / lookups.max(1) as f64));
+            .set("pjrt_cache_hit_rate", sig4((lookups - compiles) as f64 / lookups.max(1) as f64))
+            .set("pjrt_compile_s", sig4(s1.compile_secs))
+            .set("pjrt_disk_hits", s1.disk_hits)
+            .set("pjrt_disk_load_s", sig4(s1.load_secs));
     }
     Ok(l)
 }

@@ -395,7 +395,7 @@ impl Client {
         p.code_size = code.len();
         p.format = format.as_ptr() as *const _;
         p.format_size = format.len();
-        let opts = compile_options(1, 1, true);
+        let opts = default_compile_options();
         let mut a = ffi::PJRT_Client_Compile_Args::new();
         a.client = self.raw;
         a.program = &p;
@@ -403,6 +403,21 @@ impl Client {
         a.compile_options_size = opts.len();
         self.api.call("Client_Compile", self.api.t().client_compile, &mut a)?;
         let mut exe = Executable { client: self.clone(), raw: a.executable, num_outputs: 0 };
+        exe.num_outputs = exe.query_num_outputs()?;
+        Ok(exe)
+    }
+}
+
+impl Client {
+    /// Loads an executable serialized by [`Executable::serialize`] with this
+    /// plugin build; a foreign or corrupt one is an error (never trusted).
+    pub fn deserialize(self: &Arc<Self>, bytes: &[u8]) -> Result<Executable> {
+        let mut a = ffi::PJRT_Executable_DeserializeAndLoad_Args::new();
+        a.client = self.raw;
+        a.serialized_executable = bytes.as_ptr() as *const _;
+        a.serialized_executable_size = bytes.len();
+        self.api.call("Executable_DeserializeAndLoad", self.api.t().executable_deserialize_and_load, &mut a)?;
+        let mut exe = Executable { client: self.clone(), raw: a.loaded_executable, num_outputs: 0 };
         exe.num_outputs = exe.query_num_outputs()?;
         Ok(exe)
     }
@@ -431,6 +446,11 @@ pub fn buffer_type(d: DType) -> std::ffi::c_int {
         DType::F32 => ffi::BUFFER_TYPE_F32,
         DType::F64 => ffi::BUFFER_TYPE_F64,
     }
+}
+
+/// The compile options of kiln's programs: one replica, one partition, portable.
+pub fn default_compile_options() -> Vec<u8> {
+    compile_options(1, 1, true)
 }
 
 /// A serialized `xla.CompileOptionsProto`: `executable_build_options` (field 3)
@@ -636,6 +656,33 @@ impl Executable {
 
     pub fn num_outputs(&self) -> usize {
         self.num_outputs
+    }
+
+    /// The executable's serialized form (for the on-disk compile cache).
+    pub fn serialize(&self) -> Result<Vec<u8>> {
+        let api = &self.client.api;
+        let mut g = ffi::PJRT_LoadedExecutable_GetExecutable_Args::new();
+        g.loaded_executable = self.raw;
+        api.call("LoadedExecutable_GetExecutable", api.t().loaded_executable_get_executable, &mut g)?;
+        let mut a = ffi::PJRT_Executable_Serialize_Args::new();
+        a.executable = g.executable;
+        let r = api.call("Executable_Serialize", api.t().executable_serialize, &mut a);
+        let out = r.map(|_| {
+            // SAFETY: on success the plugin returned `serialized_bytes_size` bytes, owned by
+            // `serialized_executable` until its deleter runs (below, after the copy).
+            let bytes = unsafe { std::slice::from_raw_parts(a.serialized_bytes as *const u8, a.serialized_bytes_size) };
+            bytes.to_vec()
+        });
+        if let Some(del) = a.serialized_executable_deleter {
+            if !a.serialized_executable.is_null() {
+                // SAFETY: the deleter the plugin gave for exactly this object, called once.
+                unsafe { del(a.serialized_executable) };
+            }
+        }
+        let mut d = ffi::PJRT_Executable_Destroy_Args::new();
+        d.executable = g.executable;
+        let _ = api.call("Executable_Destroy", api.t().executable_destroy, &mut d);
+        out
     }
 
     /// Runs the program on device `device` with `args`, returning its output
