@@ -21,6 +21,7 @@ USAGE:
     kiln-bench matmul [--sizes N,N,...] [options]
     kiln-bench ops    [--dim D] [--only NAME,...] [options]
     kiln-bench all    [options]           (matmul, then ops)
+    kiln-bench chain  [--dim D] --device tpu
     kiln-bench train  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench infer  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W]
@@ -38,6 +39,9 @@ BENCHMARKS:
                softmax             [D, D] over the last dim  bytes = 2 x 4 x N
              and add_latency: us_per_op of `add` on two 1-element tensors
              (median over runs of 1000 ops each)
+    chain    ten elementwise ops on D*D float32 elements on a PJRT device, timed in Strict
+             mode (ten programs) and in DeferAndFuse mode (one fused program) in the same run;
+             chain_ratio gives defer_speedup_over_strict
     train    one training step of a randomly initialised Llama on random tokens: zero_grad,
              forward, next-token cross entropy, backward, AdamW (lr 1e-3, betas (0.9, 0.95),
              weight decay 0.1), reading the loss; tokens_per_s = B x T / median step
@@ -211,6 +215,7 @@ fn main() -> ExitCode {
     let failed = match args.cmd.as_str() {
         "matmul" => suites::matmul(&cfg(3.0), &args.sizes),
         "ops" => suites::ops(&cfg(2.0), args.dim),
+        "chain" => suites::chain(&cfg(2.0), args.dim),
         "all" => suites::matmul(&cfg(3.0), &args.sizes) + suites::ops(&cfg(2.0), args.dim),
         cmd @ ("train" | "infer" | "decode" | "autograd") => {
             if let Err(e) = llm::preset(&args.preset) {

@@ -167,3 +167,52 @@ pub fn ops(cfg: &Config, d: usize) -> usize {
     }
     failed
 }
+
+/// `chain`: ten elementwise ops (`x * 0.5`, `+ 1`, `* x`, `exp`, `- 0.25`, `* 3`, `+ x`,
+/// `tanh`, `abs`, `+ 2`) on `d*d` float32 elements, each run reading and writing the
+/// whole tensor, timed once per PJRT mode in the same run: Strict (ten programs) and
+/// DeferAndFuse (one fused program). Prints one line per mode and the defer/strict ratio.
+pub fn chain(cfg: &Config, d: usize) -> usize {
+    let dev = cfg.device.to_string();
+    let n = d * d;
+    let chain = |x: &Tensor| -> Result<Tensor> {
+        let y = x.mul(0.5)?.add(1.0)?.mul(x)?.exp()?.sub(0.25)?;
+        y.mul(3.0)?.add(x)?.tanh()?.abs()?.add(2.0)
+    };
+    let run = |mode: kiln::tpu::Mode| -> Result<Stats> {
+        let x = Tensor::randn(&[n], cfg.opts())?;
+        sync(&x)?;
+        kiln::tpu::with_mode(mode, || {
+            measure(cfg.plan, 1, || {
+                let y = chain(&x)?;
+                sync(&y)
+            })
+        })
+    };
+    if cfg.device.kind() != kiln::DeviceKind::Tpu {
+        error_line("chain", cfg, &Error::invalid("chain", "the chain benchmark compares PJRT modes: use --device tpu"));
+        return 1;
+    }
+    let mut times = vec![];
+    for (mode, name) in [(kiln::tpu::Mode::Strict, "strict"), (kiln::tpu::Mode::Defer, "defer")] {
+        match run(mode) {
+            Ok(s) => {
+                Line::new("chain", "float32", &dev)
+                    .set("mode", name)
+                    .set("shape", vec![n])
+                    .set("ops", "x*0.5, +1, *x, exp, -0.25, *3, +x, tanh, abs, +2")
+                    .set("median_ms", sig4(s.median() * 1e3))
+                    .set("min_ms", sig4(s.min() * 1e3))
+                    .set("runs", s.runs())
+                    .emit();
+                times.push(s.median());
+            }
+            Err(e) => {
+                error_line("chain", cfg, &e);
+                return 1;
+            }
+        }
+    }
+    Line::new("chain_ratio", "float32", &dev).set("defer_speedup_over_strict", sig4(times[0] / times[1])).emit();
+    0
+}
