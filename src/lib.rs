@@ -49,6 +49,10 @@ pub fn init_device(device: Device) -> Result<()> {
     device.backend().map(|_| ())
 }
 
+/// Captures a function of tensors on a PJRT device into one compiled program
+/// (torch.compile's role): see [`tpu::compile`].
+pub use kiln_tpu::{compile, Compiled};
+
 /// `use kiln::prelude::*;` brings the everyday names into scope.
 pub mod prelude {
     pub use kiln_autograd::TensorAutograd;

@@ -5,7 +5,7 @@
 //! that runs as one program (`defer.rs`).
 use crate::cache::{self, DiskCache, DiskOutcome};
 pub use crate::defer::PjrtBuffer;
-use crate::defer::{out_meta, Graph};
+use crate::defer::{out_meta, Graph, ParamSrc};
 use crate::lower::{self, ArgView, Check, Val};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, Event, Executable, Upload};
@@ -123,11 +123,34 @@ impl PjrtBackend {
     /// The device buffer behind a tensor's storage, running its pending graph
     /// first when the storage holds a deferred result.
     fn buffer_of(&self, t: &Tensor) -> Result<Arc<Buffer>> {
-        let data = data_of(t)?;
+        self.ready_data(data_of(t)?)
+    }
+
+    pub(crate) fn ready_buffer(&self, t: &Tensor) -> Result<Arc<Buffer>> {
+        self.buffer_of(t)
+    }
+
+    pub(crate) fn ready_storage(&self, st: &Arc<Storage>, device: Device) -> Result<Arc<Buffer>> {
+        let data = data_in(&st.read(), device)?;
+        self.ready_data(data)
+    }
+
+    pub(crate) fn count_execution(&self) {
+        self.executions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn queue_event(&self, op: &'static str, event: Event) -> Result<()> {
+        self.queue(Pending::Program { op, event })
+    }
+
+    fn ready_data(&self, data: PjrtBuffer) -> Result<Arc<Buffer>> {
         if let Some(b) = data.ready() {
             return Ok(b);
         }
         if let PjrtBuffer::Deferred(slot) = &data {
+            if crate::capture::is_capture_graph(slot.graph) {
+                return Err(crate::capture::escaped_value_error());
+            }
             self.flush(slot.device)?;
             if let Some(b) = slot.filled.get() {
                 return Ok(b.clone());
@@ -156,34 +179,59 @@ impl PjrtBackend {
         first
     }
 
-    /// The value of `t`'s storage inside graph `g`: an earlier output of it, or a
-    /// ready buffer as a parameter.
-    fn value_in(&self, g: &mut Graph, data: &PjrtBuffer) -> Result<Val> {
+    /// The value of a storage's data inside graph `g`: an earlier output of it, or
+    /// a ready buffer as a parameter (whose source, for capture, is `storage`).
+    fn value_in(&self, g: &mut Graph, data: &PjrtBuffer, storage: &Arc<Storage>) -> Result<Val> {
         match data {
             PjrtBuffer::Deferred(slot) if slot.graph == g.id => Ok(g.outs[slot.index].0.clone()),
+            PjrtBuffer::Deferred(slot) if crate::capture::is_capture_graph(slot.graph) => {
+                Err(crate::capture::escaped_value_error())
+            }
             other => match other.ready() {
-                Some(b) => Ok(g.param(&b)),
+                Some(b) => Ok(g.param(&b, ParamSrc::Storage(Arc::downgrade(storage)))),
                 None => Err(err("an input is pending in another device's graph")),
             },
         }
     }
 
-    /// DeferAndFuse: appends `op` to the device's pending graph.
+    /// DeferAndFuse: appends `op` to the device's pending graph (or the thread's
+    /// capture graph, see `capture.rs`).
     fn defer_exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
+        if let Some(r) = crate::capture::with_graph(device.index(), |g| self.append_op(g, op, inputs, outs, device)) {
+            return r.map(|(st, _)| st);
+        }
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let g = graphs.entry(device.index()).or_insert_with(|| Graph::new(device.index()));
+        let (storages, has_checks) = self.append_op(g, op, inputs, outs, device)?;
+        if has_checks || g.ops >= self.max_ops {
+            // An op with a device-side check runs now, so its error surfaces at the call.
+            self.run_graph(&mut graphs, device.index())?;
+        }
+        Ok(storages)
+    }
+
+    /// Appends `op`'s lowering to `g`; returns the output storages (holding new
+    /// slots) and whether the op has device-side checks.
+    pub(crate) fn append_op(
+        &self,
+        g: &mut Graph,
+        op: &Op,
+        inputs: &[&Tensor],
+        outs: &[Meta],
+        device: Device,
+    ) -> Result<(Vec<Arc<Storage>>, bool)> {
         let (results, checks) = if let Some(values) = lower::creation_args(op) {
             let mut args = vec![];
             for (bytes, dt) in values {
                 let b = Arc::new(self.client.buffer_from_host(&bytes, dt, &[1], device.index())?);
-                let p = g.param(&b);
+                let p = g.param(&b, ParamSrc::Constant(bytes));
                 args.push(g.builder.reshape(&p, &[]));
             }
             (vec![lower::creation_lower(&mut g.builder, op, &args)?], vec![])
         } else {
             let mut vals = Vec::with_capacity(inputs.len());
             for t in inputs {
-                let flat = self.value_in(g, &data_of(t)?)?;
+                let flat = self.value_in(g, &data_of(t)?, t.storage())?;
                 vals.push(lower::read_view(&mut g.builder, &flat, t.layout())?);
             }
             lower::lower_op(&mut g.builder, op, &vals, outs)?
@@ -202,42 +250,51 @@ impl PjrtBackend {
             let n = r.ty.numel();
             let flat = g.builder.reshape(r, &[n]);
             let slot = g.output(flat);
-            storages.push(Arc::new(Storage::new(
-                StorageData::Device(Box::new(PjrtBuffer::Deferred(slot))),
+            let st = Arc::new(Storage::new(
+                StorageData::Device(Box::new(PjrtBuffer::Deferred(slot.clone()))),
                 m.dtype,
                 n,
                 device,
-            )));
+            ));
+            g.sinks[slot.index] = Arc::downgrade(&st);
+            storages.push(st);
         }
         g.ops += 1;
-        let must_run = !checks.is_empty() || g.ops >= self.max_ops;
+        let has_checks = !checks.is_empty();
         for (v, c) in checks {
             g.checks.push((v, c, op.name(), inputs.iter().map(|t| (*t).clone()).collect()));
         }
-        if must_run {
-            // An op with a device-side check runs now, so its error surfaces at the call.
-            self.run_graph(&mut graphs, device.index())?;
-        }
-        Ok(storages)
+        Ok((storages, has_checks))
     }
 
-    /// DeferAndFuse: appends an in-place write to the device's pending graph.
+    /// DeferAndFuse: appends an in-place write to the device's pending graph (or
+    /// the thread's capture graph).
     fn defer_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         let device = dst.device();
+        if let Some(r) = crate::capture::with_graph(device.index(), |g| self.append_assign(g, dst, src)) {
+            return r;
+        }
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let g = graphs.entry(device.index()).or_insert_with(|| Graph::new(device.index()));
-        let src_flat = self.value_in(g, &data_of(src)?)?;
-        let s = lower::read_view(&mut g.builder, &src_flat, src.layout())?;
-        let mut w = dst.storage().write();
-        let dst_flat = self.value_in(g, &data_in(&w, device)?)?;
-        let new = lower::write_view(&mut g.builder, &dst_flat, dst.layout(), &s)?;
-        let slot = g.output(new);
-        *w = StorageData::Device(Box::new(PjrtBuffer::Deferred(slot)));
-        drop(w);
-        g.ops += 1;
+        self.append_assign(g, dst, src)?;
         if g.ops >= self.max_ops {
             self.run_graph(&mut graphs, device.index())?;
         }
+        Ok(())
+    }
+
+    fn append_assign(&self, g: &mut Graph, dst: &Tensor, src: &Tensor) -> Result<()> {
+        let device = dst.device();
+        let src_flat = self.value_in(g, &data_of(src)?, src.storage())?;
+        let s = lower::read_view(&mut g.builder, &src_flat, src.layout())?;
+        let mut w = dst.storage().write();
+        let dst_flat = self.value_in(g, &data_in(&w, device)?, dst.storage())?;
+        let new = lower::write_view(&mut g.builder, &dst_flat, dst.layout(), &s)?;
+        let slot = g.output(new);
+        g.sinks[slot.index] = Arc::downgrade(dst.storage());
+        *w = StorageData::Device(Box::new(PjrtBuffer::Deferred(slot)));
+        drop(w);
+        g.ops += 1;
         Ok(())
     }
 
@@ -249,6 +306,7 @@ impl PjrtBackend {
             return Ok(());
         }
         let Graph { builder: mut b, params, outs, checks, .. } = std::mem::replace(slot, Graph::new(device));
+        let params: Vec<(Arc<Buffer>, Val)> = params.into_iter().map(|(b, v, _)| (b, v)).collect();
         let mut live = vec![];
         let mut slots = vec![];
         for (v, w) in outs {
@@ -389,7 +447,7 @@ impl PjrtBackend {
     }
 
     /// The CPU backend's error for a failed check, naming the offending value.
-    fn check_error(&self, name: &'static str, c: &Check, inputs: &[&Tensor]) -> Error {
+    pub(crate) fn check_error(&self, name: &'static str, c: &Check, inputs: &[&Tensor]) -> Error {
         match c {
             Check::ZeroDivision => Error::invalid(name, "ZeroDivisionError: integer division or modulo by zero"),
             Check::NegativePower => Error::invalid(name, "Integers to negative integer powers are not allowed."),
@@ -520,6 +578,12 @@ impl Backend for PjrtBackend {
     }
 
     fn to_host(&self, t: &Tensor) -> Result<HostBuffer> {
+        if crate::capture::is_tracing() {
+            return Err(crate::capture::read_while_tracing(
+                "reading the data (to_vec, item, printing, a copy to another device)",
+                t,
+            ));
+        }
         let buf = self.buffer_of(t)?;
         self.drain()?;
         let l = t.layout();
@@ -538,7 +602,7 @@ impl Backend for PjrtBackend {
     }
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
-        if mode() == Mode::Defer {
+        if mode() == Mode::Defer || crate::capture::is_tracing() {
             return self.defer_exec(op, inputs, outs, device);
         }
         if let Some(values) = lower::creation_args(op) {
@@ -576,7 +640,7 @@ impl Backend for PjrtBackend {
                 ),
             ));
         }
-        if mode() == Mode::Defer {
+        if mode() == Mode::Defer || crate::capture::is_tracing() {
             return self.defer_assign(dst, src);
         }
         let same = Arc::ptr_eq(dst.storage(), src.storage());
@@ -612,6 +676,9 @@ impl Backend for PjrtBackend {
     }
 
     fn nonzero(&self, t: &Tensor) -> Result<Tensor> {
+        if crate::capture::is_tracing() {
+            return Err(crate::capture::read_while_tracing("nonzero (its shape depends on the data)", t));
+        }
         let host = self.to_host(t)?;
         let shape = t.shape().to_vec();
         let strides = kiln_tensor::contiguous_strides(&shape);

@@ -4,9 +4,19 @@
 //! deferred results are filled in (see Note [Deferred buffers]).
 use crate::lower::{Builder, Check, Ty, Val};
 use crate::pjrt::Buffer;
+use kiln_tensor::Storage;
 use kiln_tensor::{DType, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
+
+/// Where a graph parameter's buffer came from (what a captured program reads again on replay).
+#[derive(Debug, Clone)]
+pub enum ParamSrc {
+    /// The buffer a storage held when the graph first read it.
+    Storage(Weak<Storage>),
+    /// The value of a creation op (`full`, `arange`), as bytes.
+    Constant(Vec<u8>),
+}
 
 // Note [Deferred buffers]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -34,6 +44,9 @@ pub const DEFAULT_MAX_OPS: usize = 4096;
 
 static NEXT_GRAPH: AtomicU64 = AtomicU64::new(1);
 
+/// Graph ids with this bit set belong to capture graphs (`capture.rs`).
+pub const CAPTURE_BIT: u64 = 1 << 63;
+
 /// A deferred output: filled with its buffer when its graph runs.
 #[derive(Debug)]
 pub struct Slot {
@@ -48,10 +61,12 @@ pub struct Graph {
     pub id: u64,
     pub device: usize,
     pub builder: Builder,
-    /// Ready buffers the graph reads, in argument order, with their values.
-    pub params: Vec<(Arc<Buffer>, Val)>,
+    /// Ready buffers the graph reads, in argument order, with their values and sources.
+    pub params: Vec<(Arc<Buffer>, Val, ParamSrc)>,
     /// Outputs appended so far (flat values) and the slots waiting for them.
     pub outs: Vec<(Val, Weak<Slot>)>,
+    /// The storage each output was made for (a new result, or the target of an in-place write).
+    pub sinks: Vec<Weak<Storage>>,
     /// Device-side checks of the ops appended since the last run, with the
     /// op's name and its inputs (for the error message).
     pub checks: Vec<(Val, Check, &'static str, Vec<Tensor>)>,
@@ -66,18 +81,19 @@ impl Graph {
             builder: Builder::new(&[]).0,
             params: vec![],
             outs: vec![],
+            sinks: vec![],
             checks: vec![],
             ops: 0,
         }
     }
 
     /// The value of a ready buffer in the graph (a parameter, added once).
-    pub fn param(&mut self, buf: &Arc<Buffer>) -> Val {
-        if let Some((_, v)) = self.params.iter().find(|(b, _)| Arc::ptr_eq(b, buf)) {
+    pub fn param(&mut self, buf: &Arc<Buffer>, src: ParamSrc) -> Val {
+        if let Some((_, v, _)) = self.params.iter().find(|(b, _, _)| Arc::ptr_eq(b, buf)) {
             return v.clone();
         }
         let v = self.builder.add_arg(Ty::new(&[buf.numel()], buf.dtype()));
-        self.params.push((buf.clone(), v.clone()));
+        self.params.push((buf.clone(), v.clone(), src));
         v
     }
 
@@ -86,7 +102,15 @@ impl Graph {
         let slot =
             Arc::new(Slot { graph: self.id, device: self.device, index: self.outs.len(), filled: OnceLock::new() });
         self.outs.push((v, Arc::downgrade(&slot)));
+        self.sinks.push(Weak::new());
         slot
+    }
+
+    /// A graph recording a traced function (its slots never run as such).
+    pub fn new_capture(device: usize) -> Graph {
+        let mut g = Graph::new(device);
+        g.id |= CAPTURE_BIT;
+        g
     }
 
     pub fn is_empty(&self) -> bool {

@@ -695,6 +695,18 @@ impl Executable {
         device: usize,
         out_meta: &[(DType, Vec<usize>)],
     ) -> Result<(Vec<Buffer>, Event)> {
+        self.execute_with(args, device, out_meta, &[])
+    }
+
+    /// [`Executable::execute`], keeping the buffers of the arguments at
+    /// `non_donatable` (indices) even where the program donates them.
+    pub fn execute_with(
+        &self,
+        args: &[&Buffer],
+        device: usize,
+        out_meta: &[(DType, Vec<usize>)],
+        non_donatable: &[i64],
+    ) -> Result<(Vec<Buffer>, Event)> {
         if out_meta.len() != self.num_outputs {
             return Err(err(format!(
                 "execute: the program has {} outputs, {} were described",
@@ -709,6 +721,8 @@ impl Executable {
         let out_lists: [*mut *mut ffi::PJRT_Buffer; 1] = [outs.as_mut_ptr()];
         let mut events: [*mut ffi::PJRT_Event; 1] = [ptr::null_mut()];
         let mut opts = ffi::PJRT_ExecuteOptions::new();
+        opts.non_donatable_input_indices = non_donatable.as_ptr();
+        opts.num_non_donatable_input_indices = non_donatable.len();
         let mut a = ffi::PJRT_LoadedExecutable_Execute_Args::new();
         a.executable = self.raw;
         a.options = &mut opts;

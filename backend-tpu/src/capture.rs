@@ -1,0 +1,547 @@
+//! Capture (`kiln_tpu::compile`, torch.compile's role): a function on PJRT
+//! tensors, typically a whole training step, traced into one program that
+//! later calls replay (see Note [Capture]).
+use crate::backend::{PjrtBackend, PjrtBuffer};
+use crate::defer::{out_meta, Graph, ParamSrc, CAPTURE_BIT};
+use crate::lower::Check;
+use crate::pjrt::{Buffer, Executable};
+use kiln_tensor::{DType, Device, Error, Layout, Result, Storage, StorageData, Tensor};
+use std::cell::RefCell;
+use std::sync::{Arc, Weak};
+
+// Note [Capture]
+// ~~~~~~~~~~~~~~
+// `Compiled::call` traces the function the first time it sees a set of input
+// shapes, dtypes and layouts (its guard): every op on the capture device goes
+// into one graph, whatever the mode (DeferAndFuse's machinery, with the
+// thread's capture graph instead of the device's pending one). What the
+// program reads is classified by where it came from: an input of the call, a
+// storage that exists across calls (parameters, optimizer state: "state"), or
+// a creation op's value (a constant). What it writes is classified by the
+// storage that holds it at the end: a storage that outlives the call (a
+// parameter updated in place, a `.grad`, optimizer state) is state, updated on
+// every replay; a result only the returned tensors hold becomes a fresh
+// tensor per call. State read and written is donated, so XLA updates
+// parameters and optimizer state in place.
+//
+// A trace is replayed only once it is stable: two consecutive traces with the
+// same program text, the same wiring and the same constants. The first call of
+// a training step usually creates optimizer state (its program makes zeros);
+// the second reads that state; the third traces like the second and is
+// cached. A host value that changes every call (a learning rate computed on
+// the host, a step count) shows up as a changed constant, so such a function
+// keeps being traced (correct, slow, and logged with the reason) instead of
+// replaying a stale value: keep such values on the device (`AdamW`'s
+// capturable mode does). Each trace and replay runs the same compiled program.
+//
+// Reading tensor data inside the traced function is an error (the value does
+// not exist yet); so is using a tensor the function computed after the call
+// without returning it or storing it in state that outlives the call.
+
+thread_local! {
+    static ACTIVE: RefCell<Option<Graph>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` on the thread's capture graph when one is active for `device`.
+pub(crate) fn with_graph<R>(device: usize, f: impl FnOnce(&mut Graph) -> R) -> Option<R> {
+    ACTIVE.with(|a| match a.borrow_mut().as_mut() {
+        Some(g) if g.device == device => Some(f(g)),
+        _ => None,
+    })
+}
+
+/// Whether this thread is tracing a function.
+pub fn is_tracing() -> bool {
+    ACTIVE.with(|a| a.borrow().is_some())
+}
+
+pub(crate) fn is_capture_graph(id: u64) -> bool {
+    id & CAPTURE_BIT != 0
+}
+
+pub(crate) fn escaped_value_error() -> Error {
+    Error::invalid(
+        "compile",
+        "a tensor computed inside a function traced by kiln::compile was used outside it; return it from the function (or keep it in state that outlives the call)",
+    )
+}
+
+/// The error for reading tensor data while tracing.
+pub(crate) fn read_while_tracing(what: &str, t: &Tensor) -> Error {
+    Error::invalid(
+        "compile",
+        format!(
+            "{what} of a tensor of shape {:?} inside a function traced by kiln::compile: its value does not exist while tracing; return the tensor from the function and read it after the call",
+            t.shape()
+        ),
+    )
+}
+
+/// One input's guard: what the traced program assumes about it.
+#[derive(Debug, Clone, PartialEq)]
+struct Guard {
+    shape: Vec<usize>,
+    dtype: DType,
+    strides: Vec<usize>,
+    offset: usize,
+    storage_len: usize,
+    device: Device,
+}
+
+impl Guard {
+    fn of(t: &Tensor) -> Guard {
+        Guard {
+            shape: t.shape().to_vec(),
+            dtype: t.dtype(),
+            strides: t.layout().strides().to_vec(),
+            offset: t.layout().offset(),
+            storage_len: t.storage().len(),
+            device: t.device(),
+        }
+    }
+    fn describe(&self) -> String {
+        format!("{:?} {} on {}", self.shape, self.dtype, self.device)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum SourceKind {
+    Input(usize),
+    State,
+    Constant,
+}
+
+enum Source {
+    Input(usize),
+    State(Weak<Storage>),
+    Constant(Arc<Buffer>),
+}
+
+enum Sink {
+    /// Written into this storage on every replay.
+    State(Weak<Storage>),
+    /// Returned in a fresh storage.
+    Fresh,
+}
+
+enum Return {
+    /// Output `usize` of the program, viewed through the layout.
+    Output(usize, Layout),
+    /// A tensor the function returned unchanged (an input or state).
+    Same(Tensor),
+}
+
+/// A traced, compiled function.
+struct Trace {
+    exe: Arc<Executable>,
+    sources: Vec<Source>,
+    donated: Vec<usize>,
+    sinks: Vec<Sink>,
+    out_meta: Vec<(DType, Vec<usize>)>,
+    returns: Vec<Return>,
+    checks: Vec<(Check, &'static str)>,
+}
+
+/// What must match between consecutive traces for the trace to be replayed.
+#[derive(PartialEq)]
+struct Signature {
+    text: String,
+    sources: Vec<SourceKind>,
+    constants: Vec<Vec<u8>>,
+    state_sinks: Vec<bool>,
+}
+
+enum EntryState {
+    Warming(Signature),
+    Ready(Trace),
+}
+
+struct Entry {
+    guard: Vec<Guard>,
+    state: EntryState,
+}
+
+/// Counters of a compiled function (see [`Compiled::stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CaptureStats {
+    /// Calls so far.
+    pub calls: u64,
+    /// Calls that traced the function (and compiled or found its program).
+    pub traces: u64,
+    /// Calls that replayed a cached trace without running the function.
+    pub replays: u64,
+    /// Traces caused by a guard that failed (inputs of new shapes, dtypes or layouts).
+    pub retraces: u64,
+    /// Why the last retrace happened.
+    pub last_retrace: Option<String>,
+}
+
+/// A function compiled by [`compile`]: call it like the function.
+pub struct Compiled<F> {
+    f: F,
+    device: Device,
+    entries: Vec<Entry>,
+    stats: CaptureStats,
+    error_on_retrace: bool,
+}
+
+/// Captures `f`, a function of PJRT tensors on `device` returning tensors, as
+/// torch.compile does: traced into one program the first time it sees its
+/// inputs' shapes, replayed afterwards (see Note [Capture] in `capture.rs`).
+///
+/// ```no_run
+/// use kiln_tensor::{Device, DType, Tensor};
+/// kiln_tpu::register()?;
+/// let dev = Device::Tpu(0);
+/// let w = Tensor::ones(&[4], (DType::F32, dev))?;
+/// let mut step = kiln_tpu::compile(dev, |xs: &[Tensor]| {
+///     w.sub_(&xs[0].mul(0.1)?)?; // state updated in place
+///     Ok(vec![w.sum()?])
+/// });
+/// for _ in 0..5 {
+///     let x = Tensor::ones(&[4], (DType::F32, dev))?;
+///     let total = step.call(&[x])?;
+///     println!("{}", total[0].item::<f32>()?);
+/// }
+/// # Ok::<(), kiln_tensor::Error>(())
+/// ```
+pub fn compile<F>(device: Device, f: F) -> Compiled<F>
+where
+    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+{
+    Compiled { f, device, entries: vec![], stats: CaptureStats::default(), error_on_retrace: false }
+}
+
+fn log(msg: &str) {
+    if std::env::var("KILN_LOG_COMPILES").is_ok_and(|v| v == "1")
+        || std::env::var("KILN_LOG_RETRACES").is_ok_and(|v| v == "1")
+    {
+        eprintln!("kiln::compile: {msg}");
+    }
+}
+
+impl<F> Compiled<F>
+where
+    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+{
+    /// Makes a retrace (a guard failing after a trace was cached) an error instead of a log line.
+    pub fn error_on_retrace(mut self, on: bool) -> Self {
+        self.error_on_retrace = on;
+        self
+    }
+
+    /// The counters: calls, traces, replays, retraces and the last retrace's reason.
+    pub fn stats(&self) -> &CaptureStats {
+        &self.stats
+    }
+
+    /// Runs the function: replays its program when a stable trace matches the
+    /// inputs, else traces it (see Note [Capture]).
+    pub fn call(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let backend = crate::backend()?;
+        for (i, t) in inputs.iter().enumerate() {
+            if t.device() != self.device {
+                return Err(Error::device(
+                    "compile",
+                    format!("input {i} is on {}, the compiled function runs on {}", t.device(), self.device),
+                ));
+            }
+        }
+        self.stats.calls += 1;
+        let guard: Vec<Guard> = inputs.iter().map(Guard::of).collect();
+        let pos = self.entries.iter().position(|e| e.guard == guard);
+        if let Some(p) = pos {
+            if let EntryState::Ready(trace) = &self.entries[p].state {
+                self.stats.replays += 1;
+                return replay(backend, trace, inputs, self.device, None);
+            }
+        } else if let Some(prev) = self.entries.iter().rev().find(|e| matches!(e.state, EntryState::Ready(_))) {
+            let reason = retrace_reason(&prev.guard, &guard);
+            self.stats.retraces += 1;
+            self.stats.last_retrace = Some(reason.clone());
+            log(&format!("retracing: {reason}"));
+            if self.error_on_retrace {
+                return Err(Error::invalid("compile", format!("retrace refused (error_on_retrace is set): {reason}")));
+            }
+        }
+        self.stats.traces += 1;
+        let (trace, sig, traced_args) = self.trace(backend, inputs)?;
+        // This call's own run: the buffers the trace read (state now holds the trace's results).
+        let outs = replay(backend, &trace, inputs, self.device, Some(traced_args))?;
+        match pos {
+            Some(p) => {
+                let stable = matches!(&self.entries[p].state, EntryState::Warming(prev) if *prev == sig);
+                if !stable {
+                    if let EntryState::Warming(prev) = &self.entries[p].state {
+                        log(&format!(
+                            "trace {} differs from the previous one ({}); tracing again next call",
+                            self.stats.traces,
+                            difference(prev, &sig)
+                        ));
+                    }
+                }
+                self.entries[p].state = if stable { EntryState::Ready(trace) } else { EntryState::Warming(sig) };
+            }
+            None => self.entries.push(Entry { guard, state: EntryState::Warming(sig) }),
+        }
+        Ok(outs)
+    }
+
+    /// Runs the function on the capture graph and builds its trace.
+    fn trace(&mut self, backend: &PjrtBackend, inputs: &[Tensor]) -> Result<(Trace, Signature, Vec<Arc<Buffer>>)> {
+        let dev = self.device.index();
+        backend.flush(dev)?;
+        for t in inputs {
+            backend.ready_buffer(t)?;
+        }
+        struct Clear;
+        impl Drop for Clear {
+            fn drop(&mut self) {
+                ACTIVE.with(|a| *a.borrow_mut() = None);
+            }
+        }
+        ACTIVE.with(|a| *a.borrow_mut() = Some(Graph::new_capture(dev)));
+        let clear = Clear;
+        let result = (self.f)(inputs);
+        let g = ACTIVE.with(|a| a.borrow_mut().take()).expect("the capture graph");
+        drop(clear);
+        let returned = result?;
+        build(backend, g, inputs, &returned)
+    }
+}
+
+fn retrace_reason(prev: &[Guard], now: &[Guard]) -> String {
+    if prev.len() != now.len() {
+        return format!("the number of inputs changed from {} to {}", prev.len(), now.len());
+    }
+    for (i, (a, b)) in prev.iter().zip(now).enumerate() {
+        if a != b {
+            if a.shape != b.shape || a.dtype != b.dtype || a.device != b.device {
+                return format!("input {i} changed from {} to {}", a.describe(), b.describe());
+            }
+            return format!(
+                "input {i} changed layout from strides {:?} offset {} to strides {:?} offset {}",
+                a.strides, a.offset, b.strides, b.offset
+            );
+        }
+    }
+    "no cached trace matches".into()
+}
+
+fn difference(a: &Signature, b: &Signature) -> String {
+    if a.constants != b.constants {
+        let i = a.constants.iter().zip(&b.constants).position(|(x, y)| x != y).unwrap_or(0);
+        return format!("a constant computed on the host changed (constant {i}); keep changing values on the device");
+    }
+    if a.sources != b.sources {
+        return "it reads different tensors".into();
+    }
+    if a.state_sinks != b.state_sinks {
+        return "it writes different state".into();
+    }
+    "its program differs (e.g. state created on the first call)".into()
+}
+
+/// Turns a capture graph into a trace: sources, sinks, returns, the program.
+#[allow(clippy::type_complexity)]
+fn build(
+    backend: &PjrtBackend,
+    g: Graph,
+    inputs: &[Tensor],
+    returned: &[Tensor],
+) -> Result<(Trace, Signature, Vec<Arc<Buffer>>)> {
+    let Graph { builder: mut b, params, outs, sinks: sink_storages, checks, id, .. } = g;
+    let mut sources = vec![];
+    let mut kinds = vec![];
+    let mut constants = vec![];
+    let mut args_bufs = vec![];
+    for (buf, _, src) in &params {
+        match src {
+            ParamSrc::Constant(bytes) => {
+                sources.push(Source::Constant(buf.clone()));
+                kinds.push(SourceKind::Constant);
+                constants.push(bytes.clone());
+            }
+            ParamSrc::Storage(w) => {
+                let input = inputs.iter().position(|t| Weak::ptr_eq(w, &Arc::downgrade(t.storage())));
+                match (input, w.upgrade()) {
+                    (Some(i), _) => {
+                        sources.push(Source::Input(i));
+                        kinds.push(SourceKind::Input(i));
+                    }
+                    (None, Some(_)) => {
+                        sources.push(Source::State(w.clone()));
+                        kinds.push(SourceKind::State);
+                    }
+                    // Data uploaded inside the function (a tensor moved to the device there): a constant of the trace.
+                    (None, None) => {
+                        sources.push(Source::Constant(buf.clone()));
+                        kinds.push(SourceKind::Constant);
+                    }
+                }
+            }
+        }
+        args_bufs.push(buf.clone());
+    }
+    drop(params);
+    // Live outputs and where they go.
+    let mut out_vals = vec![];
+    let mut sinks = vec![];
+    let mut out_slot_index = vec![]; // graph output index of each program output
+    for (idx, (val, wslot)) in outs.iter().enumerate() {
+        let Some(slot) = wslot.upgrade() else { continue };
+        let Some(st) = sink_storages[idx].upgrade() else { continue };
+        let holds = matches!(
+            st.read().as_ref_device(),
+            Some(PjrtBuffer::Deferred(s)) if Arc::ptr_eq(s, &slot)
+        );
+        if !holds {
+            continue;
+        }
+        let returned_refs = returned.iter().filter(|t| Arc::ptr_eq(t.storage(), &st)).count();
+        // Our upgrade holds one reference; anything beyond the returned tensors is state.
+        let state = Arc::strong_count(&st) - 1 > returned_refs;
+        sinks.push(if state { Sink::State(Arc::downgrade(&st)) } else { Sink::Fresh });
+        out_vals.push(val.clone());
+        out_slot_index.push(idx);
+    }
+    let mut returns = vec![];
+    for (i, t) in returned.iter().enumerate() {
+        let data = t.storage().read().as_ref_device().cloned();
+        match data {
+            Some(PjrtBuffer::Deferred(s)) if s.graph == id => {
+                let pos = out_slot_index.iter().position(|&k| k == s.index).ok_or_else(escaped_value_error)?;
+                returns.push(Return::Output(pos, t.layout().clone()));
+            }
+            Some(PjrtBuffer::Ready(_)) => returns.push(Return::Same(t.clone())),
+            _ => {
+                return Err(Error::invalid(
+                    "compile",
+                    format!("output {i} of the traced function is not a tensor on {} computed by it", Device::Tpu(0)),
+                ))
+            }
+        }
+    }
+    // State read and written in place is donated.
+    let mut donated = vec![];
+    for (pi, src) in sources.iter().enumerate() {
+        if let Source::State(w) = src {
+            if let Some(j) = sinks.iter().position(|s| matches!(s, Sink::State(o) if Weak::ptr_eq(o, w))) {
+                b.alias(pi, j);
+                donated.push(pi);
+            }
+        }
+    }
+    let state_sinks: Vec<bool> = sinks.iter().map(|s| matches!(s, Sink::State(_))).collect();
+    let mut program_outs = out_vals;
+    program_outs.extend(checks.iter().map(|c| c.0.clone()));
+    let text = b.finish(&program_outs);
+    let exe = backend.executable(&text)?;
+    let meta = out_meta(&program_outs);
+    let n = sinks.len();
+    let trace = Trace {
+        exe,
+        sources,
+        donated,
+        sinks,
+        out_meta: meta,
+        returns,
+        checks: checks.iter().map(|c| (c.1.clone(), c.2)).collect(),
+    };
+    debug_assert_eq!(trace.out_meta.len(), n + trace.checks.len());
+    Ok((trace, Signature { text, sources: kinds, constants, state_sinks }, args_bufs))
+}
+
+/// Runs a trace's program on the current inputs and state (or, for the call
+/// that traced it, on the buffers the trace read).
+fn replay(
+    backend: &PjrtBackend,
+    t: &Trace,
+    inputs: &[Tensor],
+    device: Device,
+    traced: Option<Vec<Arc<Buffer>>>,
+) -> Result<Vec<Tensor>> {
+    let mut args: Vec<Arc<Buffer>> = Vec::with_capacity(t.sources.len());
+    for s in t.sources.iter().take(if traced.is_some() { 0 } else { usize::MAX }) {
+        args.push(match s {
+            Source::Input(i) => backend.ready_buffer(&inputs[*i])?,
+            Source::State(w) => {
+                let st = w.upgrade().ok_or_else(|| {
+                    Error::invalid(
+                        "compile",
+                        "the compiled function reads a tensor that no longer exists (state it read when traced was dropped); compile the function again",
+                    )
+                })?;
+                backend.ready_storage(&st, device)?
+            }
+            Source::Constant(b) => b.clone(),
+        });
+    }
+    if let Some(traced) = traced {
+        args = traced;
+    }
+    // A donated buffer someone else still holds (a storage and this list hold one each) is kept.
+    let non_donatable: Vec<i64> =
+        t.donated.iter().filter(|&&i| Arc::strong_count(&args[i]) > 2).map(|&i| i as i64).collect();
+    let refs: Vec<&Buffer> = args.iter().map(|b| &**b).collect();
+    let (mut bufs, event) = t.exe.execute_with(&refs, device.index(), &t.out_meta, &non_donatable)?;
+    drop(refs);
+    drop(args);
+    backend.count_execution();
+    let flags = bufs.split_off(t.sinks.len());
+    let mut fresh: Vec<Option<Arc<Storage>>> = vec![None; t.sinks.len()];
+    for (i, (sink, buf)) in t.sinks.iter().zip(bufs).enumerate() {
+        let data = StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(buf))));
+        match sink {
+            Sink::State(w) => {
+                if let Some(st) = w.upgrade() {
+                    st.replace(data);
+                    st.bump_version();
+                }
+            }
+            Sink::Fresh => {
+                let meta = &t.out_meta[i];
+                fresh[i] = Some(Arc::new(Storage::new(data, meta.0, meta.1.iter().product(), device)));
+            }
+        }
+    }
+    backend.queue_event("a compiled function", event)?;
+    for (flag, (c, name)) in flags.iter().zip(&t.checks) {
+        let mut byte = [0u8; 1];
+        flag.copy_to_host(&mut byte)?;
+        if byte[0] == 0 {
+            return Err(backend.check_error(name, c, &[]));
+        }
+    }
+    let mut outs = vec![];
+    for r in &t.returns {
+        outs.push(match r {
+            Return::Same(x) => x.clone(),
+            Return::Output(i, layout) => match &fresh[*i] {
+                Some(st) => Tensor::from_storage(st.clone(), layout.clone())?,
+                None => match &t.sinks[*i] {
+                    Sink::State(w) => {
+                        let st = w.upgrade().ok_or_else(escaped_value_error)?;
+                        Tensor::from_storage(st, layout.clone())?
+                    }
+                    Sink::Fresh => return Err(escaped_value_error()),
+                },
+            },
+        });
+    }
+    Ok(outs)
+}
+
+/// Reading a storage's data as this backend's buffer.
+trait AsDevice {
+    fn as_ref_device(&self) -> Option<&PjrtBuffer>;
+}
+
+impl AsDevice for StorageData {
+    fn as_ref_device(&self) -> Option<&PjrtBuffer> {
+        match self {
+            StorageData::Device(d) => d.as_any().downcast_ref::<PjrtBuffer>(),
+            StorageData::Host(_) => None,
+        }
+    }
+}
