@@ -6,7 +6,7 @@
 //! ```sh
 //! cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors \
 //!     [--dtype f32|bf16] [--steps N] [--lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1] \
-//!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer]
+//!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -41,7 +41,8 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
                        AdamW hyperparameters [default: 1e-3 0.9 0.95 1e-8 0.1]
   --generate N         greedy-generate N tokens after generate.prompt (writes generate.output)
   --device D           device: cpu, or tpu (the PJRT backend; KILN_PJRT_PLUGIN picks the plugin) [default: cpu]
-  --mode M             mode of the PJRT backend: strict, debug or defer [default: strict, or KILN_TPU_MODE]
+  --mode M             mode of the PJRT backend: strict, debug or defer, or compiled (AdamW steps 2..N
+                       captured by kiln::compile, capturable AdamW) [default: strict, or KILN_TPU_MODE]
 ";
 
 struct Args {
@@ -53,6 +54,8 @@ struct Args {
     adamw: AdamWConfig,
     generate: Option<usize>,
     device: Device,
+    /// AdamW steps 2..N run as one program captured by kiln::compile.
+    compiled: bool,
 }
 
 fn fail(msg: &str) -> ! {
@@ -70,6 +73,7 @@ fn parse_args() -> Args {
     let mut gen = None;
     let mut device = Device::Cpu;
     let mut mode = None;
+    let mut compiled = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
@@ -98,10 +102,11 @@ fn parse_args() -> Args {
             "--weight-decay" => adamw.weight_decay = num(&value),
             "--generate" => gen = Some(int(&value)),
             "--device" => device = Device::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
+            "--mode" if value == "compiled" => compiled = true,
             "--mode" => {
                 mode = Some(
                     kiln::tpu::Mode::parse(&value)
-                        .unwrap_or_else(|| fail(&format!("--mode {value}: expected strict, debug or defer"))),
+                        .unwrap_or_else(|| fail(&format!("--mode {value}: expected strict, debug, defer or compiled"))),
                 )
             }
             other => fail(&format!("unknown option {other}")),
@@ -120,6 +125,7 @@ fn parse_args() -> Args {
         adamw,
         generate: gen,
         device,
+        compiled,
     }
 }
 
@@ -198,6 +204,9 @@ fn run(a: Args) -> Result<()> {
         // The fixture's schedule: the gradient above makes step 1; each later
         // step recomputes it on the same batch; the last loss is measured after.
         let mut opt = AdamW::new(model.named_parameters(), a.adamw)?;
+        if a.compiled {
+            opt.set_capturable(true);
+        }
         let mut curve = vec![loss.item_f64()? as f32];
         opt.step()?;
         let snapshot = |tag: &str, out: &mut BTreeMap<String, Tensor>| -> Result<()> {
@@ -209,12 +218,31 @@ fn run(a: Args) -> Result<()> {
         snapshot("adamw_step1", &mut out)?;
         let stats0 = pjrt_stats(a.device);
         let t = Instant::now();
-        for _ in 1..a.steps {
-            opt.zero_grad();
-            let (_, l) = loss_of(&model)?;
-            l.backward()?;
-            opt.step()?;
-            curve.push(l.item_f64()? as f32);
+        if a.compiled {
+            let mut step = kiln::compile(a.device, |_: &[Tensor]| {
+                opt.zero_grad();
+                let (_, l) = loss_of(&model)?;
+                l.backward()?;
+                opt.step()?;
+                Ok(vec![l])
+            });
+            for _ in 1..a.steps {
+                let l = step.call(&[])?;
+                curve.push(l[0].item_f64()? as f32);
+            }
+            let s = step.stats();
+            eprintln!(
+                "kiln::compile: {} calls, {} traced, {} replayed, {} retraces",
+                s.calls, s.traces, s.replays, s.retraces
+            );
+        } else {
+            for _ in 1..a.steps {
+                opt.zero_grad();
+                let (_, l) = loss_of(&model)?;
+                l.backward()?;
+                opt.step()?;
+                curve.push(l.item_f64()? as f32);
+            }
         }
         if a.steps > 1 {
             let per = t.elapsed().as_secs_f64() / (a.steps - 1) as f64;

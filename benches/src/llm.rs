@@ -27,6 +27,8 @@ pub struct LlmArgs {
     pub warmup: usize,
     pub prompt: usize,
     pub new_tokens: usize,
+    /// `train` only: the step captured by `kiln::compile` (capturable AdamW).
+    pub compiled: bool,
 }
 
 /// The model presets, as Hugging Face `config.json` values.
@@ -94,8 +96,12 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
     model.train(true);
     let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
     let mut opt = AdamW::new(model.parameters(), adamw)?;
+    opt.set_capturable(a.compiled);
     let ids = random_ids(a.batch, a.seq, cfg.vocab_size, a.device)?;
     let mut losses = vec![];
+    if a.compiled {
+        return train_compiled(a, &model, &mut opt, &ids);
+    }
     // On a PJRT device: the executable cache's counters over the timed steps.
     let pjrt = a.device.kind() == kiln::DeviceKind::Tpu;
     let stats = |on: bool| if on { kiln::tpu::stats().ok() } else { None };
@@ -138,6 +144,51 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
             .set("pjrt_compile_s", sig4(s1.compile_secs))
             .set("pjrt_disk_hits", s1.disk_hits)
             .set("pjrt_disk_load_s", sig4(s1.load_secs));
+    }
+    Ok(l)
+}
+
+/// `train` with the whole step (zero_grad, forward, loss, backward, AdamW)
+/// captured by `kiln::compile` into one program.
+fn train_compiled(a: &LlmArgs, model: &LlamaForCausalLM, opt: &mut AdamW, ids: &Tensor) -> Result<Line> {
+    let mut losses = vec![];
+    let before = kiln::tpu::stats().ok();
+    let mut step = kiln::compile(a.device, |xs: &[Tensor]| {
+        opt.zero_grad();
+        let logits = model.forward(&xs[0], None)?;
+        let loss = causal_lm_loss(&logits, &xs[0], None)?;
+        loss.backward()?;
+        opt.step()?;
+        Ok(vec![loss])
+    });
+    let times = time_steps(a.warmup, a.steps, || {
+        let out = step.call(std::slice::from_ref(ids))?;
+        losses.push(out[0].item_f64()?);
+        Ok(())
+    })?;
+    let s = step.stats().clone();
+    let stats = kiln::tpu::stats().ok();
+    let step_s = median(&times);
+    let mut l = line("train", a)
+        .set("mode", "compiled")
+        .set("batch", a.batch)
+        .set("seq", a.seq)
+        .set("steps", a.steps)
+        .set("tokens_per_s", sig4((a.batch * a.seq) as f64 / step_s))
+        .set("median_step_ms", sig4(step_s * 1e3))
+        .set("min_step_ms", sig4(times[0] * 1e3))
+        .set("loss_first", sig4(losses[0]))
+        .set("loss_last", sig4(*losses.last().expect("at least one step")))
+        .set("calls", s.calls)
+        .set("traces", s.traces)
+        .set("replays", s.replays)
+        .set("retraces", s.retraces)
+        .set("peak_rss_mb", sig4(peak_rss_mb()));
+    if let (Some(b), Some(e)) = (before, stats) {
+        l = l
+            .set("pjrt_compiles", e.compiles - b.compiles)
+            .set("pjrt_compile_s", sig4(e.compile_secs - b.compile_secs))
+            .set("pjrt_disk_hits", e.disk_hits - b.disk_hits);
     }
     Ok(l)
 }
@@ -252,6 +303,7 @@ mod tests {
             warmup: 0,
             prompt: 4,
             new_tokens: 3,
+            compiled: false,
         }
     }
 

@@ -55,7 +55,8 @@ BENCHMARKS:
 
 OPTIONS:
     --device DEV       cpu (default), tpu, tpu:N
-    --mode MODE        the PJRT backend's mode: strict (default), debug, defer
+    --mode MODE        the PJRT backend's mode: strict (default), debug, defer; or compiled
+                       (train: the whole step captured by kiln::compile, capturable AdamW)
     --sizes LIST       matmul sizes (default 1024,4096)
     --dim D            side of the [D, D] tensors of `ops` (default 4096)
     --only LIST        run only the ops whose names contain one of these words
@@ -87,6 +88,7 @@ struct Args {
     cmd: String,
     device: Device,
     mode: Option<kiln::tpu::Mode>,
+    compiled: bool,
     sizes: Vec<usize>,
     dim: usize,
     only: Vec<String>,
@@ -122,6 +124,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         cmd: String::new(),
         device: Device::Cpu,
         mode: None,
+        compiled: false,
         sizes: vec![1024, 4096],
         dim: 4096,
         only: vec![],
@@ -151,7 +154,14 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--device" => a.device = Device::parse(&value()?).map_err(|e| e.to_string())?,
             "--mode" => {
                 let v = value()?;
-                a.mode = Some(kiln::tpu::Mode::parse(&v).ok_or(format!("--mode {v}: expected strict, debug or defer"))?)
+                if v == "compiled" {
+                    a.compiled = true;
+                } else {
+                    a.mode = Some(
+                        kiln::tpu::Mode::parse(&v)
+                            .ok_or(format!("--mode {v}: expected strict, debug, defer or compiled"))?,
+                    )
+                }
             }
             "--sizes" => a.sizes = parse_list("--sizes", &value()?)?,
             "--dim" => a.dim = value()?.parse().map_err(|_| "--dim needs an integer".to_string())?,
@@ -232,6 +242,7 @@ fn main() -> ExitCode {
                 warmup: args.warmup.unwrap_or(if decode { 1 } else { 2 }),
                 prompt: args.prompt,
                 new_tokens: args.new_tokens,
+                compiled: args.compiled,
             };
             let r = match cmd {
                 "train" => llm::train(&a),

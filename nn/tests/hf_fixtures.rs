@@ -215,23 +215,49 @@ fn check_params(name: &str, model: &LlamaForCausalLM, g: &BTreeMap<String, Tenso
 
 /// One backward, one AdamW step, nine more on the same batch (the fixture's `train_suite`).
 fn check_adamw(name: &str, dev: Device) {
+    check_adamw_with(name, dev, false)
+}
+
+/// With `compiled`, every step (zero_grad, forward, loss, backward, capturable
+/// AdamW) runs through `kiln::compile`.
+fn check_adamw_with(name: &str, dev: Device, compiled: bool) {
     use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
     let g = golden(name);
     let model = load_on(name, "config.json", DType::F32, dev);
     let ids = &g["input_ids"].to_device(dev).unwrap();
     let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
     let mut opt = AdamW::new(model.named_parameters(), cfg).unwrap();
+    opt.set_capturable(compiled);
     let loss_of = |m: &LlamaForCausalLM| causal_lm_loss(&m.forward(ids, None).unwrap(), ids, None).unwrap();
     let mut curve = vec![];
     let mut e1 = 0.0;
-    for step in 1..=10 {
-        opt.zero_grad();
-        let loss = loss_of(&model);
-        loss.backward().unwrap();
-        opt.step().unwrap();
-        curve.push(loss.item::<f32>().unwrap());
-        if step == 1 {
-            e1 = check_params(name, &model, &g, "adamw_step1");
+    if compiled {
+        let mut step = kiln::compile(dev, |_: &[Tensor]| {
+            opt.zero_grad();
+            let loss = causal_lm_loss(&model.forward(ids, None)?, ids, None)?;
+            loss.backward()?;
+            opt.step()?;
+            Ok(vec![loss])
+        });
+        for i in 1..=10 {
+            curve.push(step.call(&[]).unwrap()[0].item::<f32>().unwrap());
+            if i == 1 {
+                e1 = check_params(name, &model, &g, "adamw_step1");
+            }
+        }
+        let s = step.stats();
+        assert_eq!((s.calls, s.retraces), (10, 0));
+        assert!(s.replays >= 7, "the step is replayed once its trace is stable: {s:?}");
+    } else {
+        for step in 1..=10 {
+            opt.zero_grad();
+            let loss = loss_of(&model);
+            loss.backward().unwrap();
+            opt.step().unwrap();
+            curve.push(loss.item::<f32>().unwrap());
+            if step == 1 {
+                e1 = check_params(name, &model, &g, "adamw_step1");
+            }
         }
     }
     {
@@ -252,6 +278,7 @@ fn check_adamw(name: &str, dev: Device) {
     }
     let got = Tensor::from_vec(curve, &[11]).unwrap();
     let e_curve = assert_close(&format!("{name} loss_curve"), &got, &g["loss_curve"], ca, cr);
+    let dev = if compiled { format!("{dev}, compiled") } else { dev.to_string() };
     println!("{name} AdamW ({dev}): max abs err step1 {e1:.2e}, step10 {e10:.2e}, loss curve {e_curve:.2e}");
 }
 
@@ -287,6 +314,14 @@ fn tpu_strict_matches_transformers() {
 #[test]
 fn tpu_debug_matches_transformers() {
     check_on_tpu(kiln::tpu::Mode::Debug);
+}
+
+#[test]
+fn tpu_compiled_training_steps_match_transformers() {
+    support::register_tpu();
+    for name in ["llama", "qwen3"] {
+        check_adamw_with(name, Device::Tpu(0), true);
+    }
 }
 
 #[test]

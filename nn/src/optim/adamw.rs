@@ -76,6 +76,12 @@ pub struct AdamW {
     config: AdamWConfig,
     /// Per group, per parameter.
     state: Vec<Vec<Option<AdamWParamState>>>,
+    /// Capturable mode (see [`AdamW::set_capturable`]): per group, the learning
+    /// rate on the parameters' device and the host value it holds.
+    capturable: bool,
+    device_lr: Vec<Option<(f64, Tensor)>>,
+    /// Capturable mode: per group, per parameter, the step count on the device.
+    device_step: Vec<Vec<Option<Tensor>>>,
 }
 
 impl AdamW {
@@ -89,7 +95,80 @@ impl AdamW {
         check_hyper(OP, "beta parameter at index 1", b2, (0.0..1.0).contains(&b2))?;
         let (groups, initial_lrs) = resolve_groups(OP, params.into_param_groups(), config.lr, config.weight_decay)?;
         let state = groups.iter().map(|g| vec![None; g.params.len()]).collect();
-        Ok(AdamW { groups, initial_lrs, config, state })
+        let device_step = groups.iter().map(|g| vec![None; g.params.len()]).collect();
+        let device_lr = vec![None; groups.len()];
+        Ok(AdamW { groups, initial_lrs, config, state, capturable: false, device_lr, device_step })
+    }
+
+    /// Capturable mode (PyTorch's `capturable=True`), for steps traced by
+    /// `kiln::compile`: the step count, the bias corrections and the learning
+    /// rate live on the parameters' device and the state is updated in place,
+    /// so a captured step reads them instead of baking host values into the
+    /// program. `set_lr` / `set_lr_factor` (what schedules call) write the
+    /// device learning rate; call them outside the compiled function. The
+    /// bias corrections are then computed in the parameters' dtype on the
+    /// device, as PyTorch's capturable AdamW does, instead of in f64 on the host.
+    pub fn set_capturable(&mut self, on: bool) {
+        self.capturable = on;
+    }
+
+    /// Whether capturable mode is on.
+    pub fn is_capturable(&self) -> bool {
+        self.capturable
+    }
+
+    /// Writes the groups' learning rates into their device copies (capturable mode).
+    fn sync_device_lr(&mut self) -> Result<()> {
+        for (g, d) in self.groups.iter().zip(self.device_lr.iter_mut()) {
+            if let Some((v, t)) = d {
+                if *v != g.lr() {
+                    let _ng = no_grad();
+                    t.fill_(g.lr())?;
+                    *v = g.lr();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The capturable update: the same arithmetic with the step count, bias
+    /// corrections and learning rate as device tensors, and the state updated in place.
+    #[allow(clippy::too_many_arguments)]
+    fn update_capturable(
+        &self,
+        p: &Tensor,
+        grad: &Tensor,
+        st: &mut AdamWParamState,
+        step_t: &Tensor,
+        lr_t: &Tensor,
+        wd: f64,
+    ) -> Result<()> {
+        st.step += 1;
+        let (b1, b2) = self.config.betas;
+        let opts = (p.dtype(), p.device());
+        step_t.add_(1.0)?;
+        // bias_correction = 1 - beta^step, on the device.
+        let bc1 = Tensor::full(&[], b1, opts)?.pow(step_t)?.neg()?.add(1.0)?;
+        let bc2 = Tensor::full(&[], b2, opts)?.pow(step_t)?.neg()?.add(1.0)?;
+        if wd != 0.0 {
+            p.mul_(&lr_t.mul(-wd)?.add(1.0)?)?;
+        }
+        // exp_avg.lerp_(grad, 1 - beta1)
+        st.exp_avg.add_(&grad.sub(&st.exp_avg)?.mul(1.0 - b1)?)?;
+        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        st.exp_avg_sq.mul_(b2)?;
+        st.exp_avg_sq.add_(&grad.mul(1.0 - b2)?.mul(grad)?)?;
+        let second = match &st.max_exp_avg_sq {
+            Some(mx) => {
+                mx.copy_(&mx.maximum(&st.exp_avg_sq)?)?;
+                mx.clone()
+            }
+            None => st.exp_avg_sq.clone(),
+        };
+        let denom = second.sqrt()?.div(&bc2.sqrt()?)?.add(self.config.eps)?;
+        let neg_step_size = lr_t.div(&bc1)?.neg()?;
+        p.add_(&st.exp_avg.mul(&neg_step_size)?.div(&denom)?)?;
+        Ok(())
     }
 
     /// The hyperparameters it was built with (per-group `lr` / `weight_decay` live in the groups).
@@ -157,7 +236,12 @@ impl AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         let _guard = no_grad();
+        if self.capturable {
+            self.sync_device_lr()?;
+        }
         let mut state = std::mem::take(&mut self.state);
+        let mut new_lr: Vec<(usize, f64, Tensor)> = vec![];
+        let mut new_step: Vec<(usize, usize, Tensor)> = vec![];
         let r = (|| {
             for (g, st) in self.groups.iter().zip(state.iter_mut()) {
                 let (lr, wd) = (g.lr(), g.weight_decay());
@@ -174,13 +258,54 @@ impl Optimizer for AdamW {
                             max_exp_avg_sq: if self.config.amsgrad { Some(super::zeros_like(p)?) } else { None },
                         }),
                     };
-                    self.update(p, &grad, s, lr, wd)?;
+                    if self.capturable {
+                        let gi =
+                            self.groups.iter().position(|x| std::ptr::eq(x, g)).expect("a group of this optimizer");
+                        let pi = g.params.iter().position(|x| std::ptr::eq(x, p)).expect("a parameter of the group");
+                        let lr_t = match &self.device_lr[gi] {
+                            Some((_, t)) => t.clone(),
+                            None => Tensor::full(&[], lr, (p.dtype(), p.device()))?,
+                        };
+                        let step_t = match &self.device_step[gi][pi] {
+                            Some(t) => t.clone(),
+                            None => Tensor::full(&[], s.step as f64, (p.dtype(), p.device()))?,
+                        };
+                        self.update_capturable(p, &grad, s, &step_t, &lr_t, wd)?;
+                        new_lr.push((gi, lr, lr_t));
+                        new_step.push((gi, pi, step_t));
+                    } else {
+                        self.update(p, &grad, s, lr, wd)?;
+                    }
                 }
             }
             Ok(())
         })();
         self.state = state;
+        for (gi, v, t) in new_lr {
+            if self.device_lr[gi].is_none() {
+                self.device_lr[gi] = Some((v, t));
+            }
+        }
+        for (gi, pi, t) in new_step {
+            self.device_step[gi][pi] = Some(t);
+        }
         r
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        for g in self.param_groups_mut() {
+            g.lr = Some(lr);
+        }
+        // A failed write is retried (and reported) by the next `step`.
+        let _ = self.sync_device_lr();
+    }
+
+    fn set_lr_factor(&mut self, factor: f64) {
+        let init = self.initial_lrs().to_vec();
+        for (g, lr) in self.param_groups_mut().iter_mut().zip(init) {
+            g.lr = Some(lr * factor);
+        }
+        let _ = self.sync_device_lr();
     }
 
     fn param_groups(&self) -> &[ParamGroup] {
@@ -245,6 +370,8 @@ impl Optimizer for AdamW {
             new_state.push(st);
         }
         self.state = new_state;
+        // The device step counts restart from the loaded host counts.
+        self.device_step = self.groups.iter().map(|g| vec![None; g.params.len()]).collect();
         Ok(())
     }
 }
