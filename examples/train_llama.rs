@@ -63,7 +63,8 @@ MODEL
   --intermediate N     MLP width [default: 192]
 RUN
   --device DEV         cpu, or tpu / tpu:N (the PJRT backend) [default: cpu]
-  --mode M             the PJRT backend's mode: strict, debug or defer [default: strict, or KILN_TPU_MODE]
+  --mode M             the PJRT backend's mode: strict, debug or defer, or compiled (each training step
+                       captured by kiln::compile into one program) [default: strict, or KILN_TPU_MODE]
   --out DIR            checkpoints, final model, loss.csv, loss.png [default: runs/train_llama]
   --resume             continue from the latest checkpoint in --out (with its settings)
   --eval-every N       validation loss (and accuracy) every N steps [default: 100]
@@ -93,6 +94,8 @@ struct Args {
     kv_heads: usize,
     intermediate: usize,
     device: Device,
+    /// The whole training step captured by kiln::compile (`--mode compiled`).
+    compiled: bool,
     out: PathBuf,
     resume: bool,
     eval_every: u64,
@@ -122,6 +125,7 @@ impl Default for Args {
             kv_heads: 2,
             intermediate: 192,
             device: Device::Cpu,
+            compiled: false,
             out: PathBuf::from("runs/train_llama"),
             resume: false,
             eval_every: 100,
@@ -220,9 +224,10 @@ impl Args {
                 kiln::init_device(d)?; // registers the PJRT backend for tpu; a missing device fails here, naming it
                 self.device = d;
             }
+            "mode" if v == "compiled" => self.compiled = true,
             "mode" => {
                 let m = kiln::tpu::Mode::parse(v)
-                    .ok_or_else(|| arg_err(format!("--mode {v}: expected strict, debug or defer")))?;
+                    .ok_or_else(|| arg_err(format!("--mode {v}: expected strict, debug, defer or compiled")))?;
                 kiln::tpu::set_mode(m);
             }
             "out" => self.out = PathBuf::from(v),
@@ -635,6 +640,14 @@ fn run(mut args: Args) -> Result<()> {
     let adamw =
         AdamWConfig { lr: args.lr, betas: (0.9, 0.95), eps: 1e-8, weight_decay: args.weight_decay, amsgrad: false };
     let mut opt = AdamW::new(decay_groups(model.named_parameters(), args.weight_decay), adamw)?;
+    if args.compiled {
+        if args.device.kind() != kiln::DeviceKind::Tpu {
+            return Err(arg_err("--mode compiled needs a PJRT device (--device tpu)"));
+        }
+        // The learning rate and step count stay on the device: the schedule
+        // writes them between steps, the captured step reads them.
+        opt.set_capturable(true);
+    }
     let schedule = LrSchedule::Cosine { warmup: args.warmup, total: args.steps, min_lr_ratio: 0.1 };
     let csv_path = args.out.join("loss.csv");
     let mut step = 0u64;
@@ -673,22 +686,47 @@ fn run(mut args: Args) -> Result<()> {
             bar.println(line);
         }
     };
-    while step < args.steps {
-        let lr = args.lr * schedule.apply(&mut opt, step);
-        // Gradients of the micro-batches accumulate in `.grad`; each loss is scaled
-        // by 1 / grad_accum so that the step sees the mean over all of them.
-        let mut loss_sum = 0.0;
-        for _ in 0..args.grad_accum {
-            let batch = data.train.next_batch()?.to_device(args.device)?;
-            let logits = model.forward(&batch, None)?;
-            let loss = causal_lm_loss(&logits, &batch, None)?;
+    // One training step: the micro-batches' gradients accumulate in `.grad`
+    // (each loss scaled by 1 / grad_accum, so the step sees their mean), then
+    // clipping, AdamW and zero_grad. Returns the mean loss and the gradient norm.
+    // One training step: the micro-batches' gradients accumulate in `.grad`
+    // (each loss scaled by 1 / grad_accum, so the step sees their mean), then
+    // clipping, AdamW and zero_grad. Returns the mean loss and the gradient norm.
+    // The model and optimizer sit in RefCells: with --mode compiled the captured
+    // step holds them between calls, while evaluation and checkpoints borrow them.
+    let model = std::cell::RefCell::new(model);
+    let opt = std::cell::RefCell::new(opt);
+    let train_step = |batches: &[Tensor]| -> Result<Vec<Tensor>> {
+        let model = model.borrow();
+        let mut opt = opt.borrow_mut();
+        let mut loss_sum: Option<Tensor> = None;
+        for batch in batches {
+            let logits = model.forward(batch, None)?;
+            let loss = causal_lm_loss(&logits, batch, None)?;
             loss.div(args.grad_accum as f64)?.backward()?;
-            loss_sum += loss.item_f64()?;
+            let l = loss.detach();
+            loss_sum = Some(match loss_sum {
+                None => l,
+                Some(s) => s.add(&l)?,
+            });
         }
-        let loss = loss_sum / args.grad_accum as f64;
-        let grad_norm = clip_grad_norm_(&opt.params(), args.clip)?.item_f64()?;
+        let loss = loss_sum.expect("at least one micro-batch").div(args.grad_accum as f64)?;
+        let grad_norm = clip_grad_norm_(&opt.params(), args.clip)?;
         opt.step()?;
         opt.zero_grad();
+        Ok(vec![loss, grad_norm])
+    };
+    let mut compiled = args.compiled.then(|| kiln::compile(args.device, train_step));
+    while step < args.steps {
+        let lr = args.lr * schedule.apply(&mut *opt.borrow_mut(), step);
+        let batches = (0..args.grad_accum)
+            .map(|_| data.train.next_batch()?.to_device(args.device))
+            .collect::<Result<Vec<_>>>()?;
+        let out = match &mut compiled {
+            Some(c) => c.call(&batches)?,
+            None => train_step(&batches)?,
+        };
+        let (loss, grad_norm) = (out[0].item_f64()?, out[1].item_f64()?);
         step += 1;
         if !loss.is_finite() {
             return Err(arg_err(format!("the loss became {loss} at step {step}; try a smaller --lr")));
@@ -698,6 +736,7 @@ fn run(mut args: Args) -> Result<()> {
         bar.set_position(step);
         bar.set_message(format!("loss {loss:.4} | {tps:.0} tok/s | lr {lr:.2e}"));
         if step % args.eval_every == 0 || step == args.steps {
+            let mut model = model.borrow_mut();
             model.eval();
             let mut line = format!("step {step:>6}  train loss {loss:.4}");
             if let Some(val) = &data.val {
@@ -721,11 +760,26 @@ fn run(mut args: Args) -> Result<()> {
         if step % args.save_every == 0 || step == args.steps {
             let state = TrainerState::capture(step, Some(data.train.state()))
                 .with_extra(json!({ "args": args.run_settings() }));
-            save_checkpoint(checkpoint_dir(&args.out, step), &model, Some(&config_json), &opt, &state)?;
+            save_checkpoint(
+                checkpoint_dir(&args.out, step),
+                &*model.borrow(),
+                Some(&config_json),
+                &*opt.borrow(),
+                &state,
+            )?;
             prune_checkpoints(&args.out, 2)?;
             write_log(&csv_path, &rows)?;
         }
     }
+    if let Some(c) = &compiled {
+        let s = c.stats();
+        println!(
+            "kiln::compile: {} steps, {} traced, {} replayed, {} retraces",
+            s.calls, s.traces, s.replays, s.retraces
+        );
+    }
+    drop(compiled);
+    let mut model = model.into_inner();
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
 
