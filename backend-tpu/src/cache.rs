@@ -134,8 +134,16 @@ impl DiskCache {
         let t = std::time::Instant::now();
         let mut outcome = DiskOutcome::Miss;
         if let Ok(bytes) = std::fs::read(&path) {
+            let t_read = t.elapsed();
             match payload(&bytes).map(|p| client.deserialize(p)) {
                 Some(Ok(exe)) => {
+                    log(&format!(
+                        "loaded {} ({} bytes): read {:.1} ms, checked and deserialized {:.1} ms",
+                        path.display(),
+                        bytes.len(),
+                        t_read.as_secs_f64() * 1e3,
+                        (t.elapsed() - t_read).as_secs_f64() * 1e3
+                    ));
                     self.hits.fetch_add(1, Ordering::Relaxed);
                     self.load_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     // Refresh the entry's age for the size cap (least recently used goes first).
@@ -238,6 +246,33 @@ pub fn log(msg: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_size_cap_evicts_the_least_recently_used_entries() {
+        let dir = std::env::temp_dir().join(format!("kiln-cache-evict-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cache = DiskCache {
+            dir: dir.clone(),
+            identity: String::new(),
+            max_bytes: Some(2500),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            rebuilt: AtomicU64::new(0),
+            load_ns: AtomicU64::new(0),
+        };
+        let t0 = std::time::SystemTime::now() - std::time::Duration::from_secs(100);
+        for (i, name) in ["old", "mid", "new"].iter().enumerate() {
+            let p = dir.join(format!("{name}.kxe"));
+            std::fs::write(&p, vec![0u8; 1000]).unwrap();
+            let f = std::fs::File::options().append(true).open(&p).unwrap();
+            f.set_modified(t0 + std::time::Duration::from_secs(10 * i as u64)).unwrap();
+        }
+        cache.evict(2500);
+        let left: Vec<bool> = ["old", "mid", "new"].iter().map(|n| dir.join(format!("{n}.kxe")).exists()).collect();
+        assert_eq!(left, vec![false, true, true], "the oldest entry goes first, until the cap holds");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn entries_are_checked_before_use() {

@@ -188,7 +188,8 @@ fn train_compiled(a: &LlmArgs, model: &LlamaForCausalLM, opt: &mut AdamW, ids: &
         l = l
             .set("pjrt_compiles", e.compiles - b.compiles)
             .set("pjrt_compile_s", sig4(e.compile_secs - b.compile_secs))
-            .set("pjrt_disk_hits", e.disk_hits - b.disk_hits);
+            .set("pjrt_disk_hits", e.disk_hits - b.disk_hits)
+            .set("pjrt_disk_load_s", sig4(e.load_secs - b.load_secs));
     }
     Ok(l)
 }
