@@ -118,6 +118,8 @@ enum Source {
 }
 
 enum Sink {
+    /// Written into the storage of input `usize` of each call (the function writes its argument in place).
+    Input(usize),
     /// Written into this storage on every replay.
     State(Weak<Storage>),
     /// Returned in a fresh storage.
@@ -148,7 +150,7 @@ struct Signature {
     text: String,
     sources: Vec<SourceKind>,
     constants: Vec<Vec<u8>>,
-    state_sinks: Vec<bool>,
+    state_sinks: Vec<u8>,
 }
 
 enum EntryState {
@@ -401,7 +403,12 @@ fn build(
         let returned_refs = returned.iter().filter(|t| Arc::ptr_eq(t.storage(), &st)).count();
         // Our upgrade holds one reference; anything beyond the returned tensors is state.
         let state = Arc::strong_count(&st) - 1 > returned_refs;
-        sinks.push(if state { Sink::State(Arc::downgrade(&st)) } else { Sink::Fresh });
+        let input = inputs.iter().position(|t| Arc::ptr_eq(t.storage(), &st));
+        sinks.push(match (input, state) {
+            (Some(i), _) => Sink::Input(i),
+            (None, true) => Sink::State(Arc::downgrade(&st)),
+            (None, false) => Sink::Fresh,
+        });
         out_vals.push(val.clone());
         out_slot_index.push(idx);
     }
@@ -422,17 +429,27 @@ fn build(
             }
         }
     }
-    // State read and written in place is donated.
+    // State (and inputs) read and written in place are donated.
     let mut donated = vec![];
     for (pi, src) in sources.iter().enumerate() {
-        if let Source::State(w) = src {
-            if let Some(j) = sinks.iter().position(|s| matches!(s, Sink::State(o) if Weak::ptr_eq(o, w))) {
-                b.alias(pi, j);
-                donated.push(pi);
-            }
+        let j = match src {
+            Source::State(w) => sinks.iter().position(|s| matches!(s, Sink::State(o) if Weak::ptr_eq(o, w))),
+            Source::Input(i) => sinks.iter().position(|s| matches!(s, Sink::Input(k) if k == i)),
+            Source::Constant(_) => None,
+        };
+        if let Some(j) = j {
+            b.alias(pi, j);
+            donated.push(pi);
         }
     }
-    let state_sinks: Vec<bool> = sinks.iter().map(|s| matches!(s, Sink::State(_))).collect();
+    let state_sinks: Vec<u8> = sinks
+        .iter()
+        .map(|s| match s {
+            Sink::Input(_) => 2,
+            Sink::State(_) => 1,
+            Sink::Fresh => 0,
+        })
+        .collect();
     let mut program_outs = out_vals;
     program_outs.extend(checks.iter().map(|c| c.0.clone()));
     let text = b.finish(&program_outs);
@@ -493,6 +510,11 @@ fn replay(
     for (i, (sink, buf)) in t.sinks.iter().zip(bufs).enumerate() {
         let data = StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(buf))));
         match sink {
+            Sink::Input(k) => {
+                let st = inputs[*k].storage();
+                st.replace(data);
+                st.bump_version();
+            }
             Sink::State(w) => {
                 if let Some(st) = w.upgrade() {
                     st.replace(data);
@@ -524,6 +546,7 @@ fn replay(
                         let st = w.upgrade().ok_or_else(escaped_value_error)?;
                         Tensor::from_storage(st, layout.clone())?
                     }
+                    Sink::Input(k) => Tensor::from_storage(inputs[*k].storage().clone(), layout.clone())?,
                     Sink::Fresh => return Err(escaped_value_error()),
                 },
             },
