@@ -11,8 +11,9 @@ use kiln::autograd::{gradcheck, GradcheckOptions};
 use kiln::prelude::*;
 use kiln::tensor::Op;
 
-fn devices() -> Vec<Device> {
-    common::devices()
+/// Every device, the PJRT one in each of its modes (see `common::devices_in_every_mode`).
+fn devices() -> impl Iterator<Item = Device> {
+    common::devices_in_every_mode()
 }
 
 /// Deterministic values in about [-2, 2].
@@ -252,8 +253,22 @@ fn rotary_embedding_matches_the_unfused_expression() {
             let got = x.rotary_embedding(&cos, &sin).unwrap();
             let want = rotary_reference(&x, &cos, &sin).unwrap();
             assert_eq!(got.shape(), [2, 3, 5, 6]);
-            // The same products and sum, rounded the same way: identical bits.
-            assert_eq!(got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap(), "{dt}");
+            if dev.kind() == kiln::DeviceKind::Tpu && kiln::tpu::mode() == kiln::tpu::Mode::Defer {
+                // Under DeferAndFuse the unfused reference itself is fused, and XLA may
+                // contract its products and sum into fused multiply-adds: one rounding fewer.
+                let (g, w) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+                let ulp = if dt == DType::F64 {
+                    1e-15
+                } else if dt == DType::F32 {
+                    1e-6
+                } else {
+                    1e-2
+                };
+                assert!(g.iter().zip(&w).all(|(a, b)| (a - b).abs() <= ulp * (1.0 + b.abs())), "{dt}");
+            } else {
+                // The same products and sum, rounded the same way: identical bits.
+                assert_eq!(got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap(), "{dt}");
+            }
         }
         let x = input(&[2, 3, 4], 54, DType::F64, dev);
         let (cos, sin) = (input(&[3, 4], 55, DType::F64, dev), input(&[3, 4], 56, DType::F64, dev));

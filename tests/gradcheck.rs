@@ -6,8 +6,9 @@ mod common;
 use kiln::autograd::{gradcheck, GradcheckOptions};
 use kiln::prelude::*;
 
-fn devices() -> Vec<Device> {
-    common::devices()
+/// Every device, the PJRT one in each of its modes (see `common::devices_in_every_mode`).
+fn devices() -> impl Iterator<Item = Device> {
+    common::devices_in_every_mode()
 }
 
 /// Deterministic f64 values in roughly [-1.5, 1.5], without ties.

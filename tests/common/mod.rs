@@ -147,3 +147,42 @@ pub fn for_each_device_and_mode(mut f: impl FnMut(Device, &str)) {
         }
     }
 }
+
+/// Every device, PJRT devices once per mode: iterating yields `cpu`, then
+/// `tpu:0` three times, setting the thread's PJRT mode (Strict, Debug,
+/// DeferAndFuse) just before each is yielded, and restoring Strict when done;
+/// so `for dev in devices_in_every_mode() { ... }` runs its body in every mode.
+pub fn devices_in_every_mode() -> impl Iterator<Item = Device> {
+    use kiln::tpu::Mode;
+    struct Modes {
+        items: std::vec::IntoIter<(Device, Option<Mode>)>,
+    }
+    impl Iterator for Modes {
+        type Item = Device;
+        fn next(&mut self) -> Option<Device> {
+            // Work deferred in the previous mode runs before the next one starts.
+            kiln::tpu::sync().expect("the previous mode's work");
+            let (dev, mode) = self.items.next()?;
+            if let Some(m) = mode {
+                kiln::tpu::set_mode(m);
+            }
+            Some(dev)
+        }
+    }
+    impl Drop for Modes {
+        fn drop(&mut self) {
+            kiln::tpu::set_mode(Mode::Strict);
+        }
+    }
+    let mut items = vec![];
+    for dev in devices() {
+        if dev.kind() == DeviceKind::Tpu {
+            for m in [Mode::Strict, Mode::Debug, Mode::Defer] {
+                items.push((dev, Some(m)));
+            }
+        } else {
+            items.push((dev, None));
+        }
+    }
+    Modes { items: items.into_iter() }
+}
