@@ -63,18 +63,7 @@ impl Backend for CpuBackend {
     }
 
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
-        if dst.dtype() != src.dtype() || dst.shape() != src.shape() {
-            return Err(Error::invalid(
-                "assign",
-                format!(
-                    "needs equal shapes and dtypes, got {:?} {} and {:?} {}",
-                    dst.shape(),
-                    dst.dtype(),
-                    src.shape(),
-                    src.dtype()
-                ),
-            ));
-        }
+        kiln_tensor::check_assign(dst, src)?;
         if src.shares_storage(dst) {
             // Snapshot the source first, so reading and writing never alias.
             let vals = self.to_host(src)?;

@@ -628,18 +628,7 @@ impl Backend for PjrtBackend {
     }
 
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
-        if dst.dtype() != src.dtype() || dst.shape() != src.shape() {
-            return Err(Error::invalid(
-                "assign",
-                format!(
-                    "needs equal shapes and dtypes, got {:?} {} and {:?} {}",
-                    dst.shape(),
-                    dst.dtype(),
-                    src.shape(),
-                    src.dtype()
-                ),
-            ));
-        }
+        kiln_tensor::check_assign(dst, src)?;
         if mode() == Mode::Defer || crate::capture::is_tracing() {
             return self.defer_assign(dst, src);
         }

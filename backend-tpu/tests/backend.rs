@@ -2,20 +2,13 @@
 //! in-place writes on immutable buffers, the executable cache, Strict and
 //! Debug modes (bounds checks, the NaN/Inf trap). The conformance suite in the
 //! workspace's `tests/` runs every op on this device too.
+mod support;
+
 use kiln_tensor::{DType, Device, Error, HostBuffer, Tensor};
 use kiln_tpu::{with_mode, Mode};
+use support::setup;
 
 const TPU: Device = Device::Tpu(0);
-
-fn setup() {
-    kiln_cpu::register();
-    if kiln_tpu::pjrt::find_plugin().is_err() {
-        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-pjrt-plugin");
-        let out = std::process::Command::new(&script).output().expect("running fetch-pjrt-plugin");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
-    kiln_tpu::register().expect("registering the PJRT backend");
-}
 
 #[test]
 fn every_dtype_round_trips() {

@@ -1,17 +1,11 @@
 //! kiln_tpu::compile: a function traced once, replayed with fresh inputs,
 //! state updated in place, guards and retraces, and the errors it raises.
+mod support;
+
 use kiln_tensor::{DType, Device, Tensor};
+use support::setup;
 
 const TPU: Device = Device::Tpu(0);
-
-fn setup() {
-    kiln_cpu::register();
-    if kiln_tpu::pjrt::find_plugin().is_err() {
-        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-pjrt-plugin");
-        assert!(std::process::Command::new(&script).status().unwrap().success());
-    }
-    kiln_tpu::register().expect("registering the PJRT backend");
-}
 
 /// Equal within float32 rounding (a fused program may contract `a - b * c` into one rounding).
 fn close(a: &Tensor, b: &Tensor, what: &str) {

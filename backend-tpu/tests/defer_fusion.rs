@@ -1,19 +1,12 @@
 //! DeferAndFuse runs a chain of ops as one program. A test binary of its own:
 //! it counts the backend's executions, which other tests would disturb.
+mod support;
+
 use kiln_tensor::{DType, Device, Tensor};
 use kiln_tpu::{with_mode, Mode};
+use support::setup;
 
 const TPU: Device = Device::Tpu(0);
-
-fn setup() {
-    kiln_cpu::register();
-    if kiln_tpu::pjrt::find_plugin().is_err() {
-        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-pjrt-plugin");
-        let out = std::process::Command::new(&script).output().expect("running fetch-pjrt-plugin");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
-    kiln_tpu::register().expect("registering the PJRT backend");
-}
 
 #[test]
 fn defer_and_fuse_runs_a_chain_of_ops_as_one_program() {

@@ -2,6 +2,8 @@
 //! first compiled, a corrupt entry is detected and rebuilt, and processes
 //! sharing the directory at once leave it consistent. The parent test runs
 //! this binary's ignored `child` test in fresh processes.
+mod support;
+
 use kiln_tensor::{DType, Device, Tensor};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -76,10 +78,7 @@ fn entries(dir: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn a_second_process_hits_the_disk_cache_and_corrupt_entries_are_rebuilt() {
-    if kiln_tpu::pjrt::find_plugin().is_err() {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-pjrt-plugin");
-        assert!(Command::new(&script).status().unwrap().success());
-    }
+    support::fetch_plugin();
     let dir = std::env::temp_dir().join(format!("kiln-disk-cache-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
 

@@ -122,17 +122,7 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
     if kiln::tensor::profile::enabled() {
         eprintln!("kernel time per op over all {} steps:\n{}", a.warmup + a.steps, kiln::tensor::profile::report(40));
     }
-    let step = median(&times);
-    let mut l = line("train", a)
-        .set("batch", a.batch)
-        .set("seq", a.seq)
-        .set("steps", a.steps)
-        .set("tokens_per_s", sig4((a.batch * a.seq) as f64 / step))
-        .set("median_step_ms", sig4(step * 1e3))
-        .set("min_step_ms", sig4(times[0] * 1e3))
-        .set("loss_first", sig4(losses[0]))
-        .set("loss_last", sig4(*losses.last().expect("at least one step")))
-        .set("peak_rss_mb", sig4(peak_rss_mb()));
+    let mut l = train_line(a, &times, &losses);
     if let (Some(s0), Some(s1)) = (after_warmup, stats(pjrt)) {
         let lookups = (s1.hits + s1.compiles) - (s0.hits + s0.compiles);
         let compiles = s1.compiles - s0.compiles;
@@ -146,6 +136,21 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
             .set("pjrt_disk_load_s", sig4(s1.load_secs));
     }
     Ok(l)
+}
+
+/// The line of a `train` run: throughput from the sorted step times, first and last loss, peak RSS.
+fn train_line(a: &LlmArgs, times: &[f64], losses: &[f64]) -> Line {
+    let step = median(times);
+    line("train", a)
+        .set("batch", a.batch)
+        .set("seq", a.seq)
+        .set("steps", a.steps)
+        .set("tokens_per_s", sig4((a.batch * a.seq) as f64 / step))
+        .set("median_step_ms", sig4(step * 1e3))
+        .set("min_step_ms", sig4(times[0] * 1e3))
+        .set("loss_first", sig4(losses[0]))
+        .set("loss_last", sig4(*losses.last().expect("at least one step")))
+        .set("peak_rss_mb", sig4(peak_rss_mb()))
 }
 
 /// `train` with the whole step (zero_grad, forward, loss, backward, AdamW)
@@ -168,22 +173,12 @@ fn train_compiled(a: &LlmArgs, model: &LlamaForCausalLM, opt: &mut AdamW, ids: &
     })?;
     let s = step.stats().clone();
     let stats = kiln::tpu::stats().ok();
-    let step_s = median(&times);
-    let mut l = line("train", a)
+    let mut l = train_line(a, &times, &losses)
         .set("mode", "compiled")
-        .set("batch", a.batch)
-        .set("seq", a.seq)
-        .set("steps", a.steps)
-        .set("tokens_per_s", sig4((a.batch * a.seq) as f64 / step_s))
-        .set("median_step_ms", sig4(step_s * 1e3))
-        .set("min_step_ms", sig4(times[0] * 1e3))
-        .set("loss_first", sig4(losses[0]))
-        .set("loss_last", sig4(*losses.last().expect("at least one step")))
         .set("calls", s.calls)
         .set("traces", s.traces)
         .set("replays", s.replays)
-        .set("retraces", s.retraces)
-        .set("peak_rss_mb", sig4(peak_rss_mb()));
+        .set("retraces", s.retraces);
     if let (Some(b), Some(e)) = (before, stats) {
         l = l
             .set("pjrt_compiles", e.compiles - b.compiles)

@@ -157,6 +157,23 @@ pub fn registered_devices() -> Vec<Device> {
         .collect()
 }
 
+/// The check of [`Backend::assign`]'s operands every backend makes: equal shapes and dtypes.
+pub fn check_assign(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.dtype() != src.dtype() || dst.shape() != src.shape() {
+        return Err(Error::invalid(
+            "assign",
+            format!(
+                "needs equal shapes and dtypes, got {:?} {} and {:?} {}",
+                dst.shape(),
+                dst.dtype(),
+                src.shape(),
+                src.dtype()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Makes the layout check every backend needs before touching memory.
 pub fn check_layout(op: &'static str, layout: &Layout, storage: &Storage) -> Result<()> {
     layout.check_bounds(op, storage.len())

@@ -37,7 +37,9 @@ pub use attention::attention_grads;
 pub use composite::{rms_norm_grads, CrossEntropy, Reduction};
 pub use convert::TensorData;
 pub use create::TensorOptions;
-pub use device::{backend_for, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind, Meta};
+pub use device::{
+    backend_for, check_assign, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind, Meta,
+};
 pub use dtype::{Category, DType, Element};
 pub use elementwise::Operand;
 pub use error::{Error, Result};
