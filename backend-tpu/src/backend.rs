@@ -579,10 +579,7 @@ impl Backend for PjrtBackend {
 
     fn to_host(&self, t: &Tensor) -> Result<HostBuffer> {
         if crate::capture::is_tracing() {
-            return Err(crate::capture::read_while_tracing(
-                "reading the data (to_vec, item, printing, a copy to another device)",
-                t,
-            ));
+            return Err(crate::capture::read_while_tracing(kiln_tensor::reading_via().unwrap_or("to_host"), t));
         }
         let buf = self.buffer_of(t)?;
         self.drain()?;
@@ -666,7 +663,7 @@ impl Backend for PjrtBackend {
 
     fn nonzero(&self, t: &Tensor) -> Result<Tensor> {
         if crate::capture::is_tracing() {
-            return Err(crate::capture::read_while_tracing("nonzero (its shape depends on the data)", t));
+            return Err(crate::capture::read_while_tracing("nonzero", t));
         }
         let host = self.to_host(t)?;
         let shape = t.shape().to_vec();

@@ -71,7 +71,7 @@ pub(crate) fn read_while_tracing(what: &str, t: &Tensor) -> Error {
     Error::invalid(
         "compile",
         format!(
-            "{what} of a tensor of shape {:?} inside a function traced by kiln::compile: its value does not exist while tracing; return the tensor from the function and read it after the call",
+            "{what}() of a tensor of shape {:?} inside a function traced by kiln::compile reads its data, which does not exist while tracing; return the tensor from the function and read it after the call",
             t.shape()
         ),
     )

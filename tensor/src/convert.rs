@@ -61,13 +61,19 @@ impl Tensor {
         if device == self.device() {
             return Ok(self.clone());
         }
-        let host = self.backend().to_host(self)?;
+        let host = self.read_host("to_device")?;
         Tensor::from_host(host, self.shape(), device)
     }
 
     /// The elements in row-major order, copied to the host as a contiguous buffer.
     pub fn to_host(&self) -> Result<HostBuffer> {
-        self.backend().to_host(self)
+        self.read_host("to_host")
+    }
+
+    /// `Backend::to_host`, with `via` (the public method the caller used) made
+    /// known to the backend through [`reading_via`] for its error messages.
+    pub(crate) fn read_host(&self, via: &'static str) -> Result<HostBuffer> {
+        reading(via, || self.backend().to_host(self))
     }
 
     /// The elements in row-major order. `T` must be this tensor's element type
@@ -84,12 +90,12 @@ impl Tensor {
                 ),
             ));
         }
-        Ok(T::vec(self.to_host()?).expect("backend returned a buffer of the tensor's dtype"))
+        Ok(T::vec(self.read_host("to_vec")?).expect("backend returned a buffer of the tensor's dtype"))
     }
 
     /// The elements converted to f64, whatever the dtype.
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
-        let h = self.to_host()?;
+        let h = self.read_host("to_vec_f64")?;
         Ok((0..h.len()).map(|i| h.get_f64(i)).collect())
     }
 
@@ -101,7 +107,7 @@ impl Tensor {
                 format!("a Tensor with {} elements cannot be converted to Scalar", self.numel()),
             ));
         }
-        Ok(self.to_vec::<T>()?[0])
+        reading("item", || Ok(self.to_vec::<T>()?[0]))
     }
 
     /// The single value of a one-element tensor as f64, whatever the dtype.
@@ -112,7 +118,7 @@ impl Tensor {
                 format!("a Tensor with {} elements cannot be converted to Scalar", self.numel()),
             ));
         }
-        Ok(self.to_vec_f64()?[0])
+        Ok(self.read_host("item_f64")?.get_f64(0))
     }
 
     /// A CPU tensor copied from an ndarray array of any dimensionality and layout.
@@ -133,4 +139,26 @@ impl<T: HostElement, S: Data<Elem = T>, D: Dimension> TryFrom<&ArrayBase<S, D>> 
     fn try_from(a: &ArrayBase<S, D>) -> Result<Tensor> {
         Tensor::from_ndarray(a)
     }
+}
+
+thread_local! {
+    static READ_VIA: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with `via` as the [`reading_via`] context, unless an outer call set one.
+pub(crate) fn reading<R>(via: &'static str, f: impl FnOnce() -> R) -> R {
+    let prev = READ_VIA.with(|c| c.get());
+    if prev.is_none() {
+        READ_VIA.with(|c| c.set(Some(via)));
+    }
+    let r = f();
+    READ_VIA.with(|c| c.set(prev));
+    r
+}
+
+/// While a backend's `to_host` runs: the public `Tensor` method that asked for
+/// the data (`item`, `to_vec`, `to_device`, `Display`, ...), for error messages
+/// such as "item() inside a traced function". `None` outside such a call.
+pub fn reading_via() -> Option<&'static str> {
+    READ_VIA.with(|c| c.get())
 }

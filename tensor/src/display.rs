@@ -283,7 +283,7 @@ impl fmt::Display for Tensor {
             if !matches!(dtype, DType::F32 | DType::I64 | DType::Bool) {
                 suffixes.push(format!("dtype={dtype}"));
             }
-            match self.to_host() {
+            match self.read_host("Display") {
                 Ok(buf) => {
                     let values = Values::from_host(&buf, dtype);
                     let summarize = self.numel() > THRESHOLD;

@@ -35,7 +35,7 @@ mod tensor;
 
 pub use attention::attention_grads;
 pub use composite::{rms_norm_grads, CrossEntropy, Reduction};
-pub use convert::TensorData;
+pub use convert::{reading_via, TensorData};
 pub use create::TensorOptions;
 pub use device::{
     backend_for, check_assign, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind, Meta,
