@@ -639,19 +639,27 @@ impl std::fmt::Debug for Executable {
 }
 
 impl Executable {
-    fn query_num_outputs(&self) -> Result<usize> {
+    /// Runs `f` on the executable behind this loaded one (`LoadedExecutable_GetExecutable`),
+    /// destroying that handle afterwards whatever `f` returns.
+    fn with_executable<R>(&self, f: impl FnOnce(&Api, *mut ffi::PJRT_Executable) -> Result<R>) -> Result<R> {
         let api = &self.client.api;
         let mut g = ffi::PJRT_LoadedExecutable_GetExecutable_Args::new();
         g.loaded_executable = self.raw;
         api.call("LoadedExecutable_GetExecutable", api.t().loaded_executable_get_executable, &mut g)?;
-        let mut n = ffi::PJRT_Executable_NumOutputs_Args::new();
-        n.executable = g.executable;
-        let r = api.call("Executable_NumOutputs", api.t().executable_num_outputs, &mut n);
+        let r = f(api, g.executable);
         let mut d = ffi::PJRT_Executable_Destroy_Args::new();
         d.executable = g.executable;
         let _ = api.call("Executable_Destroy", api.t().executable_destroy, &mut d);
-        r?;
-        Ok(n.num_outputs)
+        r
+    }
+
+    fn query_num_outputs(&self) -> Result<usize> {
+        self.with_executable(|api, exe| {
+            let mut n = ffi::PJRT_Executable_NumOutputs_Args::new();
+            n.executable = exe;
+            api.call("Executable_NumOutputs", api.t().executable_num_outputs, &mut n)?;
+            Ok(n.num_outputs)
+        })
     }
 
     pub fn num_outputs(&self) -> usize {
@@ -660,29 +668,25 @@ impl Executable {
 
     /// The executable's serialized form (for the on-disk compile cache).
     pub fn serialize(&self) -> Result<Vec<u8>> {
-        let api = &self.client.api;
-        let mut g = ffi::PJRT_LoadedExecutable_GetExecutable_Args::new();
-        g.loaded_executable = self.raw;
-        api.call("LoadedExecutable_GetExecutable", api.t().loaded_executable_get_executable, &mut g)?;
-        let mut a = ffi::PJRT_Executable_Serialize_Args::new();
-        a.executable = g.executable;
-        let r = api.call("Executable_Serialize", api.t().executable_serialize, &mut a);
-        let out = r.map(|_| {
-            // SAFETY: on success the plugin returned `serialized_bytes_size` bytes, owned by
-            // `serialized_executable` until its deleter runs (below, after the copy).
-            let bytes = unsafe { std::slice::from_raw_parts(a.serialized_bytes as *const u8, a.serialized_bytes_size) };
-            bytes.to_vec()
-        });
-        if let Some(del) = a.serialized_executable_deleter {
-            if !a.serialized_executable.is_null() {
-                // SAFETY: the deleter the plugin gave for exactly this object, called once.
-                unsafe { del(a.serialized_executable) };
+        self.with_executable(|api, exe| {
+            let mut a = ffi::PJRT_Executable_Serialize_Args::new();
+            a.executable = exe;
+            let r = api.call("Executable_Serialize", api.t().executable_serialize, &mut a);
+            let out = r.map(|_| {
+                // SAFETY: on success the plugin returned `serialized_bytes_size` bytes, owned by
+                // `serialized_executable` until its deleter runs (below, after the copy).
+                let bytes =
+                    unsafe { std::slice::from_raw_parts(a.serialized_bytes as *const u8, a.serialized_bytes_size) };
+                bytes.to_vec()
+            });
+            if let Some(del) = a.serialized_executable_deleter {
+                if !a.serialized_executable.is_null() {
+                    // SAFETY: the deleter the plugin gave for exactly this object, called once.
+                    unsafe { del(a.serialized_executable) };
+                }
             }
-        }
-        let mut d = ffi::PJRT_Executable_Destroy_Args::new();
-        d.executable = g.executable;
-        let _ = api.call("Executable_Destroy", api.t().executable_destroy, &mut d);
-        out
+            out
+        })
     }
 
     /// Runs the program on device `device` with `args`, returning its output
