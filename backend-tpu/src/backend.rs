@@ -81,7 +81,7 @@ fn err(msg: impl Into<String>) -> Error {
 }
 
 /// What a storage holds, when it is this backend's.
-fn data_in(d: &StorageData, device: Device) -> Result<PjrtBuffer> {
+pub(crate) fn data_in(d: &StorageData, device: Device) -> Result<PjrtBuffer> {
     match d {
         StorageData::Device(d) => d
             .as_any()
@@ -122,12 +122,26 @@ impl PjrtBackend {
 
     /// The device buffer behind a tensor's storage, running its pending graph
     /// first when the storage holds a deferred result.
-    fn buffer_of(&self, t: &Tensor) -> Result<Arc<Buffer>> {
+    pub(crate) fn buffer_of(&self, t: &Tensor) -> Result<Arc<Buffer>> {
         self.ready_data(data_of(t)?)
     }
 
-    pub(crate) fn ready_buffer(&self, t: &Tensor) -> Result<Arc<Buffer>> {
-        self.buffer_of(t)
+    /// The values of a creation op (see `lower::creation_args`) as one-element buffers on `device`.
+    fn upload_scalars(&self, values: Vec<(Vec<u8>, DType)>, device: Device) -> Result<Vec<(Arc<Buffer>, Vec<u8>)>> {
+        values
+            .into_iter()
+            .map(|(bytes, dt)| Ok((Arc::new(self.client.buffer_from_host(&bytes, dt, &[1], device.index())?), bytes)))
+            .collect()
+    }
+
+    /// Reads one device-side check flag (see Note [Checks on the device]); false is the check's error.
+    pub(crate) fn verify(&self, flag: &Buffer, name: &'static str, c: &Check, inputs: &[&Tensor]) -> Result<()> {
+        let mut byte = [0u8; 1];
+        flag.copy_to_host(&mut byte).map_err(|e| err(format!("{name} failed: {e}")))?;
+        if byte[0] == 0 {
+            return Err(self.check_error(name, c, inputs));
+        }
+        Ok(())
     }
 
     pub(crate) fn ready_storage(&self, st: &Arc<Storage>, device: Device) -> Result<Arc<Buffer>> {
@@ -221,12 +235,11 @@ impl PjrtBackend {
         device: Device,
     ) -> Result<(Vec<Arc<Storage>>, bool)> {
         let (results, checks) = if let Some(values) = lower::creation_args(op) {
-            let mut args = vec![];
-            for (bytes, dt) in values {
-                let b = Arc::new(self.client.buffer_from_host(&bytes, dt, &[1], device.index())?);
-                let p = g.param(&b, ParamSrc::Constant(bytes));
-                args.push(g.builder.reshape(&p, &[]));
-            }
+            let args: Vec<Val> = self
+                .upload_scalars(values, device)?
+                .into_iter()
+                .map(|(b, bytes)| g.param(&b, ParamSrc::Constant(bytes)))
+                .collect();
             (vec![lower::creation_lower(&mut g.builder, op, &args)?], vec![])
         } else {
             let mut vals = Vec::with_capacity(inputs.len());
@@ -236,17 +249,9 @@ impl PjrtBackend {
             }
             lower::lower_op(&mut g.builder, op, &vals, outs)?
         };
+        lower::check_results(op, &results, outs)?;
         let mut storages = Vec::with_capacity(outs.len());
         for (r, m) in results.iter().zip(outs) {
-            if r.shape() != &m.shape[..] || r.dtype() != m.dtype {
-                return Err(err(format!(
-                    "lowering of {} produced {:?} {}, expected {:?}",
-                    op.name(),
-                    r.shape(),
-                    r.dtype(),
-                    m
-                )));
-            }
             let n = r.ty.numel();
             let flat = g.builder.reshape(r, &[n]);
             let slot = g.output(flat);
@@ -345,12 +350,8 @@ impl PjrtBackend {
         }
         self.queue(Pending::Program { op: "a deferred graph", event })?;
         for (flag, (_, c, name, inputs)) in flags.iter().zip(&checks) {
-            let mut byte = [0u8; 1];
-            flag.copy_to_host(&mut byte)?;
-            if byte[0] == 0 {
-                let refs: Vec<&Tensor> = inputs.iter().collect();
-                return Err(self.check_error(name, c, &refs));
-            }
+            let refs: Vec<&Tensor> = inputs.iter().collect();
+            self.verify(flag, name, c, &refs)?;
         }
         Ok(())
     }
@@ -424,11 +425,7 @@ impl PjrtBackend {
         self.executions.fetch_add(1, Ordering::Relaxed);
         let flags = bufs.split_off(outs.len());
         for (flag, c) in flags.iter().zip(checks) {
-            let mut byte = [0u8; 1];
-            flag.copy_to_host(&mut byte).map_err(|e| err(format!("{name} failed on {device}: {e}")))?;
-            if byte[0] == 0 {
-                return Err(self.check_error(name, c, inputs));
-            }
+            self.verify(flag, name, c, inputs)?;
         }
         match mode() {
             Mode::Debug => {
@@ -447,7 +444,7 @@ impl PjrtBackend {
     }
 
     /// The CPU backend's error for a failed check, naming the offending value.
-    pub(crate) fn check_error(&self, name: &'static str, c: &Check, inputs: &[&Tensor]) -> Error {
+    fn check_error(&self, name: &'static str, c: &Check, inputs: &[&Tensor]) -> Error {
         match c {
             Check::ZeroDivision => Error::invalid(name, "ZeroDivisionError: integer division or modulo by zero"),
             Check::NegativePower => Error::invalid(name, "Integers to negative integer powers are not allowed."),
@@ -508,10 +505,9 @@ impl PjrtBackend {
         let n = b.numel();
         let ty = lower::Ty::new(&[n], dtype);
         let (mut bl, args) = lower::Builder::new(&[ty]);
-        let f = bl.convert_raw(&args[0], DType::F64);
-        let a = bl.unary("abs", &f);
-        let inf = bl.splat(lower::Lit::F(f64::INFINITY), DType::F64, &[n]);
-        let finite = bl.compare("LT", &a, &inf);
+        // |x| < inf is false exactly for NaN and the infinities, in any float type.
+        let a = bl.unary("abs", &args[0]);
+        let finite = bl.compare_lit("LT", &a, lower::Lit::F(f64::INFINITY));
         let all = bl.reduce(&finite, lower::Lit::B(true), &[0], "and");
         let text = bl.finish(&[all]);
         let exe = self.executable(&text)?;
@@ -604,11 +600,8 @@ impl Backend for PjrtBackend {
         }
         if let Some(values) = lower::creation_args(op) {
             let text = lower::creation_module(op)?;
-            let args: Vec<Buffer> = values
-                .iter()
-                .map(|(bytes, dt)| self.client.buffer_from_host(bytes, *dt, &[], device.index()))
-                .collect::<Result<_>>()?;
-            let refs: Vec<&Buffer> = args.iter().collect();
+            let args = self.upload_scalars(values, device)?;
+            let refs: Vec<&Buffer> = args.iter().map(|(b, _)| &**b).collect();
             let out = self.run(op.name(), &text, &refs, outs, &[], &[], device)?;
             return Ok(out.into_iter().zip(outs).map(|(b, m)| self.storage(b, m.dtype, device)).collect());
         }

@@ -1,7 +1,7 @@
 //! Capture (`kiln_tpu::compile`, torch.compile's role): a function on PJRT
 //! tensors, typically a whole training step, traced into one program that
 //! later calls replay (see Note [Capture]).
-use crate::backend::{PjrtBackend, PjrtBuffer};
+use crate::backend::{data_in, PjrtBackend, PjrtBuffer};
 use crate::defer::{out_meta, Graph, ParamSrc, CAPTURE_BIT};
 use crate::lower::Check;
 use crate::pjrt::{Buffer, Executable};
@@ -115,6 +115,16 @@ enum Source {
     Input(usize),
     State(Weak<Storage>),
     Constant(Arc<Buffer>),
+}
+
+impl Source {
+    fn kind(&self) -> SourceKind {
+        match self {
+            Source::Input(i) => SourceKind::Input(*i),
+            Source::State(_) => SourceKind::State,
+            Source::Constant(_) => SourceKind::Constant,
+        }
+    }
 }
 
 enum Sink {
@@ -294,7 +304,7 @@ where
         let dev = self.device.index();
         backend.flush(dev)?;
         for t in inputs {
-            backend.ready_buffer(t)?;
+            backend.buffer_of(t)?;
         }
         struct Clear;
         impl Drop for Clear {
@@ -352,40 +362,28 @@ fn build(
     inputs: &[Tensor],
     returned: &[Tensor],
 ) -> Result<(Trace, Signature, Vec<Arc<Buffer>>)> {
-    let Graph { builder: mut b, params, outs, sinks: sink_storages, checks, id, .. } = g;
+    let Graph { builder: mut b, params, outs, sinks: sink_storages, checks, id, device: g_device, .. } = g;
     let mut sources = vec![];
-    let mut kinds = vec![];
     let mut constants = vec![];
-    let mut args_bufs = vec![];
     for (buf, _, src) in &params {
-        match src {
+        sources.push(match src {
             ParamSrc::Constant(bytes) => {
-                sources.push(Source::Constant(buf.clone()));
-                kinds.push(SourceKind::Constant);
                 constants.push(bytes.clone());
+                Source::Constant(buf.clone())
             }
             ParamSrc::Storage(w) => {
                 let input = inputs.iter().position(|t| Weak::ptr_eq(w, &Arc::downgrade(t.storage())));
                 match (input, w.upgrade()) {
-                    (Some(i), _) => {
-                        sources.push(Source::Input(i));
-                        kinds.push(SourceKind::Input(i));
-                    }
-                    (None, Some(_)) => {
-                        sources.push(Source::State(w.clone()));
-                        kinds.push(SourceKind::State);
-                    }
+                    (Some(i), _) => Source::Input(i),
+                    (None, Some(_)) => Source::State(w.clone()),
                     // Data uploaded inside the function (a tensor moved to the device there): a constant of the trace.
-                    (None, None) => {
-                        sources.push(Source::Constant(buf.clone()));
-                        kinds.push(SourceKind::Constant);
-                    }
+                    (None, None) => Source::Constant(buf.clone()),
                 }
             }
-        }
-        args_bufs.push(buf.clone());
+        });
     }
-    drop(params);
+    let kinds = sources.iter().map(Source::kind).collect();
+    let args_bufs: Vec<Arc<Buffer>> = params.into_iter().map(|(buf, _, _)| buf).collect();
     // Live outputs and where they go.
     let mut out_vals = vec![];
     let mut sinks = vec![];
@@ -394,8 +392,8 @@ fn build(
         let Some(slot) = wslot.upgrade() else { continue };
         let Some(st) = sink_storages[idx].upgrade() else { continue };
         let holds = matches!(
-            st.read().as_ref_device(),
-            Some(PjrtBuffer::Deferred(s)) if Arc::ptr_eq(s, &slot)
+            data_in(&st.read(), Device::Tpu(g_device)),
+            Ok(PjrtBuffer::Deferred(s)) if Arc::ptr_eq(&s, &slot)
         );
         if !holds {
             continue;
@@ -414,17 +412,19 @@ fn build(
     }
     let mut returns = vec![];
     for (i, t) in returned.iter().enumerate() {
-        let data = t.storage().read().as_ref_device().cloned();
-        match data {
-            Some(PjrtBuffer::Deferred(s)) if s.graph == id => {
+        match data_in(&t.storage().read(), t.device()) {
+            Ok(PjrtBuffer::Deferred(s)) if s.graph == id => {
                 let pos = out_slot_index.iter().position(|&k| k == s.index).ok_or_else(escaped_value_error)?;
                 returns.push(Return::Output(pos, t.layout().clone()));
             }
-            Some(PjrtBuffer::Ready(_)) => returns.push(Return::Same(t.clone())),
+            Ok(PjrtBuffer::Ready(_)) => returns.push(Return::Same(t.clone())),
             _ => {
                 return Err(Error::invalid(
                     "compile",
-                    format!("output {i} of the traced function is not a tensor on {} computed by it", Device::Tpu(0)),
+                    format!(
+                        "output {i} of the traced function is not a tensor on {} computed by it",
+                        Device::Tpu(g_device)
+                    ),
                 ))
             }
         }
@@ -481,7 +481,7 @@ fn replay(
     let mut args: Vec<Arc<Buffer>> = Vec::with_capacity(t.sources.len());
     for s in t.sources.iter().take(if traced.is_some() { 0 } else { usize::MAX }) {
         args.push(match s {
-            Source::Input(i) => backend.ready_buffer(&inputs[*i])?,
+            Source::Input(i) => backend.buffer_of(&inputs[*i])?,
             Source::State(w) => {
                 let st = w.upgrade().ok_or_else(|| {
                     Error::invalid(
@@ -529,11 +529,7 @@ fn replay(
     }
     backend.queue_event("a compiled function", event)?;
     for (flag, (c, name)) in flags.iter().zip(&t.checks) {
-        let mut byte = [0u8; 1];
-        flag.copy_to_host(&mut byte)?;
-        if byte[0] == 0 {
-            return Err(backend.check_error(name, c, &[]));
-        }
+        backend.verify(flag, name, c, &[])?;
     }
     let mut outs = vec![];
     for r in &t.returns {
@@ -553,18 +549,4 @@ fn replay(
         });
     }
     Ok(outs)
-}
-
-/// Reading a storage's data as this backend's buffer.
-trait AsDevice {
-    fn as_ref_device(&self) -> Option<&PjrtBuffer>;
-}
-
-impl AsDevice for StorageData {
-    fn as_ref_device(&self) -> Option<&PjrtBuffer> {
-        match self {
-            StorageData::Device(d) => d.as_any().downcast_ref::<PjrtBuffer>(),
-            StorageData::Host(_) => None,
-        }
-    }
 }

@@ -128,7 +128,7 @@ pub enum PjrtBuffer {
 }
 
 impl PjrtBuffer {
-    /// Elements and dtype are those of the storage; this is only the data.
+    /// The device buffer, when it exists: a ready one, or a deferred slot whose graph has run.
     pub fn ready(&self) -> Option<Arc<Buffer>> {
         match self {
             PjrtBuffer::Ready(b) => Some(b.clone()),

@@ -20,6 +20,15 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// `strict`, `debug` or `defer`: what [`Mode::parse`] reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Strict => "strict",
+            Mode::Debug => "debug",
+            Mode::Defer => "defer",
+        }
+    }
+
     /// Parses `strict`, `debug` or `defer` (case-insensitive).
     pub fn parse(s: &str) -> Option<Mode> {
         match s.to_ascii_lowercase().as_str() {

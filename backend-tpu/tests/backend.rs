@@ -115,6 +115,9 @@ fn modes_parse_and_apply_per_thread() {
     assert_eq!(Mode::parse("DEBUG"), Some(Mode::Debug));
     assert_eq!(Mode::parse("strict"), Some(Mode::Strict));
     assert_eq!(Mode::parse("fast"), None);
+    for m in [Mode::Strict, Mode::Debug, Mode::Defer] {
+        assert_eq!(Mode::parse(m.name()), Some(m));
+    }
     with_mode(Mode::Debug, || {
         assert_eq!(kiln_tpu::mode(), Mode::Debug);
         let other = std::thread::spawn(kiln_tpu::mode).join().unwrap();

@@ -132,19 +132,11 @@ pub fn devices() -> Vec<Device> {
     d
 }
 
-/// Runs `f` on every device; PJRT devices run it once per mode (Strict, Debug, DeferAndFuse).
+/// Runs `f` on every device; PJRT devices run it once per mode (Strict, Debug,
+/// DeferAndFuse; see [`devices_in_every_mode`]). `f` also gets the mode's name.
 pub fn for_each_device_and_mode(mut f: impl FnMut(Device, &str)) {
-    use kiln::tpu::Mode;
-    for dev in devices() {
-        if dev.kind() == DeviceKind::Tpu {
-            for (m, name) in [(Mode::Strict, "strict"), (Mode::Debug, "debug"), (Mode::Defer, "defer")] {
-                kiln::tpu::with_mode(m, || f(dev, name));
-                // Nothing deferred outlives the mode it was made in.
-                kiln::tpu::sync().unwrap_or_else(|e| panic!("on device {dev} ({name}): {e}"));
-            }
-        } else {
-            f(dev, "eager");
-        }
+    for dev in devices_in_every_mode() {
+        f(dev, if dev.kind() == DeviceKind::Tpu { kiln::tpu::mode().name() } else { "eager" });
     }
 }
 

@@ -184,7 +184,7 @@ pub fn creation_module(op: &kiln_tensor::Op) -> Result<String> {
     let tys: Vec<Ty> = creation_args(op)
         .ok_or_else(|| Error::backend("pjrt", format!("{} is not a creation op", op.name())))?
         .iter()
-        .map(|(_, dt)| Ty::new(&[], *dt))
+        .map(|(_, dt)| Ty::new(&[1], *dt))
         .collect();
     let (mut b, args) = Builder::new(&tys);
     let v = creation_lower(&mut b, op, &args)?;
@@ -193,9 +193,11 @@ pub fn creation_module(op: &kiln_tensor::Op) -> Result<String> {
     Ok(b.finish(&[flat]))
 }
 
-/// The lowering of a creation op from its scalar arguments (see [`creation_args`]).
-pub fn creation_lower(b: &mut Builder, op: &kiln_tensor::Op, args: &[Val]) -> Result<Val> {
+/// The lowering of a creation op from its scalar arguments (see [`creation_args`]),
+/// each a flat one-element value like every program argument.
+pub fn creation_lower(b: &mut Builder, op: &kiln_tensor::Op, flat_args: &[Val]) -> Result<Val> {
     use kiln_tensor::Op;
+    let args: Vec<Val> = flat_args.iter().map(|a| b.reshape(a, &[])).collect();
     match op {
         Op::Full { shape, .. } => Ok(b.broadcast(&args[0], shape, &[])),
         Op::Arange { len, dtype, .. } => {
@@ -543,13 +545,25 @@ pub fn exec_module(op: &kiln_tensor::Op, inputs: &[ArgView<'_>], outs: &[Meta]) 
         vals.push(read_view(&mut b, v, a.layout)?);
     }
     let (results, checks) = lower_op(&mut b, op, &vals, outs)?;
+    check_results(op, &results, outs)?;
+    let mut flat = Vec::with_capacity(results.len() + checks.len());
+    for r in &results {
+        let n = r.ty.numel();
+        flat.push(b.reshape(r, &[n]));
+    }
+    let kinds = checks.iter().map(|c| c.1.clone()).collect();
+    flat.extend(checks.into_iter().map(|c| c.0));
+    Ok((b.finish(&flat), kinds))
+}
+
+/// Checks that a lowering produced the outputs `Op::infer` promised.
+pub fn check_results(op: &kiln_tensor::Op, results: &[Val], outs: &[Meta]) -> Result<()> {
     if results.len() != outs.len() {
         return Err(Error::backend(
             "pjrt",
             format!("lowering of {} produced {} outputs, expected {}", op.name(), results.len(), outs.len()),
         ));
     }
-    let mut flat = Vec::with_capacity(results.len() + checks.len());
     for (r, m) in results.iter().zip(outs) {
         if r.shape() != &m.shape[..] || r.dtype() != m.dtype {
             return Err(Error::backend(
@@ -564,12 +578,8 @@ pub fn exec_module(op: &kiln_tensor::Op, inputs: &[ArgView<'_>], outs: &[Meta]) 
                 ),
             ));
         }
-        let n = r.ty.numel();
-        flat.push(b.reshape(r, &[n]));
     }
-    let kinds = checks.iter().map(|c| c.1.clone()).collect();
-    flat.extend(checks.into_iter().map(|c| c.0));
-    Ok((b.finish(&flat), kinds))
+    Ok(())
 }
 
 /// A program reading the view `layout` of a flat buffer into a flat contiguous one.

@@ -573,16 +573,13 @@ fn floor_div(b: &mut Builder, a: &Val, c: &Val) -> Val {
     let q = b.div(a, c);
     let zero = b.splat_like(Lit::F(0.0), a);
     let signed_zero = {
-        let z = b.unary("abs", &zero);
         let qn = b.compare("LT", &q, &zero);
-        let nz = b.unary("negate", &z);
-        let neg_q = {
-            // -0.0 / x < 0 is false, so also look at the sign bit through 1/q.
-            let inv = b.div(&one, &q);
-            let inv_neg = b.compare("LT", &inv, &zero);
-            b.or(&qn, &inv_neg)
-        };
-        b.select(&neg_q, &nz, &z)
+        // -0.0 < 0 is false, so also look at the sign bit through 1/q (-inf for -0.0).
+        let inv = b.div(&one, &q);
+        let inv_neg = b.compare("LT", &inv, &zero);
+        let neg_q = b.or(&qn, &inv_neg);
+        let neg_zero = b.splat_like(Lit::F(-0.0), a);
+        b.select(&neg_q, &neg_zero, &zero)
     };
     let is_zero = b.compare("EQ", &div, &zero);
     let r = b.select(&is_zero, &signed_zero, &rounded);
