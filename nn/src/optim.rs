@@ -202,6 +202,7 @@ pub trait Optimizer {
         for g in self.param_groups_mut() {
             g.lr = Some(lr);
         }
+        self.lr_changed();
     }
 
     /// Sets each group's learning rate to its initial one times `factor`: what an
@@ -211,7 +212,13 @@ pub trait Optimizer {
         for (g, lr) in self.param_groups_mut().iter_mut().zip(init) {
             g.lr = Some(lr * factor);
         }
+        self.lr_changed();
     }
+
+    /// Called after [`Optimizer::set_lr`] and [`Optimizer::set_lr_factor`] changed the
+    /// groups' learning rates (an optimizer keeping copies of them, such as a
+    /// capturable AdamW's device tensors, updates them here). Does nothing by default.
+    fn lr_changed(&mut self) {}
 
     /// Every parameter, group after group.
     fn params(&self) -> Vec<Tensor> {

@@ -7,6 +7,8 @@ use kiln::nn::optim::{decay_groups, AdamW, AdamWConfig, IntoParamGroups, Optimiz
 use kiln::nn::schedule::LrSchedule;
 use kiln::prelude::*;
 
+mod support;
+
 // ---- PyTorch reference values ----------------------------------------------------------------
 // Generated with this script (PyTorch 2.15.0, CPU, one thread); each row is the
 // parameter after one more step:
@@ -674,4 +676,78 @@ fn adamw_step_from_golden_gradients_matches_pytorch() {
         }
         eprintln!("{model}: max |kiln - torch| after one AdamW step from the golden gradients: {worst:e}");
     }
+}
+
+/// Capturable AdamW (device step count and learning rate, in-place state) follows
+/// the host one, learning-rate changes included.
+#[test]
+fn capturable_adamw_follows_the_host_one_and_its_learning_rate() {
+    use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+    let make = || {
+        let w = Tensor::from_vec(vec![0.5f32, -1.0, 2.0], &[3]).unwrap();
+        w.requires_grad_(true).unwrap();
+        w
+    };
+    let (a, b) = (make(), make());
+    let cfg = AdamWConfig { lr: 0.1, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let mut host = AdamW::new(vec![a.clone()], cfg).unwrap();
+    let mut dev = AdamW::new(vec![b.clone()], cfg).unwrap();
+    dev.set_capturable(true);
+    assert!(dev.is_capturable());
+    for (i, lr) in [0.1, 0.01, 0.003].into_iter().enumerate() {
+        if i > 0 {
+            host.set_lr(lr);
+            dev.set_lr_factor(lr / 0.1);
+        }
+        for (w, opt) in [(&a, &mut host), (&b, &mut dev)] {
+            opt.zero_grad();
+            w.mul(w).unwrap().mul(3.0).unwrap().sum().unwrap().backward().unwrap();
+            opt.step().unwrap();
+        }
+        let (x, y) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        for (p, q) in x.iter().zip(&y) {
+            assert!((p - q).abs() < 1e-6, "step {i}: {x:?} vs {y:?}");
+        }
+    }
+}
+
+/// Under kiln::compile a learning-rate schedule set between calls reaches the
+/// captured steps: `set_lr_factor` writes the device learning rate outside the
+/// function, so its trace stays stable and replays, and the parameters follow
+/// the same steps run eagerly.
+#[test]
+fn a_schedule_reaches_captured_capturable_adamw_steps() {
+    use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+    support::register_tpu();
+    let dev = Device::Tpu(0);
+    let make = || {
+        let w = Tensor::from_vec(vec![0.5f32, -1.0, 2.0], &[3]).unwrap().to_device(dev).unwrap();
+        w.requires_grad_(true).unwrap();
+        w
+    };
+    let cfg = AdamWConfig { lr: 0.1, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let (a, b) = (make(), make());
+    let mut eager = AdamW::new(vec![a.clone()], cfg).unwrap();
+    eager.set_capturable(true);
+    let compiled_opt = std::cell::RefCell::new(AdamW::new(vec![b.clone()], cfg).unwrap());
+    compiled_opt.borrow_mut().set_capturable(true);
+    let step = |w: &Tensor, opt: &mut AdamW| -> Result<Vec<Tensor>> {
+        opt.zero_grad();
+        w.mul(w)?.mul(3.0)?.sum()?.backward()?;
+        opt.step()?;
+        Ok(vec![])
+    };
+    let mut compiled = kiln::compile(dev, |_: &[Tensor]| step(&b, &mut compiled_opt.borrow_mut()));
+    for i in 0..8 {
+        let factor = 1.0 / (1.0 + i as f64);
+        eager.set_lr_factor(factor);
+        compiled_opt.borrow_mut().set_lr_factor(factor);
+        step(&a, &mut eager).unwrap();
+        compiled.call(&[]).unwrap();
+        let (x, y) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        for (p, q) in x.iter().zip(&y) {
+            assert!((p - q).abs() < 1e-5, "step {i}: {x:?} vs {y:?}");
+        }
+    }
+    assert!(compiled.stats().replays >= 5, "{:?}", compiled.stats());
 }

@@ -240,12 +240,12 @@ impl Optimizer for AdamW {
             self.sync_device_lr()?;
         }
         let mut state = std::mem::take(&mut self.state);
-        let mut new_lr: Vec<(usize, f64, Tensor)> = vec![];
-        let mut new_step: Vec<(usize, usize, Tensor)> = vec![];
+        let mut device_lr = std::mem::take(&mut self.device_lr);
+        let mut device_step = std::mem::take(&mut self.device_step);
         let r = (|| {
-            for (g, st) in self.groups.iter().zip(state.iter_mut()) {
+            for (gi, (g, st)) in self.groups.iter().zip(state.iter_mut()).enumerate() {
                 let (lr, wd) = (g.lr(), g.weight_decay());
-                for ((name, p), slot) in g.names.iter().zip(&g.params).zip(st.iter_mut()) {
+                for (pi, ((name, p), slot)) in g.names.iter().zip(&g.params).zip(st.iter_mut()).enumerate() {
                     let Some(grad) = p.grad() else { continue };
                     check_grad("AdamW.step", name, p, &grad)?;
                     let grad = if grad.dtype() == p.dtype() { grad } else { grad.to_dtype(p.dtype())? };
@@ -259,20 +259,25 @@ impl Optimizer for AdamW {
                         }),
                     };
                     if self.capturable {
-                        let gi =
-                            self.groups.iter().position(|x| std::ptr::eq(x, g)).expect("a group of this optimizer");
-                        let pi = g.params.iter().position(|x| std::ptr::eq(x, p)).expect("a parameter of the group");
-                        let lr_t = match &self.device_lr[gi] {
+                        // The group's learning rate and the parameter's step count on the
+                        // device, made on their first use.
+                        let lr_t = match &device_lr[gi] {
                             Some((_, t)) => t.clone(),
-                            None => Tensor::full(&[], lr, (p.dtype(), p.device()))?,
+                            None => {
+                                let t = Tensor::full(&[], lr, (p.dtype(), p.device()))?;
+                                device_lr[gi] = Some((lr, t.clone()));
+                                t
+                            }
                         };
-                        let step_t = match &self.device_step[gi][pi] {
+                        let step_t = match &device_step[gi][pi] {
                             Some(t) => t.clone(),
-                            None => Tensor::full(&[], s.step as f64, (p.dtype(), p.device()))?,
+                            None => {
+                                let t = Tensor::full(&[], s.step as f64, (p.dtype(), p.device()))?;
+                                device_step[gi][pi] = Some(t.clone());
+                                t
+                            }
                         };
                         self.update_capturable(p, &grad, s, &step_t, &lr_t, wd)?;
-                        new_lr.push((gi, lr, lr_t));
-                        new_step.push((gi, pi, step_t));
                     } else {
                         self.update(p, &grad, s, lr, wd)?;
                     }
@@ -281,30 +286,13 @@ impl Optimizer for AdamW {
             Ok(())
         })();
         self.state = state;
-        for (gi, v, t) in new_lr {
-            if self.device_lr[gi].is_none() {
-                self.device_lr[gi] = Some((v, t));
-            }
-        }
-        for (gi, pi, t) in new_step {
-            self.device_step[gi][pi] = Some(t);
-        }
+        self.device_lr = device_lr;
+        self.device_step = device_step;
         r
     }
 
-    fn set_lr(&mut self, lr: f64) {
-        for g in self.param_groups_mut() {
-            g.lr = Some(lr);
-        }
+    fn lr_changed(&mut self) {
         // A failed write is retried (and reported) by the next `step`.
-        let _ = self.sync_device_lr();
-    }
-
-    fn set_lr_factor(&mut self, factor: f64) {
-        let init = self.initial_lrs().to_vec();
-        for (g, lr) in self.param_groups_mut().iter_mut().zip(init) {
-            g.lr = Some(lr * factor);
-        }
         let _ = self.sync_device_lr();
     }
 
