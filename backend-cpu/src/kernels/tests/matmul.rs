@@ -90,3 +90,40 @@ fn bf16_f16_int_and_bool() {
         vals::<bool>(&mm(&t(vec![true, false, false, false], &[2, 2]), &t(vec![false, true, true, false], &[2, 2])));
     assert_eq!(b, [false, true, false, false]);
 }
+
+/// `a` (`m x k`) and `b` (`k x n`) as tensors whose storage is the transpose,
+/// so the matmul reads them with swapped strides.
+fn transposed(v: &[f32], rows: usize, cols: usize) -> Tensor {
+    let mut tv = vec![0.0; v.len()];
+    for i in 0..rows {
+        for j in 0..cols {
+            tv[j * rows + i] = v[i * cols + j];
+        }
+    }
+    f32s(&tv, &[cols, rows]).t().unwrap()
+}
+
+#[test]
+fn large_products_split_across_threads() {
+    // Products large enough to be split by rows (m >= n) or by columns into
+    // uneven parts (Note [Threaded matmul]), with row-major, transposed and
+    // column-strided operands.
+    for &(m, k, n) in &[(29, 777, 1061), (100, 50, 33), (15, 385, 2050), (97, 384, 64), (333, 200, 65)] {
+        let av = noise(m * k, 21);
+        let bv = noise(k * n, 22);
+        let want = reference(&av, &bv, 1, m, k, n);
+        let a = f32s(&av, &[m, k]);
+        let b = f32s(&bv, &[k, n]);
+        close(&vals::<f32>(&mm(&a, &b)), &want, 2e-5);
+        close(&vals::<f32>(&mm(&transposed(&av, m, k), &transposed(&bv, k, n))), &want, 2e-5);
+        // B as every other column of a [k, 2n] matrix.
+        let mut wide = vec![7.0f32; k * 2 * n];
+        for p in 0..k {
+            for j in 0..n {
+                wide[p * 2 * n + 2 * j] = bv[p * n + j];
+            }
+        }
+        let bs = f32s(&wide, &[k, 2 * n]).slice(1, None, None, 2).unwrap();
+        close(&vals::<f32>(&mm(&a, &bs)), &want, 2e-5);
+    }
+}
