@@ -16,7 +16,9 @@ use std::sync::Arc;
 // code for the features it finds). The key is the SHA-256 of all of these and
 // the module text: the plugin file's path, size and modification time, its C
 // API version, the platform name and version, the number and kind of devices,
-// the compile options, and the CPU's feature flags. An entry is
+// the compile options, the CPU's feature flags, and `XLA_FLAGS` (the plugin
+// reads its compiler flags from there; a program compiled under other flags
+// is another program). An entry is
 //     "KILNXEC1" | sha256(payload) | payload length (u64 le) | payload
 // written to a temporary file in the cache directory and renamed into place,
 // so a reader sees a whole entry or none, and two processes writing the same
@@ -85,7 +87,7 @@ impl DiskCache {
         let kinds: Vec<String> =
             (0..client.device_count()).map(|i| client.device_kind(i).unwrap_or_default()).collect();
         let identity = format!(
-            "plugin={} size={:?} mtime={:?} api={:?} platform={} {} devices={:?} options={} cpu={}",
+            "plugin={} size={:?} mtime={:?} api={:?} platform={} {} devices={:?} options={} cpu={} xla_flags={:?}",
             api.path().display(),
             meta.as_ref().map(|m| m.len()),
             meta.as_ref().and_then(|m| m.modified().ok()),
@@ -94,7 +96,8 @@ impl DiskCache {
             client.platform_version(),
             kinds,
             hex(compile_options),
-            cpu_features()
+            cpu_features(),
+            std::env::var("XLA_FLAGS").unwrap_or_default()
         );
         let max_bytes = std::env::var("KILN_CACHE_MAX_MB").ok().and_then(|v| v.parse::<u64>().ok()).map(|mb| mb << 20);
         DiskCache {

@@ -36,8 +36,17 @@ struct Counts {
 }
 
 fn spawn(dir: &Path) -> std::process::Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--ignored", "--nocapture", "--test-threads=1"])
+    spawn_with(dir, None)
+}
+
+/// A child with `XLA_FLAGS` set to `xla_flags`, or unset.
+fn spawn_with(dir: &Path, xla_flags: Option<&str>) -> std::process::Child {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    match xla_flags {
+        Some(f) => cmd.env("XLA_FLAGS", f),
+        None => cmd.env_remove("XLA_FLAGS"),
+    };
+    cmd.args(["--exact", "child", "--ignored", "--nocapture", "--test-threads=1"])
         .env("KILN_DISK_CACHE_CHILD", "1")
         .env("KILN_CACHE_DIR", dir)
         .stdout(std::process::Stdio::piped())
@@ -92,7 +101,13 @@ fn a_second_process_hits_the_disk_cache_and_corrupt_entries_are_rebuilt() {
     assert_eq!(warm.compiles, 0, "a warm start compiles nothing");
     assert_eq!(warm.hits, cold.compiles);
 
-    // Corrupt one entry (flip a byte of its payload) and truncate another.
+    // Other compiler flags make other programs: not served from entries compiled without them.
+    let flags = Some("--xla_cpu_enable_fast_math=false");
+    let flagged = counts(spawn_with(&dir, flags).wait_with_output().unwrap());
+    assert_eq!((flagged.compiles, flagged.hits), (cold.compiles, 0), "XLA_FLAGS is part of the key");
+    assert_eq!(counts(spawn_with(&dir, flags).wait_with_output().unwrap()).compiles, 0);
+
+    // Corrupt one entry of the unflagged programs (flip a byte of its payload) and truncate another.
     let mut bytes = std::fs::read(&files[0]).unwrap();
     let n = bytes.len();
     bytes[n - 10] ^= 0x5a;
