@@ -23,7 +23,11 @@ Usage:
     scripts/setup-jax-venv
     $HOME/.cache/kiln/jax-venv/bin/python benches/compare_jax_train.py \\
         [--preset llama-16m] [--batch 8] [--seq 256] [--steps 8] [--warmup 2] \\
-        [--kiln-bin target/release/kiln-bench] [--skip-kiln] [--out PATH]
+        [--kiln-bin target/release/kiln-bench] [--skip-kiln] [--cache-dir DIR] [--out PATH]
+
+With --cache-dir, JAX uses its persistent compilation cache there and the JAX
+row reports compile_s, the time of `lower(...).compile()` (an XLA compile, or a
+load from that cache).
 """
 import argparse
 import json
@@ -39,12 +43,18 @@ PRESETS = {
 }
 
 
-def jax_train(preset, batch, seq, steps, warmup, threads):
+def jax_train(preset, batch, seq, steps, warmup, threads, cache_dir=None):
     os.environ.setdefault(
         "XLA_FLAGS", f"--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={threads}"
     )
     import jax
     import jax.numpy as jnp
+
+    if cache_dir:
+        # JAX's persistent compilation cache, for every program however small or fast to compile.
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
     c = PRESETS[preset]
     d, hd = c["hidden"], c["hidden"] // c["heads"]
@@ -134,6 +144,10 @@ def jax_train(preset, batch, seq, steps, warmup, threads):
 
     jstep = jax.jit(step, donate_argnums=(0, 1))
     t0 = time.perf_counter()
+    lowered = jstep.lower(params, state, ids)
+    t1 = time.perf_counter()
+    jstep = lowered.compile()  # XLA compile, or a load from the persistent cache
+    compile_only_s = time.perf_counter() - t1
     params, state, loss = jstep(params, state, ids)
     first_loss = float(loss)
     compile_s = time.perf_counter() - t0
@@ -155,6 +169,8 @@ def jax_train(preset, batch, seq, steps, warmup, threads):
         "tokens_per_s": round(batch * seq / med, 1),
         "median_step_ms": round(med * 1e3, 2),
         "first_call_s": round(compile_s, 2),
+        "lower_s": round(t1 - t0, 3),
+        "compile_s": round(compile_only_s, 3),
         "loss_first": round(losses[0], 4),
         "loss_last": round(losses[-1], 4),
     }
@@ -184,20 +200,22 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--kiln-bin", default="target/release/kiln-bench")
     ap.add_argument("--skip-kiln", action="store_true")
+    ap.add_argument("--cache-dir", help="JAX persistent compilation cache directory (reports its compile_s)")
     ap.add_argument("--jax-only-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.jax_only_child:
-        print(json.dumps(jax_train(a.preset, a.batch, a.seq, a.steps, a.warmup, a.threads)))
+        print(json.dumps(jax_train(a.preset, a.batch, a.seq, a.steps, a.warmup, a.threads, a.cache_dir)))
         return
     rows = []
     if not a.skip_kiln:
-        # kiln-compiled needs 3 warm-up calls to settle its trace (state created on the first).
-        rows.append(kiln(a.kiln_bin, a.preset, a.batch, a.seq, a.steps, max(a.warmup, 3), "tpu", "compiled"))
+        # kiln-compiled traces its first two calls (replays once two traces agree).
+        rows.append(kiln(a.kiln_bin, a.preset, a.batch, a.seq, a.steps, max(a.warmup, 2), "tpu", "compiled"))
         rows.append(kiln(a.kiln_bin, a.preset, a.batch, a.seq, a.steps, a.warmup, "cpu", None))
     child = subprocess.run(
         [sys.executable, __file__, "--jax-only-child", "--preset", a.preset, "--batch", str(a.batch), "--seq",
-         str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", str(a.threads)],
+         str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", str(a.threads)]
+        + (["--cache-dir", a.cache_dir] if a.cache_dir else []),
         capture_output=True, text=True,
     )
     if child.returncode != 0:

@@ -205,7 +205,7 @@ fn run(a: Args) -> Result<()> {
         // step recomputes it on the same batch; the last loss is measured after.
         let mut opt = AdamW::new(model.named_parameters(), a.adamw)?;
         if a.compiled {
-            opt.set_capturable(true);
+            opt.set_capturable(true)?;
         }
         let mut curve = vec![loss.item_f64()? as f32];
         opt.step()?;

@@ -646,7 +646,7 @@ fn run(mut args: Args) -> Result<()> {
         }
         // The learning rate and step count stay on the device: the schedule
         // writes them between steps, the captured step reads them.
-        opt.set_capturable(true);
+        opt.set_capturable(true)?;
     }
     let schedule = LrSchedule::Cosine { warmup: args.warmup, total: args.steps, min_lr_ratio: 0.1 };
     let csv_path = args.out.join("loss.csv");

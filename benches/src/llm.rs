@@ -96,7 +96,7 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
     model.train(true);
     let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
     let mut opt = AdamW::new(model.parameters(), adamw)?;
-    opt.set_capturable(a.compiled);
+    opt.set_capturable(a.compiled)?;
     let ids = random_ids(a.batch, a.seq, cfg.vocab_size, a.device)?;
     let mut losses = vec![];
     if a.compiled {

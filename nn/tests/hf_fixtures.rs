@@ -227,7 +227,7 @@ fn check_adamw_with(name: &str, dev: Device, compiled: bool) {
     let ids = &g["input_ids"].to_device(dev).unwrap();
     let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
     let mut opt = AdamW::new(model.named_parameters(), cfg).unwrap();
-    opt.set_capturable(compiled);
+    opt.set_capturable(compiled).unwrap();
     let loss_of = |m: &LlamaForCausalLM| causal_lm_loss(&m.forward(ids, None).unwrap(), ids, None).unwrap();
     let mut curve = vec![];
     let mut e1 = 0.0;

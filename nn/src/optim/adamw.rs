@@ -40,6 +40,18 @@ pub struct AdamWParamState {
     pub max_exp_avg_sq: Option<Tensor>,
 }
 
+impl AdamWParamState {
+    /// A fresh state for `p`: step 0, zero moments shaped like `p`.
+    fn zeros(p: &Tensor, amsgrad: bool) -> Result<AdamWParamState> {
+        Ok(AdamWParamState {
+            step: 0,
+            exp_avg: super::zeros_like(p)?,
+            exp_avg_sq: super::zeros_like(p)?,
+            max_exp_avg_sq: if amsgrad { Some(super::zeros_like(p)?) } else { None },
+        })
+    }
+}
+
 /// AdamW (Loshchilov & Hutter), exactly as `torch.optim.AdamW` computes it, per
 /// parameter with a gradient, with `t` its step count:
 ///
@@ -108,8 +120,44 @@ impl AdamW {
     /// device learning rate; call them outside the compiled function. The
     /// bias corrections are then computed in the parameters' dtype on the
     /// device, as PyTorch's capturable AdamW does, instead of in f64 on the host.
-    pub fn set_capturable(&mut self, on: bool) {
+    ///
+    /// Turning it on also creates, right away, the state of every parameter
+    /// that requires a gradient and has none yet (zero moments, step 0: the
+    /// same as a fresh state) and the device step counts and learning rates,
+    /// which a host optimizer makes on a parameter's first step. A traced
+    /// step then finds its state already there, so its first trace is the
+    /// same program as every later one (one compile instead of two). Such
+    /// state appears in `state` and `state_dict` with step 0 before any step.
+    pub fn set_capturable(&mut self, on: bool) -> Result<()> {
         self.capturable = on;
+        if on {
+            self.make_capturable_state()?;
+        }
+        Ok(())
+    }
+
+    /// Capturable mode: the missing state, device step counts and device
+    /// learning rates, made outside any traced function.
+    fn make_capturable_state(&mut self) -> Result<()> {
+        let _ng = no_grad();
+        for (gi, g) in self.groups.iter().enumerate() {
+            for (pi, p) in g.params.iter().enumerate() {
+                if !p.requires_grad() {
+                    continue;
+                }
+                let s = match &mut self.state[gi][pi] {
+                    Some(s) => s,
+                    slot => slot.insert(AdamWParamState::zeros(p, self.config.amsgrad)?),
+                };
+                if self.device_step[gi][pi].is_none() {
+                    self.device_step[gi][pi] = Some(Tensor::full(&[], s.step as f64, (p.dtype(), p.device()))?);
+                }
+                if self.device_lr[gi].is_none() {
+                    self.device_lr[gi] = Some((g.lr(), Tensor::full(&[], g.lr(), (p.dtype(), p.device()))?));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Whether capturable mode is on.
@@ -251,12 +299,7 @@ impl Optimizer for AdamW {
                     let grad = if grad.dtype() == p.dtype() { grad } else { grad.to_dtype(p.dtype())? };
                     let s = match slot {
                         Some(s) => s,
-                        None => slot.insert(AdamWParamState {
-                            step: 0,
-                            exp_avg: super::zeros_like(p)?,
-                            exp_avg_sq: super::zeros_like(p)?,
-                            max_exp_avg_sq: if self.config.amsgrad { Some(super::zeros_like(p)?) } else { None },
-                        }),
+                        None => slot.insert(AdamWParamState::zeros(p, self.config.amsgrad)?),
                     };
                     if self.capturable {
                         // The group's learning rate and the parameter's step count on the
@@ -360,6 +403,9 @@ impl Optimizer for AdamW {
         self.state = new_state;
         // The device step counts restart from the loaded host counts.
         self.device_step = self.groups.iter().map(|g| vec![None; g.params.len()]).collect();
+        if self.capturable {
+            self.make_capturable_state()?;
+        }
         Ok(())
     }
 }
