@@ -6,6 +6,9 @@ parses their JSON lines, runs the same measurements in PyTorch with the same
 method (first call discarded, warm-up of 0.2 s / at most 10 calls, run count
 from the warm-up median, median of the timed runs; see benches/src/timing.rs),
 then prints a table with ratios and writes one JSON line per benchmark.
+This repeats for --rounds rounds (default 3), each running kiln then PyTorch,
+so that a slow phase of a shared machine falls on both; a benchmark's value is
+that of its median round, and every round's value is printed and kept.
 
 Ratios are always "> 1 means kiln is better": kiln / PyTorch for GFLOP/s and
 GB/s, PyTorch / kiln for latency (µs per op).
@@ -15,7 +18,7 @@ Usage (PyTorch in its own virtual environment):
     $HOME/.cache/kiln/torch-venv/bin/python benches/compare_torch.py [options]
 
 Options mirror kiln-bench's: --sizes, --dim, --only, --target-secs, --min-runs,
---max-runs; --skip-matmul / --skip-ops; --out PATH for the JSON lines;
+--max-runs; --rounds N; --skip-matmul / --skip-ops; --out PATH for the JSON lines;
 --kiln-bin PATH runs a built kiln-bench instead of `cargo run`.
 """
 import argparse
@@ -177,6 +180,28 @@ def key(rec):
     return (rec["bench"], rec.get("n"))
 
 
+def metric_of(rec):
+    return next((rec[m] for m, _, _ in METRICS if m in rec), None)
+
+
+def median_round(rounds):
+    """Per benchmark, the record of the median round (by its metric), with every
+    round's value in `rounds`; a failed run's record wins, so errors show."""
+    by_key = {}
+    for recs in rounds:
+        for rec in recs:
+            by_key.setdefault(key(rec), []).append(rec)
+    out = []
+    for recs in by_key.values():
+        failed = [r for r in recs if metric_of(r) is None]
+        if failed:
+            out.append(failed[0])
+            continue
+        ranked = sorted(recs, key=metric_of)
+        out.append({**ranked[(len(ranked) - 1) // 2], "rounds": [metric_of(r) for r in recs]})
+    return out
+
+
 METRICS = [("gflops", "GFLOP/s", True), ("gbps", "GB/s", True), ("us_per_op", "us/op", False)]
 
 
@@ -198,6 +223,7 @@ def compare(kiln, torch_res):
             "ratio_meaning": "kiln/torch" if higher else "torch/kiln (time)",
             "kiln_median_ms": k.get("median_ms"), "torch_median_ms": t.get("median_ms"),
             "kiln_runs": k.get("runs"), "torch_runs": t.get("runs"),
+            "kiln_rounds": k.get("rounds"), "torch_rounds": t.get("rounds"),
             **({"kiln_error": k["error"]} if "error" in k else {}),
             **({"kiln_missing": True} if not k else {}),
         })
@@ -220,6 +246,11 @@ def print_table(rows, header):
         print("  ".join(v.ljust(w[i]) if i < 3 else v.rjust(w[i]) for i, v in enumerate(row)))
     print("\nratio > 1 means kiln is faster: kiln/PyTorch for GFLOP/s and GB/s, "
           "PyTorch/kiln for us/op (latency).")
+    if any(r.get("kiln_rounds") for r in rows):
+        print("every round (kiln | PyTorch):")
+        for r, row in zip(rows, table):
+            fmt = lambda v: " ".join(f"{x:g}" for x in v or [])
+            print(f"  {row[0]} {row[1]}: {fmt(r.get('kiln_rounds'))} | {fmt(r.get('torch_rounds'))}")
     for r in rows:
         if "kiln_error" in r:
             print(f"kiln {r['bench']}: {r['kiln_error']}")
@@ -234,6 +265,8 @@ def main():
                     help="seconds of timed runs per benchmark (default 3 for matmul, 2 for ops)")
     ap.add_argument("--min-runs", type=int, default=3)
     ap.add_argument("--max-runs", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of kiln-then-PyTorch runs; each result is the median round (default 3)")
     ap.add_argument("--skip-matmul", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -260,19 +293,23 @@ def main():
         "min_runs": args.min_runs, "max_runs": args.max_runs,
     }
 
-    kiln, ref = [], []
-    if not args.skip_matmul:
-        kiln += run_kiln(args, "matmul")
-    if not args.skip_ops:
-        kiln += run_kiln(args, "ops")
+    # Rounds alternate kiln and PyTorch, so slow phases of a shared machine fall on both.
+    kiln_rounds, ref_rounds = [], []
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
     torch.manual_seed(0)
-    if not args.skip_matmul:
-        ref += torch_matmul(torch, args.sizes, plan, args.torch_device)
-    if not args.skip_ops:
-        ref += torch_ops(torch, args.dim, args.only, plan, args.torch_device)
+    for r in range(max(args.rounds, 1)):
+        print(f"round {r + 1} of {max(args.rounds, 1)}", file=sys.stderr, flush=True)
+        kiln, ref = [], []
+        if not args.skip_matmul:
+            kiln += run_kiln(args, "matmul")
+            ref += torch_matmul(torch, args.sizes, plan, args.torch_device)
+        if not args.skip_ops:
+            kiln += run_kiln(args, "ops")
+            ref += torch_ops(torch, args.dim, args.only, plan, args.torch_device)
+        kiln_rounds.append(kiln)
+        ref_rounds.append(ref)
 
-    rows = compare(kiln, ref)
+    rows = compare(median_round(kiln_rounds), median_round(ref_rounds))
     header = (f"kiln ({args.kiln_device}) vs PyTorch {torch.__version__} ({args.torch_device}, "
               f"{torch.get_num_threads()} threads) on {platform.machine()}, {os.cpu_count()} cores")
     print()
