@@ -6,6 +6,8 @@ use kiln::prelude::*;
 use kiln::tensor::HostBuffer;
 use kiln::DeviceKind;
 
+mod pjrt_plugin;
+
 /// How one element of a float tensor compares to the expected one.
 /// `atol == rtol == 0` means bit-exact: NaN matches NaN and the sign of zero counts.
 pub fn float_matches(got: f64, want: f64, atol: f64, rtol: f64) -> bool {
@@ -117,13 +119,7 @@ pub fn assert_panics<R>(f: impl FnOnce() -> R, parts: &[&str]) {
 pub fn devices() -> Vec<Device> {
     static READY: std::sync::Once = std::sync::Once::new();
     READY.call_once(|| {
-        if kiln::tpu::pjrt::find_plugin().is_err() {
-            let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-pjrt-plugin");
-            let out = std::process::Command::new(&script)
-                .output()
-                .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-            assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-        }
+        pjrt_plugin::fetch_pjrt_plugin_unless(kiln::tpu::pjrt::find_plugin().is_ok());
         kiln::tpu::register().unwrap_or_else(|e| panic!("registering the PJRT backend: {e}"));
     });
     let d = kiln::registered_devices();

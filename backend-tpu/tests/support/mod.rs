@@ -10,11 +10,10 @@ pub fn setup() {
     kiln_tpu::register().expect("registering the PJRT backend");
 }
 
+#[path = "../../../tests/common/pjrt_plugin.rs"]
+mod pjrt_plugin;
+
 /// Runs `scripts/fetch-pjrt-plugin` when no plugin is found.
 pub fn fetch_plugin() {
-    if kiln_tpu::pjrt::find_plugin().is_err() {
-        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-pjrt-plugin");
-        let out = std::process::Command::new(&script).output().expect("running fetch-pjrt-plugin");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
+    pjrt_plugin::fetch_pjrt_plugin_unless(kiln_tpu::pjrt::find_plugin().is_ok());
 }

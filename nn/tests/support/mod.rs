@@ -4,6 +4,9 @@
 use kiln::prelude::*;
 use std::path::PathBuf;
 
+#[path = "../../../tests/common/pjrt_plugin.rs"]
+mod pjrt_plugin;
+
 /// `shared/fixtures/<name>` (reached from the crate directory).
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures").join(name)
@@ -57,13 +60,7 @@ pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
 pub fn register_tpu() {
     static READY: std::sync::Once = std::sync::Once::new();
     READY.call_once(|| {
-        if kiln::tpu::pjrt::find_plugin().is_err() {
-            let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-pjrt-plugin");
-            let out = std::process::Command::new(&script)
-                .output()
-                .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-            assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-        }
+        pjrt_plugin::fetch_pjrt_plugin_unless(kiln::tpu::pjrt::find_plugin().is_ok());
         kiln::tpu::register().unwrap_or_else(|e| panic!("registering the PJRT backend: {e}"));
     });
 }
