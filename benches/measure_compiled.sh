@@ -57,5 +57,12 @@ fi
 
 echo "== (d) kiln-bench train --preset llama-tiny --steps 100 --device tpu --mode compiled (empty cache)"
 KILN_CACHE_DIR="$TMP/cache-d" "$BIN" train --preset llama-tiny --batch 4 --seq 64 --steps 100 --warmup 0 \
-    --device tpu --mode compiled 2>&1 | quiet
-echo "distinct programs written to the cache: $(ls "$TMP/cache-d" | grep -c '\.kxe$')"
+    --device tpu --mode compiled 2>&1 | quiet | tee "$TMP/kiln-d.json"
+# pjrt_compiles counts the compiles of the 100 calls; the cache also holds the
+# small programs that built the model and the optimizer state before them.
+python3 - "$TMP/kiln-d.json" "$(ls "$TMP/cache-d" | grep -c '\.kxe$')" <<'PY'
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+print(f"100 captured steps: {r['pjrt_compiles']} compile(s), {r['traces']} traces, {r['replays']} replays, "
+      f"{r['retraces']} retraces; programs in the cache, setup included: {sys.argv[2]}")
+PY
