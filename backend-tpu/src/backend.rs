@@ -235,11 +235,12 @@ impl PjrtBackend {
         device: Device,
     ) -> Result<(Vec<Arc<Storage>>, bool)> {
         let (results, checks) = if let Some(values) = lower::creation_args(op) {
-            let args: Vec<Val> = self
-                .upload_scalars(values, device)?
-                .into_iter()
-                .map(|(b, bytes)| g.param(&b, ParamSrc::Constant(bytes)))
-                .collect();
+            let mut args = Vec::with_capacity(values.len());
+            for (bytes, dt) in values {
+                args.push(g.constant(bytes, dt, |b| {
+                    Ok(Arc::new(self.client.buffer_from_host(b, dt, &[1], device.index())?))
+                })?);
+            }
             (vec![lower::creation_lower(&mut g.builder, op, &args)?], vec![])
         } else {
             let mut vals = Vec::with_capacity(inputs.len());
