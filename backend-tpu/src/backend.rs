@@ -92,6 +92,19 @@ pub(crate) fn data_in(d: &StorageData, device: Device) -> Result<PjrtBuffer> {
     }
 }
 
+/// Whether a storage's data (`data`, a clone of it) can reach its buffer only
+/// through the storage: a ready buffer, or a deferred slot that nobody else
+/// holds. Whoever holds a slot can take its buffer at any time (a reader on
+/// another thread between its read and its program), so the buffer behind a
+/// shared slot must not be donated.
+pub(crate) fn only_the_storage_reaches(data: &PjrtBuffer) -> bool {
+    match data {
+        PjrtBuffer::Ready(_) => true,
+        // The storage's slot and this clone.
+        PjrtBuffer::Deferred(s) => Arc::strong_count(s) <= 2,
+    }
+}
+
 fn data_of(t: &Tensor) -> Result<PjrtBuffer> {
     data_in(&t.storage().read(), t.device())
 }
@@ -629,11 +642,13 @@ impl Backend for PjrtBackend {
         // deferred destination is computed before the lock is taken (running a
         // graph takes the graph lock, which deferred writes take before storage locks).
         let src_buf = if same { None } else { Some(self.buffer_of(src)?) };
-        let (mut g, dst_buf) = loop {
+        let (mut g, dst_buf, unshared) = loop {
             self.buffer_of(dst)?;
             let g = dst.storage().write();
-            if let Some(b) = data_in(&g, dst.device())?.ready() {
-                break (g, b);
+            let data = data_in(&g, dst.device())?;
+            let unshared = only_the_storage_reaches(&data);
+            if let Some(b) = data.ready() {
+                break (g, b, unshared);
             }
         };
         let src_view = ArgView {
@@ -641,9 +656,10 @@ impl Backend for PjrtBackend {
             len: src_buf.as_ref().map_or(dst_buf.numel(), |b| b.numel()),
             dtype: src.dtype(),
         };
-        // Nobody else holds the destination's buffer (the storage and this clone):
-        // donate it, so the write happens in place instead of into a copy.
-        let donate = Arc::strong_count(&dst_buf) == 2;
+        // Nobody else holds the destination's buffer (the storage, or its filled
+        // slot, and this clone) and nobody holds its slot: donate it, so the write
+        // happens in place instead of into a copy.
+        let donate = unshared && Arc::strong_count(&dst_buf) == 2;
         let text = lower::assign_module(dst.layout(), dst_buf.numel(), src_view, same, donate)?;
         let mut args: Vec<&Buffer> = vec![&dst_buf];
         if let Some(s) = &src_buf {

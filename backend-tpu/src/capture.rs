@@ -479,9 +479,16 @@ fn replay(
     traced: Option<Vec<Arc<Buffer>>>,
 ) -> Result<Vec<Tensor>> {
     let mut args: Vec<Arc<Buffer>> = Vec::with_capacity(t.sources.len());
-    for s in t.sources.iter().take(if traced.is_some() { 0 } else { usize::MAX }) {
+    // Sources whose buffer is also reachable through a slot someone else holds.
+    let mut shared = vec![false; t.sources.len()];
+    for (k, s) in t.sources.iter().take(if traced.is_some() { 0 } else { usize::MAX }).enumerate() {
+        let storage_buffer = |st: &Arc<kiln_tensor::Storage>, shared: &mut bool| -> Result<Arc<Buffer>> {
+            let buf = backend.ready_storage(st, device)?;
+            *shared = !crate::backend::only_the_storage_reaches(&data_in(&st.read(), device)?);
+            Ok(buf)
+        };
         args.push(match s {
-            Source::Input(i) => backend.buffer_of(&inputs[*i])?,
+            Source::Input(i) => storage_buffer(inputs[*i].storage(), &mut shared[k])?,
             Source::State(w) => {
                 let st = w.upgrade().ok_or_else(|| {
                     Error::invalid(
@@ -489,7 +496,7 @@ fn replay(
                         "the compiled function reads a tensor that no longer exists (state it read when traced was dropped); compile the function again",
                     )
                 })?;
-                backend.ready_storage(&st, device)?
+                storage_buffer(&st, &mut shared[k])?
             }
             Source::Constant(b) => b.clone(),
         });
@@ -497,9 +504,10 @@ fn replay(
     if let Some(traced) = traced {
         args = traced;
     }
-    // A donated buffer someone else still holds (a storage and this list hold one each) is kept.
+    // A donated buffer someone else still holds (a storage and this list hold one
+    // each), or can still take through a slot they hold, is kept.
     let non_donatable: Vec<i64> =
-        t.donated.iter().filter(|&&i| Arc::strong_count(&args[i]) > 2).map(|&i| i as i64).collect();
+        t.donated.iter().filter(|&&i| shared[i] || Arc::strong_count(&args[i]) > 2).map(|&i| i as i64).collect();
     let refs: Vec<&Buffer> = args.iter().map(|b| &**b).collect();
     let (mut bufs, event) = t.exe.execute_with(&refs, device.index(), &t.out_meta, &non_donatable)?;
     drop(refs);
