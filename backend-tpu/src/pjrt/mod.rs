@@ -402,9 +402,7 @@ impl Client {
         a.compile_options = opts.as_ptr() as *const _;
         a.compile_options_size = opts.len();
         self.api.call("Client_Compile", self.api.t().client_compile, &mut a)?;
-        let mut exe = Executable { client: self.clone(), raw: a.executable, num_outputs: 0 };
-        exe.num_outputs = exe.query_num_outputs()?;
-        Ok(exe)
+        Executable::own(self, a.executable)
     }
 }
 
@@ -417,9 +415,7 @@ impl Client {
         a.serialized_executable = bytes.as_ptr() as *const _;
         a.serialized_executable_size = bytes.len();
         self.api.call("Executable_DeserializeAndLoad", self.api.t().executable_deserialize_and_load, &mut a)?;
-        let mut exe = Executable { client: self.clone(), raw: a.loaded_executable, num_outputs: 0 };
-        exe.num_outputs = exe.query_num_outputs()?;
-        Ok(exe)
+        Executable::own(self, a.loaded_executable)
     }
 }
 
@@ -639,6 +635,14 @@ impl std::fmt::Debug for Executable {
 }
 
 impl Executable {
+    /// Takes ownership of a loaded executable the plugin just made for `client`
+    /// (destroyed on drop) and reads its number of outputs.
+    fn own(client: &Arc<Client>, raw: *mut ffi::PJRT_LoadedExecutable) -> Result<Executable> {
+        let mut exe = Executable { client: client.clone(), raw, num_outputs: 0 };
+        exe.num_outputs = exe.query_num_outputs()?;
+        Ok(exe)
+    }
+
     /// Runs `f` on the executable behind this loaded one (`LoadedExecutable_GetExecutable`),
     /// destroying that handle afterwards whatever `f` returns.
     fn with_executable<R>(&self, f: impl FnOnce(&Api, *mut ffi::PJRT_Executable) -> Result<R>) -> Result<R> {
