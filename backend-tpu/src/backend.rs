@@ -139,12 +139,9 @@ impl PjrtBackend {
         self.ready_data(data_of(t)?)
     }
 
-    /// The values of a creation op (see `lower::creation_args`) as one-element buffers on `device`.
-    fn upload_scalars(&self, values: Vec<(Vec<u8>, DType)>, device: Device) -> Result<Vec<(Arc<Buffer>, Vec<u8>)>> {
-        values
-            .into_iter()
-            .map(|(bytes, dt)| Ok((Arc::new(self.client.buffer_from_host(&bytes, dt, &[1], device.index())?), bytes)))
-            .collect()
+    /// One value of a creation op (see `lower::creation_args`) as a one-element buffer on `device`.
+    fn upload_scalar(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Arc<Buffer>> {
+        Ok(Arc::new(self.client.buffer_from_host(bytes, dtype, &[1], device.index())?))
     }
 
     /// Reads one device-side check flag (see Note [Checks on the device]); false is the check's error.
@@ -157,11 +154,6 @@ impl PjrtBackend {
         Ok(())
     }
 
-    pub(crate) fn ready_storage(&self, st: &Arc<Storage>, device: Device) -> Result<Arc<Buffer>> {
-        let data = data_in(&st.read(), device)?;
-        self.ready_data(data)
-    }
-
     pub(crate) fn count_execution(&self) {
         self.executions.fetch_add(1, Ordering::Relaxed);
     }
@@ -170,7 +162,7 @@ impl PjrtBackend {
         self.queue(Pending::Program { op, event })
     }
 
-    fn ready_data(&self, data: PjrtBuffer) -> Result<Arc<Buffer>> {
+    pub(crate) fn ready_data(&self, data: PjrtBuffer) -> Result<Arc<Buffer>> {
         if let Some(b) = data.ready() {
             return Ok(b);
         }
@@ -250,9 +242,7 @@ impl PjrtBackend {
         let (results, checks) = if let Some(values) = lower::creation_args(op) {
             let mut args = Vec::with_capacity(values.len());
             for (bytes, dt) in values {
-                args.push(g.constant(bytes, dt, |b| {
-                    Ok(Arc::new(self.client.buffer_from_host(b, dt, &[1], device.index())?))
-                })?);
+                args.push(g.constant(bytes, dt, |b| self.upload_scalar(b, dt, device))?);
             }
             (vec![lower::creation_lower(&mut g.builder, op, &args)?], vec![])
         } else {
@@ -614,8 +604,9 @@ impl Backend for PjrtBackend {
         }
         if let Some(values) = lower::creation_args(op) {
             let text = lower::creation_module(op)?;
-            let args = self.upload_scalars(values, device)?;
-            let refs: Vec<&Buffer> = args.iter().map(|(b, _)| &**b).collect();
+            let args: Vec<Arc<Buffer>> =
+                values.iter().map(|(bytes, dt)| self.upload_scalar(bytes, *dt, device)).collect::<Result<_>>()?;
+            let refs: Vec<&Buffer> = args.iter().map(|b| &**b).collect();
             let out = self.run(op.name(), &text, &refs, outs, &[], &[], device)?;
             return Ok(out.into_iter().zip(outs).map(|(b, m)| self.storage(b, m.dtype, device)).collect());
         }

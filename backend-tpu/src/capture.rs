@@ -481,12 +481,13 @@ fn replay(
     let mut args: Vec<Arc<Buffer>> = Vec::with_capacity(t.sources.len());
     // Sources whose buffer is also reachable through a slot someone else holds.
     let mut shared = vec![false; t.sources.len()];
+    // A storage's buffer, noting in `shared` whether a slot held elsewhere reaches it too.
+    let storage_buffer = |st: &Arc<kiln_tensor::Storage>, shared: &mut bool| -> Result<Arc<Buffer>> {
+        let data = data_in(&st.read(), device)?;
+        *shared = !crate::backend::only_the_storage_reaches(&data);
+        backend.ready_data(data)
+    };
     for (k, s) in t.sources.iter().take(if traced.is_some() { 0 } else { usize::MAX }).enumerate() {
-        let storage_buffer = |st: &Arc<kiln_tensor::Storage>, shared: &mut bool| -> Result<Arc<Buffer>> {
-            let buf = backend.ready_storage(st, device)?;
-            *shared = !crate::backend::only_the_storage_reaches(&data_in(&st.read(), device)?);
-            Ok(buf)
-        };
         args.push(match s {
             Source::Input(i) => storage_buffer(inputs[*i].storage(), &mut shared[k])?,
             Source::State(w) => {

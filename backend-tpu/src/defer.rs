@@ -87,9 +87,10 @@ pub struct Graph {
 // `full` too. Equal values (same dtype, same bytes) therefore share one
 // argument: the captured llama-16m training step went from 689 scalar
 // arguments to 66, and its optimized XLA module (which a warm start rebuilds
-// from its serialized form) from 10000 instructions to 9376. A value that differs between two traces
-// of a captured function still shows up as a changed constant or a changed
-// program, so the capture's stability check is unaffected.
+// from its serialized form) from 10000 instructions to 9376. A value that
+// differs between two traces of a captured function still shows up as a
+// changed constant or a changed program, so the capture's stability check is
+// unaffected.
 
 impl Graph {
     pub fn new(device: usize) -> Graph {
@@ -114,12 +115,13 @@ impl Graph {
         dtype: DType,
         upload: impl FnOnce(&[u8]) -> Result<Arc<Buffer>>,
     ) -> Result<Val> {
-        if let Some(v) = self.constants.get(&(dtype, bytes.clone())) {
+        let key = (dtype, bytes);
+        if let Some(v) = self.constants.get(&key) {
             return Ok(v.clone());
         }
-        let buf = upload(&bytes)?;
-        let v = self.param(&buf, ParamSrc::Constant(bytes.clone()));
-        self.constants.insert((dtype, bytes), v.clone());
+        let buf = upload(&key.1)?;
+        let v = self.param(&buf, ParamSrc::Constant(key.1.clone()));
+        self.constants.insert(key, v.clone());
         Ok(v)
     }
 
