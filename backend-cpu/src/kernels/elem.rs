@@ -132,7 +132,7 @@ fn zeroed<T: Copy>(n: usize, zero: T) -> Vec<T> {
     v
 }
 
-fn advise_huge_pages<T>(v: &[T]) {
+pub(crate) fn advise_huge_pages<T>(v: &[T]) {
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;

@@ -6,7 +6,7 @@
 //! once, as PyTorch does on CPU. Integer and bool products use a plain loop in
 //! their own type (wrapping).
 use super::copy::materialize_vec;
-use super::elem::Elem;
+use super::elem::{advise_huge_pages, Elem};
 use super::iter::{par_blocks, threads, Nest};
 use super::map::map1;
 use super::{buf, Input};
@@ -160,6 +160,8 @@ fn gemm_batched<T: GemmElem>(a: &[T], b: &[T], g: &Geometry) -> Vec<T> {
     let (m, n) = (g.m, g.n);
     let total = g.batches() * m * n;
     let mut out: Vec<T> = Vec::with_capacity(total);
+    // Before gemm's first write touches it, like every large kernel output.
+    advise_huge_pages(out.spare_capacity_mut());
     let base = OutPtr(out.as_mut_ptr());
     let work = m * n * g.k;
     let nb = g.batches();
