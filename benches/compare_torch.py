@@ -8,7 +8,12 @@ from the warm-up median, median of the timed runs; see benches/src/timing.rs),
 then prints a table with ratios and writes one JSON line per benchmark.
 This repeats for --rounds rounds (default 3), each running kiln then PyTorch,
 so that a slow phase of a shared machine falls on both; a benchmark's value is
-that of its median round, and every round's value is printed and kept.
+that of its median round, and every round's value is printed and kept. Matmul
+alternates per size (kiln n=1024, PyTorch n=1024, kiln n=1024, ...), so the two
+sides of a round run seconds apart; the ops alternate per suite. Besides the
+ratio of the median rounds, the table gives the "paired" ratio: the median over
+rounds of each round's own kiln/PyTorch ratio, which a phase of the machine
+that spans both sides of a round leaves alone.
 
 Ratios are always "> 1 means kiln is better": kiln / PyTorch for GFLOP/s and
 GB/s, PyTorch / kiln for latency (µs per op).
@@ -148,12 +153,12 @@ def torch_ops(torch, d, only, plan, device):
     return out
 
 
-def run_kiln(args, what):
+def run_kiln(args, what, sizes=None):
     """Runs kiln-bench through cargo; returns its parsed JSON lines."""
     base = [args.kiln_bin] if args.kiln_bin else ["cargo", "run", "--release", "-q", "-p", "kiln-bench", "--"]
     cmd = base + [what, "--device", args.kiln_device, "--min-runs", str(args.min_runs), "--max-runs", str(args.max_runs)]
     if what == "matmul":
-        cmd += ["--sizes", ",".join(map(str, args.sizes))]
+        cmd += ["--sizes", ",".join(map(str, sizes or args.sizes))]
     else:
         cmd += ["--dim", str(args.dim)]
         if args.only:
@@ -213,13 +218,17 @@ def compare(kiln, torch_res):
         k = by_key.get(key(t), {})
         metric, unit, higher = next((m for m in METRICS if m[0] in t), (None, None, None))
         kv, tv = k.get(metric), t.get(metric)
-        ratio = None
+        ratio = paired = None
         if kv and tv:
             ratio = kv / tv if higher else tv / kv
+        kr, tr = k.get("rounds") or [], t.get("rounds") or []
+        if kr and len(kr) == len(tr) and all(kr) and all(tr):
+            paired = statistics.median(a / b if higher else b / a for a, b in zip(kr, tr))
         rows.append({
             "bench": t["bench"], "n": t.get("n"), "shape": t.get("shape"), "dtype": t["dtype"],
             "metric": metric, "unit": unit, "higher_is_better": higher,
             "kiln": kv, "torch": tv, "ratio": sig4(ratio) if ratio else None,
+            "paired_ratio": sig4(paired) if paired else None,
             "ratio_meaning": "kiln/torch" if higher else "torch/kiln (time)",
             "kiln_median_ms": k.get("median_ms"), "torch_median_ms": t.get("median_ms"),
             "kiln_runs": k.get("runs"), "torch_runs": t.get("runs"),
@@ -232,20 +241,22 @@ def compare(kiln, torch_res):
 
 def print_table(rows, header):
     print(header)
-    cols = ["benchmark", "size", "unit", "kiln", "PyTorch", "ratio"]
+    cols = ["benchmark", "size", "unit", "kiln", "PyTorch", "ratio", "paired"]
     table = []
     for r in rows:
         size = f"n={r['n']}" if r["n"] else "x".join(map(str, r["shape"] or []))
         kv = "ERROR" if "kiln_error" in r else ("-" if r["kiln"] is None else f"{r['kiln']:g}")
         table.append([r["bench"], size, r["unit"], kv, f"{r['torch']:g}",
-                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"])
+                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}x",
+                      "-" if r["paired_ratio"] is None else f"{r['paired_ratio']:.2f}x"])
     w = [max(len(c), *(len(row[i]) for row in table)) if table else len(c) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w[i]) for i, c in enumerate(cols)))
     print("  ".join("-" * x for x in w))
     for row in table:
         print("  ".join(v.ljust(w[i]) if i < 3 else v.rjust(w[i]) for i, v in enumerate(row)))
     print("\nratio > 1 means kiln is faster: kiln/PyTorch for GFLOP/s and GB/s, "
-          "PyTorch/kiln for us/op (latency).")
+          "PyTorch/kiln for us/op (latency).\nratio: of the median rounds; "
+          "paired: median over rounds of each round's ratio.")
     if any(r.get("kiln_rounds") for r in rows):
         print("every round (kiln | PyTorch):")
         for r, row in zip(rows, table):
@@ -266,7 +277,8 @@ def main():
     ap.add_argument("--min-runs", type=int, default=3)
     ap.add_argument("--max-runs", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of kiln-then-PyTorch runs; each result is the median round (default 3)")
+                    help="rounds of kiln-then-PyTorch runs (per matmul size, per ops suite); "
+                         "each result is the median round (default 3)")
     ap.add_argument("--skip-matmul", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -294,20 +306,21 @@ def main():
     }
 
     # Rounds alternate kiln and PyTorch, so slow phases of a shared machine fall on both.
-    kiln_rounds, ref_rounds = [], []
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
     torch.manual_seed(0)
-    for r in range(max(args.rounds, 1)):
-        print(f"round {r + 1} of {max(args.rounds, 1)}", file=sys.stderr, flush=True)
-        kiln, ref = [], []
-        if not args.skip_matmul:
-            kiln += run_kiln(args, "matmul")
-            ref += torch_matmul(torch, args.sizes, plan, args.torch_device)
-        if not args.skip_ops:
-            kiln += run_kiln(args, "ops")
-            ref += torch_ops(torch, args.dim, args.only, plan, args.torch_device)
-        kiln_rounds.append(kiln)
-        ref_rounds.append(ref)
+    rounds = max(args.rounds, 1)
+    kiln_rounds, ref_rounds = [[] for _ in range(rounds)], [[] for _ in range(rounds)]
+    if not args.skip_matmul:
+        for n in args.sizes:
+            for r in range(rounds):
+                print(f"matmul n={n}: round {r + 1} of {rounds}", file=sys.stderr, flush=True)
+                kiln_rounds[r] += run_kiln(args, "matmul", sizes=[n])
+                ref_rounds[r] += torch_matmul(torch, [n], plan, args.torch_device)
+    if not args.skip_ops:
+        for r in range(rounds):
+            print(f"ops: round {r + 1} of {rounds}", file=sys.stderr, flush=True)
+            kiln_rounds[r] += run_kiln(args, "ops")
+            ref_rounds[r] += torch_ops(torch, args.dim, args.only, plan, args.torch_device)
 
     rows = compare(median_round(kiln_rounds), median_round(ref_rounds))
     header = (f"kiln ({args.kiln_device}) vs PyTorch {torch.__version__} ({args.torch_device}, "
