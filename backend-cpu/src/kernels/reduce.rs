@@ -234,7 +234,22 @@ impl<R: Reducer> Kernel for Fold<'_, R> {
         let mut acc = self.acc;
         for block in self.xs.chunks(4096) {
             let mut lanes = [r.init(); LANES];
-            let mut it = block.chunks_exact(LANES);
+            // Four rows of lanes per pass: `lanes` lives in memory (LLVM keeps an
+            // array it indexes in a loop there), so each pass loads and stores it
+            // once for four steps instead of once per step. Lane i still takes
+            // elements i, i + 64, i + 128, ... in order: the same sums as one row at a time.
+            let mut quad = block.chunks_exact(4 * LANES);
+            for c in &mut quad {
+                let c: &[R::In; 4 * LANES] = c.try_into().expect("chunks_exact yields 4 * LANES elements");
+                for i in 0..LANES {
+                    let mut a = lanes[i];
+                    for u in 0..4 {
+                        a = r.step(a, c[u * LANES + i]);
+                    }
+                    lanes[i] = a;
+                }
+            }
+            let mut it = quad.remainder().chunks_exact(LANES);
             for c in &mut it {
                 // A fixed-size array, so the lane loop compiles to whole vectors.
                 let c: &[R::In; LANES] = c.try_into().expect("chunks_exact yields LANES elements");

@@ -96,6 +96,29 @@ fn bf16_sum_and_mean_accumulate_in_f32() {
 }
 
 #[test]
+fn folds_see_every_element_at_every_length() {
+    // Lengths around the fold's passes (4 x 64 lanes, then 64, then a tail) and
+    // its blocks of 4096; small integers, so every summation order is exact.
+    for n in [1, 63, 64, 65, 255, 256, 257, 319, 4095, 4096, 4097, 9001] {
+        let v: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+        let want: f32 = v.iter().sum();
+        assert_eq!(vals::<f32>(&red(ReduceOp::Sum, &f32s(&v, &[n]), &[0], false)), [want], "sum of {n}");
+        for pos in [0, n / 2, n - 1] {
+            let mut w = v.clone();
+            w[pos] = 100.0;
+            let x = f32s(&w, &[n]);
+            assert_eq!(vals::<f32>(&red(ReduceOp::Max, &x, &[0], false)), [100.0], "max of {n} at {pos}");
+            w[pos] = -100.0;
+            let x = f32s(&w, &[n]);
+            assert_eq!(vals::<f32>(&red(ReduceOp::Min, &x, &[0], false)), [-100.0], "min of {n} at {pos}");
+            w[pos] = f32::NAN;
+            let x = f32s(&w, &[n]);
+            assert!(vals::<f32>(&red(ReduceOp::Max, &x, &[0], false))[0].is_nan(), "NaN of {n} at {pos}");
+        }
+    }
+}
+
+#[test]
 fn max_min_propagate_nan() {
     let x = f32s(&[1.0, f32::NAN, 3.0, f32::NAN, 2.0, 1.0, 2.0, 0.0], &[2, 4]);
     let m = vals::<f32>(&red(ReduceOp::Max, &x, &[1], false));
