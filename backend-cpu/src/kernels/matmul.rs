@@ -126,15 +126,25 @@ const SPLIT_MIN: usize = 32;
 
 // Note [Threaded matmul]
 // ~~~~~~~~~~~~~~~~~~~~~~
-// A large product runs as independent products, one per thread: C's rows (or
-// its columns, when it is wider than tall) are cut into equal ranges, and each
-// thread multiplies its range of A (or B) with the whole other operand on one
-// thread of `gemm`. The threads never wait for each other until the end. gemm's
-// own threading cuts the product inside its blocking loops, and synchronises the
-// threads at every block: on two cores the independent halves were faster in
-// most interleaved runs of both (`kiln-bench matmul`, median GFLOP/s: 257 -> 303
-// at 1024^3, 249 -> 277 at 4096^3). The cost is that each thread packs the
-// shared operand for itself (1-4% of the time in a profile).
+// A large product runs as independent products on one thread of `gemm` each:
+// C's columns (or its rows, when it is taller than wide) are cut into equal
+// ranges, and each part multiplies the whole of A with its columns of B (or its
+// rows of A with the whole of B). The parts never wait for each other until the
+// end. gemm's own threading cuts the product inside its blocking loops, and
+// synchronises the threads at every block: on two cores the independent parts
+// were faster in most interleaved runs of both (`kiln-bench matmul`, median
+// GFLOP/s: 257 -> 303 at 1024^3, 249 -> 277 at 4096^3).
+//
+// The cost is that every part packs the operand it shares for itself. gemm packs
+// B (the row-major output makes B its left operand) and reads a row-major A in
+// place, so a cut by columns packs each element of B once in all, where a cut by
+// rows packs all of B in every part. Columns are therefore cut whenever C is at least as
+// wide as tall, and into two parts per thread: rayon hands the second part of a
+// thread that a busy core slowed down to the other thread. Rows are cut one part
+// per thread, as each more would pack B once more. Against PyTorch in one process,
+// call by call (median of 150-200 paired ratios), 1024^3 went from 0.95x with
+// rows cut in two to 0.98x with columns cut in four; 2048^3 and 4096^3 moved
+// within the noise.
 
 /// A pointer that may cross to rayon's threads: each task writes a disjoint range.
 #[derive(Clone, Copy)]
@@ -196,8 +206,9 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
     // Largest element index each operand is read at: in bounds, so every read below is too.
     assert!(oa + (m - 1) * g.a_rs + (k - 1) * g.a_cs < a.len());
     assert!(ob + (k - 1) * g.b_rs + (n - 1) * g.b_cs < b.len());
-    let by_rows = m >= n;
-    let parts = threads.min(m.max(n) / SPLIT_MIN).max(1);
+    let by_rows = m > n;
+    let per_thread = if by_rows { 1 } else { 2 };
+    let parts = (per_thread * threads).min(m.max(n) / SPLIT_MIN).max(1);
     let (d, pa, pb) = (OutPtr(dst), OutPtr(a.as_ptr().cast_mut()), OutPtr(b.as_ptr().cast_mut()));
     let part = |t: usize| {
         let len = if by_rows { m } else { n };

@@ -105,10 +105,11 @@ fn transposed(v: &[f32], rows: usize, cols: usize) -> Tensor {
 
 #[test]
 fn large_products_split_across_threads() {
-    // Products large enough to be split by rows (m >= n) or by columns into
-    // uneven parts (Note [Threaded matmul]), with row-major, transposed and
-    // column-strided operands.
-    for &(m, k, n) in &[(29, 777, 1061), (100, 50, 33), (15, 385, 2050), (97, 384, 64), (333, 200, 65)] {
+    // Products large enough to be split by rows (m > n) or by columns (square
+    // ones included) into uneven parts (Note [Threaded matmul]), with row-major,
+    // transposed and column-strided operands.
+    let shapes = [(29, 777, 1061), (100, 50, 33), (15, 385, 2050), (97, 384, 64), (333, 200, 65), (130, 70, 130)];
+    for &(m, k, n) in &shapes {
         let av = noise(m * k, 21);
         let bv = noise(k * n, 22);
         let want = reference(&av, &bv, 1, m, k, n);
