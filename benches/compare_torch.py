@@ -167,7 +167,9 @@ def run_kiln(args, what, sizes=None):
         cmd += ["--target-secs", str(args.target_secs)]
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     # stderr passes through (cargo's build output, kiln-bench's failure summary).
-    p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    # kiln's CPU kernels run on rayon's global pool: the same thread count as PyTorch's.
+    env = {**os.environ, "RAYON_NUM_THREADS": str(args.threads)}
+    p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
     lines = []
     for line in p.stdout.splitlines():
         line = line.strip()
@@ -282,7 +284,8 @@ def main():
     ap.add_argument("--skip-matmul", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
-                    help="torch.set_num_threads (default: the number of cores)")
+                    help="threads for both: torch.set_num_threads and kiln's RAYON_NUM_THREADS "
+                         "(default: the number of cores)")
     ap.add_argument("--kiln-device", default="cpu", help="kiln-bench --device (default cpu)")
     ap.add_argument("--torch-device", default="cpu", help="PyTorch device (default cpu)")
     ap.add_argument("--kiln-bin", default=None,
