@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """kiln vs PyTorch, measured in the same run on the same machine.
 
-Runs `cargo run --release -p kiln-bench -- matmul ...` and `... -- ops ...`,
-parses their JSON lines, runs the same measurements in PyTorch with the same
-method (first call discarded, warm-up of 0.2 s / at most 10 calls, run count
-from the warm-up median, median of the timed runs; see benches/src/timing.rs),
-then prints a table with ratios and writes one JSON line per benchmark.
-This repeats for --rounds rounds (default 3), each running kiln then PyTorch,
-so that a slow phase of a shared machine falls on both; a benchmark's value is
-that of its median round, and every round's value is printed and kept. Matmul
-alternates per size (kiln n=1024, PyTorch n=1024, kiln n=1024, ...), so the two
-sides of a round run seconds apart; the ops alternate per suite. Besides the
-ratio of the median rounds, the table gives the "paired" ratio: the median over
-rounds of each round's own kiln/PyTorch ratio, which a phase of the machine
-that spans both sides of a round leaves alone.
+Matmul is timed call by call: `kiln-bench serve` (one timed kiln call per
+request) and PyTorch take turns, one call each per pair, each call after a short
+pause (--pause), for about --rounds x --target-secs per size; a side's value is
+the median of its calls, and the "paired" ratio is the median of the pairs'
+ratios. The speed of a shared machine changes within seconds, so the two calls
+of a pair, a fraction of a second apart, see the same machine.
+
+The ops run `cargo run --release -p kiln-bench -- ops ...`, parse its JSON lines
+and run the same measurements in PyTorch with the same method (first call
+discarded, warm-up of 0.2 s / at most 10 calls, run count from the warm-up
+median, median of the timed runs; see benches/src/timing.rs). This repeats for
+--rounds rounds (default 3), each running kiln's suite then PyTorch's; a
+benchmark's value is that of its median round, every round's value is printed
+and kept, and the "paired" ratio is the median over rounds of each round's own
+kiln/PyTorch ratio.
+
+The script prints a table with ratios and writes one JSON line per benchmark.
 
 Ratios are always "> 1 means kiln is better": kiln / PyTorch for GFLOP/s and
 GB/s, PyTorch / kiln for latency (µs per op).
@@ -23,7 +27,8 @@ Usage (PyTorch in its own virtual environment):
     $HOME/.cache/kiln/torch-venv/bin/python benches/compare_torch.py [options]
 
 Options mirror kiln-bench's: --sizes, --dim, --only, --target-secs, --min-runs,
---max-runs; --rounds N; --skip-matmul / --skip-ops; --out PATH for the JSON lines;
+--max-runs; --rounds N; --pause S; --threads N (both sides); --skip-matmul /
+--skip-ops; --out PATH for the JSON lines;
 --kiln-bin PATH runs a built kiln-bench instead of `cargo run`.
 """
 import argparse
@@ -71,26 +76,94 @@ def sig4(x):
     return float(f"{x:.4g}")
 
 
-def torch_matmul(torch, sizes, plan, device):
-    out = []
-    for n in sizes:
-        a = torch.randn(n, n, dtype=torch.float32, device=device)
-        b = torch.randn(n, n, dtype=torch.float32, device=device)
-        sync = _sync(torch, device)
+def matmul_call_by_call(torch, args, plan):
+    """Matmul timed call by call, kiln (through `kiln-bench serve`) and PyTorch in turn.
 
-        def f():
-            torch.matmul(a, b)
-            sync()
+    Per size: each side's first call is discarded, then each warms up (0.2 s, at
+    most 10 calls; PyTorch first); pairs = clamp(rounds x target / slower warm-up median,
+    min_runs, max_runs). A pair is one kiln call and one PyTorch call, in turn
+    first, each after a pause of --pause seconds (so that neither side's threads,
+    still spinning after its last call, take cores from the other's). Returns
+    (kiln records, PyTorch records); kiln's carry the pair ratios."""
+    cmd, env = kiln_cmd(args, "serve")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    sync = _sync(torch, args.torch_device)
+    kiln, ref = [], []
 
-        s = measure(f, plan["target_matmul"], plan["min_runs"], plan["max_runs"])
-        med = statistics.median(s)
-        out.append({
-            "bench": "matmul", "n": n, "shape": [n, n, n], "dtype": "float32", "device": device,
-            "gflops": sig4(2.0 * n**3 / med / 1e9), "median_ms": sig4(med * 1e3), "min_ms": sig4(s[0] * 1e3),
-            "runs": len(s),
-        })
-        print(f"  torch matmul n={n}: {out[-1]['gflops']} GFLOP/s", file=sys.stderr, flush=True)
-    return out
+    def kiln_call(n):
+        try:
+            proc.stdin.write(f"matmul {n}\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            sys.exit(f"compare_torch: kiln-bench serve exited with code {proc.wait()} and no answer")
+        rec = json.loads(line)
+        if "error" in rec:
+            raise RuntimeError(rec["error"])
+        return rec["secs"]
+
+    try:
+        for n in args.sizes:
+            a = torch.randn(n, n, dtype=torch.float32, device=args.torch_device)
+            b = torch.randn(n, n, dtype=torch.float32, device=args.torch_device)
+
+            def torch_call():
+                t0 = time.perf_counter()
+                torch.matmul(a, b)
+                sync()
+                return time.perf_counter() - t0
+
+            def warm_up(call):
+                time.sleep(args.pause)
+                first, warm, spent = call(), [], 0.0
+                while not warm or (spent < WARMUP_S and len(warm) < MAX_WARMUP and first < WARMUP_S):
+                    time.sleep(args.pause)
+                    warm.append(call())
+                    spent += warm[-1]
+                return statistics.median(warm)
+
+            flops = 2.0 * n**3
+
+            def record(times):
+                med = statistics.median(times)
+                return {
+                    "bench": "matmul", "n": n, "shape": [n, n, n], "dtype": "float32",
+                    "gflops": sig4(flops / med / 1e9), "median_ms": sig4(med * 1e3),
+                    "min_ms": sig4(min(times) * 1e3), "runs": len(times),
+                }
+
+            torch_est = warm_up(torch_call)
+            try:
+                est = max(warm_up(lambda: kiln_call(n)), torch_est, 1e-9)
+            except RuntimeError as e:
+                # The row still shows, with PyTorch's warm-up median and kiln's error.
+                kiln.append({"bench": "matmul", "n": n, "error": str(e)})
+                ref.append(record([torch_est]))
+                continue
+            pairs = int(max(args.rounds, 1) * plan["target_matmul"] / est + 0.5)
+            pairs = min(max(pairs, max(plan["min_runs"], 1)), max(plan["max_runs"], 1))
+            print(f"matmul n={n}: {pairs} pairs of calls", file=sys.stderr, flush=True)
+            kt, tt = [], []
+            for i in range(pairs):
+                for side in ("kiln", "torch") if i % 2 == 0 else ("torch", "kiln"):
+                    time.sleep(args.pause)
+                    if side == "kiln":
+                        kt.append(kiln_call(n))
+                    else:
+                        tt.append(torch_call())
+            kiln.append(record(kt))
+            ref.append(record(tt))
+            kiln[-1]["pair_ratio"] = statistics.median(t / k for k, t in zip(kt, tt))
+            print(f"  kiln {kiln[-1]['gflops']}, torch {ref[-1]['gflops']} GFLOP/s", file=sys.stderr, flush=True)
+    finally:
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        proc.wait()
+    return kiln, ref
 
 
 def _sync(torch, device):
@@ -153,22 +226,24 @@ def torch_ops(torch, d, only, plan, device):
     return out
 
 
-def run_kiln(args, what, sizes=None):
-    """Runs kiln-bench through cargo; returns its parsed JSON lines."""
+def kiln_cmd(args, what):
+    """The kiln-bench command line for `what`, and its environment."""
     base = [args.kiln_bin] if args.kiln_bin else ["cargo", "run", "--release", "-q", "-p", "kiln-bench", "--"]
-    cmd = base + [what, "--device", args.kiln_device, "--min-runs", str(args.min_runs), "--max-runs", str(args.max_runs)]
-    if what == "matmul":
-        cmd += ["--sizes", ",".join(map(str, sizes or args.sizes))]
-    else:
-        cmd += ["--dim", str(args.dim)]
-        if args.only:
-            cmd += ["--only", ",".join(args.only)]
+    cmd = base + [what, "--device", args.kiln_device]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    # kiln's CPU kernels run on rayon's global pool: the same thread count as PyTorch's.
+    return cmd, {**os.environ, "RAYON_NUM_THREADS": str(args.threads)}
+
+
+def run_kiln(args, what):
+    """Runs `kiln-bench ops`; returns its parsed JSON lines."""
+    cmd, env = kiln_cmd(args, what)
+    cmd += ["--min-runs", str(args.min_runs), "--max-runs", str(args.max_runs), "--dim", str(args.dim)]
+    if args.only:
+        cmd += ["--only", ",".join(args.only)]
     if args.target_secs is not None:
         cmd += ["--target-secs", str(args.target_secs)]
-    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     # stderr passes through (cargo's build output, kiln-bench's failure summary).
-    # kiln's CPU kernels run on rayon's global pool: the same thread count as PyTorch's.
-    env = {**os.environ, "RAYON_NUM_THREADS": str(args.threads)}
     p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
     lines = []
     for line in p.stdout.splitlines():
@@ -224,7 +299,9 @@ def compare(kiln, torch_res):
         if kv and tv:
             ratio = kv / tv if higher else tv / kv
         kr, tr = k.get("rounds") or [], t.get("rounds") or []
-        if kr and len(kr) == len(tr) and all(kr) and all(tr):
+        if "pair_ratio" in k:
+            paired = k["pair_ratio"]
+        elif kr and len(kr) == len(tr) and all(kr) and all(tr):
             paired = statistics.median(a / b if higher else b / a for a, b in zip(kr, tr))
         rows.append({
             "bench": t["bench"], "n": t.get("n"), "shape": t.get("shape"), "dtype": t["dtype"],
@@ -257,11 +334,14 @@ def print_table(rows, header):
     for row in table:
         print("  ".join(v.ljust(w[i]) if i < 3 else v.rjust(w[i]) for i, v in enumerate(row)))
     print("\nratio > 1 means kiln is faster: kiln/PyTorch for GFLOP/s and GB/s, "
-          "PyTorch/kiln for us/op (latency).\nratio: of the median rounds; "
-          "paired: median over rounds of each round's ratio.")
+          "PyTorch/kiln for us/op (latency).\nratio: of the medians (matmul: over calls; "
+          "ops: the median rounds).\npaired: the median of each pair's ratio "
+          "(matmul: pairs of calls; ops: rounds).")
     if any(r.get("kiln_rounds") for r in rows):
         print("every round (kiln | PyTorch):")
         for r, row in zip(rows, table):
+            if not r.get("kiln_rounds"):
+                continue
             fmt = lambda v: " ".join(f"{x:g}" for x in v or [])
             print(f"  {row[0]} {row[1]}: {fmt(r.get('kiln_rounds'))} | {fmt(r.get('torch_rounds'))}")
     for r in rows:
@@ -279,8 +359,10 @@ def main():
     ap.add_argument("--min-runs", type=int, default=3)
     ap.add_argument("--max-runs", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of kiln-then-PyTorch runs (per matmul size, per ops suite); "
-                         "each result is the median round (default 3)")
+                    help="ops: rounds of kiln-then-PyTorch runs, each result is the median round; "
+                         "matmul: pairs of calls for rounds x --target-secs (default 3)")
+    ap.add_argument("--pause", type=float, default=0.02,
+                    help="seconds of pause before each matmul call (default 0.02)")
     ap.add_argument("--skip-matmul", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -313,19 +395,14 @@ def main():
     torch.manual_seed(0)
     rounds = max(args.rounds, 1)
     kiln_rounds, ref_rounds = [[] for _ in range(rounds)], [[] for _ in range(rounds)]
-    if not args.skip_matmul:
-        for n in args.sizes:
-            for r in range(rounds):
-                print(f"matmul n={n}: round {r + 1} of {rounds}", file=sys.stderr, flush=True)
-                kiln_rounds[r] += run_kiln(args, "matmul", sizes=[n])
-                ref_rounds[r] += torch_matmul(torch, [n], plan, args.torch_device)
+    kiln_mm, ref_mm = matmul_call_by_call(torch, args, plan) if not args.skip_matmul else ([], [])
     if not args.skip_ops:
         for r in range(rounds):
             print(f"ops: round {r + 1} of {rounds}", file=sys.stderr, flush=True)
             kiln_rounds[r] += run_kiln(args, "ops")
             ref_rounds[r] += torch_ops(torch, args.dim, args.only, plan, args.torch_device)
 
-    rows = compare(median_round(kiln_rounds), median_round(ref_rounds))
+    rows = compare(kiln_mm + median_round(kiln_rounds), ref_mm + median_round(ref_rounds))
     header = (f"kiln ({args.kiln_device}) vs PyTorch {torch.__version__} ({args.torch_device}, "
               f"{torch.get_num_threads()} threads) on {platform.machine()}, {os.cpu_count()} cores")
     print()

@@ -22,6 +22,7 @@ USAGE:
     kiln-bench ops    [--dim D] [--only NAME,...] [options]
     kiln-bench all    [options]           (matmul, then ops)
     kiln-bench chain  [--dim D] --device tpu
+    kiln-bench serve  [--device DEV]      (single timed calls on request, see below)
     kiln-bench train  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench infer  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W]
@@ -39,6 +40,10 @@ BENCHMARKS:
                softmax             [D, D] over the last dim  bytes = 2 x 4 x N
              and add_latency: us_per_op of `add` on two 1-element tensors
              (median over runs of 1000 ops each)
+    serve    reads requests `matmul N` from stdin, one per line, and answers each with
+             {\"bench\": \"matmul\", \"n\": N, \"secs\": S}: the seconds of one matmul call
+             (inputs made on a size's first request); for drivers that alternate kiln
+             and another library call by call (compare_torch.py's matmul)
     chain    ten elementwise ops on D*D float32 elements on a PJRT device, timed in Strict
              mode (ten programs) and in DeferAndFuse mode (one fused program) in the same run;
              chain_ratio gives defer_speedup_over_strict
@@ -183,7 +188,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         }
     }
     if a.cmd.is_empty() {
-        return Err("missing benchmark name (matmul, ops, all, train, infer, decode or autograd)".into());
+        return Err("missing benchmark name (matmul, ops, all, chain, serve, train, infer, decode or autograd)".into());
     }
     if a.dim == 0 || a.sizes.contains(&0) {
         return Err("sizes must be positive".into());
@@ -226,6 +231,7 @@ fn main() -> ExitCode {
         "matmul" => suites::matmul(&cfg(3.0), &args.sizes),
         "ops" => suites::ops(&cfg(2.0), args.dim),
         "chain" => suites::chain(&cfg(2.0), args.dim),
+        "serve" => suites::serve(&cfg(3.0)),
         "all" => suites::matmul(&cfg(3.0), &args.sizes) + suites::ops(&cfg(2.0), args.dim),
         cmd @ ("train" | "infer" | "decode" | "autograd") => {
             if let Err(e) = llm::preset(&args.preset) {
@@ -263,7 +269,7 @@ fn main() -> ExitCode {
         }
         other => {
             eprintln!(
-                "kiln-bench: unknown benchmark {other:?} (expected matmul, ops, all, train, infer, decode or autograd)\n\n{HELP}"
+                "kiln-bench: unknown benchmark {other:?} (expected matmul, ops, all, chain, serve, train, infer, decode or autograd)\n\n{HELP}"
             );
             return ExitCode::from(2);
         }

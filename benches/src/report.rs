@@ -19,6 +19,10 @@ impl Line {
         self.0.insert(key.into(), v.into());
         self
     }
+    /// Whether the line has `key`.
+    pub fn has(&self, key: &str) -> bool {
+        self.0.contains_key(key)
+    }
     /// A value set on the line.
     #[cfg(test)]
     pub fn get(&self, key: &str) -> Option<&Value> {

@@ -72,6 +72,78 @@ pub fn matmul(cfg: &Config, sizes: &[usize]) -> usize {
     failed
 }
 
+/// `kiln-bench serve`: single timed calls on request, so that a driver can
+/// alternate kiln's calls with another library's call by call
+/// (`compare_torch.py` times matmul this way).
+///
+/// A request is a line `matmul N`; the answer is one line
+/// `{"bench": "matmul", "n": N, "secs": S}`: the seconds of one whole n x n x n
+/// f32 matmul call (output allocation and release included, then a device
+/// synchronize), or `{"bench": ..., "error": ...}`. The random inputs of a size
+/// are made on its first request and kept.
+pub struct Server {
+    cfg: Config,
+    inputs: Vec<(usize, Tensor, Tensor)>,
+}
+
+impl Server {
+    pub fn new(cfg: Config) -> Server {
+        Server { cfg, inputs: vec![] }
+    }
+
+    /// The answer to one request line.
+    pub fn answer(&mut self, request: &str) -> Line {
+        let dev = self.cfg.device.to_string();
+        let words: Vec<&str> = request.split_whitespace().collect();
+        let n = match words.as_slice() {
+            ["matmul", n] => match n.parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => {
+                    return Line::new("matmul", "float32", &dev).set("error", format!("bad size {n:?} in {request:?}"))
+                }
+            },
+            _ => {
+                let e = format!("unknown request {request:?} (expected `matmul N`)");
+                return Line::new("serve", "float32", &dev).set("error", e);
+            }
+        };
+        match self.time_matmul(n) {
+            Ok(secs) => Line::new("matmul", "float32", &dev).set("n", n).set("secs", secs),
+            Err(e) => Line::new("matmul", "float32", &dev).set("n", n).set("error", e.to_string()),
+        }
+    }
+
+    fn time_matmul(&mut self, n: usize) -> Result<f64> {
+        if !self.inputs.iter().any(|(m, _, _)| *m == n) {
+            let a = Tensor::randn(&[n, n], self.cfg.opts())?;
+            let b = Tensor::randn(&[n, n], self.cfg.opts())?;
+            self.inputs.push((n, a, b));
+        }
+        let (_, a, b) = self.inputs.iter().find(|(m, _, _)| *m == n).expect("inputs made above");
+        let t0 = std::time::Instant::now();
+        let out = a.matmul(b)?;
+        sync(&out)?;
+        drop(out);
+        Ok(t0.elapsed().as_secs_f64())
+    }
+}
+
+/// Answers requests from stdin until it closes; returns the number of failed ones.
+pub fn serve(cfg: &Config) -> usize {
+    let mut server = Server::new(cfg.clone());
+    let mut failed = 0;
+    for line in std::io::stdin().lines() {
+        let Ok(line) = line else { break };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let answer = server.answer(&line);
+        failed += usize::from(answer.has("error"));
+        answer.emit();
+    }
+    failed
+}
+
 /// A bandwidth benchmark: its name, the shape it reports, the bytes one call
 /// moves, and the op.
 struct Bw<'a> {
@@ -215,4 +287,34 @@ pub fn chain(cfg: &Config, d: usize) -> usize {
     }
     Line::new("chain_ratio", "float32", &dev).set("defer_speedup_over_strict", sig4(times[0] / times[1])).emit();
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::timing::Plan;
+
+    fn server() -> Server {
+        let plan = Plan { target_s: 0.1, min_runs: 1, max_runs: 1 };
+        Server::new(Config { device: Device::Cpu, plan, filter: vec![] })
+    }
+
+    #[test]
+    fn serve_answers_matmul_requests_and_refuses_others() {
+        let mut s = server();
+        for n in [16, 3, 16] {
+            let line = s.answer(&format!("matmul {n}"));
+            assert!(!line.has("error"));
+            assert_eq!(line.get("n").and_then(|v| v.as_u64()), Some(n as u64));
+            let secs = line.get("secs").and_then(|v| v.as_f64()).expect("secs");
+            assert!(secs > 0.0 && secs.is_finite());
+        }
+        // Inputs are made once per size.
+        assert_eq!(s.inputs.len(), 2);
+        for bad in ["matmul", "matmul 0", "matmul -4", "matmul x", "ops 8", "matmul 8 9"] {
+            let line = s.answer(bad);
+            let e = line.get("error").and_then(|v| v.as_str()).unwrap_or_else(|| panic!("{bad:?} not refused"));
+            assert!(e.contains(bad), "{e}");
+        }
+    }
 }
