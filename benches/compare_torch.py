@@ -1,23 +1,23 @@
 #!/usr/bin/env python3
 """kiln vs PyTorch, measured in the same run on the same machine.
 
-Matmul is timed call by call: `kiln-bench serve` (one timed kiln call per
-request) and PyTorch take turns, one call each per pair, each call after a short
-pause (--pause), for about --rounds x --target-secs per size; a side's value is
-the median of its calls, and the "paired" ratio is the median of the pairs'
-ratios. The speed of a shared machine changes within seconds, so the two calls
-of a pair, a fraction of a second apart, see the same machine.
+Every benchmark of `kiln-bench matmul` and `kiln-bench ops` is timed in short
+turns: `kiln-bench serve` (timed kiln calls on request) and PyTorch take turns,
+one burst of back-to-back calls each per pair, each burst after a short pause
+(--pause, so that neither side's threads, still spinning after its last call,
+take cores from the other's). The speed of a shared machine changes within
+seconds; the two bursts of a pair, a fraction of a second apart, see the same
+machine.
 
-The ops run `cargo run --release -p kiln-bench -- ops ...`, parse its JSON lines
-and run the same measurements in PyTorch with the same method (first call
-discarded, warm-up of 0.2 s / at most 10 calls, run count from the warm-up
-median, median of the timed runs; see benches/src/timing.rs). This repeats for
---rounds rounds (default 3), each running kiln's suite then PyTorch's; a
-benchmark's value is that of its median round, every round's value is printed
-and kept, and the "paired" ratio is the median over rounds of each round's own
-kiln/PyTorch ratio.
-
-The script prints a table with ratios and writes one JSON line per benchmark.
+Method, per benchmark (that of benches/src/timing.rs, in turns): each side's
+first call is discarded, then each warms up (0.2 s, at most 10 calls; PyTorch
+first); a burst is as many calls as take about --burst-secs (at least 1, by
+the slower warm-up median), and pairs = clamp(--target-secs / burst time,
+--min-runs, --max-runs), in turn kiln first and PyTorch first. A call is the
+whole out-of-place op, output allocation and release included, then a device
+synchronize. A side's value comes from the median of all its calls; the
+"paired" ratio is the median over pairs of the ratio of the two bursts'
+medians. The script prints a table and writes one JSON line per benchmark.
 
 Ratios are always "> 1 means kiln is better": kiln / PyTorch for GFLOP/s and
 GB/s, PyTorch / kiln for latency (µs per op).
@@ -27,9 +27,9 @@ Usage (PyTorch in its own virtual environment):
     $HOME/.cache/kiln/torch-venv/bin/python benches/compare_torch.py [options]
 
 Options mirror kiln-bench's: --sizes, --dim, --only, --target-secs, --min-runs,
---max-runs; --rounds N; --pause S; --threads N (both sides); --skip-matmul /
---skip-ops; --out PATH for the JSON lines;
---kiln-bin PATH runs a built kiln-bench instead of `cargo run`.
+--max-runs; --pause S; --burst-secs S; --threads N (both sides); --skip-matmul / --skip-ops;
+--out PATH for the JSON lines; --kiln-bin PATH runs a built kiln-bench instead of
+`cargo run`.
 """
 import argparse
 import json
@@ -47,52 +47,111 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 WARMUP_S = 0.2
 MAX_WARMUP = 10
 LATENCY_INNER = 1000
-
-
-def measure(f, target_s, min_runs, max_runs, inner=1):
-    """Seconds per call (divided by `inner`), one per timed run, sorted.
-
-    Line for line the method of `timing::measure` in kiln-bench."""
-
-    def time_call():
-        t0 = time.perf_counter()
-        f()
-        return time.perf_counter() - t0
-
-    first = time_call()
-    warm, spent = [], 0.0
-    while not warm or (spent < WARMUP_S and len(warm) < MAX_WARMUP and first < WARMUP_S):
-        t = time_call()
-        spent += t
-        warm.append(t)
-    est = max(statistics.median(warm), 1e-9)
-    # Rust's f64::round rounds half away from zero; Python's round() to even. Match Rust.
-    runs = int(target_s / est + 0.5)
-    runs = min(max(runs, max(min_runs, 1)), max(max_runs, 1))
-    return sorted(time_call() / max(inner, 1) for _ in range(runs))
+# Most calls in one burst (kiln-bench serve takes at most 10000 per request).
+MAX_BURST = 1000
 
 
 def sig4(x):
     return float(f"{x:.4g}")
 
 
-def matmul_call_by_call(torch, args, plan):
-    """Matmul timed call by call, kiln (through `kiln-bench serve`) and PyTorch in turn.
+class Bench:
+    """One benchmark: the record it reports, kiln's request (without the call
+    count), PyTorch's call.
 
-    Per size: each side's first call is discarded, then each warms up (0.2 s, at
-    most 10 calls; PyTorch first); pairs = clamp(rounds x target / slower warm-up median,
-    min_runs, max_runs). A pair is one kiln call and one PyTorch call, in turn
-    first, each after a pause of --pause seconds (so that neither side's threads,
-    still spinning after its last call, take cores from the other's). Returns
-    (kiln records, PyTorch records); kiln's carry the pair ratios."""
+    `metric` is "gflops" or "gbps" (`work` flops or bytes per call) or
+    "us_per_op"; `torch_call` runs one call and returns its seconds (per op for
+    the latency)."""
+
+    def __init__(self, record, request, torch_call, metric, work, target, inner=1):
+        self.record, self.request, self.torch_call = record, request, torch_call
+        self.metric, self.work, self.target = metric, work, target
+        # Ops per call: the seconds a call reports are divided by it.
+        self.inner = inner
+
+    def result(self, times):
+        med = statistics.median(times)
+        rec = dict(self.record, runs=len(times))
+        if self.metric == "us_per_op":
+            rec.update(us_per_op=sig4(med * 1e6), min_us=sig4(min(times) * 1e6))
+        else:
+            rec.update({self.metric: sig4(self.work / med / 1e9)},
+                       median_ms=sig4(med * 1e3), min_ms=sig4(min(times) * 1e3))
+        return rec
+
+
+def timed(f, sync):
+    def call():
+        t0 = time.perf_counter()
+        f()
+        sync()
+        return time.perf_counter() - t0
+    return call
+
+
+def matmul_benches(torch, args):
+    sync = _sync(torch, args.torch_device)
+    out = []
+    for n in args.sizes:
+        a = torch.randn(n, n, dtype=torch.float32, device=args.torch_device)
+        b = torch.randn(n, n, dtype=torch.float32, device=args.torch_device)
+        rec = {"bench": "matmul", "n": n, "shape": [n, n, n], "dtype": "float32"}
+        out.append(Bench(rec, f"matmul {n}", timed(lambda a=a, b=b: torch.matmul(a, b), sync),
+                         "gflops", 2.0 * n**3, args.target_matmul))
+    return out
+
+
+def ops_benches(torch, args):
+    d, device, only = args.dim, args.torch_device, args.only
+    n = d * d
+    a = torch.randn(n, dtype=torch.float32, device=device)
+    b = torch.randn(n, dtype=torch.float32, device=device)
+    a2, b2 = a.reshape(d, d), b.reshape(d, d)
+    row = torch.randn(d, dtype=torch.float32, device=device)
+    sync = _sync(torch, device)
+    table = [
+        ("add", [n], 3 * 4 * n, lambda: torch.add(a, b)),
+        ("mul", [n], 3 * 4 * n, lambda: torch.mul(a, b)),
+        ("exp", [n], 2 * 4 * n, lambda: torch.exp(a)),
+        ("add_transposed", [d, d], 3 * 4 * n, lambda: torch.add(a2.t(), b2)),
+        ("add_broadcast", [d, d], 4 * (2 * n + d), lambda: torch.add(a2, row)),
+        ("sum", [n], 4 * n, lambda: a.sum()),
+        ("sum_dim", [d, d], 4 * (n + d), lambda: a2.sum(-1)),
+        ("max", [n], 4 * n, lambda: a.max()),
+        ("softmax", [d, d], 2 * 4 * n, lambda: torch.softmax(a2, -1)),
+    ]
+    wanted = lambda name: not only or any(w in name for w in only)
+    out = []
+    for name, shape, nbytes, op in table:
+        if wanted(name):
+            rec = {"bench": name, "shape": shape, "bytes": nbytes, "dtype": "float32"}
+            out.append(Bench(rec, f"op {name} {d}", timed(op, sync), "gbps", nbytes, args.target_ops))
+    if wanted("add_latency"):
+        x = torch.randn(1, dtype=torch.float32, device=device)
+        y = torch.randn(1, dtype=torch.float32, device=device)
+
+        def adds():
+            for _ in range(LATENCY_INNER):
+                torch.add(x, y)
+
+        per_call = timed(adds, sync)
+        rec = {"bench": "add_latency", "shape": [1], "dtype": "float32", "iters_per_run": LATENCY_INNER}
+        out.append(Bench(rec, f"op add_latency {d}", lambda: per_call() / LATENCY_INNER,
+                         "us_per_op", None, args.target_ops, inner=LATENCY_INNER))
+    return out
+
+
+def call_by_call(args, benches):
+    """Times `benches` call by call, kiln (through `kiln-bench serve`) and PyTorch in
+    turn (see the module's docstring). Returns (kiln records, PyTorch records);
+    kiln's carry the median pair ratio, or the error kiln answered."""
     cmd, env = kiln_cmd(args, "serve")
     proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    sync = _sync(torch, args.torch_device)
     kiln, ref = [], []
 
-    def kiln_call(n):
+    def kiln_calls(request, calls):
         try:
-            proc.stdin.write(f"matmul {n}\n")
+            proc.stdin.write(f"{request} {calls}\n")
             proc.stdin.flush()
             line = proc.stdout.readline()
         except BrokenPipeError:
@@ -104,59 +163,50 @@ def matmul_call_by_call(torch, args, plan):
             raise RuntimeError(rec["error"])
         return rec["secs"]
 
+    def kiln_call(request):
+        return kiln_calls(request, 1)[0]
+
+    def warm_up(call):
+        time.sleep(args.pause)
+        first, warm, spent = call(), [], 0.0
+        while not warm or (spent < WARMUP_S and len(warm) < MAX_WARMUP and first < WARMUP_S):
+            time.sleep(args.pause)
+            warm.append(call())
+            spent += warm[-1]
+        return statistics.median(warm)
+
     try:
-        for n in args.sizes:
-            a = torch.randn(n, n, dtype=torch.float32, device=args.torch_device)
-            b = torch.randn(n, n, dtype=torch.float32, device=args.torch_device)
-
-            def torch_call():
-                t0 = time.perf_counter()
-                torch.matmul(a, b)
-                sync()
-                return time.perf_counter() - t0
-
-            def warm_up(call):
-                time.sleep(args.pause)
-                first, warm, spent = call(), [], 0.0
-                while not warm or (spent < WARMUP_S and len(warm) < MAX_WARMUP and first < WARMUP_S):
-                    time.sleep(args.pause)
-                    warm.append(call())
-                    spent += warm[-1]
-                return statistics.median(warm)
-
-            flops = 2.0 * n**3
-
-            def record(times):
-                med = statistics.median(times)
-                return {
-                    "bench": "matmul", "n": n, "shape": [n, n, n], "dtype": "float32",
-                    "gflops": sig4(flops / med / 1e9), "median_ms": sig4(med * 1e3),
-                    "min_ms": sig4(min(times) * 1e3), "runs": len(times),
-                }
-
-            torch_est = warm_up(torch_call)
+        for b in benches:
+            label = b.record["bench"] + (f" n={b.record['n']}" if "n" in b.record else "")
+            torch_est = warm_up(b.torch_call)
+            kt, tt, ratios = [], [], []
             try:
-                est = max(warm_up(lambda: kiln_call(n)), torch_est, 1e-9)
+                # Seconds of one whole call (the latency's calls are LATENCY_INNER ops).
+                est = max(warm_up(lambda: kiln_call(b.request)), torch_est, 1e-12) * b.inner
+                # Rust's f64::round rounds half away from zero; Python's round() to even. Match Rust.
+                burst = min(max(int(args.burst_secs / est + 0.5), 1), MAX_BURST)
+                pairs = min(max(int(b.target / (burst * est) + 0.5), max(args.min_runs, 1)), max(args.max_runs, 1))
+                for i in range(pairs):
+                    got = {}
+                    for side in ("kiln", "torch") if i % 2 == 0 else ("torch", "kiln"):
+                        time.sleep(args.pause)
+                        if side == "kiln":
+                            got[side] = kiln_calls(b.request, burst)
+                        else:
+                            got[side] = [b.torch_call() for _ in range(burst)]
+                    kt += got["kiln"]
+                    tt += got["torch"]
+                    ratios.append(statistics.median(got["torch"]) / statistics.median(got["kiln"]))
             except RuntimeError as e:
-                # The row still shows, with PyTorch's warm-up median and kiln's error.
-                kiln.append({"bench": "matmul", "n": n, "error": str(e)})
-                ref.append(record([torch_est]))
+                # The row still shows, with PyTorch's times so far and kiln's error.
+                kiln.append(dict(b.record, error=str(e)))
+                ref.append(b.result(tt or [torch_est]))
                 continue
-            pairs = int(max(args.rounds, 1) * plan["target_matmul"] / est + 0.5)
-            pairs = min(max(pairs, max(plan["min_runs"], 1)), max(plan["max_runs"], 1))
-            print(f"matmul n={n}: {pairs} pairs of calls", file=sys.stderr, flush=True)
-            kt, tt = [], []
-            for i in range(pairs):
-                for side in ("kiln", "torch") if i % 2 == 0 else ("torch", "kiln"):
-                    time.sleep(args.pause)
-                    if side == "kiln":
-                        kt.append(kiln_call(n))
-                    else:
-                        tt.append(torch_call())
-            kiln.append(record(kt))
-            ref.append(record(tt))
-            kiln[-1]["pair_ratio"] = statistics.median(t / k for k, t in zip(kt, tt))
-            print(f"  kiln {kiln[-1]['gflops']}, torch {ref[-1]['gflops']} GFLOP/s", file=sys.stderr, flush=True)
+            kiln.append(dict(b.result(kt), pair_ratio=statistics.median(ratios)))
+            ref.append(b.result(tt))
+            val = lambda r: r.get("gflops", r.get("gbps", r.get("us_per_op")))
+            print(f"{label}: {pairs} pairs of {burst} calls, kiln {val(kiln[-1])}, torch {val(ref[-1])}",
+                  file=sys.stderr, flush=True)
     finally:
         try:
             proc.stdin.close()
@@ -172,60 +222,6 @@ def _sync(torch, device):
     return lambda: None
 
 
-def torch_ops(torch, d, only, plan, device):
-    n = d * d
-    a = torch.randn(n, dtype=torch.float32, device=device)
-    b = torch.randn(n, dtype=torch.float32, device=device)
-    a2, b2 = a.reshape(d, d), b.reshape(d, d)
-    row = torch.randn(d, dtype=torch.float32, device=device)
-    sync = _sync(torch, device)
-    benches = [
-        ("add", [n], 3 * 4 * n, lambda: torch.add(a, b)),
-        ("mul", [n], 3 * 4 * n, lambda: torch.mul(a, b)),
-        ("exp", [n], 2 * 4 * n, lambda: torch.exp(a)),
-        ("add_transposed", [d, d], 3 * 4 * n, lambda: torch.add(a2.t(), b2)),
-        ("add_broadcast", [d, d], 4 * (2 * n + d), lambda: torch.add(a2, row)),
-        ("sum", [n], 4 * n, lambda: a.sum()),
-        ("sum_dim", [d, d], 4 * (n + d), lambda: a2.sum(-1)),
-        ("max", [n], 4 * n, lambda: a.max()),
-        ("softmax", [d, d], 2 * 4 * n, lambda: torch.softmax(a2, -1)),
-    ]
-    out = []
-    for name, shape, nbytes, op in benches:
-        if only and not any(w in name for w in only):
-            continue
-
-        def f(op=op):
-            op()
-            sync()
-
-        s = measure(f, plan["target_ops"], plan["min_runs"], plan["max_runs"])
-        med = statistics.median(s)
-        out.append({
-            "bench": name, "shape": shape, "bytes": nbytes, "dtype": "float32", "device": device,
-            "gbps": sig4(nbytes / med / 1e9), "median_ms": sig4(med * 1e3), "min_ms": sig4(s[0] * 1e3),
-            "runs": len(s),
-        })
-        print(f"  torch {name}: {out[-1]['gbps']} GB/s", file=sys.stderr, flush=True)
-    if not only or any(w in "add_latency" for w in only):
-        x = torch.randn(1, dtype=torch.float32, device=device)
-        y = torch.randn(1, dtype=torch.float32, device=device)
-
-        def f():
-            for _ in range(LATENCY_INNER):
-                torch.add(x, y)
-            sync()
-
-        s = measure(f, plan["target_ops"], plan["min_runs"], plan["max_runs"], inner=LATENCY_INNER)
-        out.append({
-            "bench": "add_latency", "shape": [1], "dtype": "float32", "device": device,
-            "us_per_op": sig4(statistics.median(s) * 1e6), "min_us": sig4(s[0] * 1e6), "runs": len(s),
-            "iters_per_run": LATENCY_INNER,
-        })
-        print(f"  torch add_latency: {out[-1]['us_per_op']} us/op", file=sys.stderr, flush=True)
-    return out
-
-
 def kiln_cmd(args, what):
     """The kiln-bench command line for `what`, and its environment."""
     base = [args.kiln_bin] if args.kiln_bin else ["cargo", "run", "--release", "-q", "-p", "kiln-bench", "--"]
@@ -235,53 +231,8 @@ def kiln_cmd(args, what):
     return cmd, {**os.environ, "RAYON_NUM_THREADS": str(args.threads)}
 
 
-def run_kiln(args, what):
-    """Runs `kiln-bench ops`; returns its parsed JSON lines."""
-    cmd, env = kiln_cmd(args, what)
-    cmd += ["--min-runs", str(args.min_runs), "--max-runs", str(args.max_runs), "--dim", str(args.dim)]
-    if args.only:
-        cmd += ["--only", ",".join(args.only)]
-    if args.target_secs is not None:
-        cmd += ["--target-secs", str(args.target_secs)]
-    # stderr passes through (cargo's build output, kiln-bench's failure summary).
-    p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
-    lines = []
-    for line in p.stdout.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            rec = json.loads(line)
-            lines.append(rec)
-            val = rec.get("gflops", rec.get("gbps", rec.get("us_per_op", rec.get("error"))))
-            print(f"  kiln {rec['bench']}: {val}", file=sys.stderr, flush=True)
-    if p.returncode != 0 and not lines:
-        sys.exit(f"compare_torch: kiln-bench {what} failed with exit code {p.returncode} and printed no result")
-    return lines
-
-
 def key(rec):
     return (rec["bench"], rec.get("n"))
-
-
-def metric_of(rec):
-    return next((rec[m] for m, _, _ in METRICS if m in rec), None)
-
-
-def median_round(rounds):
-    """Per benchmark, the record of the median round (by its metric), with every
-    round's value in `rounds`; a failed run's record wins, so errors show."""
-    by_key = {}
-    for recs in rounds:
-        for rec in recs:
-            by_key.setdefault(key(rec), []).append(rec)
-    out = []
-    for recs in by_key.values():
-        failed = [r for r in recs if metric_of(r) is None]
-        if failed:
-            out.append(failed[0])
-            continue
-        ranked = sorted(recs, key=metric_of)
-        out.append({**ranked[(len(ranked) - 1) // 2], "rounds": [metric_of(r) for r in recs]})
-    return out
 
 
 METRICS = [("gflops", "GFLOP/s", True), ("gbps", "GB/s", True), ("us_per_op", "us/op", False)]
@@ -295,14 +246,10 @@ def compare(kiln, torch_res):
         k = by_key.get(key(t), {})
         metric, unit, higher = next((m for m in METRICS if m[0] in t), (None, None, None))
         kv, tv = k.get(metric), t.get(metric)
-        ratio = paired = None
+        ratio = None
         if kv and tv:
             ratio = kv / tv if higher else tv / kv
-        kr, tr = k.get("rounds") or [], t.get("rounds") or []
-        if "pair_ratio" in k:
-            paired = k["pair_ratio"]
-        elif kr and len(kr) == len(tr) and all(kr) and all(tr):
-            paired = statistics.median(a / b if higher else b / a for a, b in zip(kr, tr))
+        paired = k.get("pair_ratio")
         rows.append({
             "bench": t["bench"], "n": t.get("n"), "shape": t.get("shape"), "dtype": t["dtype"],
             "metric": metric, "unit": unit, "higher_is_better": higher,
@@ -310,8 +257,7 @@ def compare(kiln, torch_res):
             "paired_ratio": sig4(paired) if paired else None,
             "ratio_meaning": "kiln/torch" if higher else "torch/kiln (time)",
             "kiln_median_ms": k.get("median_ms"), "torch_median_ms": t.get("median_ms"),
-            "kiln_runs": k.get("runs"), "torch_runs": t.get("runs"),
-            "kiln_rounds": k.get("rounds"), "torch_rounds": t.get("rounds"),
+            "kiln_calls": k.get("runs"), "torch_calls": t.get("runs"),
             **({"kiln_error": k["error"]} if "error" in k else {}),
             **({"kiln_missing": True} if not k else {}),
         })
@@ -334,16 +280,8 @@ def print_table(rows, header):
     for row in table:
         print("  ".join(v.ljust(w[i]) if i < 3 else v.rjust(w[i]) for i, v in enumerate(row)))
     print("\nratio > 1 means kiln is faster: kiln/PyTorch for GFLOP/s and GB/s, "
-          "PyTorch/kiln for us/op (latency).\nratio: of the medians (matmul: over calls; "
-          "ops: the median rounds).\npaired: the median of each pair's ratio "
-          "(matmul: pairs of calls; ops: rounds).")
-    if any(r.get("kiln_rounds") for r in rows):
-        print("every round (kiln | PyTorch):")
-        for r, row in zip(rows, table):
-            if not r.get("kiln_rounds"):
-                continue
-            fmt = lambda v: " ".join(f"{x:g}" for x in v or [])
-            print(f"  {row[0]} {row[1]}: {fmt(r.get('kiln_rounds'))} | {fmt(r.get('torch_rounds'))}")
+          "PyTorch/kiln for us/op (latency).\nratio: of the two medians over all calls; "
+          "paired: the median over pairs of the ratio of the two bursts' medians.")
     for r in rows:
         if "kiln_error" in r:
             print(f"kiln {r['bench']}: {r['kiln_error']}")
@@ -355,14 +293,13 @@ def main():
     ap.add_argument("--dim", type=int, default=4096, help="side of the [D, D] tensors of the ops (default 4096)")
     ap.add_argument("--only", default="", help="ops whose names contain one of these comma-separated words")
     ap.add_argument("--target-secs", type=float, default=None,
-                    help="seconds of timed runs per benchmark (default 3 for matmul, 2 for ops)")
-    ap.add_argument("--min-runs", type=int, default=3)
-    ap.add_argument("--max-runs", type=int, default=1000)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="ops: rounds of kiln-then-PyTorch runs, each result is the median round; "
-                         "matmul: pairs of calls for rounds x --target-secs (default 3)")
+                    help="seconds of timed calls per side and benchmark (default 9 for matmul, 4 for ops)")
+    ap.add_argument("--min-runs", type=int, default=3, help="fewest pairs of bursts (default 3)")
+    ap.add_argument("--max-runs", type=int, default=200, help="most pairs of bursts (default 200)")
     ap.add_argument("--pause", type=float, default=0.02,
-                    help="seconds of pause before each matmul call (default 0.02)")
+                    help="seconds of pause before each burst (default 0.02)")
+    ap.add_argument("--burst-secs", type=float, default=0.1,
+                    help="about how long one side's burst of calls takes (default 0.1; at least one call)")
     ap.add_argument("--skip-matmul", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -384,25 +321,14 @@ def main():
         sys.exit("compare_torch: PyTorch is not importable by " + sys.executable +
                  "\nrun scripts/setup-torch-venv, then $HOME/.cache/kiln/torch-venv/bin/python benches/compare_torch.py")
     torch.set_num_threads(args.threads)
-    plan = {
-        "target_matmul": args.target_secs if args.target_secs is not None else 3.0,
-        "target_ops": args.target_secs if args.target_secs is not None else 2.0,
-        "min_runs": args.min_runs, "max_runs": args.max_runs,
-    }
+    args.target_matmul = args.target_secs if args.target_secs is not None else 9.0
+    args.target_ops = args.target_secs if args.target_secs is not None else 4.0
 
-    # Rounds alternate kiln and PyTorch, so slow phases of a shared machine fall on both.
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
     torch.manual_seed(0)
-    rounds = max(args.rounds, 1)
-    kiln_rounds, ref_rounds = [[] for _ in range(rounds)], [[] for _ in range(rounds)]
-    kiln_mm, ref_mm = matmul_call_by_call(torch, args, plan) if not args.skip_matmul else ([], [])
-    if not args.skip_ops:
-        for r in range(rounds):
-            print(f"ops: round {r + 1} of {rounds}", file=sys.stderr, flush=True)
-            kiln_rounds[r] += run_kiln(args, "ops")
-            ref_rounds[r] += torch_ops(torch, args.dim, args.only, plan, args.torch_device)
-
-    rows = compare(kiln_mm + median_round(kiln_rounds), ref_mm + median_round(ref_rounds))
+    benches = (matmul_benches(torch, args) if not args.skip_matmul else []) + \
+        (ops_benches(torch, args) if not args.skip_ops else [])
+    rows = compare(*call_by_call(args, benches))
     header = (f"kiln ({args.kiln_device}) vs PyTorch {torch.__version__} ({args.torch_device}, "
               f"{torch.get_num_threads()} threads) on {platform.machine()}, {os.cpu_count()} cores")
     print()

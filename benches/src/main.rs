@@ -40,10 +40,13 @@ BENCHMARKS:
                softmax             [D, D] over the last dim  bytes = 2 x 4 x N
              and add_latency: us_per_op of `add` on two 1-element tensors
              (median over runs of 1000 ops each)
-    serve    reads requests `matmul N` from stdin, one per line, and answers each with
-             {\"bench\": \"matmul\", \"n\": N, \"secs\": S}: the seconds of one matmul call
-             (inputs made on a size's first request); for drivers that alternate kiln
-             and another library call by call (compare_torch.py's matmul)
+    serve    reads requests from stdin, one per line, and answers each with one line:
+               matmul N [C]    {\"bench\": \"matmul\", \"n\": N, \"secs\": [S, ...]}
+               op NAME D [C]   {\"bench\": NAME, \"d\": D, \"secs\": [S, ...]} (an `ops`
+                               benchmark; add_latency: seconds per add)
+             the seconds of each of C (default 1) back-to-back calls (inputs made on a
+             size's first request); for drivers that alternate kiln and another library
+             a few calls at a time (compare_torch.py)
     chain    ten elementwise ops on D*D float32 elements on a PJRT device, timed in Strict
              mode (ten programs) and in DeferAndFuse mode (one fused program) in the same run;
              chain_ratio gives defer_speedup_over_strict

@@ -72,60 +72,106 @@ pub fn matmul(cfg: &Config, sizes: &[usize]) -> usize {
     failed
 }
 
-/// `kiln-bench serve`: single timed calls on request, so that a driver can
-/// alternate kiln's calls with another library's call by call
-/// (`compare_torch.py` times matmul this way).
+/// `kiln-bench serve`: timed calls on request, so that a driver can alternate
+/// kiln's calls with another library's a few at a time (`compare_torch.py`).
 ///
-/// A request is a line `matmul N`; the answer is one line
-/// `{"bench": "matmul", "n": N, "secs": S}`: the seconds of one whole n x n x n
-/// f32 matmul call (output allocation and release included, then a device
-/// synchronize), or `{"bench": ..., "error": ...}`. The random inputs of a size
-/// are made on its first request and kept.
+/// A request is a line `matmul N [CALLS]` or `op NAME D [CALLS]`; the answer is
+/// one line `{"bench": "matmul", "n": N, "secs": [S, ...]}` or
+/// `{"bench": NAME, "d": D, "secs": [S, ...]}`: the seconds of each of CALLS
+/// (default 1) back-to-back calls of an n x n x n f32 matmul or of the `ops`
+/// benchmark NAME on D*D elements, each call whole (output allocation and
+/// release included, then a device synchronize; `add_latency`: seconds per add,
+/// of one call of `LATENCY_INNER` adds); or `{"bench": ..., "error": ...}`. The
+/// random inputs of a size are made on its first request and kept.
 pub struct Server {
     cfg: Config,
     inputs: Vec<(usize, Tensor, Tensor)>,
+    ops: Vec<OpsInputs>,
 }
+
+/// Most calls one request may ask for.
+const MAX_CALLS: usize = 10_000;
 
 impl Server {
     pub fn new(cfg: Config) -> Server {
-        Server { cfg, inputs: vec![] }
+        Server { cfg, inputs: vec![], ops: vec![] }
     }
 
     /// The answer to one request line.
     pub fn answer(&mut self, request: &str) -> Line {
         let dev = self.cfg.device.to_string();
-        let words: Vec<&str> = request.split_whitespace().collect();
-        let n = match words.as_slice() {
-            ["matmul", n] => match n.parse::<usize>() {
-                Ok(n) if n > 0 => n,
-                _ => {
-                    return Line::new("matmul", "float32", &dev).set("error", format!("bad size {n:?} in {request:?}"))
-                }
-            },
+        let count = |bench: &str, what: &str, v: &str, max: usize| match v.parse::<usize>() {
+            Ok(n) if n > 0 && n <= max => Ok(n),
             _ => {
-                let e = format!("unknown request {request:?} (expected `matmul N`)");
+                let e = format!("bad {what} {v:?} in {request:?} (expected 1 to {max})");
+                Err(Line::new(bench, "float32", &dev).set("error", e))
+            }
+        };
+        let words: Vec<&str> = request.split_whitespace().collect();
+        let (bench, key, op, size, calls) = match words.as_slice() {
+            ["matmul", n, rest @ ..] if rest.len() <= 1 => ("matmul", "n", None, *n, rest.first()),
+            ["op", name, d, rest @ ..] if rest.len() <= 1 => (*name, "d", Some(*name), *d, rest.first()),
+            _ => {
+                let e = format!("unknown request {request:?} (expected `matmul N [CALLS]` or `op NAME D [CALLS]`)");
                 return Line::new("serve", "float32", &dev).set("error", e);
             }
         };
-        match self.time_matmul(n) {
-            Ok(secs) => Line::new("matmul", "float32", &dev).set("n", n).set("secs", secs),
-            Err(e) => Line::new("matmul", "float32", &dev).set("n", n).set("error", e.to_string()),
+        let size = match count(bench, "size", size, usize::MAX) {
+            Ok(n) => n,
+            Err(line) => return line,
+        };
+        let calls = match calls.map(|c| count(bench, "calls", c, MAX_CALLS)) {
+            None => 1,
+            Some(Ok(c)) => c,
+            Some(Err(line)) => return line,
+        };
+        let timed = match op {
+            None => self.time_matmul(size, calls),
+            Some(name) => self.time_op(name, size, calls),
+        };
+        let line = Line::new(bench, "float32", &dev).set(key, size);
+        match timed {
+            Ok(secs) => line.set("secs", secs),
+            Err(e) => line.set("error", e.to_string()),
         }
     }
 
-    fn time_matmul(&mut self, n: usize) -> Result<f64> {
+    fn time_op(&mut self, name: &str, d: usize, calls: usize) -> Result<Vec<f64>> {
+        if !self.ops.iter().any(|o| o.d == d) {
+            self.ops.push(OpsInputs::new(&self.cfg, d)?);
+        }
+        let inputs = self.ops.iter().find(|o| o.d == d).expect("inputs made above");
+        if name == "add_latency" {
+            let per_op = |t: f64| t / LATENCY_INNER as f64;
+            return time_calls(calls, || inputs.latency_call()).map(|v| v.into_iter().map(per_op).collect());
+        }
+        let Some(mut bw) = inputs.benches().into_iter().find(|b| b.name == name) else {
+            return Err(Error::invalid("serve", format!("no ops benchmark named {name:?}")));
+        };
+        time_calls(calls, || sync(&(bw.op)()?))
+    }
+
+    fn time_matmul(&mut self, n: usize, calls: usize) -> Result<Vec<f64>> {
         if !self.inputs.iter().any(|(m, _, _)| *m == n) {
             let a = Tensor::randn(&[n, n], self.cfg.opts())?;
             let b = Tensor::randn(&[n, n], self.cfg.opts())?;
             self.inputs.push((n, a, b));
         }
         let (_, a, b) = self.inputs.iter().find(|(m, _, _)| *m == n).expect("inputs made above");
-        let t0 = std::time::Instant::now();
-        let out = a.matmul(b)?;
-        sync(&out)?;
-        drop(out);
-        Ok(t0.elapsed().as_secs_f64())
+        time_calls(calls, || sync(&a.matmul(b)?))
     }
+}
+
+/// The seconds of each of `calls` back-to-back calls of `f`; what `f` makes is
+/// released inside its timed call.
+fn time_calls(calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    (0..calls)
+        .map(|_| {
+            let t0 = std::time::Instant::now();
+            f()?;
+            Ok(t0.elapsed().as_secs_f64())
+        })
+        .collect()
 }
 
 /// Answers requests from stdin until it closes; returns the number of failed ones.
@@ -156,42 +202,91 @@ struct Bw<'a> {
 /// Iterations of the 1-element op per timed call of the latency benchmark.
 pub const LATENCY_INNER: usize = 1000;
 
+/// The tensors of the `ops` suite on `d*d` f32 elements.
+struct OpsInputs {
+    d: usize,
+    a: Tensor,
+    b: Tensor,
+    a2: Tensor,
+    b2: Tensor,
+    row: Tensor,
+    /// The two 1-element operands of `add_latency`.
+    x: Tensor,
+    y: Tensor,
+}
+
+impl OpsInputs {
+    fn new(cfg: &Config, d: usize) -> Result<OpsInputs> {
+        let n = d * d;
+        let a = Tensor::randn(&[n], cfg.opts())?;
+        let b = Tensor::randn(&[n], cfg.opts())?;
+        let a2 = a.reshape(&[d as isize, d as isize])?;
+        let b2 = b.reshape(&[d as isize, d as isize])?;
+        let row = Tensor::randn(&[d], cfg.opts())?;
+        let x = Tensor::randn(&[1], cfg.opts())?;
+        let y = Tensor::randn(&[1], cfg.opts())?;
+        Ok(OpsInputs { d, a, b, a2, b2, row, x, y })
+    }
+
+    /// The bandwidth benchmarks, in the suite's order.
+    fn benches(&self) -> Vec<Bw<'_>> {
+        let (d, f32b) = (self.d, 4);
+        let n = d * d;
+        let OpsInputs { a, b, a2, b2, row, .. } = self;
+        vec![
+            Bw { name: "add", shape: vec![n], bytes: 3 * f32b * n, op: Box::new(move || a.add(b)) },
+            Bw { name: "mul", shape: vec![n], bytes: 3 * f32b * n, op: Box::new(move || a.mul(b)) },
+            Bw { name: "exp", shape: vec![n], bytes: 2 * f32b * n, op: Box::new(move || a.exp()) },
+            // `a2.t()` is a non-contiguous view: the kernel reads one input across rows.
+            Bw {
+                name: "add_transposed",
+                shape: vec![d, d],
+                bytes: 3 * f32b * n,
+                op: Box::new(move || a2.t()?.add(b2)),
+            },
+            // `[d, d] + [d]`: the row is broadcast (stride 0) over every row.
+            Bw {
+                name: "add_broadcast",
+                shape: vec![d, d],
+                bytes: f32b * (2 * n + d),
+                op: Box::new(move || a2.add(row)),
+            },
+            Bw { name: "sum", shape: vec![n], bytes: f32b * n, op: Box::new(move || a.sum()) },
+            Bw {
+                name: "sum_dim",
+                shape: vec![d, d],
+                bytes: f32b * (n + d),
+                op: Box::new(move || a2.sum_dim(-1, false)),
+            },
+            Bw { name: "max", shape: vec![n], bytes: f32b * n, op: Box::new(move || a.max()) },
+            Bw { name: "softmax", shape: vec![d, d], bytes: 2 * f32b * n, op: Box::new(move || a2.softmax(-1)) },
+        ]
+    }
+
+    /// One call of `add_latency`: `LATENCY_INNER` adds of the 1-element operands.
+    fn latency_call(&self) -> Result<()> {
+        let mut last = None;
+        for _ in 0..LATENCY_INNER {
+            last = Some(self.x.add(&self.y)?);
+        }
+        last.map_or(Ok(()), |t| sync(&t))
+    }
+}
+
 /// Elementwise, reduction and softmax throughput on `d*d` f32 elements (flat for the
 /// contiguous elementwise ops and full reductions, `d x d` for the rest), then the
 /// dispatch latency of a 1-element `add`. Returns the number of failures.
 pub fn ops(cfg: &Config, d: usize) -> usize {
     let mut failed = 0;
     let dev = cfg.device.to_string();
-    let n = d * d;
-    let f32b = 4;
-    let setup = || -> Result<(Tensor, Tensor, Tensor, Tensor, Tensor)> {
-        let a = Tensor::randn(&[n], cfg.opts())?;
-        let b = Tensor::randn(&[n], cfg.opts())?;
-        let a2 = a.reshape(&[d as isize, d as isize])?;
-        let b2 = b.reshape(&[d as isize, d as isize])?;
-        let row = Tensor::randn(&[d], cfg.opts())?;
-        Ok((a, b, a2, b2, row))
-    };
-    let (a, b, a2, b2, row) = match setup() {
+    let inputs = match OpsInputs::new(cfg, d) {
         Ok(t) => t,
         Err(e) => {
             error_line("ops", cfg, &e);
             return 1;
         }
     };
-    let benches: Vec<Bw<'_>> = vec![
-        Bw { name: "add", shape: vec![n], bytes: 3 * f32b * n, op: Box::new(|| a.add(&b)) },
-        Bw { name: "mul", shape: vec![n], bytes: 3 * f32b * n, op: Box::new(|| a.mul(&b)) },
-        Bw { name: "exp", shape: vec![n], bytes: 2 * f32b * n, op: Box::new(|| a.exp()) },
-        // `a2.t()` is a non-contiguous view: the kernel reads one input across rows.
-        Bw { name: "add_transposed", shape: vec![d, d], bytes: 3 * f32b * n, op: Box::new(|| a2.t()?.add(&b2)) },
-        // `[d, d] + [d]`: the row is broadcast (stride 0) over every row.
-        Bw { name: "add_broadcast", shape: vec![d, d], bytes: f32b * (2 * n + d), op: Box::new(|| a2.add(&row)) },
-        Bw { name: "sum", shape: vec![n], bytes: f32b * n, op: Box::new(|| a.sum()) },
-        Bw { name: "sum_dim", shape: vec![d, d], bytes: f32b * (n + d), op: Box::new(|| a2.sum_dim(-1, false)) },
-        Bw { name: "max", shape: vec![n], bytes: f32b * n, op: Box::new(|| a.max()) },
-        Bw { name: "softmax", shape: vec![d, d], bytes: 2 * f32b * n, op: Box::new(|| a2.softmax(-1)) },
-    ];
+    let benches = inputs.benches();
     for mut bw in benches {
         if !cfg.wants(bw.name) {
             continue;
@@ -212,18 +307,7 @@ pub fn ops(cfg: &Config, d: usize) -> usize {
         }
     }
     if cfg.wants("add_latency") {
-        let run = || -> Result<Stats> {
-            let x = Tensor::randn(&[1], cfg.opts())?;
-            let y = Tensor::randn(&[1], cfg.opts())?;
-            measure(cfg.plan, LATENCY_INNER, || {
-                let mut last = None;
-                for _ in 0..LATENCY_INNER {
-                    last = Some(x.add(&y)?);
-                }
-                last.map_or(Ok(()), |t| sync(&t))
-            })
-        };
-        match run() {
+        match measure(cfg.plan, LATENCY_INNER, || inputs.latency_call()) {
             Ok(s) => Line::new("add_latency", "float32", &dev)
                 .set("shape", vec![1])
                 .set("us_per_op", sig4(s.median() * 1e6))
@@ -300,21 +384,50 @@ mod tests {
     }
 
     #[test]
-    fn serve_answers_matmul_requests_and_refuses_others() {
+    fn serve_answers_matmul_and_op_requests_and_refuses_others() {
         let mut s = server();
         for n in [16, 3, 16] {
             let line = s.answer(&format!("matmul {n}"));
             assert!(!line.has("error"));
             assert_eq!(line.get("n").and_then(|v| v.as_u64()), Some(n as u64));
-            let secs = line.get("secs").and_then(|v| v.as_f64()).expect("secs");
-            assert!(secs > 0.0 && secs.is_finite());
+            let secs = line.get("secs").and_then(|v| v.as_array()).expect("secs");
+            assert_eq!(secs.len(), 1);
+            assert!(secs[0].as_f64().is_some_and(|s| s > 0.0 && s.is_finite()));
         }
+        let line = s.answer("matmul 3 4");
+        assert_eq!(line.get("secs").and_then(|v| v.as_array()).map(Vec::len), Some(4));
         // Inputs are made once per size.
         assert_eq!(s.inputs.len(), 2);
-        for bad in ["matmul", "matmul 0", "matmul -4", "matmul x", "ops 8", "matmul 8 9"] {
+        for name in ["add", "sum_dim", "softmax", "add_latency"] {
+            let line = s.answer(&format!("op {name} 8"));
+            assert!(!line.has("error"), "{name}");
+            assert_eq!(line.get("bench").and_then(|v| v.as_str()), Some(name));
+            assert_eq!(line.get("d").and_then(|v| v.as_u64()), Some(8));
+            let secs = line.get("secs").and_then(|v| v.as_array()).expect("secs");
+            assert_eq!(secs.len(), 1);
+            assert!(secs[0].as_f64().is_some_and(|s| s > 0.0 && s.is_finite()));
+        }
+        let line = s.answer("op sum 8 3");
+        assert_eq!(line.get("secs").and_then(|v| v.as_array()).map(Vec::len), Some(3));
+        assert_eq!(s.ops.len(), 1);
+        for bad in [
+            "matmul",
+            "matmul 0",
+            "matmul -4",
+            "matmul x",
+            "ops 8",
+            "matmul 8 9 9",
+            "op add",
+            "op add 0",
+            "op nope 8",
+            "matmul 8 0",
+            "op sum 8 x",
+            "op sum 8 2 2",
+            "matmul 8 99999",
+        ] {
             let line = s.answer(bad);
             let e = line.get("error").and_then(|v| v.as_str()).unwrap_or_else(|| panic!("{bad:?} not refused"));
-            assert!(e.contains(bad), "{e}");
+            assert!(e.contains(bad) || e.contains("\"nope\""), "{e}");
         }
     }
 }

@@ -1,6 +1,7 @@
-//! The measuring method shared by every benchmark (and mirrored line for line by
-//! `benches/compare_torch.py`): warm up, pick a run count from the warm-up time so
-//! each benchmark takes about `target` seconds, time each run, report the median.
+//! The measuring method shared by every benchmark: warm up, pick a run count from
+//! the warm-up time so each benchmark takes about `target` seconds, time each run,
+//! report the median. (`benches/compare_torch.py` applies it in turns: bursts of
+//! `kiln-bench serve` calls alternate with bursts of PyTorch calls.)
 use std::time::Instant;
 
 /// How long to measure and how many runs to allow.
