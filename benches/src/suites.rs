@@ -383,32 +383,29 @@ mod tests {
         Server::new(Config { device: Device::Cpu, plan, filter: vec![] })
     }
 
+    /// Checks an answer's bench, size (`key`) and `calls` positive timings.
+    fn check(line: &Line, bench: &str, key: &str, size: u64, calls: usize) {
+        assert!(!line.has("error"), "{bench} {size}");
+        assert_eq!(line.get("bench").and_then(|v| v.as_str()), Some(bench));
+        assert_eq!(line.get(key).and_then(|v| v.as_u64()), Some(size));
+        let secs = line.get("secs").and_then(|v| v.as_array()).expect("secs");
+        assert_eq!(secs.len(), calls);
+        assert!(secs.iter().all(|s| s.as_f64().is_some_and(|s| s > 0.0 && s.is_finite())));
+    }
+
     #[test]
     fn serve_answers_matmul_and_op_requests_and_refuses_others() {
         let mut s = server();
         for n in [16, 3, 16] {
-            let line = s.answer(&format!("matmul {n}"));
-            assert!(!line.has("error"));
-            assert_eq!(line.get("n").and_then(|v| v.as_u64()), Some(n as u64));
-            let secs = line.get("secs").and_then(|v| v.as_array()).expect("secs");
-            assert_eq!(secs.len(), 1);
-            assert!(secs[0].as_f64().is_some_and(|s| s > 0.0 && s.is_finite()));
+            check(&s.answer(&format!("matmul {n}")), "matmul", "n", n, 1);
         }
-        let line = s.answer("matmul 3 4");
-        assert_eq!(line.get("secs").and_then(|v| v.as_array()).map(Vec::len), Some(4));
+        check(&s.answer("matmul 3 4"), "matmul", "n", 3, 4);
         // Inputs are made once per size.
         assert_eq!(s.inputs.len(), 2);
         for name in ["add", "sum_dim", "softmax", "add_latency"] {
-            let line = s.answer(&format!("op {name} 8"));
-            assert!(!line.has("error"), "{name}");
-            assert_eq!(line.get("bench").and_then(|v| v.as_str()), Some(name));
-            assert_eq!(line.get("d").and_then(|v| v.as_u64()), Some(8));
-            let secs = line.get("secs").and_then(|v| v.as_array()).expect("secs");
-            assert_eq!(secs.len(), 1);
-            assert!(secs[0].as_f64().is_some_and(|s| s > 0.0 && s.is_finite()));
+            check(&s.answer(&format!("op {name} 8")), name, "d", 8, 1);
         }
-        let line = s.answer("op sum 8 3");
-        assert_eq!(line.get("secs").and_then(|v| v.as_array()).map(Vec::len), Some(3));
+        check(&s.answer("op sum 8 3"), "sum", "d", 8, 3);
         assert_eq!(s.ops.len(), 1);
         for bad in [
             "matmul",
