@@ -22,7 +22,7 @@ USAGE:
     kiln-bench ops    [--dim D] [--only NAME,...] [options]
     kiln-bench all    [options]           (matmul, then ops)
     kiln-bench chain  [--dim D] --device tpu
-    kiln-bench serve  [--device DEV]      (single timed calls on request, see below)
+    kiln-bench serve  [--device DEV]      (timed calls on request, see below)
     kiln-bench train  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench infer  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W]

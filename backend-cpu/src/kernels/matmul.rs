@@ -138,13 +138,13 @@ const SPLIT_MIN: usize = 32;
 // The cost is that every part packs the operand it shares for itself. gemm packs
 // B (the row-major output makes B its left operand) and reads a row-major A in
 // place, so a cut by columns packs each element of B once in all, where a cut by
-// rows packs all of B in every part. Columns are therefore cut whenever C is at least as
-// wide as tall, and into two parts per thread: rayon hands the second part of a
-// thread that a busy core slowed down to the other thread. Rows are cut one part
-// per thread, as each more would pack B once more. Against PyTorch in one process,
-// call by call (median of 150-200 paired ratios), 1024^3 went from 0.95x with
-// rows cut in two to 0.98x with columns cut in four; 2048^3 and 4096^3 moved
-// within the noise.
+// rows packs all of B in every part. Columns are therefore cut whenever C is at
+// least as wide as tall, and into two parts per thread: rayon hands the second
+// part of a thread that a busy core slowed down to the other thread. Rows are cut
+// one part per thread, as each more would pack B once more. Against PyTorch in
+// one process, call by call (median of 150-200 paired ratios), 1024^3 went from
+// 0.95x with rows cut in two to 0.98x with columns cut in four; 2048^3 and 4096^3
+// moved within the noise.
 
 /// A pointer that may cross to rayon's threads: each task writes a disjoint range.
 #[derive(Clone, Copy)]
