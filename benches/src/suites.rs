@@ -4,7 +4,7 @@
 //! Every timed call runs the whole out-of-place op, output allocation and
 //! release included, as `torch.add(a, b)` does, then waits for the device.
 use crate::report::{sig4, Line};
-use crate::timing::{measure, Plan, Stats};
+use crate::timing::{measure, time_call, Plan, Stats};
 use kiln::prelude::*;
 
 /// Options shared by the suites.
@@ -165,13 +165,7 @@ impl Server {
 /// The seconds of each of `calls` back-to-back calls of `f`; what `f` makes is
 /// released inside its timed call.
 fn time_calls(calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
-    (0..calls)
-        .map(|_| {
-            let t0 = std::time::Instant::now();
-            f()?;
-            Ok(t0.elapsed().as_secs_f64())
-        })
-        .collect()
+    (0..calls).map(|_| time_call(&mut f)).collect()
 }
 
 /// Answers requests from stdin until it closes; returns the number of failed ones.

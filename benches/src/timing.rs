@@ -48,6 +48,13 @@ pub fn median(sorted: &[f64]) -> f64 {
     }
 }
 
+/// The seconds of one call of `f`.
+pub fn time_call<E>(f: impl FnOnce() -> Result<(), E>) -> Result<f64, E> {
+    let t0 = Instant::now();
+    f()?;
+    Ok(t0.elapsed().as_secs_f64())
+}
+
 /// Times `f`, which runs the measured work `inner` times per call (use `inner > 1`
 /// for operations far shorter than the timer's resolution). Each sample is the
 /// time of one call divided by `inner`.
@@ -57,11 +64,7 @@ pub fn median(sorted: &[f64]) -> f64 {
 /// [`MAX_WARMUP`] calls have passed (at least one); the median warm-up call sets
 /// `runs = clamp(target_s / median, min_runs, max_runs)`; then `runs` timed calls.
 pub fn measure<E>(plan: Plan, inner: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<Stats, E> {
-    let mut time_call = || -> Result<f64, E> {
-        let t0 = Instant::now();
-        f()?;
-        Ok(t0.elapsed().as_secs_f64())
-    };
+    let mut time_call = || time_call(&mut f);
     let first = time_call()?;
     let mut warm = vec![];
     let mut spent = 0.0;
