@@ -141,10 +141,10 @@ def ops_benches(torch, args):
     return out
 
 
-def call_by_call(args, benches):
-    """Times `benches` call by call, kiln (through `kiln-bench serve`) and PyTorch in
-    turn (see the module's docstring). Returns (kiln records, PyTorch records);
-    kiln's carry the median pair ratio, or the error kiln answered."""
+def in_turns(args, benches):
+    """Times `benches` in turns, bursts of kiln calls (through `kiln-bench serve`)
+    and of PyTorch calls (see the module's docstring). Returns (kiln records,
+    PyTorch records); kiln's carry the median pair ratio, or the error kiln answered."""
     cmd, env = kiln_cmd(args, "serve")
     proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     kiln, ref = [], []
@@ -204,8 +204,7 @@ def call_by_call(args, benches):
                 continue
             kiln.append(dict(b.result(kt), pair_ratio=statistics.median(ratios)))
             ref.append(b.result(tt))
-            val = lambda r: r.get("gflops", r.get("gbps", r.get("us_per_op")))
-            print(f"{label}: {pairs} pairs of {burst} calls, kiln {val(kiln[-1])}, torch {val(ref[-1])}",
+            print(f"{label}: {pairs} pairs of {burst} calls, kiln {kiln[-1][b.metric]}, torch {ref[-1][b.metric]}",
                   file=sys.stderr, flush=True)
     finally:
         try:
@@ -328,7 +327,7 @@ def main():
     torch.manual_seed(0)
     benches = (matmul_benches(torch, args) if not args.skip_matmul else []) + \
         (ops_benches(torch, args) if not args.skip_ops else [])
-    rows = compare(*call_by_call(args, benches))
+    rows = compare(*in_turns(args, benches))
     header = (f"kiln ({args.kiln_device}) vs PyTorch {torch.__version__} ({args.torch_device}, "
               f"{torch.get_num_threads()} threads) on {platform.machine()}, {os.cpu_count()} cores")
     print()
