@@ -14,6 +14,7 @@ use gemm::Parallelism;
 use half::{bf16, f16};
 use kiln_tensor::{numel, with_dtype, DType, Error, HostBuffer, Layout, Meta, Result};
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The geometry of one batched product.
 struct Geometry {
@@ -123,14 +124,16 @@ impl GemmElem for f64 {
 const GEMM_PAR_MIN: usize = 1 << 16;
 /// A product is split into parts of at least this many rows (or columns).
 const SPLIT_MIN: usize = 32;
+/// Column chunks shrink down to this width, no further (Note [Threaded matmul]).
+const CHUNK_MIN: usize = 256;
 
 // Note [Threaded matmul]
 // ~~~~~~~~~~~~~~~~~~~~~~
 // A large product runs as independent products on one thread of `gemm` each:
-// C's columns (or its rows, when it is taller than wide) are cut into equal
-// ranges, and each part multiplies the whole of A with its columns of B (or its
-// rows of A with the whole of B). The parts never wait for each other until the
-// end. gemm's own threading cuts the product inside its blocking loops, and
+// C's columns (or its rows, when it is taller than wide) are cut into ranges,
+// and each part multiplies the whole of A with its columns of B (or its rows of
+// A with the whole of B). The parts never wait for each other until the end.
+// gemm's own threading cuts the product inside its blocking loops, and
 // synchronises the threads at every block: on two cores the independent parts
 // were faster in most interleaved runs of both (`kiln-bench matmul`, median
 // GFLOP/s: 257 -> 303 at 1024^3, 249 -> 277 at 4096^3).
@@ -138,13 +141,23 @@ const SPLIT_MIN: usize = 32;
 // The cost is that every part packs the operand it shares for itself. gemm packs
 // B (the row-major output makes B its left operand) and reads a row-major A in
 // place, so a cut by columns packs each element of B once in all, where a cut by
-// rows packs all of B in every part. Columns are therefore cut whenever C is at
-// least as wide as tall, and into two parts per thread: rayon hands the second
-// part of a thread that a busy core slowed down to the other thread. Rows are cut
-// one part per thread, as each more would pack B once more. Against PyTorch in
-// one process, call by call (median of 150-200 paired ratios), 1024^3 went from
-// 0.95x with rows cut in two to 0.98x with columns cut in four; 2048^3 and 4096^3
-// moved within the noise.
+// rows packs all of B in every part. Rows are therefore cut one part per thread
+// only, and columns whenever C is at least as wide as tall.
+//
+// Columns are not cut into equal parts up front: the threads take chunks from a
+// shared cursor, each chunk a 1 / (2 * threads) share of the columns still left
+// (`next_chunk`), down to CHUNK_MIN columns (or, for narrower products, the
+// 1 / (2 * threads) share of all of them, which makes equal parts). The cores of
+// a shared machine change speed from one second to the next (a part of a 4096^3
+// product took 0.25 s on one core and 0.30 s on the other in the same call):
+// with equal parts, the faster core sat idle for the difference at the end;
+// with shrinking chunks it takes over the columns the slower core has not
+// reached, and the last chunks are small. A chunk of 256 columns still runs at
+// the speed of a whole product on one thread (4096 rows and depth: within 1% of
+// 1024 columns), as gemm reuses each panel of A over the chunk's columns. Against
+// four equal parts, call by call (medians of paired ratios over 24-60 calls),
+// 4096^3 ran 1.01x-1.06x in three runs and 2048^3 0.97x-1.02x in four; on two
+// threads, 1024^3 and smaller keep their four equal parts.
 
 /// A pointer that may cross to rayon's threads: each task writes a disjoint range.
 #[derive(Clone, Copy)]
@@ -207,22 +220,19 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
     assert!(oa + (m - 1) * g.a_rs + (k - 1) * g.a_cs < a.len());
     assert!(ob + (k - 1) * g.b_rs + (n - 1) * g.b_cs < b.len());
     let by_rows = m > n;
-    let per_thread = if by_rows { 1 } else { 2 };
-    let parts = (per_thread * threads).min(m.max(n) / SPLIT_MIN).max(1);
     let (d, pa, pb) = (OutPtr(dst), OutPtr(a.as_ptr().cast_mut()), OutPtr(b.as_ptr().cast_mut()));
-    let part = |t: usize| {
-        let len = if by_rows { m } else { n };
-        let (s, e) = (t * len / parts, (t + 1) * len / parts);
-        // SAFETY: part t is rows (or columns) s..e of the product: gemm reads lhs at
-        // `oa + i * a_rs + p * a_cs` and rhs at `ob + p * b_rs + j * b_cs` for i < m,
-        // p < k, j < n only (the part's rows or columns shifted by s), and the asserts
-        // above show the largest such index is inside `a` / `b` (strides are unsigned,
-        // so every other index is smaller). It writes dst at `i * n + j` for the part's
-        // rows or columns only: disjoint from the other parts', inside the `m * n`
-        // elements the caller guarantees are ours alone, which cannot alias the shared
-        // `a` and `b`. With `read_dst = false` it never reads dst, so uninitialised
-        // memory there is fine. `T` is f32 or f64, which gemm supports; `a` and `b`
-        // are only read through the pointers made mutable for `OutPtr`.
+    let part = |s: usize, e: usize| {
+        // SAFETY: the part is rows (or columns) s..e < m (or n) of the product: gemm
+        // reads lhs at `oa + i * a_rs + p * a_cs` and rhs at `ob + p * b_rs + j * b_cs`
+        // for i < m, p < k, j < n only (the part's rows or columns shifted by s), and
+        // the asserts above show the largest such index is inside `a` / `b` (strides
+        // are unsigned, so every other index is smaller). It writes dst at `i * n + j`
+        // for the part's rows or columns only: disjoint from the other parts' (the
+        // ranges handed out never overlap), inside the `m * n` elements the caller
+        // guarantees are ours alone, which cannot alias the shared `a` and `b`. With
+        // `read_dst = false` it never reads dst, so uninitialised memory there is
+        // fine. `T` is f32 or f64, which gemm supports; `a` and `b` are only read
+        // through the pointers made mutable for `OutPtr`.
         unsafe {
             let (a0, b0) = (pa.get().add(oa), pb.get().add(ob));
             let (rows, cols, dst, a0, b0) = if by_rows {
@@ -253,10 +263,44 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
             )
         }
     };
-    if parts == 1 {
-        part(0);
+    if by_rows {
+        let parts = threads.min(m / SPLIT_MIN).max(1);
+        if parts == 1 {
+            part(0, m);
+        } else {
+            (0..parts).into_par_iter().for_each(|t| part(t * m / parts, (t + 1) * m / parts));
+        }
+        return;
+    }
+    if threads == 1 || n < 2 * SPLIT_MIN {
+        part(0, n);
+        return;
+    }
+    let min = (n / (2 * threads)).clamp(SPLIT_MIN, CHUNK_MIN);
+    let cursor = AtomicUsize::new(0);
+    (0..threads).into_par_iter().for_each(|_| {
+        // Each claim moves the cursor from s to the chunk's end: no two claims get
+        // overlapping columns, and the loop ends once the cursor reaches n.
+        while let Ok(s) = cursor
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| (s < n).then(|| next_chunk(s, n, threads, min)))
+        {
+            part(s, next_chunk(s, n, threads, min));
+        }
+    });
+}
+
+/// The end of the column chunk that starts at `start < len` (Note [Threaded
+/// matmul]): a 1 / (2 * threads) share of the columns left, at least `min`,
+/// rounded up to a multiple of 64 columns (16 when `min` is below 64, so small
+/// products still split); a tail narrower than `min / 2` joins the chunk before it.
+pub(super) fn next_chunk(start: usize, len: usize, threads: usize, min: usize) -> usize {
+    let align = if min >= 64 { 64 } else { 16 };
+    let want = (len - start).div_ceil(2 * threads).max(min).next_multiple_of(align);
+    let end = (start + want).min(len);
+    if len - end < min / 2 {
+        len
     } else {
-        (0..parts).into_par_iter().for_each(part);
+        end
     }
 }
 

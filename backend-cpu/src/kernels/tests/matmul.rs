@@ -106,9 +106,17 @@ fn transposed(v: &[f32], rows: usize, cols: usize) -> Tensor {
 #[test]
 fn large_products_split_across_threads() {
     // Products large enough to be split by rows (m > n) or by columns (square
-    // ones included) into uneven parts (Note [Threaded matmul]), with row-major,
-    // transposed and column-strided operands.
-    let shapes = [(29, 777, 1061), (100, 50, 33), (15, 385, 2050), (97, 384, 64), (333, 200, 65), (130, 70, 130)];
+    // ones included) into uneven parts, or columns into shrinking chunks (Note
+    // [Threaded matmul]), with row-major, transposed and column-strided operands.
+    let shapes = [
+        (29, 777, 1061),
+        (100, 50, 33),
+        (15, 385, 2050),
+        (97, 384, 64),
+        (333, 200, 65),
+        (130, 70, 130),
+        (40, 30, 1500),
+    ];
     for &(m, k, n) in &shapes {
         let av = noise(m * k, 21);
         let bv = noise(k * n, 22);
@@ -126,5 +134,41 @@ fn large_products_split_across_threads() {
         }
         let bs = f32s(&wide, &[k, 2 * n]).slice(1, None, None, 2).unwrap();
         close(&vals::<f32>(&mm(&a, &bs)), &want, 2e-5);
+    }
+}
+
+#[test]
+fn column_chunks_shrink_and_cover_every_column_once() {
+    use crate::kernels::matmul::next_chunk;
+    let chunks = |len: usize, threads: usize, min: usize| {
+        let mut widths = Vec::new();
+        let mut s = 0;
+        while s < len {
+            let e = next_chunk(s, len, threads, min);
+            assert!(e > s && e <= len, "chunk {s}..{e} of {len}");
+            widths.push(e - s);
+            s = e;
+        }
+        widths
+    };
+    // A quarter of what is left on two threads, down to 256 columns; the
+    // 192-column tail is wide enough (at least 128) to stay a chunk of its own.
+    assert_eq!(chunks(4096, 2, 256), [1024, 768, 576, 448, 320, 256, 256, 256, 192]);
+    // Narrower products: equal parts.
+    assert_eq!(chunks(1024, 2, 256), [256; 4]);
+    // Below 64 columns per chunk, chunks are multiples of 16; a tail under
+    // min / 2 joins the chunk before it.
+    assert_eq!(chunks(100, 2, 32), [32, 32, 36]);
+    assert_eq!(chunks(64, 2, 32), [32, 32]);
+    for (len, threads, min) in [(1500, 2, 256), (4097, 3, 256), (9000, 8, 256), (777, 4, 48), (65, 2, 32)] {
+        let w = chunks(len, threads, min);
+        assert_eq!(w.iter().sum::<usize>(), len);
+        let (last, rest) = w.split_last().unwrap();
+        assert!(*last >= min / 2, "{len} {threads}: {w:?}");
+        let align = if min >= 64 { 64 } else { 16 };
+        for (i, &c) in rest.iter().enumerate() {
+            assert!(c >= min && c % align == 0, "{len} {threads}: {w:?}");
+            assert!(i == 0 || c <= rest[i - 1], "chunks shrink: {w:?}");
+        }
     }
 }
