@@ -125,7 +125,9 @@ const GEMM_PAR_MIN: usize = 1 << 16;
 /// A product is split into parts of at least this many rows (or columns).
 const SPLIT_MIN: usize = 32;
 /// Column chunks shrink down to this width, no further (Note [Threaded matmul]).
-const CHUNK_MIN: usize = 256;
+const CHUNK_MIN: usize = 128;
+/// ... and to no fewer multiply-adds than this.
+const CHUNK_WORK: usize = 1 << 28;
 
 // Note [Threaded matmul]
 // ~~~~~~~~~~~~~~~~~~~~~~
@@ -146,18 +148,23 @@ const CHUNK_MIN: usize = 256;
 //
 // Columns are not cut into equal parts up front: the threads take chunks from a
 // shared cursor, each chunk a 1 / (2 * threads) share of the columns still left
-// (`next_chunk`), down to CHUNK_MIN columns (or, for narrower products, the
-// 1 / (2 * threads) share of all of them, which makes equal parts). The cores of
-// a shared machine change speed from one second to the next (a part of a 4096^3
-// product took 0.25 s on one core and 0.30 s on the other in the same call):
-// with equal parts, the faster core sat idle for the difference at the end;
-// with shrinking chunks it takes over the columns the slower core has not
-// reached, and the last chunks are small. A chunk of 256 columns still runs at
+// (`next_chunk`), down to a narrowest chunk (`chunk_min`) of CHUNK_MIN columns or
+// CHUNK_WORK multiply-adds, whichever is wider, or, for narrower products, the
+// 1 / (2 * threads) share of all the columns, which makes equal parts. The cores
+// of a shared machine change speed from one second to the next (a part of a
+// 4096^3 product took 0.25 s on one core and 0.30 s on the other in the same
+// call): with equal parts, the faster core sat idle for the difference at the
+// end; with shrinking chunks it takes over the columns the slower core has not
+// reached, and the last chunks are small. A chunk of 128 columns still runs at
 // the speed of a whole product on one thread (4096 rows and depth: within 1% of
-// 1024 columns), as gemm reuses each panel of A over the chunk's columns. Against
-// four equal parts, call by call (medians of paired ratios over 24-60 calls),
-// 4096^3 ran 1.01x-1.06x in three runs and 2048^3 0.97x-1.02x in four; on two
-// threads, 1024^3 and smaller keep their four equal parts.
+// 1024 columns), as gemm reuses each panel of A over the chunk's columns; at
+// 1024 rows and depth, chunks of 128 columns (2^27 multiply-adds) lost 2-4%
+// against equal parts of 256. Against four equal parts, call by call (medians of
+// paired ratios over 30-150 calls), chunks down to 128 columns ran 4096^3 at
+// 1.03x and 2048^3 at 1.02x; chunks down to 256 columns had run 4096^3 at
+// 1.01x-1.06x in four runs but 2048^3 at 0.97x-1.02x, as a last chunk of 256
+// columns there is a quarter of the whole product's time. On two threads, 1024^3
+// and smaller keep their four equal parts.
 
 /// A pointer that may cross to rayon's threads: each task writes a disjoint range.
 #[derive(Clone, Copy)]
@@ -276,7 +283,7 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
         part(0, n);
         return;
     }
-    let min = (n / (2 * threads)).clamp(SPLIT_MIN, CHUNK_MIN);
+    let min = chunk_min(m, k, n, threads);
     let cursor = AtomicUsize::new(0);
     (0..threads).into_par_iter().for_each(|_| {
         // Each claim moves the cursor from s to the chunk's end: no two claims get
@@ -287,6 +294,13 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
             part(s, next_chunk(s, n, threads, min));
         }
     });
+}
+
+/// The narrowest column chunk of an `m x k @ k x n` product on `threads` threads
+/// (Note [Threaded matmul]): CHUNK_MIN columns, or more to reach CHUNK_WORK
+/// multiply-adds, but no more than a 1 / (2 * threads) share of all the columns.
+pub(super) fn chunk_min(m: usize, k: usize, n: usize, threads: usize) -> usize {
+    (CHUNK_WORK / (m * k)).max(CHUNK_MIN).min(n / (2 * threads)).max(SPLIT_MIN)
 }
 
 /// The end of the column chunk that starts at `start < len` (Note [Threaded

@@ -139,7 +139,13 @@ fn large_products_split_across_threads() {
 
 #[test]
 fn column_chunks_shrink_and_cover_every_column_once() {
-    use crate::kernels::matmul::next_chunk;
+    use crate::kernels::matmul::{chunk_min, next_chunk};
+    // The narrowest chunk: 128 columns, or 2^28 multiply-adds, or equal parts.
+    assert_eq!(chunk_min(4096, 4096, 4096, 2), 128);
+    assert_eq!(chunk_min(2048, 2048, 2048, 2), 128);
+    assert_eq!(chunk_min(1024, 1024, 1024, 2), 256);
+    assert_eq!(chunk_min(512, 512, 4096, 2), 1024);
+    assert_eq!(chunk_min(64, 8, 100, 2), 32);
     let chunks = |len: usize, threads: usize, min: usize| {
         let mut widths = Vec::new();
         let mut s = 0;
@@ -151,9 +157,10 @@ fn column_chunks_shrink_and_cover_every_column_once() {
         }
         widths
     };
-    // A quarter of what is left on two threads, down to 256 columns; the
-    // 192-column tail is wide enough (at least 128) to stay a chunk of its own.
+    // A quarter of what is left on two threads, down to the narrowest chunk; a
+    // tail at least half as wide stays a chunk of its own.
     assert_eq!(chunks(4096, 2, 256), [1024, 768, 576, 448, 320, 256, 256, 256, 192]);
+    assert_eq!(chunks(2048, 2, 128), [512, 384, 320, 256, 192, 128, 128, 128]);
     // Narrower products: equal parts.
     assert_eq!(chunks(1024, 2, 256), [256; 4]);
     // Below 64 columns per chunk, chunks are multiples of 16; a tail under
