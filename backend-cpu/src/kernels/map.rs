@@ -5,13 +5,36 @@
 //! `map1`..`map3` apply a per-element closure (LLVM vectorises the contiguous
 //! runs); `fmap` hands float kernels whole slices in their compute type (f32 or
 //! f64), staging strided, broadcast or 16-bit operands through small buffers.
-use super::elem::{Compute, Elem, FloatElem};
+use super::elem::{assume_init, uninit, Compute, Elem, FloatElem};
 use super::iter::{par_chunks_by, Nest};
 use super::Input;
 use kiln_tensor::{contiguous_strides, Result};
+use std::mem::MaybeUninit;
 
 /// Elements staged per operand when a run cannot be handed over as a slice.
 const STAGE: usize = 512;
+
+/// A fresh output of `n` elements, filled chunk by chunk (in parallel when the
+/// work is large, as `par_chunks_by` splits it) by `fill(start, chunk)`, which
+/// walks its chunk's runs, writes every element of each and returns the total
+/// length of the runs it wrote (Note [Uninitialised outputs]).
+fn filled<O: Send>(
+    n: usize,
+    cost: usize,
+    granule: usize,
+    fill: &(dyn Fn(usize, &mut [MaybeUninit<O>]) -> usize + Sync),
+) -> Vec<O> {
+    let mut out = uninit::<O>(n);
+    par_chunks_by(&mut out, cost, granule, &|start, chunk| {
+        let written = fill(start, chunk);
+        assert_eq!(written, chunk.len(), "an elementwise kernel wrote {written} of its {} outputs", chunk.len());
+    });
+    // SAFETY: `par_chunks_by` hands each element of `out` to exactly one chunk, and
+    // `fill` wrote every element of the runs it walked, which `Nest::walk` makes
+    // consecutive and disjoint within the chunk: as their lengths add up to the
+    // chunk's (asserted above), they cover it, so every element is initialised.
+    unsafe { assume_init(out) }
+}
 
 /// `out[i] = f(a[i])`.
 pub(crate) fn map1<A: Elem, O: Elem>(a: &Input<'_>, cost: usize, f: impl Fn(A) -> O + Sync) -> Result<Vec<O>> {
@@ -20,27 +43,28 @@ pub(crate) fn map1<A: Elem, O: Elem>(a: &Input<'_>, cost: usize, f: impl Fn(A) -
     let cs = contiguous_strides(l.shape());
     let nest = Nest::new(l.shape(), [&cs, l.strides()], [0, l.offset()]);
     let [_, sa] = nest.inner_strides();
-    let mut out = O::zeros(nest.numel());
     let band = nest.tile_band();
-    par_chunks_by(&mut out, cost, band.unwrap_or(16), &|start, chunk| {
+    Ok(filled(nest.numel(), cost, band.unwrap_or(16), &|start, chunk| {
+        let mut written = 0;
         nest.walk(start, start + chunk.len(), band.is_some(), |[o, ia], len| {
+            written += len;
             let dst = &mut chunk[o - start..o - start + len];
             match sa {
                 1 => {
                     for (d, &x) in dst.iter_mut().zip(&av[ia..ia + len]) {
-                        *d = f(x);
+                        d.write(f(x));
                     }
                 }
-                0 => dst.fill(f(av[ia])),
+                0 => dst.fill(MaybeUninit::new(f(av[ia]))),
                 s => {
                     for (j, d) in dst.iter_mut().enumerate() {
-                        *d = f(av[ia + j * s]);
+                        d.write(f(av[ia + j * s]));
                     }
                 }
             }
         });
-    });
-    Ok(out)
+        written
+    }))
 }
 
 /// `out[i] = f(a[i], b[i])` (equal shapes).
@@ -55,38 +79,39 @@ pub(crate) fn map2<A: Elem, B: Elem, O: Elem>(
     let cs = contiguous_strides(la.shape());
     let nest = Nest::new(la.shape(), [&cs, la.strides(), lb.strides()], [0, la.offset(), lb.offset()]);
     let [_, sa, sb] = nest.inner_strides();
-    let mut out = O::zeros(nest.numel());
     let band = nest.tile_band();
-    par_chunks_by(&mut out, cost, band.unwrap_or(16), &|start, chunk| {
+    Ok(filled(nest.numel(), cost, band.unwrap_or(16), &|start, chunk| {
+        let mut written = 0;
         nest.walk(start, start + chunk.len(), band.is_some(), |[o, ia, ib], len| {
+            written += len;
             let dst = &mut chunk[o - start..o - start + len];
             match (sa, sb) {
                 (1, 1) => {
                     for ((d, &x), &y) in dst.iter_mut().zip(&av[ia..ia + len]).zip(&bv[ib..ib + len]) {
-                        *d = f(x, y);
+                        d.write(f(x, y));
                     }
                 }
                 (1, 0) => {
                     let y = bv[ib];
                     for (d, &x) in dst.iter_mut().zip(&av[ia..ia + len]) {
-                        *d = f(x, y);
+                        d.write(f(x, y));
                     }
                 }
                 (0, 1) => {
                     let x = av[ia];
                     for (d, &y) in dst.iter_mut().zip(&bv[ib..ib + len]) {
-                        *d = f(x, y);
+                        d.write(f(x, y));
                     }
                 }
                 (sa, sb) => {
                     for (j, d) in dst.iter_mut().enumerate() {
-                        *d = f(av[ia + j * sa], bv[ib + j * sb]);
+                        d.write(f(av[ia + j * sa], bv[ib + j * sb]));
                     }
                 }
             }
         });
-    });
-    Ok(out)
+        written
+    }))
 }
 
 /// `out[i] = f(a[i], b[i], c[i])` (equal shapes).
@@ -106,28 +131,32 @@ pub(crate) fn map3<A: Elem, B: Elem, C: Elem, O: Elem>(
         [0, la.offset(), lb.offset(), lc.offset()],
     );
     let [_, sa, sb, sc] = nest.inner_strides();
-    let mut out = O::zeros(nest.numel());
     let band = nest.tile_band();
-    par_chunks_by(&mut out, cost, band.unwrap_or(16), &|start, chunk| {
+    Ok(filled(nest.numel(), cost, band.unwrap_or(16), &|start, chunk| {
+        let mut written = 0;
         nest.walk(start, start + chunk.len(), band.is_some(), |[o, ia, ib, ic], len| {
+            written += len;
             let dst = &mut chunk[o - start..o - start + len];
             if (sa, sb, sc) == (1, 1, 1) {
                 let it = dst.iter_mut().zip(&av[ia..ia + len]).zip(&bv[ib..ib + len]).zip(&cv[ic..ic + len]);
                 for (((d, &x), &y), &z) in it {
-                    *d = f(x, y, z);
+                    d.write(f(x, y, z));
                 }
             } else {
                 for (j, d) in dst.iter_mut().enumerate() {
-                    *d = f(av[ia + j * sa], bv[ib + j * sb], cv[ic + j * sc]);
+                    d.write(f(av[ia + j * sa], bv[ib + j * sb], cv[ic + j * sc]));
                 }
             }
         });
-    });
-    Ok(out)
+        written
+    }))
 }
 
-/// A float kernel: `N` input slices and an output slice of one length, in the compute type.
-pub(crate) type FloatKernel<'k, C, const N: usize> = dyn Fn(&[&[C]; N], &mut [C]) + Sync + 'k;
+/// A float kernel: `N` input slices and an output slice of one length, in the
+/// compute type. It must write every element of the output (Note
+/// [Uninitialised outputs]); the kernels of elementwise.rs are `map_unary` and
+/// `map_binary`, which assert that their slices have one length.
+pub(crate) type FloatKernel<'k, C, const N: usize> = dyn Fn(&[&[C]; N], &mut [MaybeUninit<C>]) + Sync + 'k;
 
 /// Float kernel engine: `kernel(inputs, out)` on slices of the compute type.
 ///
@@ -161,14 +190,16 @@ pub(crate) fn fmap<T: FloatElem, const N: usize>(
     let nest: Nest<4> = Nest::new(shape, strides, offsets);
     let inner = nest.inner_strides();
     let all_unit = (0..N).all(|k| inner[k + 1] == 1);
-    let mut out = T::zeros(nest.numel());
     let band = nest.tile_band();
-    par_chunks_by(&mut out, cost, band.unwrap_or(16), &|start, chunk| {
-        // Staging buffers (one per input, then the output), set up on first use only:
-        // contiguous f32/f64 runs never need them.
+    Ok(filled(nest.numel(), cost, band.unwrap_or(16), &|start, chunk| {
+        // Staging buffers (one per input, and one for the output), set up on first
+        // use only: contiguous f32/f64 runs never need them.
         let cap = chunk.len().min(STAGE);
         let mut stage: Vec<T::C> = Vec::new();
+        let mut ostage: Vec<MaybeUninit<T::C>> = Vec::new();
+        let mut written = 0;
         nest.walk(start, start + chunk.len(), band.is_some(), |pos, len| {
+            written += len;
             let o = pos[0] - start;
             if all_unit {
                 if let Some(dst) = T::direct_mut(&mut chunk[o..o + len]) {
@@ -179,11 +210,11 @@ pub(crate) fn fmap<T: FloatElem, const N: usize>(
                 }
             }
             if stage.is_empty() {
-                stage = vec![<T::C as Compute>::ZERO; (N + 1) * cap];
+                stage = vec![<T::C as Compute>::ZERO; N * cap];
+                ostage = Box::<[T::C]>::new_uninit_slice(cap).into_vec();
             }
-            let (inbufs, obuf) = stage.split_at_mut(N * cap);
             let bufs: [&mut [T::C]; N] = {
-                let mut rest = inbufs;
+                let mut rest = &mut stage[..];
                 std::array::from_fn(|_| {
                     let (head, tail) = std::mem::take(&mut rest).split_at_mut(cap);
                     rest = tail;
@@ -221,13 +252,17 @@ pub(crate) fn fmap<T: FloatElem, const N: usize>(
                 match T::direct_mut(dst) {
                     Some(d) => kernel(&srcs, d),
                     None => {
-                        kernel(&srcs, &mut obuf[..m]);
-                        T::store(&obuf[..m], dst);
+                        let obuf = &mut ostage[..m];
+                        kernel(&srcs, obuf);
+                        // SAFETY: the kernel wrote all `m` elements of `obuf` (FloatKernel's
+                        // contract), and `MaybeUninit<T::C>` has `T::C`'s layout.
+                        let obuf = unsafe { std::slice::from_raw_parts(obuf.as_ptr().cast::<T::C>(), m) };
+                        T::store(obuf, dst);
                     }
                 }
                 done += m;
             }
         });
-    });
-    Ok(out)
+        written
+    }))
 }

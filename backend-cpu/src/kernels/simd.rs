@@ -5,6 +5,7 @@
 //! process from the features the CPU reports (AVX-512, AVX2+FMA, or baseline
 //! x86-64), so LLVM vectorises the same source for each instruction set.
 //! `FMA` tells the loop whether fused multiply-add is available.
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Instruction-set levels the hot loops are compiled for.
@@ -173,11 +174,11 @@ pub(crate) trait BinOp<F>: Copy + Send + Sync {
     fn f<const FMA: bool>(self, a: F, b: F) -> F;
 }
 
-/// `out[i] = op(x[i])`.
+/// `out[i] = op(x[i])`, writing as many outputs as there are inputs.
 pub(crate) struct MapUnary<'a, F, K> {
     pub op: K,
     pub x: &'a [F],
-    pub out: &'a mut [F],
+    pub out: &'a mut [MaybeUninit<F>],
 }
 
 impl<F: Copy, K: UnOp<F>> Kernel for MapUnary<'_, F, K> {
@@ -186,17 +187,17 @@ impl<F: Copy, K: UnOp<F>> Kernel for MapUnary<'_, F, K> {
     fn run<const FMA: bool>(self) {
         let op = self.op;
         for (o, &x) in self.out.iter_mut().zip(self.x) {
-            *o = op.f::<FMA>(x);
+            o.write(op.f::<FMA>(x));
         }
     }
 }
 
-/// `out[i] = op(a[i], b[i])`.
+/// `out[i] = op(a[i], b[i])`, writing as many outputs as there are inputs.
 pub(crate) struct MapBinary<'a, F, K> {
     pub op: K,
     pub a: &'a [F],
     pub b: &'a [F],
-    pub out: &'a mut [F],
+    pub out: &'a mut [MaybeUninit<F>],
 }
 
 impl<F: Copy, K: BinOp<F>> Kernel for MapBinary<'_, F, K> {
@@ -205,19 +206,23 @@ impl<F: Copy, K: BinOp<F>> Kernel for MapBinary<'_, F, K> {
     fn run<const FMA: bool>(self) {
         let op = self.op;
         for ((o, &a), &b) in self.out.iter_mut().zip(self.a).zip(self.b) {
-            *o = op.f::<FMA>(a, b);
+            o.write(op.f::<FMA>(a, b));
         }
     }
 }
 
-/// Applies a unary op over a slice with the best instruction set.
+/// Applies a unary op over a slice with the best instruction set, writing all of
+/// `out` (of `x`'s length: checked, as callers rely on every output being written).
 #[inline]
-pub(crate) fn map_unary<F: Copy, K: UnOp<F>>(op: K, x: &[F], out: &mut [F]) {
+pub(crate) fn map_unary<F: Copy, K: UnOp<F>>(op: K, x: &[F], out: &mut [MaybeUninit<F>]) {
+    assert_eq!(x.len(), out.len(), "map_unary: lengths differ");
     dispatch(MapUnary { op, x, out })
 }
 
-/// Applies a binary op over two slices with the best instruction set.
+/// Applies a binary op over two slices with the best instruction set, writing all
+/// of `out` (of the inputs' length: checked, as for `map_unary`).
 #[inline]
-pub(crate) fn map_binary<F: Copy, K: BinOp<F>>(op: K, a: &[F], b: &[F], out: &mut [F]) {
+pub(crate) fn map_binary<F: Copy, K: BinOp<F>>(op: K, a: &[F], b: &[F], out: &mut [MaybeUninit<F>]) {
+    assert!(a.len() == out.len() && b.len() == out.len(), "map_binary: lengths differ");
     dispatch(MapBinary { op, a, b, out })
 }

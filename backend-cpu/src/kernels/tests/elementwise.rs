@@ -365,6 +365,7 @@ fn transposed_operands_walk_in_tiles() {
 
 #[test]
 fn every_instruction_set_level_computes_the_same_math() {
+    use crate::kernels::elem::{assume_init, uninit};
     use crate::kernels::simd::{Kernel, MapUnary, UnOp};
     #[derive(Clone, Copy)]
     struct E;
@@ -374,9 +375,11 @@ fn every_instruction_set_level_computes_the_same_math() {
         }
     }
     let xs: Vec<f32> = (0..100_000).map(|i| -104.0 + i as f32 * (194.0 / 100_000.0)).collect();
-    let (mut base, mut fused) = (vec![0.0; xs.len()], vec![0.0; xs.len()]);
+    let (mut base, mut fused) = (uninit::<f32>(xs.len()), uninit::<f32>(xs.len()));
     MapUnary { op: E, x: &xs, out: &mut base }.run::<false>();
     MapUnary { op: E, x: &xs, out: &mut fused }.run::<true>();
+    // SAFETY: MapUnary wrote one output per input, all of both buffers.
+    let (base, fused) = unsafe { (assume_init(base), assume_init(fused)) };
     for ((&x, &b), &f) in xs.iter().zip(&base).zip(&fused) {
         let want = (x as f64).exp() as f32;
         assert!(ulps(b, want) <= 1 && ulps(f, want) <= 1, "exp({x}): {b} / {f} vs {want}");
@@ -401,5 +404,39 @@ fn bf16_rounding_matches_the_reference_conversion() {
         let x = f32::from_bits(b);
         let (got, want) = (f32_to_bf16(x), bf16::from_f32(x));
         assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{b:#x}");
+    }
+}
+
+#[test]
+fn fresh_outputs_are_written_in_full_for_every_layout_and_dtype() {
+    // Outputs start uninitialised (Note [Uninitialised outputs]): every element of
+    // every result must come from the op, for direct (f32), staged (bf16, f16) and
+    // per-element (i32) engines, contiguous, transposed (tiled), broadcast and
+    // strided inputs, split across threads (77100 elements).
+    let (r, c) = (300, 257);
+    let av: Vec<f32> = (0..r * c).map(|i| (i % 97) as f32).collect();
+    let bv: Vec<f32> = (0..r * c).map(|i| (i % 89) as f32).collect();
+    let want_t: Vec<f32> = (0..r * c).map(|i| av[i] + bv[(i % c) * r + i / c]).collect();
+    let want_row: Vec<f32> = (0..r * c).map(|i| av[i] + bv[i % c]).collect();
+    // Rows of c elements at a stride of 2c in the 2rc elements of `av` twice over.
+    let twice = [av.clone(), av.clone()].concat();
+    let want_step: Vec<f32> = (0..r * c).map(|i| -twice[(i / c) * 2 * c + i % c]).collect();
+    let make = |v: &[f32], shape: &[usize], dt: DType| f32s(v, shape).to_dtype(dt).unwrap();
+    for dt in [DType::F32, DType::BF16, DType::F16, DType::I32] {
+        // Leave junk where the outputs may be allocated.
+        drop(std::hint::black_box(vec![0x7fu8; 4 << 20]));
+        let a = make(&av, &[r, c], dt);
+        let bt = make(&bv, &[c, r], dt).t().unwrap();
+        let row = make(&bv[..c], &[c], dt).expand(&[r as isize, c as isize]).unwrap();
+        let wide = make(&twice, &[r, 2 * c], dt);
+        let step = strided(&wide, &[r, c], &[2 * c, 1], 0);
+        let check = |x: Tensor, want: &[f32], what: &str| {
+            let got = vals::<f32>(&x.to_dtype(DType::F32).unwrap());
+            let bad = got.iter().zip(want).position(|(g, w)| g != w);
+            assert!(bad.is_none(), "{dt:?} {what}: element {bad:?} differs");
+        };
+        check(bin(BinaryOp::Add, &a, &bt), &want_t, "a + b.t()");
+        check(bin(BinaryOp::Add, &a, &row), &want_row, "a + row");
+        check(un(UnaryOp::Neg, &step), &want_step, "-(every row's first half)");
     }
 }
