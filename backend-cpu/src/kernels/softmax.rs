@@ -13,7 +13,7 @@
 //! made only of `-inf` makes the whole slice NaN (the max-shifted exponentials
 //! then hold a NaN, and so does their sum).
 use super::copy::{contiguous, materialize_vec};
-use super::elem::{bf16_to_f32, f32_to_bf16};
+use super::elem::{assume_init, bf16_to_f32, f32_to_bf16, uninit, zeroed_block};
 use super::iter::par_blocks;
 use super::simd::{dispatch, exp_f32, Kernel};
 use super::{buf, Input};
@@ -202,17 +202,19 @@ impl<F: SoftFloat> Kernel for Blocks<'_, F> {
 
 /// Softmax of contiguous `xs` viewed as `(outer, n, inner)`.
 fn run<F: SoftFloat>(xs: &[F], n: usize, inner: usize, log: bool) -> Vec<F> {
-    let mut out = vec![F::ZERO; xs.len()];
     let block = n * inner;
     if block == 0 {
-        return out;
+        return Vec::new();
     }
+    let mut out = uninit::<F>(xs.len());
     // About 15 element-operations per element (max, exp, sum, scale).
     par_blocks(&mut out, block, 15, &|bi, ob| {
         let xb = &xs[bi * block..bi * block + ob.len()];
-        dispatch(Blocks { x: xb, out: ob, n, inner, log });
+        dispatch(Blocks { x: xb, out: zeroed_block(ob, F::ZERO), n, inner, log });
     });
-    out
+    // SAFETY: `par_blocks` calls the closure on every block of `out` (`block > 0`),
+    // and `zeroed_block` wrote each one.
+    unsafe { assume_init(out) }
 }
 
 /// `softmax` (or `log_softmax`) of `x` along `dim`.
@@ -307,18 +309,20 @@ impl<F: ComputeFloat> Kernel for CeBlocks<'_, F> {
 }
 
 fn ce_run<F: ComputeFloat>(xs: &[F], t: &[i64], w: &[F], n: usize, inner: usize, smoothing: f64) -> Vec<F> {
-    let mut out = vec![F::ZERO; xs.len()];
     let block = n * inner;
     if block == 0 {
-        return out;
+        return Vec::new();
     }
+    let mut out = uninit::<F>(xs.len());
     par_blocks(&mut out, block, 16, &|bi, ob| {
         let blocks = ob.len() / block;
         let (xb, tb, wb) =
             (&xs[bi * block..][..ob.len()], &t[bi * inner..][..blocks * inner], &w[bi * inner..][..blocks * inner]);
-        dispatch(CeBlocks { x: xb, out: ob, t: tb, w: wb, n, inner, smoothing });
+        dispatch(CeBlocks { x: xb, out: zeroed_block(ob, F::ZERO), t: tb, w: wb, n, inner, smoothing });
     });
-    out
+    // SAFETY: `par_blocks` calls the closure on every block of `out` (`block > 0`),
+    // and `zeroed_block` wrote each one.
+    unsafe { assume_init(out) }
 }
 
 /// `Op::CrossEntropyBackward`: `(softmax(x) - (1 - smoothing) onehot(t) -
