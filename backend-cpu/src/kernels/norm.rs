@@ -8,7 +8,7 @@
 //! g * x * rstd`, each task summing its rows' `dw` before the partial sums are
 //! added. bf16/f16 compute in float32 and round once.
 use super::copy::{contiguous, narrow_f32, widen_f32};
-use super::elem::Elem;
+use super::elem::{assume_init, uninit, zeroed_block, Elem};
 use super::simd::{dispatch, Kernel};
 use super::softmax::SoftFloat;
 use super::{buf, Input};
@@ -121,29 +121,30 @@ fn rows_per_task(d: usize) -> usize {
 fn forward_typed<F: NormFloat>(x: &[F], w: &[F], eps: f64) -> (Vec<F>, Vec<F>) {
     let d = w.len();
     let rows = x.len().checked_div(d).unwrap_or(0);
-    let mut y = F::zeros(x.len());
     let mut rstd = F::zeros(rows);
     if d == 0 {
         // Empty rows: mean of nothing is NaN, like the unfused expression.
         rstd.iter_mut().for_each(|r| *r = F::ONE / (F::of_f64(f64::NAN) + F::of_f64(eps)).sqrt());
-        return (y, rstd);
+        return (Vec::new(), rstd);
     }
     let eps = F::of_f64(eps);
     let per = rows_per_task(d);
+    let mut y = uninit::<F>(x.len());
     y.par_chunks_mut(per * d).zip(rstd.par_chunks_mut(per)).enumerate().for_each(|(i, (y, rstd))| {
         let x = &x[i * per * d..][..y.len()];
-        dispatch(Forward { x, w, y, rstd, eps });
+        dispatch(Forward { x, w, y: zeroed_block(y, F::ZERO), rstd, eps });
     });
-    (y, rstd)
+    // SAFETY: the chunks of `par_chunks_mut` cover `y`, and `zeroed_block` wrote each.
+    (unsafe { assume_init(y) }, rstd)
 }
 
 fn backward_typed<F: NormFloat>(x: &[F], w: &[F], rstd: &[F], g: &[F]) -> (Vec<F>, Vec<F>) {
     let d = w.len();
-    let mut dx = F::zeros(x.len());
     if d == 0 || x.is_empty() {
-        return (dx, F::zeros(d));
+        return (F::zeros(x.len()), F::zeros(d));
     }
     let per = rows_per_task(d);
+    let mut dx = uninit::<F>(x.len());
     let partials: Vec<Vec<F>> = dx
         .par_chunks_mut(per * d)
         .enumerate()
@@ -151,10 +152,13 @@ fn backward_typed<F: NormFloat>(x: &[F], w: &[F], rstd: &[F], g: &[F]) -> (Vec<F
             let (start, len) = (i * per * d, dx.len());
             let mut dw = F::zeros(d);
             let rs = &rstd[i * per..][..len / d];
+            let dx = zeroed_block(dx, F::ZERO);
             dispatch(Backward { x: &x[start..][..len], w, rstd: rs, g: &g[start..][..len], dx, dw: &mut dw });
             dw
         })
         .collect();
+    // SAFETY: the chunks of `par_chunks_mut` cover `dx`, and `zeroed_block` wrote each.
+    let dx = unsafe { assume_init(dx) };
     let mut dw = F::zeros(d);
     for p in partials {
         for (a, b) in dw.iter_mut().zip(p) {
