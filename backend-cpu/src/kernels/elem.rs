@@ -103,7 +103,9 @@ pub(crate) trait Elem: HostElement + PartialOrd {
     /// Accumulator of sums and products: f32 for f32/bf16/f16, f64, i64 for integers and bool.
     type Acc: Acc;
     fn to_acc(self) -> Self::Acc;
-    /// `n` zeros, allocated zeroed (lazily by the OS for large buffers).
+    /// `n` zeros, from a zeroed allocation: a memset when the heap reuses freed
+    /// memory, so kernels that write every element take `uninit` buffers instead
+    /// (Note [Uninitialised outputs]).
     fn zeros(n: usize) -> Vec<Self>;
     fn truthy(self) -> bool;
     fn is_nan_(self) -> bool;
@@ -123,10 +125,10 @@ pub(crate) trait Elem: HostElement + PartialOrd {
 /// Allocations at least this large ask the OS for 2 MiB pages.
 const HUGE_PAGE_MIN: usize = 4 << 20;
 
-/// `n` zeros from a zeroed allocation (which the OS provides lazily for large
-/// buffers). Large buffers are advised to use transparent huge pages before they
-/// are first touched: a fresh 64 MiB output otherwise costs 16K page faults,
-/// more time than the kernel that fills it.
+/// `n` zeros from a zeroed allocation. Large buffers are advised to use
+/// transparent huge pages before they are first touched: a 64 MiB output in
+/// fresh memory otherwise costs 16K page faults, more time than the kernel that
+/// fills it.
 fn zeroed<T: Copy>(n: usize, zero: T) -> Vec<T> {
     let v = vec![zero; n];
     advise_huge_pages(&v);
@@ -136,20 +138,24 @@ fn zeroed<T: Copy>(n: usize, zero: T) -> Vec<T> {
 // Note [Uninitialised outputs]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A kernel that writes every element of its output (the elementwise engines in
-// map.rs) takes it from `uninit` instead of `zeros`. Up to 32 MiB, glibc's malloc
-// hands back memory of earlier, freed outputs, which `calloc` must clear first:
-// a memset as large as the output, a whole extra pass over memory (30% of the
-// samples of an add of 64K f32 elements; PyTorch does not clear its outputs).
-// Without it, `kiln-bench ops` against PyTorch went from 0.36x to 1.15x for add
-// at 256K elements, 0.59x to 1.01x at 1M and 0.74x to 1.28x at 4M. The buffer holds
-// `MaybeUninit<T>`: kernels write through `MaybeUninit::write`, so no reference
-// to uninitialised memory exists, and `assume_init` turns it into a `Vec<T>`
-// once every element is written. The engines check that their runs added up to
-// each chunk they were handed before they call it done. Kernels that read their
-// output back (softmax scales the exponentials it stored) get each block from
-// `zeroed_block`, cleared just before they work on it, while it is in cache:
-// softmax over rows went from 0.66x to 0.98x of PyTorch at 512 x 512 and from
-// 0.69x to 1.01x at 1024 x 1024.
+// map.rs) takes it from `uninit` instead of `zeros`. glibc's malloc hands back
+// the memory of earlier, freed outputs (blocks of every size come from the heap
+// once the backend is registered, Note [Keeping freed memory] in lib.rs), which
+// `calloc` must clear first: a memset as large as the output, a whole extra pass
+// over memory (30% of the samples of an add of 64K f32 elements; PyTorch does
+// not clear its outputs). Without it, kiln's add went from 0.36x to 1.15x of
+// PyTorch's GB/s at 256K elements, 0.59x to 1.01x at 1M, 0.74x to 1.28x at 4M
+// and about 1.7x to 2.6x at 16M (`benches/compare_torch.py`).
+//
+// The buffer holds `MaybeUninit<T>`: kernels write through `MaybeUninit::write`,
+// so no reference to uninitialised memory exists, and `assume_init` turns it
+// into a `Vec<T>` once every element is written. The engines check that their
+// runs added up to each chunk they were handed before they call it done.
+// Kernels that read their output back (softmax scales the exponentials it
+// stored) or accumulate into it get each block from `zeroed_block`, cleared just
+// before they work on it, while it is in cache: softmax over rows went from
+// 0.66x to 0.98x of PyTorch at 512 x 512 and from 0.69x to 1.01x at 1024 x 1024.
+// Other kernels (cat, gather, attention, ...) still take `zeros`.
 
 /// A fresh buffer of `n` elements for a kernel that writes every one of them
 /// (Note [Uninitialised outputs]); large buffers are advised to use huge pages.
