@@ -30,9 +30,10 @@ fn filled<O: Send>(
         assert_eq!(written, chunk.len(), "an elementwise kernel wrote {written} of its {} outputs", chunk.len());
     });
     // SAFETY: `par_chunks_by` hands each element of `out` to exactly one chunk, and
-    // `fill` wrote every element of the runs it walked, which `Nest::walk` makes
-    // consecutive and disjoint within the chunk: as their lengths add up to the
-    // chunk's (asserted above), they cover it, so every element is initialised.
+    // `fill` wrote every element of the runs it walked, which `Nest::walk` keeps
+    // inside the chunk and disjoint (in order, or tile by tile): as their lengths
+    // add up to the chunk's (asserted above), they cover it, so every element is
+    // initialised.
     unsafe { assume_init(out) }
 }
 
@@ -209,7 +210,7 @@ pub(crate) fn fmap<T: FloatElem, const N: usize>(
                     return;
                 }
             }
-            if stage.is_empty() {
+            if ostage.is_empty() {
                 stage = vec![<T::C as Compute>::ZERO; N * cap];
                 ostage = Box::<[T::C]>::new_uninit_slice(cap).into_vec();
             }
