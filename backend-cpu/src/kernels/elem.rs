@@ -179,16 +179,13 @@ pub(crate) unsafe fn assume_init<T>(v: Vec<MaybeUninit<T>>) -> Vec<T> {
     unsafe { Vec::from_raw_parts(ptr.cast::<T>(), len, cap) }
 }
 
-/// Writes `src` into `dst` (same length) and returns it as initialised.
+/// Writes `src` into all of `dst` (same length).
 #[inline(always)]
-pub(crate) fn write_slice<'a, T: Copy>(dst: &'a mut [MaybeUninit<T>], src: &[T]) -> &'a mut [T] {
+pub(crate) fn write_slice<T: Copy>(dst: &mut [MaybeUninit<T>], src: &[T]) {
     assert_eq!(dst.len(), src.len(), "write_slice: lengths differ");
     for (d, &s) in dst.iter_mut().zip(src) {
         d.write(s);
     }
-    // SAFETY: the loop wrote all `dst.len()` elements (the lengths are equal), and
-    // `MaybeUninit<T>` has `T`'s layout; the borrow of `dst` moves into the result.
-    unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<T>(), dst.len()) }
 }
 
 /// A block of an `uninit` buffer, zeroed just before a kernel that reads its
@@ -725,10 +722,7 @@ impl FloatElem for f16 {
     fn store(src: &[f32], dst: &mut [MaybeUninit<Self>]) {
         // Cleared first (a staged run of at most STAGE elements, in cache) so that
         // half's vectorised conversion, which takes `&mut [f16]`, can fill it.
-        dst.fill(MaybeUninit::new(f16::ZERO));
-        // SAFETY: every element was just written, and `MaybeUninit<f16>` has `f16`'s layout.
-        let d = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f16>(), dst.len()) };
-        d.convert_from_f32_slice(src)
+        zeroed_block(dst, f16::ZERO).convert_from_f32_slice(src)
     }
     #[inline(always)]
     fn to_c(self) -> f32 {
