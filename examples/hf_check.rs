@@ -232,8 +232,8 @@ fn run(a: Args) -> Result<()> {
             }
             let s = step.stats();
             eprintln!(
-                "kiln::compile: {} calls, {} traced, {} replayed, {} retraces",
-                s.calls, s.traces, s.replays, s.retraces
+                "kiln::compile: {} calls, {} traced, {} replayed, {} retraces, {} traced for host values",
+                s.calls, s.traces, s.replays, s.retraces, s.host_value_traces
             );
         } else {
             for _ in 1..a.steps {

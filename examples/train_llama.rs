@@ -689,11 +689,10 @@ fn run(mut args: Args) -> Result<()> {
     // One training step: the micro-batches' gradients accumulate in `.grad`
     // (each loss scaled by 1 / grad_accum, so the step sees their mean), then
     // clipping, AdamW and zero_grad. Returns the mean loss and the gradient norm.
-    // One training step: the micro-batches' gradients accumulate in `.grad`
-    // (each loss scaled by 1 / grad_accum, so the step sees their mean), then
-    // clipping, AdamW and zero_grad. Returns the mean loss and the gradient norm.
     // The model and optimizer sit in RefCells: with --mode compiled the captured
     // step holds them between calls, while evaluation and checkpoints borrow them.
+    // `--grad-accum` and `--clip` are fixed for the run: the step declares them
+    // constants (kiln::constant), so a compiled step may replay them.
     let model = std::cell::RefCell::new(model);
     let opt = std::cell::RefCell::new(opt);
     let train_step = |batches: &[Tensor]| -> Result<Vec<Tensor>> {
@@ -703,15 +702,15 @@ fn run(mut args: Args) -> Result<()> {
         for batch in batches {
             let logits = model.forward(batch, None)?;
             let loss = causal_lm_loss(&logits, batch, None)?;
-            loss.div(args.grad_accum as f64)?.backward()?;
+            kiln::constant(|| loss.div(args.grad_accum as f64))?.backward()?;
             let l = loss.detach();
             loss_sum = Some(match loss_sum {
                 None => l,
                 Some(s) => s.add(&l)?,
             });
         }
-        let loss = loss_sum.expect("at least one micro-batch").div(args.grad_accum as f64)?;
-        let grad_norm = clip_grad_norm_(&opt.params(), args.clip)?;
+        let loss = kiln::constant(|| loss_sum.expect("at least one micro-batch").div(args.grad_accum as f64))?;
+        let grad_norm = kiln::constant(|| clip_grad_norm_(&opt.params(), args.clip))?;
         opt.step()?;
         opt.zero_grad();
         Ok(vec![loss, grad_norm])
@@ -758,7 +757,7 @@ fn run(mut args: Args) -> Result<()> {
             model.train(true);
         }
         if step % args.save_every == 0 || step == args.steps {
-            let state = TrainerState::capture(step, Some(data.train.state()))
+            let state = TrainerState::capture(step, Some(data.train.state()))?
                 .with_extra(json!({ "args": args.run_settings() }));
             save_checkpoint(
                 checkpoint_dir(&args.out, step),
@@ -774,8 +773,8 @@ fn run(mut args: Args) -> Result<()> {
     if let Some(c) = &compiled {
         let s = c.stats();
         println!(
-            "kiln::compile: {} steps, {} traced, {} replayed, {} retraces",
-            s.calls, s.traces, s.replays, s.retraces
+            "kiln::compile: {} steps, {} traced, {} replayed, {} retraces, {} traced for host values",
+            s.calls, s.traces, s.replays, s.retraces, s.host_value_traces
         );
     }
     drop(compiled);

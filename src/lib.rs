@@ -21,8 +21,9 @@ pub use kiln_cpu as cpu;
 pub use kiln_nn as nn;
 pub use kiln_tensor as tensor;
 pub use kiln_tensor::{
-    is_grad_enabled, manual_seed, register_backend, registered_devices, set_grad_enabled, Backend, DType, Device,
-    DeviceKind, Error, Layout, Op, Operand, Result, Scalar, Tensor, TensorOptions,
+    constant, default_generator, is_grad_enabled, manual_seed, register_backend, registered_devices, set_grad_enabled,
+    Backend, DType, Device, DeviceKind, Error, Generator, HostScalar, Layout, Op, Operand, Result, Scalar, Tensor,
+    TensorOptions,
 };
 pub use kiln_tpu as tpu;
 
@@ -51,7 +52,7 @@ pub fn init_device(device: Device) -> Result<()> {
 
 /// Captures a function of tensors on a PJRT device into one compiled program
 /// (torch.compile's role): see [`tpu::compile`].
-pub use kiln_tpu::{compile, Compiled};
+pub use kiln_tpu::{compile, CaptureStats, Compiled, HostValues};
 
 /// `use kiln::prelude::*;` brings the everyday names into scope.
 pub mod prelude {

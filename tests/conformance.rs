@@ -26,6 +26,8 @@ mod inplace;
 mod linalg;
 #[path = "conformance/operators.rs"]
 mod operators;
+#[path = "conformance/random.rs"]
+mod random;
 #[path = "conformance/reductions.rs"]
 mod reductions;
 #[path = "conformance/views.rs"]

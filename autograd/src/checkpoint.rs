@@ -1,12 +1,13 @@
 //! Activation checkpointing (`torch.utils.checkpoint`): run a function without
 //! keeping its intermediate tensors, and recompute them during backward.
-use kiln_tensor::random::{get_state, set_state};
-use kiln_tensor::{is_grad_enabled, CustomBackward, Error, Result, Tensor};
+use kiln_tensor::generator::{default_generator, default_generators};
+use kiln_tensor::{is_grad_enabled, CustomBackward, Error, Generator, Result, Tensor};
 use std::sync::Arc;
 
 /// Runs `f(inputs)` without recording its inside; during backward, `f` runs again
-/// (with the same random-number state, so dropout masks match) to get the
-/// gradients. Trades compute for memory: only the inputs are kept.
+/// (with the default generators of the CPU and of the inputs' devices put back
+/// where they were, so dropout masks match) to get the gradients. Trades
+/// compute for memory: only the inputs are kept.
 ///
 /// ```
 /// use kiln::prelude::*;
@@ -23,7 +24,7 @@ pub fn checkpoint<F>(f: F, inputs: &[&Tensor]) -> Result<Vec<Tensor>>
 where
     F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static,
 {
-    let rng = get_state();
+    let rng = generator_states(inputs)?;
     let outputs = {
         let _g = crate::no_grad();
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
@@ -34,8 +35,9 @@ where
     }
     let f = Arc::new(f);
     let backward: CustomBackward = Arc::new(move |grads, edges| {
-        let saved_rng = get_state();
-        set_state(rng);
+        let saved_rng: Vec<(Generator, Tensor)> =
+            rng.iter().map(|(g, _)| Ok((g.clone(), g.get_state()?))).collect::<Result<_>>()?;
+        restore(&rng)?;
         let _g = crate::enable_grad();
         let fresh: Vec<Tensor> = edges
             .iter()
@@ -54,7 +56,7 @@ where
             })
             .collect::<Result<_>>()?;
         let outs = f(&fresh);
-        set_state(saved_rng);
+        restore(&saved_rng)?;
         let outs = outs?;
         let pairs: Vec<(&Tensor, &Tensor)> = outs
             .iter()
@@ -74,4 +76,21 @@ where
     let out_refs: Vec<&Tensor> = outputs.iter().collect();
     Tensor::record_custom("checkpoint", inputs, &out_refs, backward);
     Ok(outputs)
+}
+
+/// The states of the default generators `f` may draw from: the CPU's, the
+/// inputs' devices' (made now if they do not exist yet) and any other made so far.
+fn generator_states(inputs: &[&Tensor]) -> Result<Vec<(Generator, Tensor)>> {
+    default_generator(kiln_tensor::Device::Cpu)?;
+    for t in inputs {
+        default_generator(t.device())?;
+    }
+    default_generators().into_iter().map(|g| Ok((g.clone(), g.get_state()?))).collect()
+}
+
+fn restore(states: &[(Generator, Tensor)]) -> Result<()> {
+    for (g, s) in states {
+        g.set_state(s)?;
+    }
+    Ok(())
 }

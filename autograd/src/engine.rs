@@ -122,6 +122,9 @@ pub(crate) fn run(
     sink: &mut Sink<'_>,
 ) -> Result<()> {
     let _mode = GradModeGuard::set(create_graph);
+    // The gradient rules' scalars follow from the recorded forward, whose own host
+    // values were classified when it ran (Note [Host values]).
+    let _constants = kiln_tensor::trace::ConstantScope::enter();
     let mut grads: HashMap<u64, SmallVec<[Option<Tensor>; 2]>> = HashMap::new();
     let mut heap: BinaryHeap<Pending> = BinaryHeap::new();
     let push = |heap: &mut BinaryHeap<Pending>,

@@ -114,7 +114,7 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
         _ => return Ok(out),
     };
     match ctx.op {
-        Op::Full { .. } | Op::Arange { .. } => {}
+        Op::Full { .. } | Op::Arange { .. } | Op::RandomBits { .. } => {}
         Op::Unary(u) => {
             if !ctx.needs(0) {
                 return Ok(out);
@@ -264,7 +264,8 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                         out[1] = Some(prim(Op::Binary(SiluGradMul), &[a, &g])?);
                     }
                 }
-                And | Or | Xor => {}
+                // Integer and bool ops: nothing to differentiate.
+                And | Or | Xor | BitwiseAnd | BitwiseOr | BitwiseXor | LeftShift | RightShift => {}
             }
         }
         Op::Compare(_) => {}

@@ -12,7 +12,7 @@ use crate::pjrt::{Buffer, Client, Event, Executable, Upload};
 use kiln_tensor::{Backend, DType, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 /// Work dispatched in Strict mode that nobody has waited for yet: a program
 /// and its completion event, or a host-to-device copy and the bytes it reads.
@@ -240,6 +240,9 @@ impl PjrtBackend {
         device: Device,
     ) -> Result<(Vec<Arc<Storage>>, bool)> {
         let (results, checks) = if let Some(values) = lower::creation_args(op) {
+            if let Some(log) = &mut g.host {
+                log.value(kiln_tensor::trace::in_constant_scope(), || describe_creation(op))?;
+            }
             let mut args = Vec::with_capacity(values.len());
             for (bytes, dt) in values {
                 args.push(g.constant(bytes, dt, |b| self.upload_scalar(b, dt, device))?);
@@ -297,7 +300,12 @@ impl PjrtBackend {
         let src_flat = self.value_in(g, &data_of(src)?, src.storage())?;
         let s = lower::read_view(&mut g.builder, &src_flat, src.layout())?;
         let mut w = dst.storage().write();
-        let dst_flat = self.value_in(g, &data_in(&w, device)?, dst.storage())?;
+        let before = data_in(&w, device)?;
+        let dst_flat = self.value_in(g, &before, dst.storage())?;
+        let own = matches!(&before, PjrtBuffer::Deferred(s) if s.graph == g.id);
+        if g.host.is_some() && !own && !g.saved.iter().any(|(s, _)| Weak::ptr_eq(s, &Arc::downgrade(dst.storage()))) {
+            g.saved.push((Arc::downgrade(dst.storage()), before));
+        }
         let new = lower::write_view(&mut g.builder, &dst_flat, dst.layout(), &s)?;
         let slot = g.output(new);
         g.sinks[slot.index] = Arc::downgrade(dst.storage());
@@ -534,6 +542,16 @@ impl PjrtBackend {
     }
 }
 
+/// What a creation op's value is, for the messages about host values.
+fn describe_creation(op: &Op) -> String {
+    let user = kiln_tensor::trace::current_scalar_use().unwrap_or(op.name());
+    match op {
+        Op::Full { value, dtype, .. } => format!("{user}: the host scalar {} ({dtype})", value.to_f64()),
+        Op::Arange { start, step, .. } => format!("{user}: the host values start {start} and step {step}"),
+        _ => format!("{user}: a host value"),
+    }
+}
+
 // Note [Checks on the device]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // XLA clamps out-of-range gather/scatter indices and returns garbage for an
@@ -574,7 +592,15 @@ impl Backend for PjrtBackend {
             Mode::Debug => upload.wait()?,
             Mode::Strict | Mode::Defer => self.queue(Pending::Upload(upload))?,
         }
-        Ok(self.storage(b, dtype, device))
+        let b = Arc::new(b);
+        crate::capture::with_graph(device.index(), |g| {
+            if let Some(log) = &mut g.host {
+                let what = format!("host data ({len} {dtype} values) uploaded");
+                log.upload(Arc::as_ptr(&b) as usize, kiln_tensor::trace::in_constant_scope(), what);
+            }
+        });
+        let st = Storage::new(StorageData::Device(Box::new(PjrtBuffer::Ready(b))), dtype, len, device);
+        Ok(Arc::new(st))
     }
 
     fn to_host(&self, t: &Tensor) -> Result<HostBuffer> {

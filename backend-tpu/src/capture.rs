@@ -3,8 +3,10 @@
 //! later calls replay (see Note [Capture]).
 use crate::backend::{data_in, PjrtBackend, PjrtBuffer};
 use crate::defer::{out_meta, Graph, ParamSrc, CAPTURE_BIT};
+use crate::host_values::HostValues;
 use crate::lower::Check;
 use crate::pjrt::{Buffer, Executable};
+use kiln_tensor::trace::WatchRead;
 use kiln_tensor::{DType, Device, Error, Layout, Result, Storage, StorageData, Tensor};
 use std::cell::RefCell;
 use std::sync::{Arc, Weak};
@@ -28,11 +30,22 @@ use std::sync::{Arc, Weak};
 // same program text, the same wiring and the same constants. The first call of
 // a training step usually creates optimizer state (its program makes zeros);
 // the second reads that state; the third traces like the second and is
-// cached. A host value that changes every call (a learning rate computed on
-// the host, a step count) shows up as a changed constant, so such a function
-// keeps being traced (correct, slow, and logged with the reason) instead of
-// replaying a stale value: keep such values on the device (`AdamW`'s
-// capturable mode does). Each trace and replay runs the same compiled program.
+// cached. Each trace and replay runs the same compiled program.
+//
+// A replay does not run the function, so what the program took from the host
+// is frozen into it. Note [Host values] (kiln-tensor's `trace.rs`) gives the
+// rule: every creation value and upload entering the program is a declared
+// constant (`kiln::constant`, and kiln's own layers, losses, optimizers and
+// autograd), a watched value, or a host value of the function's own code,
+// which the function's `HostValues` policy handles (by default: trace every
+// call, never replay). A replay first checks the watches its trace read (a
+// module's training mode and dropout probability, an optimizer's settings, a
+// `kiln::HostScalar`) and traces again, with the reason logged and counted,
+// when one holds another value. Random numbers are no host values: a
+// generator's state is a device tensor the program reads and writes (Note
+// [Generators]), so every replay draws fresh numbers. `verify(true)` traces
+// every call and fails when a stable trace would have been replayed with
+// another program, to check a function against the rule.
 //
 // Reading tensor data inside the traced function is an error (the value does
 // not exist yet); so is using a tensor the function computed after the call
@@ -152,6 +165,10 @@ struct Trace {
     out_meta: Vec<(DType, Vec<usize>)>,
     returns: Vec<Return>,
     checks: Vec<(Check, &'static str)>,
+    /// The watched values the function read, and what they held.
+    watches: Vec<WatchRead>,
+    /// The undeclared host values of the function's own code that entered the program.
+    host: Vec<String>,
 }
 
 /// What must match between consecutive traces for the trace to be replayed.
@@ -165,7 +182,7 @@ struct Signature {
 
 enum EntryState {
     Warming(Signature),
-    Ready(Trace),
+    Ready(Trace, Signature),
 }
 
 struct Entry {
@@ -186,6 +203,11 @@ pub struct CaptureStats {
     pub retraces: u64,
     /// Why the last retrace happened.
     pub last_retrace: Option<String>,
+    /// Traces that read host values of the function's own code (under
+    /// `HostValues::Retrace`, such a trace is never replayed).
+    pub host_value_traces: u64,
+    /// The first such host value of the last such trace.
+    pub last_host_value: Option<String>,
 }
 
 /// A function compiled by [`compile`]: call it like the function.
@@ -195,19 +217,30 @@ pub struct Compiled<F> {
     entries: Vec<Entry>,
     stats: CaptureStats,
     error_on_retrace: bool,
+    host_values: HostValues,
+    verify: bool,
 }
 
 /// Captures `f`, a function of PJRT tensors on `device` returning tensors, as
 /// torch.compile does: traced into one program the first time it sees its
 /// inputs' shapes, replayed afterwards (see Note [Capture] in `capture.rs`).
 ///
+/// Random numbers drawn inside are fresh on every call, replays included:
+/// the generator's state is a device tensor the program reads and advances.
+/// Host values of the function's own code (here the dropout probability and
+/// the step size) are frozen into a replayed program, so they are declared
+/// constants with `kiln_tensor::constant`; without it the function would be
+/// traced on every call (see [`HostValues`] and Note [Host values]).
+///
 /// ```no_run
-/// use kiln_tensor::{Device, DType, Tensor};
+/// use kiln_tensor::{constant, Device, DType, Tensor};
 /// kiln_tpu::register()?;
 /// let dev = Device::Tpu(0);
+/// kiln_tensor::manual_seed(0);
 /// let w = Tensor::ones(&[4], (DType::F32, dev))?;
 /// let mut step = kiln_tpu::compile(dev, |xs: &[Tensor]| {
-///     w.sub_(&xs[0].mul(0.1)?)?; // state updated in place
+///     let h = constant(|| xs[0].dropout(0.1, true))?; // a new mask every call
+///     w.sub_(&constant(|| h.mul(0.1))?)?; // state updated in place
 ///     Ok(vec![w.sum()?])
 /// });
 /// for _ in 0..5 {
@@ -215,13 +248,22 @@ pub struct Compiled<F> {
 ///     let total = step.call(&[x])?;
 ///     println!("{}", total[0].item::<f32>()?);
 /// }
+/// assert_eq!(step.stats().host_value_traces, 0);
 /// # Ok::<(), kiln_tensor::Error>(())
 /// ```
 pub fn compile<F>(device: Device, f: F) -> Compiled<F>
 where
     F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
 {
-    Compiled { f, device, entries: vec![], stats: CaptureStats::default(), error_on_retrace: false }
+    Compiled {
+        f,
+        device,
+        entries: vec![],
+        stats: CaptureStats::default(),
+        error_on_retrace: false,
+        host_values: HostValues::default(),
+        verify: std::env::var("KILN_COMPILE_VERIFY").is_ok_and(|v| v == "1"),
+    }
 }
 
 fn log(msg: &str) {
@@ -239,6 +281,22 @@ where
     /// Makes a retrace (a guard failing after a trace was cached) an error instead of a log line.
     pub fn error_on_retrace(mut self, on: bool) -> Self {
         self.error_on_retrace = on;
+        self
+    }
+
+    /// What to do with host values of the function's own code (see
+    /// [`HostValues`] and Note [Host values]); `HostValues::Retrace` by default.
+    pub fn host_values(mut self, policy: HostValues) -> Self {
+        self.host_values = policy;
+        self
+    }
+
+    /// Traces every call, also once a trace is stable, and fails (after
+    /// running the call) when the program differs from the stable trace's:
+    /// a check that the function depends on nothing a replay cannot see.
+    /// Also on with `KILN_COMPILE_VERIFY=1`.
+    pub fn verify(mut self, on: bool) -> Self {
+        self.verify = on;
         self
     }
 
@@ -262,41 +320,77 @@ where
         self.stats.calls += 1;
         let guard: Vec<Guard> = inputs.iter().map(Guard::of).collect();
         let pos = self.entries.iter().position(|e| e.guard == guard);
+        let mut verifying = false;
         if let Some(p) = pos {
-            if let EntryState::Ready(trace) = &self.entries[p].state {
-                self.stats.replays += 1;
-                return replay(backend, trace, inputs, self.device, None);
+            if let EntryState::Ready(trace, _) = &self.entries[p].state {
+                match changed_watch(&trace.watches) {
+                    None if !self.verify => {
+                        self.stats.replays += 1;
+                        return replay(backend, trace, inputs, self.device, None);
+                    }
+                    None => verifying = true,
+                    Some(reason) => self.retrace(reason)?,
+                }
             }
-        } else if let Some(prev) = self.entries.iter().rev().find(|e| matches!(e.state, EntryState::Ready(_))) {
+        } else if let Some(prev) = self.entries.iter().rev().find(|e| matches!(e.state, EntryState::Ready(..))) {
             let reason = retrace_reason(&prev.guard, &guard);
-            self.stats.retraces += 1;
-            self.stats.last_retrace = Some(reason.clone());
-            log(&format!("retracing: {reason}"));
-            if self.error_on_retrace {
-                return Err(Error::invalid("compile", format!("retrace refused (error_on_retrace is set): {reason}")));
-            }
+            self.retrace(reason)?;
         }
         self.stats.traces += 1;
         let (trace, sig, traced_args) = self.trace(backend, inputs)?;
+        if let Some(first) = trace.host.first() {
+            self.stats.host_value_traces += 1;
+            self.stats.last_host_value = Some(first.clone());
+            log(&format!(
+                "trace {} reads host values of the function's own code ({first}{}); it is not replayed (HostValues::Retrace); declare constants with kiln::constant, or pass changing values as inputs or kiln::HostScalar",
+                self.stats.traces,
+                if trace.host.len() > 1 { format!(" and {} more", trace.host.len() - 1) } else { String::new() }
+            ));
+        }
         // This call's own run: the buffers the trace read (state now holds the trace's results).
         let outs = replay(backend, &trace, inputs, self.device, Some(traced_args))?;
+        let replayable = trace.host.is_empty();
         match pos {
             Some(p) => {
-                let stable = matches!(&self.entries[p].state, EntryState::Warming(prev) if *prev == sig);
-                if !stable {
-                    if let EntryState::Warming(prev) = &self.entries[p].state {
-                        log(&format!(
-                            "trace {} differs from the previous one ({}); tracing again next call",
-                            self.stats.traces,
-                            difference(prev, &sig)
-                        ));
-                    }
+                let prev = match &self.entries[p].state {
+                    EntryState::Warming(prev) | EntryState::Ready(_, prev) => prev,
+                };
+                let stable = *prev == sig;
+                if verifying && !stable {
+                    let d = difference(prev, &sig);
+                    self.entries[p].state = EntryState::Warming(sig);
+                    return Err(Error::invalid(
+                        "compile",
+                        format!(
+                            "verify: call {} traced another program than the stable trace ({d}); without verify it would have replayed the stable trace, returning stale values",
+                            self.stats.calls
+                        ),
+                    ));
                 }
-                self.entries[p].state = if stable { EntryState::Ready(trace) } else { EntryState::Warming(sig) };
+                if !stable && replayable {
+                    log(&format!(
+                        "trace {} differs from the previous one ({}); tracing again next call",
+                        self.stats.traces,
+                        difference(prev, &sig)
+                    ));
+                }
+                self.entries[p].state =
+                    if stable && replayable { EntryState::Ready(trace, sig) } else { EntryState::Warming(sig) };
             }
             None => self.entries.push(Entry { guard, state: EntryState::Warming(sig) }),
         }
         Ok(outs)
+    }
+
+    /// Counts and logs a retrace (or refuses it).
+    fn retrace(&mut self, reason: String) -> Result<()> {
+        self.stats.retraces += 1;
+        self.stats.last_retrace = Some(reason.clone());
+        log(&format!("retracing: {reason}"));
+        if self.error_on_retrace {
+            return Err(Error::invalid("compile", format!("retrace refused (error_on_retrace is set): {reason}")));
+        }
+        Ok(())
     }
 
     /// Runs the function on the capture graph and builds its trace.
@@ -310,16 +404,35 @@ where
         impl Drop for Clear {
             fn drop(&mut self) {
                 ACTIVE.with(|a| *a.borrow_mut() = None);
+                kiln_tensor::trace::end_watching();
             }
         }
-        ACTIVE.with(|a| *a.borrow_mut() = Some(Graph::new_capture(dev)));
+        ACTIVE.with(|a| *a.borrow_mut() = Some(Graph::new_capture(dev, self.host_values)));
+        kiln_tensor::trace::begin_watching();
         let clear = Clear;
         let result = (self.f)(inputs);
-        let g = ACTIVE.with(|a| a.borrow_mut().take()).expect("the capture graph");
+        let watches = kiln_tensor::trace::end_watching();
+        let mut g = ACTIVE.with(|a| a.borrow_mut().take()).expect("the capture graph");
         drop(clear);
-        let returned = result?;
-        build(backend, g, inputs, &returned)
+        let saved = std::mem::take(&mut g.saved);
+        let built = result.and_then(|returned| build(backend, g, inputs, &returned, watches));
+        if built.is_err() {
+            // The storages the failed trace wrote get their buffers back.
+            for (w, data) in saved {
+                if let Some(st) = w.upgrade() {
+                    st.replace(StorageData::Device(Box::new(data)));
+                }
+            }
+        }
+        built
     }
+}
+
+/// The first watch that holds another value than when the trace read it, as a reason.
+fn changed_watch(watches: &[WatchRead]) -> Option<String> {
+    watches.iter().find(|w| w.current() != w.value).map(|w| {
+        format!("the watched value {} changed (from {:#x} to {:#x}) since the trace", w.name, w.value, w.current())
+    })
 }
 
 fn retrace_reason(prev: &[Guard], now: &[Guard]) -> String {
@@ -361,8 +474,10 @@ fn build(
     g: Graph,
     inputs: &[Tensor],
     returned: &[Tensor],
+    watches: Vec<WatchRead>,
 ) -> Result<(Trace, Signature, Vec<Arc<Buffer>>)> {
-    let Graph { builder: mut b, params, outs, sinks: sink_storages, checks, id, device: g_device, .. } = g;
+    let Graph { builder: mut b, params, outs, sinks: sink_storages, checks, id, device: g_device, host, .. } = g;
+    let mut host = host.expect("a capture graph records host values");
     let mut sources = vec![];
     let mut constants = vec![];
     for (buf, _, src) in &params {
@@ -376,8 +491,12 @@ fn build(
                 match (input, w.upgrade()) {
                     (Some(i), _) => Source::Input(i),
                     (None, Some(_)) => Source::State(w.clone()),
-                    // Data uploaded inside the function (a tensor moved to the device there): a constant of the trace.
-                    (None, None) => Source::Constant(buf.clone()),
+                    // Data uploaded inside the function (a tensor moved to the device there), or a
+                    // tensor dropped inside it: a constant of the trace, and a host value unless declared.
+                    (None, None) => {
+                        host.orphan(Arc::as_ptr(buf) as usize)?;
+                        Source::Constant(buf.clone())
+                    }
                 }
             }
         });
@@ -464,6 +583,8 @@ fn build(
         out_meta: meta,
         returns,
         checks: checks.iter().map(|c| (c.1.clone(), c.2)).collect(),
+        watches,
+        host: host.undeclared,
     };
     debug_assert_eq!(trace.out_meta.len(), n + trace.checks.len());
     Ok((trace, Signature { text, sources: kinds, constants, state_sinks }, args_bufs))

@@ -2,6 +2,7 @@
 //! per device instead of running; at a sync point the graph becomes one
 //! StableHLO module, compiled once per structure and executed, and the
 //! deferred results are filled in (see Note [Deferred buffers]).
+use crate::host_values::{HostLog, HostValues};
 use crate::lower::{Builder, Check, Ty, Val};
 use crate::pjrt::Buffer;
 use kiln_tensor::Storage;
@@ -75,6 +76,11 @@ pub struct Graph {
     /// The argument of each creation-op value (dtype and bytes) the graph has,
     /// so that equal values share one argument (Note [Shared constants]).
     constants: HashMap<(DType, Vec<u8>), Val>,
+    /// A capture graph's record of the host values entering it.
+    pub host: Option<HostLog>,
+    /// A capture graph's storages written while tracing, with what they held
+    /// before: put back when the trace fails.
+    pub saved: Vec<(Weak<Storage>, PjrtBuffer)>,
 }
 
 // Note [Shared constants]
@@ -104,6 +110,8 @@ impl Graph {
             checks: vec![],
             ops: 0,
             constants: HashMap::new(),
+            host: None,
+            saved: vec![],
         }
     }
 
@@ -145,9 +153,10 @@ impl Graph {
     }
 
     /// A graph recording a traced function (its slots never run as such).
-    pub fn new_capture(device: usize) -> Graph {
+    pub fn new_capture(device: usize, policy: HostValues) -> Graph {
         let mut g = Graph::new(device);
         g.id |= CAPTURE_BIT;
+        g.host = Some(HostLog::new(policy));
         g
     }
 

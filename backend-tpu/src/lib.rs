@@ -14,12 +14,14 @@ mod backend;
 pub mod cache;
 mod capture;
 mod defer;
+mod host_values;
 pub mod lower;
 mod mode;
 pub mod pjrt;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
 pub use capture::{compile, is_tracing, CaptureStats, Compiled};
+pub use host_values::HostValues;
 pub use mode::{mode, nan_trap, set_mode, set_nan_trap, with_mode, Mode};
 
 use kiln_tensor::{DeviceKind, Error, Result};

@@ -29,7 +29,7 @@ fn a_step_with_state_replays_and_matches_eager() {
     let w_eager = vec_on(vec![1.0, 2.0, 3.0]);
     let mut step = kiln_tpu::compile(TPU, |xs: &[Tensor]| {
         let g = xs[0].mul(&w)?;
-        w.sub_(&g.mul(0.1)?)?;
+        w.sub_(&kiln_tensor::constant(|| g.mul(0.1))?)?; // a literal: a declared constant
         Ok(vec![w.sum()?, g])
     });
     for i in 0..6 {

@@ -178,7 +178,8 @@ fn train_compiled(a: &LlmArgs, model: &LlamaForCausalLM, opt: &mut AdamW, ids: &
         .set("calls", s.calls)
         .set("traces", s.traces)
         .set("replays", s.replays)
-        .set("retraces", s.retraces);
+        .set("retraces", s.retraces)
+        .set("host_value_traces", s.host_value_traces);
     if let (Some(b), Some(e)) = (before, stats) {
         l = l
             .set("pjrt_compiles", e.compiles - b.compiles)

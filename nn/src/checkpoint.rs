@@ -1,7 +1,7 @@
 //! Training checkpoints: the model in the Hugging Face layout (`config.json` +
 //! `model.safetensors`), the optimizer state (`optimizer.safetensors`), and
-//! `trainer_state.json` (step, global RNG state, data loader position, free
-//! fields), written atomically into one directory, so that a resumed run
+//! `trainer_state.json` (step, the state of every default random generator,
+//! data loader position, free fields), written atomically into one directory, so that a resumed run
 //! continues exactly as the uninterrupted one would have.
 //!
 //! ```no_run
@@ -9,12 +9,12 @@
 //! # fn demo(model: &mut dyn kiln::nn::module::Module, opt: &mut dyn kiln::nn::optim::Optimizer,
 //! #         loader: &mut kiln::nn::data::TokenLoader) -> kiln::Result<()> {
 //! // Saving, every N steps:
-//! let state = TrainerState::capture(100, Some(loader.state()));
+//! let state = TrainerState::capture(100, Some(loader.state()))?;
 //! save_checkpoint(checkpoint_dir("out", 100), model, None, opt, &state)?;
 //! // Resuming:
 //! if let Some(dir) = latest_checkpoint("out")? {
 //!     let ckpt = load_checkpoint(dir)?;
-//!     ckpt.restore(model, opt)?; // weights, optimizer state, RNG
+//!     ckpt.restore(model, opt)?; // weights, optimizer state, generators
 //!     if let Some(l) = ckpt.state.loader { loader.set_state(l)?; }
 //! }
 //! # Ok(()) }
@@ -23,8 +23,8 @@ use crate::data::LoaderState;
 use crate::io::{load_checkpoint_dir, load_safetensors, save_checkpoint_dir, save_safetensors, write_atomic};
 use crate::module::Module;
 use crate::optim::Optimizer;
-use kiln_tensor::random::{get_state, set_state};
-use kiln_tensor::{Device, Error, Result, Tensor};
+use kiln_tensor::generator::{default_generator, default_generators};
+use kiln_tensor::{is_registered, Device, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -35,15 +35,16 @@ pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
 /// The model configuration file (Hugging Face layout).
 pub const CONFIG_FILE: &str = "config.json";
 
-const FORMAT: &str = "kiln-trainer-state-1";
+const FORMAT: &str = "kiln-trainer-state-2";
 
 /// Everything besides the weights and the optimizer state that a resumed run needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainerState {
     /// Optimizer steps done.
     pub step: u64,
-    /// kiln's global generator (`kiln_tensor::random::get_state`): dropout, sampling.
-    pub rng_state: [u64; 4],
+    /// The state (`[key, offset]`) of the default generator of each device that
+    /// has one (dropout masks, sampling, random initialisation).
+    pub generators: Vec<(Device, [i64; 2])>,
     /// The training data loader's position.
     pub loader: Option<LoaderState>,
     /// Free-form fields of the training program (loss history, arguments, ...).
@@ -51,25 +52,42 @@ pub struct TrainerState {
 }
 
 impl TrainerState {
-    /// The state now: `step`, the global generator's state and the loader position.
-    pub fn capture(step: u64, loader: Option<LoaderState>) -> TrainerState {
-        TrainerState { step, rng_state: get_state(), loader, extra: serde_json::Value::Null }
+    /// The state now: `step`, the default generators' states (read from their
+    /// devices) and the loader position.
+    pub fn capture(step: u64, loader: Option<LoaderState>) -> Result<TrainerState> {
+        let mut generators = vec![];
+        for g in default_generators() {
+            let v = g.get_state()?.to_vec::<i64>()?;
+            generators.push((g.device(), [v[0], v[1]]));
+        }
+        Ok(TrainerState { step, generators, loader, extra: serde_json::Value::Null })
     }
     /// Adds free-form fields.
     pub fn with_extra(mut self, extra: serde_json::Value) -> TrainerState {
         self.extra = extra;
         self
     }
-    /// Puts the global generator back where it was when the state was captured.
-    pub fn restore_rng(&self) {
-        set_state(self.rng_state);
+    /// Puts the default generators back where they were when the state was
+    /// captured (those of devices with no registered backend are left alone:
+    /// nothing can draw from them).
+    pub fn restore_rng(&self) -> Result<()> {
+        for (device, st) in &self.generators {
+            if is_registered(device.kind()) {
+                default_generator(*device)?.set_state(&Tensor::from_vec(st.to_vec(), &[2])?)?;
+            }
+        }
+        Ok(())
     }
     /// The JSON of `trainer_state.json` (64-bit values as strings).
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
             "format": FORMAT,
             "global_step": self.step,
-            "rng_state": self.rng_state.iter().map(|s| format!("{s:016x}")).collect::<Vec<_>>(),
+            "generators": self
+                .generators
+                .iter()
+                .map(|(d, st)| (d.to_string(), serde_json::json!(st.map(|w| format!("{:016x}", w as u64)))))
+                .collect::<serde_json::Map<_, _>>(),
             "loader": self.loader.map(|l| l.to_json()),
             "extra": self.extra,
         })
@@ -77,20 +95,34 @@ impl TrainerState {
     /// Reads [`TrainerState::to_json`].
     pub fn from_json(v: &serde_json::Value) -> Result<TrainerState> {
         let bad = |what: &str| Error::invalid("TrainerState", format!("{TRAINER_STATE_FILE}: {what}"));
+        if v["format"] == "kiln-trainer-state-1" {
+            return Err(bad(
+                "written by an older kiln whose random generator this version does not have (format kiln-trainer-state-1); a resumed run would not continue its random stream",
+            ));
+        }
         if v["format"] != FORMAT {
             return Err(bad(&format!("unknown format {} (expected {FORMAT:?})", v["format"])));
         }
         let step = v["global_step"].as_u64().ok_or_else(|| bad("global_step is missing"))?;
-        let words = v["rng_state"].as_array().filter(|a| a.len() == 4).ok_or_else(|| bad("rng_state needs 4 words"))?;
-        let mut rng_state = [0u64; 4];
-        for (w, s) in rng_state.iter_mut().zip(words) {
-            *w = s.as_str().and_then(|s| u64::from_str_radix(s, 16).ok()).ok_or_else(|| bad("bad rng_state word"))?;
+        let map = v["generators"].as_object().ok_or_else(|| bad("generators is missing"))?;
+        let mut generators = vec![];
+        for (name, words) in map {
+            let device = Device::parse(name).map_err(|_| bad(&format!("unknown device {name:?} in generators")))?;
+            let words =
+                words.as_array().filter(|a| a.len() == 2).ok_or_else(|| bad("a generator state needs 2 words"))?;
+            let mut st = [0i64; 2];
+            for (w, s) in st.iter_mut().zip(words) {
+                *w =
+                    s.as_str().and_then(|s| u64::from_str_radix(s, 16).ok()).ok_or_else(|| bad("bad generator word"))?
+                        as i64;
+            }
+            generators.push((device, st));
         }
         let loader = match &v["loader"] {
             serde_json::Value::Null => None,
             l => Some(LoaderState::from_json(l)?),
         };
-        Ok(TrainerState { step, rng_state, loader, extra: v["extra"].clone() })
+        Ok(TrainerState { step, generators, loader, extra: v["extra"].clone() })
     }
 }
 
@@ -235,12 +267,11 @@ impl Checkpoint {
     }
     /// Restores a training run: copies the weights into `model`'s parameters (strict:
     /// every name must match; the parameters keep their identity, so `optimizer`
-    /// still holds them), loads `optimizer`'s state, and restores the global
-    /// generator. The data loader position is in `self.state.loader`.
+    /// still holds them), loads `optimizer`'s state, and restores the default
+    /// generators. The data loader position is in `self.state.loader`.
     pub fn restore(&self, model: &mut dyn Module, optimizer: &mut dyn Optimizer) -> Result<()> {
         model.load_state_dict(&self.model_state()?, true)?;
         optimizer.load_state_dict(self.optimizer_state()?)?;
-        self.state.restore_rng();
-        Ok(())
+        self.state.restore_rng()
     }
 }

@@ -1,7 +1,10 @@
 //! Autoregressive generation with a KV cache: greedy decoding, temperature,
-//! top-k and top-p sampling, seeded through kiln's global generator.
+//! top-k and top-p sampling on the model's device, drawn from a generator
+//! there (its default one, or one seeded for the call).
 use crate::models::LlamaForCausalLM;
-use kiln_tensor::{DType, Error, Result, Tensor};
+use kiln_tensor::generator::default_generator;
+use kiln_tensor::trace::ConstantScope;
+use kiln_tensor::{DType, Error, Generator, Result, Tensor};
 
 /// How each next token is chosen (transformers' order: temperature, then
 /// top-k, then top-p, then a draw from what is left).
@@ -21,7 +24,9 @@ pub struct Sampling {
     /// Keep the smallest set of most likely tokens whose probability reaches
     /// `top_p` (1.0: no limit).
     pub top_p: f64,
-    /// Seeds kiln's global generator (`kiln::manual_seed`) before generating.
+    /// Draws from a generator seeded with it (on the model's device) instead
+    /// of the device's default generator: the same seed gives the same tokens
+    /// on every device.
     pub seed: Option<u64>,
     /// A row that produced one of these stops; its later positions are filled
     /// with the first of them, and generation ends when every row has stopped.
@@ -132,11 +137,13 @@ pub fn generate(
         ));
     }
     let _g = kiln_autograd::no_grad();
-    if let Some(s) = sampling.seed {
-        kiln_tensor::manual_seed(s);
-    }
+    let _c = ConstantScope::enter();
     let (b, p) = (prompt_ids.shape()[0], prompt_ids.shape()[1]);
     let device = model.device();
+    let generator = match sampling.seed {
+        Some(s) => Generator::new(device)?.manual_seed(s)?,
+        None => default_generator(device)?,
+    };
     let prompt = prompt_ids.to_dtype(DType::I64)?.to_device(device)?;
     let mut rows: Vec<Vec<i64>> = prompt.to_vec::<i64>()?.chunks(p).map(|r| r.to_vec()).collect();
     let mut cache = model.new_cache(p + max_new_tokens);
@@ -152,7 +159,7 @@ pub fn generate(
             l.narrow(1, len as isize - 1, 1)?
         };
         let logits = logits.squeeze_dim(1)?; // [B, V]
-        let mut tokens = choose(&logits, sampling)?;
+        let mut tokens = choose(&logits, sampling, &generator)?.to_vec::<i64>()?;
         for (i, tok) in tokens.iter_mut().enumerate() {
             if finished[i] {
                 *tok = sampling.eos_token_ids[0];
@@ -170,101 +177,37 @@ pub fn generate(
     Tensor::from_vec(rows.concat(), &[b, len])?.to_device(device)
 }
 
-/// The next token of each row from `logits: [B, V]`.
-fn choose(logits: &Tensor, s: &Sampling) -> Result<Vec<i64>> {
-    if s.is_greedy() {
-        return logits.argmax(Some(-1), false)?.to_vec::<i64>();
+/// The next token of each row of `logits: [B, V]` (int64 `[B]`), computed on
+/// the logits' device: greedy argmax, or transformers' warpers (temperature,
+/// top-k, top-p) and a draw from what is left.
+pub fn choose(logits: &Tensor, s: &Sampling, generator: &Generator) -> Result<Tensor> {
+    s.check()?;
+    if logits.ndim() != 2 || !logits.dtype().is_float() {
+        return Err(Error::shape(
+            "generate",
+            format!("expected logits [B, V] of a floating dtype, got {:?} {}", logits.shape(), logits.dtype()),
+        ));
     }
-    let (b, v) = (logits.shape()[0], logits.shape()[1]);
-    let host = logits.to_dtype(DType::F32)?.to_vec::<f32>()?;
-    // One uniform draw per row from kiln's generator.
-    let u = Tensor::rand(&[b], DType::F64)?.to_vec::<f64>()?;
-    Ok((0..b).map(|i| sample_row(&host[i * v..(i + 1) * v], s, u[i])).collect())
-}
-
-/// Draws one token from a row of logits with the filters of `s`, by inverting
-/// the cumulative distribution at `u` in `[0, 1)`.
-fn sample_row(logits: &[f32], s: &Sampling, u: f64) -> i64 {
-    let mut x: Vec<f64> = logits.iter().map(|&l| l as f64 / s.temperature).collect();
+    if s.is_greedy() {
+        return logits.argmax(Some(-1), false);
+    }
+    let v = logits.shape()[1];
     let masked = f64::NEG_INFINITY;
-    if s.top_k > 0 && s.top_k < x.len() {
+    let mut x = logits.to_dtype(DType::F32)?.div(s.temperature)?;
+    if s.top_k > 0 && s.top_k < v {
         // Keep every token at least as likely as the k-th (transformers' TopKLogitsWarper).
-        let mut sorted = x.clone();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        let kth = sorted[s.top_k - 1];
-        for l in x.iter_mut() {
-            if *l < kth {
-                *l = masked;
-            }
-        }
+        let kth = x.topk(s.top_k, -1, true, true)?.0.narrow(-1, s.top_k as isize - 1, 1)?;
+        x = x.masked_fill(&x.lt(&kth)?, masked)?;
     }
     if s.top_p < 1.0 {
         // transformers' TopPLogitsWarper: sort ascending, drop the tokens whose
         // cumulative probability stays <= 1 - top_p, always keep the most likely.
-        let probs = softmax(&x);
-        let mut order: Vec<usize> = (0..x.len()).collect();
-        order.sort_by(|&a, &b| x[a].total_cmp(&x[b]));
-        let mut cum = 0.0;
-        let last = order.len() - 1;
-        for (rank, &i) in order.iter().enumerate() {
-            cum += probs[i];
-            if cum <= 1.0 - s.top_p && rank != last {
-                x[i] = masked;
-            }
-        }
+        let (sorted, order) = x.sort_stable(-1, false)?;
+        let cum = sorted.softmax(-1)?.cumsum(-1)?;
+        let not_last = Tensor::arange(0.0, v as f64, 1.0, (DType::I64, x.device()))?.lt((v - 1) as i64)?;
+        let drop_sorted = cum.le(1.0 - s.top_p)?.logical_and(&not_last)?;
+        let drop = Tensor::zeros(x.shape(), (DType::Bool, x.device()))?.scatter(-1, &order, &drop_sorted)?;
+        x = x.masked_fill(&drop, masked)?;
     }
-    let probs = softmax(&x);
-    let target = u * probs.iter().sum::<f64>();
-    let mut cum = 0.0;
-    let mut pick = None;
-    for (i, &p) in probs.iter().enumerate() {
-        if p > 0.0 {
-            cum += p;
-            pick = Some(i);
-            if cum > target {
-                break;
-            }
-        }
-    }
-    pick.unwrap_or(0) as i64
-}
-
-fn softmax(x: &[f64]) -> Vec<f64> {
-    let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let e: Vec<f64> = x.iter().map(|&v| if v == f64::NEG_INFINITY { 0.0 } else { (v - m).exp() }).collect();
-    let z: f64 = e.iter().sum();
-    e.into_iter().map(|v| v / z).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn top_k_one_is_argmax() {
-        let s = Sampling::sample(1.0).with_top_k(1);
-        assert!(s.is_greedy());
-        let s = Sampling::sample(1.0).with_top_k(2);
-        for u in [0.0, 0.3, 0.99] {
-            let t = sample_row(&[0.0, 5.0, 4.0, -1.0], &s, u);
-            assert!(t == 1 || t == 2);
-        }
-    }
-
-    #[test]
-    fn top_p_keeps_the_nucleus() {
-        let s = Sampling::sample(1.0).with_top_p(0.5);
-        // One token holds almost all the mass: it is the only one kept.
-        for u in [0.0, 0.5, 0.999] {
-            assert_eq!(sample_row(&[10.0, 0.0, 0.0, 0.0], &s, u), 0);
-        }
-    }
-
-    #[test]
-    fn inverse_cdf_covers_the_distribution() {
-        let s = Sampling::sample(1.0);
-        let l = [0.0f32, 0.0];
-        assert_eq!(sample_row(&l, &s, 0.25), 0);
-        assert_eq!(sample_row(&l, &s, 0.75), 1);
-    }
+    generator.multinomial(&x.softmax(-1)?, 1, true)?.squeeze_dim(-1)
 }

@@ -329,3 +329,67 @@ fn tpu_defer_matches_transformers() {
     check_on_tpu(kiln::tpu::Mode::Defer);
     kiln::tpu::sync().unwrap();
 }
+
+/// Ten AdamW steps of the llama fixture with attention dropout on (p = 0.1),
+/// from `seed`: the losses, and the default generator's state after each step.
+fn dropout_run(dev: Device, compiled: bool, seed: u64) -> (Vec<f32>, Vec<Vec<i64>>) {
+    use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+    let dir = support::fixture_dir("llama");
+    let mut cfg = LlamaConfig::from_file(dir.join("config.json")).expect("config");
+    cfg.attention_dropout = 0.1;
+    let w = load_checkpoint_dir(&dir, Some(DType::F32), dev).expect("weights");
+    let mut model = LlamaForCausalLM::from_weights(&cfg, &w, DType::F32, dev).expect("from_weights");
+    model.train(true);
+    let ids = &golden("llama")["input_ids"].to_device(dev).unwrap();
+    let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let mut opt = AdamW::new(model.named_parameters(), adamw).unwrap();
+    opt.set_capturable(true).unwrap();
+    kiln::manual_seed(seed);
+    let gen = kiln::default_generator(dev).unwrap();
+    let mut step = move |_: &[Tensor]| -> Result<Vec<Tensor>> {
+        opt.zero_grad();
+        let loss = causal_lm_loss(&model.forward(ids, None)?, ids, None)?;
+        loss.backward()?;
+        opt.step()?;
+        Ok(vec![loss])
+    };
+    let (mut losses, mut states) = (vec![], vec![]);
+    let mut record = |out: Vec<Tensor>| {
+        losses.push(out[0].item::<f32>().unwrap());
+        states.push(gen.get_state().unwrap().to_vec::<i64>().unwrap());
+    };
+    if compiled {
+        let mut c = kiln::compile(dev, step);
+        for _ in 0..10 {
+            record(c.call(&[]).unwrap());
+        }
+        let s = c.stats();
+        assert_eq!((s.calls, s.retraces, s.host_value_traces), (10, 0, 0), "{s:?}");
+        assert!(s.replays >= 7, "the step with dropout is replayed: {s:?}");
+    } else {
+        for _ in 0..10 {
+            record(step(&[]).unwrap());
+        }
+    }
+    (losses, states)
+}
+
+#[test]
+fn tpu_compiled_steps_with_dropout_draw_the_eager_masks() {
+    support::register_tpu();
+    let _r = rng_lock();
+    let dev = Device::Tpu(0);
+    let (eager, eager_states) = dropout_run(dev, false, 7);
+    let (compiled, compiled_states) = dropout_run(dev, true, 7);
+    let (cpu, cpu_states) = dropout_run(Device::Cpu, false, 7);
+    let (other, _) = dropout_run(dev, false, 8);
+    // The generator advances the same way, step by step, everywhere.
+    assert_eq!(compiled_states, eager_states);
+    assert_eq!(cpu_states, eager_states);
+    let close = |a: &[f32], b: &[f32], tol: f32| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()));
+    // Same masks: the same losses to float rounding (a different mask moves a loss by ~1e-2).
+    assert!(close(&compiled, &eager, 2e-5), "compiled {compiled:?}\n   eager {eager:?}");
+    assert!(close(&cpu, &eager, 2e-5), "cpu {cpu:?}\n   tpu {eager:?}");
+    assert!(!close(&other, &eager, 1e-3), "another seed, other masks: {other:?} vs {eager:?}");
+    println!("llama with dropout, 10 steps: compiled {compiled:?}, eager {eager:?}");
+}

@@ -2,6 +2,8 @@
 //! curve and parameters (`../shared/fixtures/{llama,qwen3}/golden.safetensors`),
 //! a tiny model that learns, and checkpoints: save, resume in a fresh model,
 //! optimizer and loader, and get bit-identical losses.
+mod support;
+
 use kiln::nn::checkpoint::{
     checkpoint_dir, latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint,
     write_dir_atomic, TrainerState,
@@ -15,15 +17,7 @@ use kiln::nn::optim::{decay_groups, AdamW, AdamWConfig, Optimizer};
 use kiln::nn::schedule::LrSchedule;
 use kiln::prelude::*;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-
-/// Tests that seed or draw from kiln's global generator hold this lock, so
-/// that tests running in parallel do not interleave their draws.
-static GLOBAL_RNG: Mutex<()> = Mutex::new(());
-
-fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
-    GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner())
-}
+use support::rng_lock;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
@@ -203,7 +197,7 @@ fn resuming_from_a_checkpoint_reproduces_the_uninterrupted_run() {
     let first = train(&model, &mut opt, &mut data, 0, 4);
     assert_eq!(first, full[..4]);
     let config = serde_json::to_string(&model.config().to_json(DType::F32)).unwrap();
-    let state = TrainerState::capture(4, Some(data.state())).with_extra(serde_json::json!({"note": "test"}));
+    let state = TrainerState::capture(4, Some(data.state())).unwrap().with_extra(serde_json::json!({"note": "test"}));
     save_checkpoint(checkpoint_dir(&out, 4), &model, Some(&config), &opt, &state).unwrap();
     let mut model = model;
     model.eval(); // no dropout, for the comparison below
@@ -243,11 +237,11 @@ fn checkpoints_are_replaced_atomically_listed_and_pruned() {
     let out = temp_dir("atomic");
     let (model, opt) = setup(0, 0.0);
     for step in [10, 20, 30] {
-        let s = TrainerState::capture(step, None);
+        let s = TrainerState::capture(step, None).unwrap();
         save_checkpoint(checkpoint_dir(&out, step), &model, None, &opt, &s).unwrap();
     }
     // Saving the same step again replaces it.
-    save_checkpoint(checkpoint_dir(&out, 20), &model, None, &opt, &TrainerState::capture(20, None)).unwrap();
+    save_checkpoint(checkpoint_dir(&out, 20), &model, None, &opt, &TrainerState::capture(20, None).unwrap()).unwrap();
     let steps: Vec<u64> = list_checkpoints(&out).unwrap().into_iter().map(|(s, _)| s).collect();
     assert_eq!(steps, [10, 20, 30]);
     // No temporary directories are left behind.
@@ -276,14 +270,14 @@ fn checkpoints_are_replaced_atomically_listed_and_pruned() {
 fn trainer_state_round_trips_through_json() {
     let _rng = rng_lock();
     kiln::manual_seed(9);
-    let s = TrainerState::capture(17, None);
+    let s = TrainerState::capture(17, None).unwrap();
     let back = TrainerState::from_json(&s.to_json()).unwrap();
     assert_eq!(back, s);
     let e = TrainerState::from_json(&serde_json::json!({"format": "x"})).unwrap_err().to_string();
     assert!(e.contains("unknown format"), "{e}");
     // Restoring the generator replays the same draws.
     let a = Tensor::rand(&[4], DType::F32).unwrap().to_vec::<f32>().unwrap();
-    s.restore_rng();
+    s.restore_rng().unwrap();
     assert_eq!(Tensor::rand(&[4], DType::F32).unwrap().to_vec::<f32>().unwrap(), a);
 }
 
@@ -374,4 +368,34 @@ fn whole_model_gradients_match_finite_differences_in_f64() {
         }
     }
     assert!(bad.is_empty(), "{} mismatches:\n{}", bad.len(), bad.join("\n"));
+}
+
+#[test]
+fn trainer_state_keeps_the_generator_of_every_device() {
+    let _rng = rng_lock();
+    support::register_tpu();
+    let tpu = Device::Tpu(0);
+    kiln::manual_seed(4);
+    Tensor::rand(&[3], DType::F32).unwrap();
+    Tensor::rand(&[5], (DType::F32, tpu)).unwrap();
+    let s = TrainerState::capture(3, None).unwrap();
+    assert!(s.generators.iter().any(|(d, _)| *d == tpu) && s.generators.iter().any(|(d, _)| *d == Device::Cpu));
+    let json = s.to_json();
+    assert!(json["generators"]["tpu:0"].is_array() && json["generators"]["cpu"].is_array(), "{json}");
+    let back = TrainerState::from_json(&json).unwrap();
+    assert_eq!(back, s);
+    let draw = || {
+        let a = Tensor::rand(&[6], DType::F32).unwrap().to_vec::<f32>().unwrap();
+        let b = Tensor::rand(&[6], (DType::F32, tpu)).unwrap().to_vec::<f32>().unwrap();
+        (a, b)
+    };
+    let first = draw();
+    kiln::manual_seed(999);
+    back.restore_rng().unwrap();
+    assert_eq!(draw(), first, "both devices continue their streams");
+    // A state written by the older generator is refused, not silently reseeded.
+    let mut old = json.clone();
+    old["format"] = serde_json::json!("kiln-trainer-state-1");
+    let e = TrainerState::from_json(&old).unwrap_err().to_string();
+    assert!(e.contains("older kiln") && e.contains("random stream"), "{e}");
 }

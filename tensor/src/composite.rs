@@ -429,40 +429,6 @@ impl Tensor {
         Ok((n - k..n).collect())
     }
 
-    // ---- dropout -------------------------------------------------------------------------
-
-    /// Dropout: in training, zeroes each element with probability `p` and scales
-    /// the others by `1 / (1 - p)`; otherwise returns `self`. The mask comes from
-    /// the global generator (see `manual_seed`).
-    ///
-    /// ```
-    /// use kiln::prelude::*;
-    /// let x = Tensor::ones(&[1000], DType::F32)?;
-    /// assert!(x.dropout(0.5, false)?.same(&x));
-    /// let y = x.dropout(0.5, true)?.to_vec::<f32>()?;
-    /// assert!(y.iter().all(|&v| v == 0.0 || v == 2.0));
-    /// # Ok::<(), kiln::Error>(())
-    /// ```
-    pub fn dropout(&self, p: f64, train: bool) -> Result<Tensor> {
-        if !(0.0..=1.0).contains(&p) {
-            return Err(Error::invalid(
-                "dropout",
-                format!("dropout probability has to be between 0 and 1, but got {p}"),
-            ));
-        }
-        float_only("dropout", self)?;
-        if !train || p == 0.0 {
-            return Ok(self.clone());
-        }
-        if p == 1.0 {
-            // PyTorch multiplies by zero (NaN stays NaN).
-            return self.mul(&zero_like(self)?);
-        }
-        let keep = Tensor::rand(self.shape(), (DType::F32, self.device()))?.lt(1.0 - p)?;
-        let noise = keep.to_dtype(self.dtype())?.div(1.0 - p)?;
-        self.mul(&noise)
-    }
-
     // ---- cross entropy ---------------------------------------------------------------------
 
     /// Cross entropy of unnormalised `self` (logits `[N, C]`, `[N, C, d1, ...]`

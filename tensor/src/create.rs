@@ -1,6 +1,5 @@
-//! Creation: zeros, ones, full, empty, arange, linspace, eye, rand, randn,
-//! randint, from_vec/from_slice, `*_like`.
-use crate::random::{self, Distribution};
+//! Creation: zeros, ones, full, empty, arange, linspace, eye,
+//! from_vec/from_slice, `*_like` (the random ones are in `random.rs`).
 use crate::{DType, Device, Error, HostBuffer, HostElement, Layout, Op, Result, Scalar, Tensor};
 
 /// dtype and device of a new tensor (PyTorch's `dtype=`, `device=` keywords).
@@ -60,11 +59,13 @@ impl Tensor {
         Tensor::apply_on(Op::Full { shape: shape.into(), value: value.into(), dtype: o.dtype }, &[], o.device)
             .map(|mut v| v.swap_remove(0))
     }
+    // zeros, ones and eye hold no host value but their shape: their fills are
+    // declared constants for traced functions (Note [Host values]).
     pub fn zeros(shape: &[usize], opts: impl Into<TensorOptions>) -> Result<Tensor> {
-        Tensor::full(shape, 0, opts)
+        crate::trace::constant(|| Tensor::full(shape, 0, opts))
     }
     pub fn ones(shape: &[usize], opts: impl Into<TensorOptions>) -> Result<Tensor> {
-        Tensor::full(shape, 1, opts)
+        crate::trace::constant(|| Tensor::full(shape, 1, opts))
     }
     /// Like PyTorch's `empty`, but the memory is zeroed: kiln never exposes uninitialised memory.
     pub fn empty(shape: &[usize], opts: impl Into<TensorOptions>) -> Result<Tensor> {
@@ -132,36 +133,7 @@ impl Tensor {
         for i in 0..n {
             v[i * n + i] = 1;
         }
-        Tensor::from_vec(v, &[n, n])?.to_dtype(o.dtype)?.to_device(o.device)
-    }
-
-    /// Uniform samples in `[0, 1)` from the global generator (see [`crate::manual_seed`]).
-    pub fn rand(shape: &[usize], opts: impl Into<TensorOptions>) -> Result<Tensor> {
-        Tensor::random(shape, Distribution::Uniform, opts.into(), "rand")
-    }
-    /// Standard normal samples from the global generator.
-    pub fn randn(shape: &[usize], opts: impl Into<TensorOptions>) -> Result<Tensor> {
-        Tensor::random(shape, Distribution::Normal, opts.into(), "randn")
-    }
-    /// Integers uniform in `[low, high)`. Default dtype of PyTorch's randint is int64:
-    /// pass `DType::I64` for it.
-    pub fn randint(low: i64, high: i64, shape: &[usize], opts: impl Into<TensorOptions>) -> Result<Tensor> {
-        if high <= low {
-            return Err(Error::invalid(
-                "randint",
-                format!("random_ expects 'from' to be less than 'to', but got from={low} >= to={high}"),
-            ));
-        }
-        Tensor::random(shape, Distribution::Int(low, high), opts.into(), "randint")
-    }
-
-    fn random(shape: &[usize], d: Distribution, o: TensorOptions, op: &'static str) -> Result<Tensor> {
-        if !matches!(d, Distribution::Int(..)) && !o.dtype.is_float() {
-            return Err(Error::dtype(op, format!("expected a floating point dtype, got {}", o.dtype)));
-        }
-        let n = crate::numel(shape);
-        let v = random::sample(d, n);
-        Tensor::from_vec(v, shape)?.to_dtype(o.dtype)?.to_device(o.device)
+        crate::trace::constant(|| Tensor::from_vec(v, &[n, n])?.to_dtype(o.dtype)?.to_device(o.device))
     }
 
     /// A CPU tensor owning `data`, of the given shape.
@@ -199,13 +171,6 @@ impl Tensor {
     pub fn full_like(&self, value: impl Into<Scalar>) -> Result<Tensor> {
         Tensor::full(self.shape(), value, self)
     }
-    pub fn rand_like(&self) -> Result<Tensor> {
-        Tensor::rand(self.shape(), self)
-    }
-    pub fn randn_like(&self) -> Result<Tensor> {
-        Tensor::randn(self.shape(), self)
-    }
-
     /// A tensor from nested arrays or a scalar: `Tensor::new([[1.0f32, 2.0], [3.0, 4.0]])`.
     pub fn new<D: crate::TensorData>(data: D) -> Result<Tensor> {
         let (buf, shape) = data.into_host();

@@ -1,15 +1,24 @@
 //! Elementwise math: unary ops, binary ops with broadcasting and PyTorch type
 //! promotion (scalars included), comparisons, logical ops, `where`, `clamp`,
 //! activations, and the `std::ops` operators.
+use crate::trace::{self, HostScalar};
 use crate::{BinaryOp, CmpOp, DType, Error, Op, Result, Scalar, Tensor, UnaryOp};
 use std::ops;
 
-/// The second operand of a binary op: a tensor or a Python-like scalar.
-/// `x.add(&y)`, `x.add(2.5)`, `x.mul(3)` all work.
+/// The second operand of a binary op: a tensor, a Python-like scalar, or a
+/// watched host scalar. `x.add(&y)`, `x.add(2.5)`, `x.mul(3)`, `x.mul(&lr)` all work.
 #[derive(Debug, Clone, Copy)]
 pub enum Operand<'a> {
     Tensor(&'a Tensor),
     Scalar(Scalar),
+    /// A float the compiled functions reading it watch (see [`HostScalar`]).
+    Host(&'a HostScalar),
+}
+
+impl<'a> From<&'a HostScalar> for Operand<'a> {
+    fn from(h: &'a HostScalar) -> Self {
+        Operand::Host(h)
+    }
 }
 
 impl<'a> From<&'a Tensor> for Operand<'a> {
@@ -46,6 +55,7 @@ pub fn result_type(ops: &[Operand<'_>]) -> DType {
             Operand::Tensor(t) if t.ndim() > 0 => merge(&mut dim, t.dtype()),
             Operand::Tensor(t) => merge(&mut zero, t.dtype()),
             Operand::Scalar(s) => merge(&mut wrapped, s.dtype()),
+            Operand::Host(_) => merge(&mut wrapped, DType::F32),
         }
     }
     // PyTorch's combine_categories.
@@ -62,11 +72,17 @@ pub fn result_type(ops: &[Operand<'_>]) -> DType {
 }
 
 impl Tensor {
-    /// Materialises a scalar operand as a 0-d tensor of `dtype` on this tensor's device.
-    pub(crate) fn operand_tensor(&self, o: Operand<'_>, dtype: DType) -> Result<Tensor> {
+    /// Materialises a scalar operand of `op` as a 0-d tensor of `dtype` on this
+    /// tensor's device (a host value of the caller, see Note [Host values]; a
+    /// [`HostScalar`] enters as a watched, declared constant).
+    pub(crate) fn operand_tensor(&self, op: &'static str, o: Operand<'_>, dtype: DType) -> Result<Tensor> {
         match o {
             Operand::Tensor(t) => t.to_dtype(dtype),
-            Operand::Scalar(s) => Tensor::full(&[], s, (dtype, self.device())),
+            Operand::Scalar(s) => trace::scalar_use(op, || Tensor::full(&[], s, (dtype, self.device()))),
+            Operand::Host(h) => {
+                let v = h.get();
+                trace::constant(|| Tensor::full(&[], v, (dtype, self.device())))
+            }
         }
     }
 
@@ -83,7 +99,7 @@ impl Tensor {
     /// broadcasting; `compute` defaults to the promoted type.
     pub(crate) fn binary_in(&self, op: BinaryOp, other: Operand<'_>, compute: DType) -> Result<Tensor> {
         let a = self.to_dtype(compute)?;
-        let b = self.operand_tensor(other, compute)?;
+        let b = self.operand_tensor(op.name(), other, compute)?;
         let (a, b) = Tensor::broadcast_pair(op.name(), &a, &b)?;
         Tensor::apply1(Op::Binary(op), &[&a, &b])
     }
@@ -194,6 +210,37 @@ impl Tensor {
     pub fn logical_xor<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
         self.binary(BinaryOp::Xor, other.into())
     }
+    /// Bitwise and of integer (or bool) tensors (`torch.bitwise_and`, `&`).
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let x = Tensor::new([12i64, 10, -1])?;
+    /// assert_eq!(x.bitwise_and(6i64)?.to_vec::<i64>()?, vec![4, 2, 6]);
+    /// assert_eq!(x.bitwise_right_shift(1i64)?.to_vec::<i64>()?, vec![6, 5, -1]);
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn bitwise_and<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::BitwiseAnd, other.into())
+    }
+    /// Bitwise or (`torch.bitwise_or`, `|`).
+    pub fn bitwise_or<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::BitwiseOr, other.into())
+    }
+    /// Bitwise exclusive or (`torch.bitwise_xor`, `^`).
+    pub fn bitwise_xor<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::BitwiseXor, other.into())
+    }
+    /// `self << other` on integers (`torch.bitwise_left_shift`); shifting by a
+    /// negative amount or by the bit width or more gives 0.
+    pub fn bitwise_left_shift<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::LeftShift, other.into())
+    }
+    /// `self >> other` on integers (`torch.bitwise_right_shift`), arithmetic for
+    /// signed dtypes; shifting by a negative amount or by the bit width or more
+    /// gives what a shift by `width - 1` gives.
+    pub fn bitwise_right_shift<'o>(&self, other: impl Into<Operand<'o>>) -> Result<Tensor> {
+        self.binary(BinaryOp::RightShift, other.into())
+    }
     pub fn logical_not(&self) -> Result<Tensor> {
         self.unary(UnaryOp::Not)
     }
@@ -201,7 +248,7 @@ impl Tensor {
     fn compare(&self, op: CmpOp, other: Operand<'_>) -> Result<Tensor> {
         let dt = result_type(&[Operand::Tensor(self), other]);
         let a = self.to_dtype(dt)?;
-        let b = self.operand_tensor(other, dt)?;
+        let b = self.operand_tensor(op.name(), other, dt)?;
         let (a, b) = Tensor::broadcast_pair(op.name(), &a, &b)?;
         Tensor::apply1(Op::Compare(op), &[&a, &b])
     }
@@ -246,8 +293,8 @@ impl Tensor {
             ));
         }
         let dt = result_type(&[a, b]);
-        let ta = cond.operand_tensor(a, dt)?;
-        let tb = cond.operand_tensor(b, dt)?;
+        let ta = cond.operand_tensor("where", a, dt)?;
+        let tb = cond.operand_tensor("where", b, dt)?;
         let shape = crate::broadcast_shapes("where", cond.shape(), ta.shape())?;
         let shape = crate::broadcast_shapes("where", &shape, tb.shape())?;
         let (c, ta, tb) = (cond.broadcast_to(&shape)?, ta.broadcast_to(&shape)?, tb.broadcast_to(&shape)?);
@@ -278,10 +325,10 @@ impl Tensor {
         let s = |v: f64| if x.dtype().is_float() { Scalar::Float(v) } else { Scalar::Int(v as i64) };
         let mut out = x.clone();
         if let Some(lo) = min {
-            out = out.maximum(&x.operand_tensor(Operand::Scalar(s(lo)), x.dtype())?)?;
+            out = out.maximum(&x.operand_tensor("clamp", Operand::Scalar(s(lo)), x.dtype())?)?;
         }
         if let Some(hi) = max {
-            out = out.minimum(&x.operand_tensor(Operand::Scalar(s(hi)), x.dtype())?)?;
+            out = out.minimum(&x.operand_tensor("clamp", Operand::Scalar(s(hi)), x.dtype())?)?;
         }
         Ok(out)
     }
@@ -439,7 +486,7 @@ macro_rules! bin_operator {
         impl ops::$trait<&Tensor> for $s {
             type Output = Tensor;
             fn $method(self, rhs: &Tensor) -> Tensor {
-                rhs.operand_tensor(Operand::Scalar(Scalar::from(self)), result_type(&[Operand::Tensor(rhs), Operand::Scalar(Scalar::from(self))]))
+                rhs.operand_tensor(stringify!($f), Operand::Scalar(Scalar::from(self)), result_type(&[Operand::Tensor(rhs), Operand::Scalar(Scalar::from(self))]))
                     .and_then(|l| Tensor::$f(&l, rhs))
                     .unwrap_or_else(|e| panic!("{e}"))
             }

@@ -6,7 +6,9 @@
 //! (`convert.rs`), movement and views (`movement.rs`), elementwise math
 //! (`elementwise.rs`), reductions (`reduce.rs`), linear algebra (`linalg.rs`),
 //! indexing (`indexing.rs`), in-place ops (`inplace.rs`), composites
-//! (`composite.rs`) and printing (`display.rs`).
+//! (`composite.rs`), random distributions (`random.rs`, on the generators of
+//! `generator.rs`) and printing (`display.rs`). `trace.rs` marks what traced
+//! functions may take from the host.
 
 pub use half;
 
@@ -19,6 +21,7 @@ mod display;
 pub mod dtype;
 mod elementwise;
 pub mod error;
+pub mod generator;
 pub mod graph;
 mod indexing;
 mod inplace;
@@ -32,6 +35,7 @@ mod reduce;
 pub mod scalar;
 pub mod storage;
 mod tensor;
+pub mod trace;
 
 pub use attention::attention_grads;
 pub use composite::{rms_norm_grads, CrossEntropy, Reduction};
@@ -43,12 +47,13 @@ pub use device::{
 pub use dtype::{Category, DType, Element};
 pub use elementwise::Operand;
 pub use error::{Error, Result};
+pub use generator::{default_generator, manual_seed, Generator};
 pub use graph::{is_grad_enabled, set_grad_enabled, CustomBackward, Edge, GradModeGuard, Hook, Node, NodeKind, Origin};
 pub use indexing::{s, IndexItem, SliceBound, TensorIndex};
 pub use layout::{broadcast_shapes, contiguous_strides, numel, wrap_dim, Layout, Shape, Strides};
 pub use op::{ArgReduceOp, BinaryOp, CmpOp, Op, ReduceOp, ScatterReduce, UnaryOp, ViewOp};
-pub use random::manual_seed;
 pub use reduce::Dims;
 pub use scalar::Scalar;
 pub use storage::{DeviceBuffer, HostBuffer, HostElement, Storage, StorageData};
 pub use tensor::Tensor;
+pub use trace::{constant, HostScalar};

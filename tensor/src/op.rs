@@ -113,11 +113,27 @@ pub enum BinaryOp {
     SiluMul,
     /// `silu'(a) * b`, the SwiGLU gate's gradient in one pass (float only).
     SiluGradMul,
+    /// Bitwise ops on integers (and bool, where PyTorch allows them).
+    BitwiseAnd,
+    BitwiseOr,
+    BitwiseXor,
+    /// `a << b` on integers; a shift by a negative amount or by the bit width or
+    /// more gives 0 (PyTorch's rule).
+    LeftShift,
+    /// `a >> b` on integers, arithmetic for signed types and logical for uint8; a
+    /// shift by a negative amount or by the bit width or more gives what a shift
+    /// by `width - 1` gives (PyTorch's rule).
+    RightShift,
 }
 
 impl BinaryOp {
     pub fn is_logical(self) -> bool {
         matches!(self, BinaryOp::And | BinaryOp::Or | BinaryOp::Xor)
+    }
+    /// The bitwise ops and shifts (integer inputs; and/or/xor also bool).
+    pub fn is_bitwise(self) -> bool {
+        use BinaryOp::*;
+        matches!(self, BitwiseAnd | BitwiseOr | BitwiseXor | LeftShift | RightShift)
     }
     pub fn name(self) -> &'static str {
         use BinaryOp::*;
@@ -140,6 +156,11 @@ impl BinaryOp {
             Atan2 => "atan2",
             SiluMul => "silu_mul",
             SiluGradMul => "silu_grad_mul",
+            BitwiseAnd => "bitwise_and",
+            BitwiseOr => "bitwise_or",
+            BitwiseXor => "bitwise_xor",
+            LeftShift => "bitwise_left_shift",
+            RightShift => "bitwise_right_shift",
         }
     }
 }
@@ -293,6 +314,19 @@ pub enum Op {
         step: f64,
         len: usize,
         dtype: DType,
+    },
+    /// Counter-based random bits (Philox4x32-10, the generator PyTorch uses on
+    /// its accelerators): input a generator state, int64 `[2]` = `[key,
+    /// offset]`; outputs `bits` (int64 of `shape`, each element a uniformly
+    /// random 32-bit unsigned value in `[0, 2^32)`) and the advanced state
+    /// `[key, offset + ceil(n / 4)]`. Element `i` of `bits` is word `i % 4` of
+    /// Philox4x32-10 applied to the 128-bit counter `offset + i / 4` (low 64
+    /// bits; the high 64 are zero) under the 64-bit key. A pure function of the
+    /// state, so the CPU kernel and the StableHLO lowering give the same bits,
+    /// and a captured program that reads and writes the state draws fresh
+    /// numbers on every replay (see Note \[Generators\] in `generator.rs`).
+    RandomBits {
+        shape: Shape,
     },
     Unary(UnaryOp),
     Binary(BinaryOp),
@@ -523,6 +557,7 @@ impl Op {
         match self {
             Op::Full { .. } => "full",
             Op::Arange { .. } => "arange",
+            Op::RandomBits { .. } => "random_bits",
             Op::Unary(u) => u.name(),
             Op::Binary(b) => b.name(),
             Op::Compare(c) => c.name(),
@@ -569,6 +604,7 @@ impl Op {
         Some(match self {
             Op::Full { .. } | Op::Arange { .. } => 0,
             Op::Unary(_) | Op::Cast(_) | Op::Copy | Op::Reduce { .. } | Op::ArgReduce { .. } | Op::Cumsum { .. } => 1,
+            Op::RandomBits { .. } => 1,
             Op::View(_) | Op::Sort { .. } | Op::TopK { .. } | Op::Softmax { .. } | Op::LogSumExp { .. } => 1,
             Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
             Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } => 3,
@@ -622,6 +658,20 @@ impl Op {
         Ok(match self {
             Op::Full { shape, dtype, .. } => smallvec![meta(shape, *dtype)],
             Op::Arange { len, dtype, .. } => smallvec![meta(&[*len], *dtype)],
+            Op::RandomBits { shape } => {
+                let st = &inputs[0];
+                if st.dtype != DType::I64 || st.shape.as_slice() != [2] {
+                    return Err(Error::invalid(
+                        name,
+                        format!(
+                            "expected a generator state of shape [2] and dtype int64, got {} {}",
+                            fmt_shape(&st.shape),
+                            st.dtype
+                        ),
+                    ));
+                }
+                smallvec![meta(shape, DType::I64), meta(&[2], DType::I64)]
+            }
             Op::Unary(u) => {
                 let x = &inputs[0];
                 if u.is_float_only() && !x.dtype.is_float() {
@@ -650,6 +700,10 @@ impl Op {
                     ));
                 }
                 if matches!(b, BinaryOp::Atan2 | BinaryOp::SiluMul | BinaryOp::SiluGradMul) && !x.dtype.is_float() {
+                    return Err(Error::unsupported_dtype(name, x.dtype));
+                }
+                let shift = matches!(b, BinaryOp::LeftShift | BinaryOp::RightShift);
+                if b.is_bitwise() && (x.dtype.is_float() || (shift && x.dtype == DType::Bool)) {
                     return Err(Error::unsupported_dtype(name, x.dtype));
                 }
                 let dt = if b.is_logical() { DType::Bool } else { x.dtype };

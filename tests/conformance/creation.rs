@@ -8,7 +8,7 @@ use kiln::prelude::*;
 use std::sync::Mutex;
 
 /// The generator is global: tests that seed it and draw from it run one at a time.
-static RNG: Mutex<()> = Mutex::new(());
+pub(crate) static RNG: Mutex<()> = Mutex::new(());
 
 #[test]
 fn zeros_ones_full_every_dtype() {

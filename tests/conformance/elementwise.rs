@@ -405,3 +405,36 @@ fn bool_arithmetic_that_pytorch_refuses() {
         Ok(())
     });
 }
+
+#[test]
+fn bitwise_ops_and_shifts() {
+    on_devices(|dev| {
+        let x = t([12i64, 10, -1, 7], dev);
+        assert_exact(&x.bitwise_and(6i64)?, DType::I64, &[4], &[4.0, 2.0, 6.0, 6.0]);
+        assert_exact(&x.bitwise_or(3i64)?, DType::I64, &[4], &[15.0, 11.0, -1.0, 7.0]);
+        assert_exact(&x.bitwise_xor(&t([5i64, 5, 5, 5], dev))?, DType::I64, &[4], &[9.0, 15.0, -6.0, 2.0]);
+        // Shifts by a negative amount or by the width or more follow PyTorch:
+        // left gives 0, right gives the shift by width - 1.
+        let v = t([1i64, -8, 5, -8, 3, -3], dev);
+        let by = t([3i64, 1, 64, 70, -1, -1], dev);
+        assert_exact(&v.bitwise_left_shift(&by)?, DType::I64, &[6], &[8.0, -16.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_exact(&v.bitwise_right_shift(&by)?, DType::I64, &[6], &[0.0, -4.0, 0.0, -1.0, 0.0, -1.0]);
+        // uint8 shifts right logically and wraps left; narrower signed types keep their width.
+        let u = t([200u8, 255, 1], dev);
+        assert_exact(&u.bitwise_right_shift(1i64)?, DType::U8, &[3], &[100.0, 127.0, 0.0]);
+        assert_exact(&u.bitwise_left_shift(1i64)?, DType::U8, &[3], &[144.0, 254.0, 2.0]);
+        let i = t([1i32, -2147483648, 6], dev);
+        assert_exact(&i.bitwise_left_shift(31i64)?, DType::I32, &[3], &[-2147483648.0, 0.0, 0.0]);
+        assert_exact(&i.bitwise_right_shift(31i64)?, DType::I32, &[3], &[0.0, -1.0, 0.0]);
+        // Broadcasting, strided operands, bool and promotion with a Python int.
+        let m = t([[1i64, 2], [4, 8]], dev);
+        assert_exact(&m.t()?.bitwise_or(&t([16i64, 32], dev))?, DType::I64, &[2, 2], &[17.0, 36.0, 18.0, 40.0]);
+        let b = t([true, false, true], dev);
+        assert_exact(&b.bitwise_and(&t([true, true, false], dev))?, DType::Bool, &[3], &[1.0, 0.0, 0.0]);
+        assert_exact(&b.bitwise_xor(&t([true, true, false], dev))?, DType::Bool, &[3], &[0.0, 1.0, 1.0]);
+        assert_exact(&b.bitwise_or(2i64)?, DType::I64, &[3], &[3.0, 2.0, 3.0]);
+        assert_err(t([1.0f32], dev).bitwise_and(1i64), &["bitwise_and", "not implemented for dtype float32"]);
+        assert_err(b.bitwise_left_shift(&b), &["bitwise_left_shift", "not implemented for dtype bool"]);
+        Ok(())
+    });
+}

@@ -743,6 +743,14 @@ pub(crate) trait IntElem: Elem + Ord {
     fn wpow(self, e: u64) -> Self;
     fn is_neg(self) -> bool;
     fn sign(self) -> Self;
+    fn band(self, o: Self) -> Self;
+    fn bor(self, o: Self) -> Self;
+    fn bxor(self, o: Self) -> Self;
+    /// `self << o`, 0 when `o` is negative or at least the bit width (PyTorch's rule).
+    fn shl(self, o: Self) -> Self;
+    /// `self >> o` (arithmetic for signed types), the shift by `width - 1` when `o`
+    /// is negative or at least the bit width (PyTorch's rule).
+    fn shr(self, o: Self) -> Self;
 }
 macro_rules! int_ops {
     ($($t:ty: $signed:expr),*) => {$(
@@ -790,6 +798,28 @@ macro_rules! int_ops {
             #[allow(unused_comparisons)]
             fn sign(self) -> Self {
                 ((self > 0 as $t) as $t).wrapping_sub((self < 0 as $t) as $t)
+            }
+            #[inline(always)]
+            fn band(self, o: Self) -> Self {
+                self & o
+            }
+            #[inline(always)]
+            fn bor(self, o: Self) -> Self {
+                self | o
+            }
+            #[inline(always)]
+            fn bxor(self, o: Self) -> Self {
+                self ^ o
+            }
+            #[inline(always)]
+            #[allow(unused_comparisons)]
+            fn shl(self, o: Self) -> Self {
+                if o < 0 as $t || o as u64 >= <$t>::BITS as u64 { 0 } else { self << o }
+            }
+            #[inline(always)]
+            #[allow(unused_comparisons)]
+            fn shr(self, o: Self) -> Self {
+                if o < 0 as $t || o as u64 >= <$t>::BITS as u64 { self >> (<$t>::BITS - 1) } else { self >> o }
             }
         }
     )*};

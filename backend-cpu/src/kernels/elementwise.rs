@@ -294,6 +294,9 @@ fn float_binary<T: FloatElem>(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Res
         B::SiluMul => go!(SiluMul, 6),
         B::SiluGradMul => go!(SiluGradMul, 8),
         B::And | B::Or | B::Xor => Err(Error::backend("cpu", format!("{} is a logical op", op.name()))),
+        B::BitwiseAnd | B::BitwiseOr | B::BitwiseXor | B::LeftShift | B::RightShift => {
+            Err(Error::unsupported_dtype(op.name(), T::DTYPE))
+        }
     }
 }
 
@@ -351,6 +354,11 @@ fn int_binary<T: IntElem>(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<
         B::Pow => map2::<T, T, T>(a, b, 4, |x, y| x.wpow(y.cast_i64() as u64)),
         B::Maximum | B::Fmax => map2::<T, T, T>(a, b, 1, |x, y| if x > y { x } else { y }),
         B::Minimum | B::Fmin => map2::<T, T, T>(a, b, 1, |x, y| if x < y { x } else { y }),
+        B::BitwiseAnd => map2::<T, T, T>(a, b, 1, |x, y| x.band(y)),
+        B::BitwiseOr => map2::<T, T, T>(a, b, 1, |x, y| x.bor(y)),
+        B::BitwiseXor => map2::<T, T, T>(a, b, 1, |x, y| x.bxor(y)),
+        B::LeftShift => map2::<T, T, T>(a, b, 1, |x, y| x.shl(y)),
+        B::RightShift => map2::<T, T, T>(a, b, 1, |x, y| x.shr(y)),
         B::Atan2 | B::SiluMul | B::SiluGradMul | B::And | B::Or | B::Xor => {
             Err(Error::unsupported_dtype(op.name(), T::DTYPE))
         }
@@ -371,7 +379,10 @@ fn bool_binary(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<Vec<bool>> 
         B::Remainder | B::Fmod => map2::<bool, bool, bool>(a, b, 1, |_, _| false),
         // 0 ** 0 = 1, 0 ** 1 = 0, 1 ** y = 1.
         B::Pow => map2::<bool, bool, bool>(a, b, 1, |x, y| x | !y),
-        B::Sub | B::Atan2 | B::SiluMul | B::SiluGradMul | B::And | B::Or | B::Xor => {
+        B::BitwiseAnd => map2::<bool, bool, bool>(a, b, 1, |x, y| x & y),
+        B::BitwiseOr => map2::<bool, bool, bool>(a, b, 1, |x, y| x | y),
+        B::BitwiseXor => map2::<bool, bool, bool>(a, b, 1, |x, y| x ^ y),
+        B::Sub | B::Atan2 | B::SiluMul | B::SiluGradMul | B::And | B::Or | B::Xor | B::LeftShift | B::RightShift => {
             Err(Error::unsupported_dtype(op.name(), DType::Bool))
         }
     }

@@ -7,7 +7,7 @@
 //! (reductions, arg-reductions, cumsum), `softmax` (fused softmax and log_softmax), `matmul`,
 //! `attention` (fused scaled dot-product attention and its gradients), `rotary`
 //! (rotary position embedding), `norm` (RMS normalisation and its gradients), `index` (gather, scatter,
-//! index_select, index_add, nonzero) and `sort` (sort, topk).
+//! index_select, index_add, nonzero), `sort` (sort, topk) and `random` (Philox random bits).
 //!
 //! Inputs are read through their strided layouts directly; every output is a
 //! fresh contiguous buffer of the shape and dtype `Op::infer` gave.
@@ -20,6 +20,7 @@ mod iter;
 mod map;
 mod matmul;
 mod norm;
+mod random;
 mod reduce;
 mod rotary;
 mod simd;
@@ -66,6 +67,7 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
     let bufs = match op {
         Op::Full { shape, value, dtype } => vec![copy::full(shape, *value, *dtype)],
         Op::Arange { start, step, len, dtype } => vec![copy::arange(*start, *step, *len, *dtype)],
+        Op::RandomBits { .. } => random::random_bits(&ins[0], out(0)?.shape.iter().product())?,
         Op::Unary(u) => vec![elementwise::unary(*u, &ins[0])?],
         Op::Binary(b) => vec![elementwise::binary(*b, &ins[0], &ins[1])?],
         Op::Compare(c) => vec![elementwise::compare(*c, &ins[0], &ins[1])?],

@@ -1,9 +1,11 @@
 //! The StableHLO emitter: MLIR text in the generic op form, built by a small
-//! [`Builder`]. `ops.rs` holds one lowering per primitive, `view.rs` the reads
+//! [`Builder`]. `ops.rs` holds one lowering per primitive (`random.rs` the
+//! Philox rounds of `random_bits`), `view.rs` the reads
 //! and writes of strided views of flat buffers; [`exec_module`],
 //! [`read_module`] and [`assign_module`] assemble whole programs. Nothing here
 //! needs a device, so every lowering has golden-text tests.
 mod ops;
+mod random;
 mod view;
 
 pub use ops::{lower_op, Check};

@@ -66,6 +66,10 @@ pub fn lower_op(b: &mut Builder, op: &Op, x: &[Val], outs: &[Meta]) -> Result<Lo
             let v = b.add(&s0, &p);
             one(b.cast(&v, *dtype))
         }
+        Op::RandomBits { shape } => {
+            let (bits, state) = super::random::random_bits(b, &x[0], shape);
+            Ok((vec![bits, state], vec![]))
+        }
         Op::Unary(u) => one(unary(b, *u, &x[0])?),
         Op::Binary(o) => {
             let v = binary(b, *o, &x[0], &x[1])?;
@@ -447,6 +451,26 @@ fn sign_fix(b: &mut Builder, m: &Val, d: &Val) -> Val {
     b.and(&nz, &differ)
 }
 
+/// PyTorch's shifts, with its rule for amounts outside `[0, width)` spelled
+/// out (left: 0; right: the shift by `width - 1`), so no backend's own
+/// convention leaks in. Right shifts are arithmetic, logical for uint8.
+fn shift(b: &mut Builder, left: bool, a0: &Val, b0: &Val) -> Val {
+    let width = (a0.dtype().size_in_bytes() * 8) as i64;
+    let nonneg = b.compare_lit("GE", b0, Lit::I(0));
+    let below = b.compare_lit("LT", b0, Lit::I(width));
+    let in_range = b.and(&nonneg, &below);
+    if left {
+        let s = b.binary("shift_left", a0, b0);
+        let zero = b.splat_like(Lit::I(0), a0);
+        return b.select(&in_range, &s, &zero);
+    }
+    let name = if a0.dtype() == DType::U8 { "shift_right_logical" } else { "shift_right_arithmetic" };
+    let s = b.binary(name, a0, b0);
+    let most = b.splat_like(Lit::I(width - 1), a0);
+    let far = b.binary(name, a0, &most);
+    b.select(&in_range, &s, &far)
+}
+
 fn binary(b: &mut Builder, op: BinaryOp, a0: &Val, b0: &Val) -> Result<Val> {
     use BinaryOp as B;
     let dt = a0.dtype();
@@ -468,6 +492,9 @@ fn binary(b: &mut Builder, op: BinaryOp, a0: &Val, b0: &Val) -> Result<Val> {
                 let nb = b.not(b0);
                 b.or(a0, &nb)
             }
+            B::BitwiseAnd => b.and(a0, b0),
+            B::BitwiseOr => b.or(a0, b0),
+            B::BitwiseXor => b.binary("xor", a0, b0),
             _ => return Err(unsupported(op.name(), dt)),
         });
     }
@@ -499,6 +526,10 @@ fn binary(b: &mut Builder, op: BinaryOp, a0: &Val, b0: &Val) -> Result<Val> {
             B::Pow => b.binary("power", a0, b0),
             B::Maximum | B::Fmax => b.binary("maximum", a0, b0),
             B::Minimum | B::Fmin => b.binary("minimum", a0, b0),
+            B::BitwiseAnd => b.and(a0, b0),
+            B::BitwiseOr => b.or(a0, b0),
+            B::BitwiseXor => b.binary("xor", a0, b0),
+            B::LeftShift | B::RightShift => shift(b, op == B::LeftShift, a0, b0),
             _ => return Err(unsupported(op.name(), dt)),
         });
     }
@@ -538,6 +569,9 @@ fn binary(b: &mut Builder, op: BinaryOp, a0: &Val, b0: &Val) -> Result<Val> {
             b.mul(&g, &c)
         }
         B::And | B::Or | B::Xor => unreachable!("handled above"),
+        B::BitwiseAnd | B::BitwiseOr | B::BitwiseXor | B::LeftShift | B::RightShift => {
+            return Err(unsupported(op.name(), dt))
+        }
     };
     Ok(b.convert_raw(&y, dt))
 }

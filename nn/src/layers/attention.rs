@@ -3,6 +3,7 @@
 use super::{Dropout, Linear, RmsNorm, RopeTables};
 use crate::module::{join_name, Module};
 use kiln_tensor::half::{bf16, f16};
+use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
 
 /// The shape of an attention block.
@@ -304,6 +305,7 @@ impl Attention {
         mask: AttentionMask<'_>,
         cache: Option<&mut LayerKvCache>,
     ) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
         if x.ndim() != 3 {
             return Err(Error::shape("Attention", format!("expected input [B, T, hidden], got {:?}", x.shape())));
         }
@@ -327,7 +329,7 @@ impl Attention {
             None => (k, v),
         };
         let s = k.shape()[2];
-        let dropout = self.dropout.is_training() && self.dropout.p > 0.0;
+        let dropout = self.dropout.is_active();
         let fused = matches!(q.dtype(), DType::F32 | DType::F64) && !dropout;
         let out = match mask {
             AttentionMask::None | AttentionMask::Causal if fused => {

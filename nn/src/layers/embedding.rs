@@ -1,6 +1,7 @@
 //! `Embedding`: a lookup table of rows, indexed by integer ids.
 use super::normal_param;
 use crate::module::{join_name, Module};
+use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{Error, Result, Tensor, TensorOptions};
 
 /// A lookup table (`torch.nn.Embedding`): `weight` is `[num_embeddings, dim]`
@@ -56,6 +57,7 @@ impl Embedding {
 
     /// The rows at `ids` (an integer tensor of any shape).
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
         Tensor::embedding(&self.weight, ids)
     }
 }

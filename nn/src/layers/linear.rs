@@ -1,6 +1,7 @@
 //! `Linear`: `y = x @ W.T + b` with the weight stored `[out, in]`, as in PyTorch.
 use super::{parameter, uniform_param};
 use crate::module::{join_name, Module};
+use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{Error, Result, Tensor, TensorOptions};
 
 /// A fully connected layer (`torch.nn.Linear`): weight `[out_features, in_features]`,
@@ -88,6 +89,7 @@ impl Linear {
 
     /// `x @ W.T (+ b)` over the last dim of `x` (`[..., in]` to `[..., out]`).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
         x.linear(&self.weight, self.bias.as_ref())
     }
 }

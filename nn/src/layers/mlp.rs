@@ -1,6 +1,7 @@
 //! The SwiGLU MLP of Llama and Qwen: `down(silu(gate(x)) * up(x))`.
 use super::Linear;
 use crate::module::{join_name, Module};
+use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Result, Tensor, TensorOptions};
 
 /// The gated feed-forward block of Llama/Qwen (`LlamaMLP`): parameters
@@ -38,6 +39,7 @@ impl SwiGluMlp {
     /// In float32 and float64 the gate is one fused pass ([`Tensor::silu_mul`]);
     /// half precision rounds `silu` before the product, as transformers does.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
         let g = self.gate_proj.forward(x)?;
         let u = self.up_proj.forward(x)?;
         let h = match g.dtype() {

@@ -1,6 +1,7 @@
 //! Normalisation layers: `RmsNorm` (Llama, Qwen) and `LayerNorm`.
 use super::parameter;
 use crate::module::{join_name, Module};
+use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Result, Tensor, TensorOptions};
 
 /// RMS normalisation over the last dim, as Llama computes it (`LlamaRMSNorm`):
@@ -32,6 +33,7 @@ impl RmsNorm {
 
     /// Normalises `x: [..., dim]` over its last dim.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
         let dt = x.dtype();
         if matches!(dt, DType::F32 | DType::F64) && self.weight.dtype() == dt {
             // The same products in one fused pass (`Tensor::rms_norm`).
@@ -80,6 +82,7 @@ impl LayerNorm {
 
     /// Normalises `x: [..., dim]` over its last dim.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
         x.layer_norm(&[self.dim], self.weight.as_ref(), self.bias.as_ref(), self.eps)
     }
 }

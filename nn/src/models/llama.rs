@@ -8,6 +8,7 @@ use crate::layers::{
     RmsNorm, RotaryEmbedding, SwiGluMlp,
 };
 use crate::module::{join_name, Module};
+use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -123,6 +124,7 @@ impl DecoderLayer {
         cache: Option<&mut LayerKvCache>,
         acts: Option<(&mut BTreeMap<String, Tensor>, usize)>,
     ) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
         let h = self.input_layernorm.forward(x)?;
         let a = self.self_attn.forward(&h, rope, mask, cache)?;
         let x1 = x.add(&a)?;
@@ -210,6 +212,7 @@ impl LlamaModel {
         cache: Option<&mut KvCache>,
         mut acts: Option<&mut BTreeMap<String, Tensor>>,
     ) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
         if input_ids.ndim() != 2 || !input_ids.dtype().is_int() {
             return Err(Error::shape(
                 "LlamaModel",
@@ -555,6 +558,7 @@ impl Module for LlamaForCausalLM {
 /// # Ok::<(), kiln::Error>(())
 /// ```
 pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, ignore_index: Option<i64>) -> Result<Tensor> {
+    let _c = ConstantScope::enter();
     if logits.ndim() != 3 || labels.ndim() != 2 || logits.shape()[..2] != *labels.shape() || logits.shape()[1] < 2 {
         return Err(Error::shape(
             "causal_lm_loss",

@@ -3,6 +3,7 @@
 use super::fused::{self, AdamWScalars};
 use super::{check_grad, check_hyper, resolve_groups, IntoParamGroups, Optimizer, ParamGroup};
 use kiln_autograd::no_grad;
+use kiln_tensor::trace::{ConstantScope, Watch};
 use kiln_tensor::{DType, Result, Tensor};
 use std::collections::HashMap;
 
@@ -94,6 +95,11 @@ pub struct AdamW {
     device_lr: Vec<Option<(f64, Tensor)>>,
     /// Capturable mode: per group, per parameter, the step count on the device.
     device_step: Vec<Vec<Option<Tensor>>>,
+    /// Moves whenever a host value a traced step reads may have changed (see
+    /// Note [Host values]): the groups handed out mutably, a learning rate set
+    /// on the host (not in capturable mode, whose learning rates live on the
+    /// device), a loaded state.
+    settings: Watch,
 }
 
 impl AdamW {
@@ -109,7 +115,16 @@ impl AdamW {
         let state = groups.iter().map(|g| vec![None; g.params.len()]).collect();
         let device_step = groups.iter().map(|g| vec![None; g.params.len()]).collect();
         let device_lr = vec![None; groups.len()];
-        Ok(AdamW { groups, initial_lrs, config, state, capturable: false, device_lr, device_step })
+        Ok(AdamW {
+            groups,
+            initial_lrs,
+            config,
+            state,
+            capturable: false,
+            device_lr,
+            device_step,
+            settings: Watch::new("AdamW settings", 0),
+        })
     }
 
     /// Capturable mode (PyTorch's `capturable=True`), for steps traced by
@@ -130,6 +145,7 @@ impl AdamW {
     /// state appears in `state` and `state_dict` with step 0 before any step.
     pub fn set_capturable(&mut self, on: bool) -> Result<()> {
         self.capturable = on;
+        self.settings.bump();
         if on {
             self.make_capturable_state()?;
         }
@@ -219,6 +235,21 @@ impl AdamW {
         Ok(())
     }
 
+    /// Sets group `i`'s learning rate to `lr(i)`, telling `lr_changed` only when one moved.
+    fn set_group_lrs(&mut self, lr: impl Fn(usize) -> f64) {
+        let mut moved = false;
+        for (i, g) in self.groups.iter_mut().enumerate() {
+            let v = lr(i);
+            if g.lr != Some(v) {
+                g.lr = Some(v);
+                moved = true;
+            }
+        }
+        if moved {
+            self.lr_changed();
+        }
+    }
+
     /// The hyperparameters it was built with (per-group `lr` / `weight_decay` live in the groups).
     pub fn config(&self) -> &AdamWConfig {
         &self.config
@@ -284,6 +315,8 @@ impl AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         let _guard = no_grad();
+        let _c = ConstantScope::enter();
+        self.settings.get();
         if self.capturable {
             self.sync_device_lr()?;
         }
@@ -335,8 +368,21 @@ impl Optimizer for AdamW {
     }
 
     fn lr_changed(&mut self) {
-        // A failed write is retried (and reported) by the next `step`.
-        let _ = self.sync_device_lr();
+        if self.capturable {
+            // A failed write is retried (and reported) by the next `step`.
+            let _ = self.sync_device_lr();
+        } else {
+            self.settings.bump();
+        }
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.set_group_lrs(|_| lr);
+    }
+
+    fn set_lr_factor(&mut self, factor: f64) {
+        let init = self.initial_lrs.clone();
+        self.set_group_lrs(|i| init[i] * factor);
     }
 
     fn param_groups(&self) -> &[ParamGroup] {
@@ -344,6 +390,8 @@ impl Optimizer for AdamW {
     }
 
     fn param_groups_mut(&mut self) -> &mut [ParamGroup] {
+        // Anything may change through it.
+        self.settings.bump();
         &mut self.groups
     }
 
@@ -401,6 +449,7 @@ impl Optimizer for AdamW {
             new_state.push(st);
         }
         self.state = new_state;
+        self.settings.bump();
         // The device step counts restart from the loaded host counts.
         self.device_step = self.groups.iter().map(|g| vec![None; g.params.len()]).collect();
         if self.capturable {

@@ -2,6 +2,7 @@
 //! momentum, dampening, Nesterov momentum and (coupled) weight decay.
 use super::{check_grad, check_hyper, resolve_groups, IntoParamGroups, Optimizer, ParamGroup};
 use kiln_autograd::no_grad;
+use kiln_tensor::trace::{ConstantScope, Watch};
 use kiln_tensor::{Error, Result, Tensor};
 
 /// Hyperparameters of [`SGD`]; the defaults are PyTorch's except `lr`, which
@@ -56,6 +57,10 @@ pub struct SGD {
     config: SgdConfig,
     /// Momentum buffers, per group, per parameter.
     buffers: Vec<Vec<Option<Tensor>>>,
+    /// Moves whenever a host value a traced step reads may have changed (see
+    /// Note [Host values]): the groups handed out mutably, a learning rate set,
+    /// a loaded state.
+    settings: Watch,
 }
 
 impl SGD {
@@ -69,7 +74,7 @@ impl SGD {
         }
         let (groups, initial_lrs) = resolve_groups(OP, params.into_param_groups(), config.lr, config.weight_decay)?;
         let buffers = groups.iter().map(|g| vec![None; g.params.len()]).collect();
-        Ok(SGD { groups, initial_lrs, config, buffers })
+        Ok(SGD { groups, initial_lrs, config, buffers, settings: Watch::new("SGD settings", 0) })
     }
 
     /// The hyperparameters it was built with (per-group `lr` / `weight_decay` live in the groups).
@@ -86,9 +91,25 @@ impl SGD {
     }
 }
 
+impl SGD {
+    /// Sets group `i`'s learning rate to `lr(i)`; a traced step sees the change
+    /// (its learning rates are host values, see Note [Host values]).
+    fn set_group_lrs(&mut self, lr: impl Fn(usize) -> f64) {
+        for (i, g) in self.groups.iter_mut().enumerate() {
+            let v = lr(i);
+            if g.lr != Some(v) {
+                g.lr = Some(v);
+                self.settings.bump();
+            }
+        }
+    }
+}
+
 impl Optimizer for SGD {
     fn step(&mut self) -> Result<()> {
         let _guard = no_grad();
+        let _c = ConstantScope::enter();
+        self.settings.get();
         let c = self.config;
         for (g, bufs) in self.groups.iter().zip(self.buffers.iter_mut()) {
             let (lr, wd) = (g.lr(), g.weight_decay());
@@ -121,7 +142,18 @@ impl Optimizer for SGD {
     }
 
     fn param_groups_mut(&mut self) -> &mut [ParamGroup] {
+        // Anything may change through it.
+        self.settings.bump();
         &mut self.groups
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.set_group_lrs(|_| lr);
+    }
+
+    fn set_lr_factor(&mut self, factor: f64) {
+        let init = self.initial_lrs.clone();
+        self.set_group_lrs(|i| init[i] * factor);
     }
 
     fn initial_lrs(&self) -> &[f64] {
@@ -142,6 +174,7 @@ impl Optimizer for SGD {
 
     fn load_state_dict(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
         const OP: &str = "SGD.load_state_dict";
+        self.settings.bump();
         let mut by_param = super::group_state_entries(OP, &self.groups, &["momentum_buffer"], state)?;
         let mut buffers = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
