@@ -50,24 +50,26 @@ impl Sink<'_> {
                     drop(g);
                     d
                 };
-                let new = match leaf.grad() {
-                    None => {
-                        // A fresh buffer, so later in-place updates of .grad never alias the graph:
-                        // the gradient itself when nothing else holds its storage (the usual case,
-                        // a kernel's output), else a copy.
-                        if g.shape() == leaf.shape() && g.dtype() == leaf.dtype() {
-                            if owns_whole_storage(&g) {
-                                g
+                // Read, add and store under the leaf's gradient lock (concurrent backward passes).
+                leaf.update_grad(|old| {
+                    Ok(match old {
+                        None => {
+                            // A fresh buffer, so later in-place updates of .grad never alias the graph:
+                            // the gradient itself when nothing else holds its storage (the usual case,
+                            // a kernel's output), else a copy.
+                            if g.shape() == leaf.shape() && g.dtype() == leaf.dtype() {
+                                if owns_whole_storage(&g) {
+                                    g
+                                } else {
+                                    g.deep_clone()?.detach()
+                                }
                             } else {
-                                g.deep_clone()?.detach()
+                                g.to_dtype(leaf.dtype())?.broadcast_to(leaf.shape())?.contiguous()?.detach()
                             }
-                        } else {
-                            g.to_dtype(leaf.dtype())?.broadcast_to(leaf.shape())?.contiguous()?.detach()
                         }
-                    }
-                    Some(old) => old.add(&g)?.detach(),
-                };
-                leaf.set_grad(Some(new));
+                        Some(old) => old.add(&g)?.detach(),
+                    })
+                })?;
             }
             Sink::Capture { inputs, found } => {
                 for (i, t) in inputs.iter().enumerate() {

@@ -140,12 +140,14 @@ impl Tensor {
 
     /// In-place [`Tensor::tril`].
     pub fn tril_(&self, diagonal: i64) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         let r = self.tril(diagonal)?;
         self.copy_(&r)
     }
 
     /// In-place [`Tensor::triu`].
     pub fn triu_(&self, diagonal: i64) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         let r = self.triu(diagonal)?;
         self.copy_(&r)
     }

@@ -435,6 +435,7 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn i_put_(&self, index: impl TensorIndex, values: &Tensor) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         let (view, adv) = self.apply_basic("index_put_", &index.into_items())?;
         if adv.is_empty() {
             view.copy_(values)?;
@@ -607,6 +608,7 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn index_put_(&self, indices: &[Option<&Tensor>], values: &Tensor, accumulate: bool) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         let items = self.index_items("index_put_", indices)?;
         if items.is_empty() {
             let r = self.index_put(indices, values, accumulate)?;
@@ -755,6 +757,7 @@ impl Tensor {
 
     /// In-place [`Tensor::scatter`].
     pub fn scatter_(&self, dim: isize, index: &Tensor, src: &Tensor) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         let r = self.scatter(dim, index, src)?;
         self.copy_(&r)
     }
@@ -776,6 +779,7 @@ impl Tensor {
 
     /// In-place [`Tensor::scatter_add`].
     pub fn scatter_add_(&self, dim: isize, index: &Tensor, src: &Tensor) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         let r = self.scatter_add(dim, index, src)?;
         self.copy_(&r)
     }
@@ -835,6 +839,7 @@ impl Tensor {
 
     /// In-place [`Tensor::index_add`].
     pub fn index_add_(&self, dim: isize, index: &Tensor, src: &Tensor) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         let r = self.index_add(dim, index, src)?;
         self.copy_(&r)
     }

@@ -69,6 +69,7 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn copy_(&self, src: &Tensor) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         self.check_writable("copy_")?;
         let producer = src.origin();
         let src = src.to_device(self.device())?.to_dtype(self.dtype())?;
@@ -152,6 +153,7 @@ impl Tensor {
         other: Operand<'_>,
         f: impl Fn(&Tensor, Operand<'_>) -> Result<Tensor>,
     ) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         self.check_writable(op)?;
         let rt = result_type(&[Operand::Tensor(self), other]);
         if !can_cast(rt, self.dtype()) {
@@ -180,6 +182,7 @@ impl Tensor {
     }
     /// True division in place (an integer `self` is refused, like PyTorch).
     pub fn div_<'o>(&self, other: impl Into<Operand<'o>>) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         let o = other.into();
         self.check_writable("div_")?;
         let r = self.div(o)?;
@@ -190,6 +193,7 @@ impl Tensor {
     }
     /// Fills with one value.
     pub fn fill_(&self, value: impl Into<Scalar>) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         self.check_writable("fill_")?;
         let v = Tensor::full(&[], value.into(), (self.dtype(), self.device()))?;
         self.copy_(&v)
@@ -198,12 +202,14 @@ impl Tensor {
         self.fill_(0)
     }
     pub fn clamp_(&self, min: Option<f64>, max: Option<f64>) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         self.check_writable("clamp_")?;
         let r = self.clamp(min, max)?;
         self.write_back("clamp_", &r)
     }
     /// Writes `value` where `mask` (bool, broadcastable to `self`) is true.
     pub fn masked_fill_(&self, mask: &Tensor, value: impl Into<Scalar>) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         self.check_writable("masked_fill_")?;
         let r = self.masked_fill(mask, value)?;
         self.write_back("masked_fill_", &r)
@@ -232,6 +238,7 @@ impl Tensor {
         Tensor::where_cond(mask, &v, self)
     }
     pub fn neg_(&self) -> Result<&Tensor> {
+        let _x = self.storage().exclusive();
         self.check_writable("neg_")?;
         let r = self.neg()?;
         self.write_back("neg_", &r)

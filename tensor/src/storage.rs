@@ -4,7 +4,7 @@ use crate::{DType, Device, Element, Error, Result};
 use half::{bf16, f16};
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// Typed host memory: one `Vec` per dtype.
 #[derive(Debug, Clone, PartialEq)]
@@ -262,6 +262,16 @@ impl StorageData {
 // (`Tensor` is `Send + Sync`). Uncontended, the lock costs a few nanoseconds,
 // far below the cost of dispatching an op.
 //
+// An in-place op (`add_`, `masked_fill_`, `index_put_`, `copy_`, ...) reads
+// its destination, computes out of place and writes back: a read-modify-write
+// that must not interleave with another on the same storage, or one of the two
+// updates is lost (two threads doing `x.add_(1.0)` 2,000 times each must end
+// at 4,000). So every in-place op also holds the storage's in-place lock
+// (`Storage::exclusive`) from before its first read of the destination to
+// after its write. It is reentrant on one thread (an in-place op calling
+// `copy_`), and an in-place op never writes another storage while holding it,
+// so it adds no lock cycle: readers and out-of-place ops never take it.
+//
 // Deadlock freedom: a kernel that writes one storage while reading others
 // takes all its locks in one global order (by storage address, see
 // `Storage::lock_ordered`), and a write whose destination is also one of its
@@ -277,6 +287,8 @@ impl StorageData {
 #[derive(Debug)]
 pub struct Storage {
     data: RwLock<StorageData>,
+    /// Serialises in-place read-modify-writes (see Note [Storage mutability]).
+    inplace: Mutex<()>,
     version: AtomicU64,
     dtype: DType,
     len: usize,
@@ -300,7 +312,7 @@ impl Drop for Storage {
 impl Storage {
     pub fn new(data: StorageData, dtype: DType, len: usize, device: Device) -> Storage {
         LIVE_STORAGES.fetch_add(1, Ordering::Relaxed);
-        Storage { data: RwLock::new(data), version: AtomicU64::new(0), dtype, len, device }
+        Storage { data: RwLock::new(data), inplace: Mutex::new(()), version: AtomicU64::new(0), dtype, len, device }
     }
     pub fn from_host(buf: HostBuffer, device: Device) -> Storage {
         let (dtype, len) = (buf.dtype(), buf.len());
@@ -343,5 +355,35 @@ impl Storage {
     /// A stable identity for ordering locks and detecting aliasing.
     pub fn addr(&self) -> usize {
         self as *const Storage as usize
+    }
+    /// The in-place lock, held by an in-place op from its first read of this
+    /// storage to its write (see Note [Storage mutability]); reentrant on one thread.
+    pub fn exclusive(&self) -> Exclusive<'_> {
+        let addr = self.addr();
+        if HELD.with(|h| h.borrow().contains(&addr)) {
+            return Exclusive { guard: None, addr };
+        }
+        let guard = self.inplace.lock().unwrap_or_else(|e| e.into_inner());
+        HELD.with(|h| h.borrow_mut().push(addr));
+        Exclusive { guard: Some(guard), addr }
+    }
+}
+
+thread_local! {
+    /// The storages whose in-place lock this thread holds.
+    static HELD: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A held in-place lock (see [`Storage::exclusive`]).
+pub struct Exclusive<'a> {
+    guard: Option<MutexGuard<'a, ()>>,
+    addr: usize,
+}
+
+impl Drop for Exclusive<'_> {
+    fn drop(&mut self) {
+        if self.guard.is_some() {
+            HELD.with(|h| h.borrow_mut().retain(|&a| a != self.addr));
+        }
     }
 }

@@ -284,6 +284,15 @@ impl Tensor {
     pub fn set_grad(&self, g: Option<Tensor>) {
         *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = g;
     }
+    /// Replaces `.grad` by `f(current)` as one step: other threads' reads and
+    /// updates of this tensor's `.grad` wait until `f` is done, so concurrent
+    /// backward passes accumulating into a shared parameter lose nothing
+    /// (PyTorch's `AccumulateGrad` lock). `f` must not touch this tensor's `.grad`.
+    pub fn update_grad(&self, f: impl FnOnce(Option<Tensor>) -> Result<Tensor>) -> Result<()> {
+        let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
+        *slot = Some(f(slot.clone())?);
+        Ok(())
+    }
     /// A tensor sharing the data but cut from the autograd graph.
     pub fn detach(&self) -> Tensor {
         Tensor::make(self.0.storage.clone(), self.0.layout.clone(), self.0.backend, None)

@@ -114,3 +114,59 @@ fn concurrent_read_only_ops_agree() {
         })
     });
 }
+
+#[test]
+fn concurrent_in_place_updates_lose_nothing() {
+    on_devices(|dev| {
+        let n = if dev == Device::Cpu { 2000 } else { 300 };
+        let x = Tensor::zeros(&[4], (DType::F32, dev))?;
+        let view = x.narrow(0, 1, 2)?; // writes through a view share the base's lock
+        thread::scope(|s| -> Result<()> {
+            let a = s.spawn(|| -> Result<()> {
+                for _ in 0..n {
+                    x.add_(1.0)?;
+                }
+                Ok(())
+            });
+            let b = s.spawn(|| -> Result<()> {
+                for _ in 0..n {
+                    view.add_(1.0)?;
+                }
+                Ok(())
+            });
+            join(a)?;
+            join(b)
+        })?;
+        let m = n as f64;
+        assert_eq!(f64s(&x), vec![m, 2.0 * m, 2.0 * m, m], "no update lost on {dev}");
+        Ok(())
+    });
+}
+
+#[test]
+fn concurrent_backward_passes_sum_their_gradients_exactly() {
+    on_devices(|dev| {
+        let (threads, rounds) = (4, if dev == Device::Cpu { 50 } else { 10 });
+        let w = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3])?.to_device(dev)?;
+        w.requires_grad_(true)?;
+        thread::scope(|s| -> Result<()> {
+            let hs: Vec<_> = (0..threads)
+                .map(|t| {
+                    let w = &w;
+                    s.spawn(move || -> Result<()> {
+                        // d/dw sum(w * c) = c, with c = t + 1: exact in float32.
+                        let c = Tensor::full(&[3], (t + 1) as f64, (DType::F32, dev))?;
+                        for _ in 0..rounds {
+                            w.mul(&c)?.sum()?.backward()?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            hs.into_iter().try_for_each(join)
+        })?;
+        let want = (rounds * (1..=threads).sum::<usize>()) as f64;
+        assert_eq!(f64s(&w.grad().expect("a gradient")), vec![want; 3], "every gradient counted on {dev}");
+        Ok(())
+    });
+}
