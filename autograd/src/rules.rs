@@ -460,7 +460,12 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                     // Both layouts index the input's storage.
                     let inp = ctx.edges[0].value.layout().clone();
                     let view = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
-                    let extent = view.storage_extent().max(inp.storage_extent());
+                    // Both were bounds-checked against the storage when the view was made.
+                    let span = |l: &Layout| {
+                        l.storage_extent()
+                            .ok_or_else(|| kiln_tensor::Error::index("as_strided", "a view's extent overflows"))
+                    };
+                    let extent = span(&view)?.max(span(&inp)?);
                     strided_backward(&g, &view, &inp, extent)?
                 }
             });

@@ -53,6 +53,10 @@ impl Backend for CpuBackend {
     }
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], _device: Device) -> Result<Vec<Arc<Storage>>> {
+        // An output the machine cannot hold is an error, not an abort in the kernel's allocation.
+        for m in outs {
+            kiln_tensor::alloc::reserve(op.name(), &m.shape, m.dtype)?;
+        }
         let guards = lock_inputs(inputs);
         let ins: SmallVec<[Input<'_>; 4]> =
             inputs.iter().map(|t| Ok(Input { buf: host(&guards, t)?, layout: t.layout() })).collect::<Result<_>>()?;

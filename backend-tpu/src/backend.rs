@@ -619,7 +619,7 @@ impl Backend for PjrtBackend {
             let meta = Meta { shape: [l.numel()].as_slice().into(), dtype };
             Arc::new(self.run("to_host", &text, &[&buf], &[meta], &[], &[], t.device())?.remove(0))
         };
-        let mut bytes = vec![0u8; out.numel() * dtype.size_in_bytes()];
+        let mut bytes = kiln_tensor::alloc::try_vec("to_host", &[out.numel() * dtype.size_in_bytes()], DType::U8, 0u8)?;
         out.copy_to_host(&mut bytes)?;
         HostBuffer::from_le_bytes(dtype, &bytes)
     }

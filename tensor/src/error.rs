@@ -28,6 +28,9 @@ pub enum Error {
     /// An argument that is invalid for another reason.
     #[error("{op}: {msg}")]
     Invalid { op: &'static str, msg: String },
+    /// A tensor too large to exist or to allocate (PyTorch's "can't allocate memory").
+    #[error("{op}: {msg}")]
+    Memory { op: &'static str, msg: String },
     /// A backend failed (for example a device runtime error).
     #[error("{backend} backend: {msg}")]
     Backend { backend: &'static str, msg: String },
@@ -51,6 +54,9 @@ impl Error {
     }
     pub fn invalid(op: &'static str, msg: impl Into<String>) -> Self {
         Error::Invalid { op, msg: msg.into() }
+    }
+    pub fn memory(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::Memory { op, msg: msg.into() }
     }
     pub fn backend(backend: &'static str, msg: impl Into<String>) -> Self {
         Error::Backend { backend, msg: msg.into() }

@@ -11,7 +11,12 @@ pub type Strides = SmallVec<[usize; 6]>;
 
 /// Number of elements of a shape (1 for a 0-d tensor).
 pub fn numel(shape: &[usize]) -> usize {
-    shape.iter().product()
+    // Saturates: no buffer has usize::MAX elements, so an overflowing shape can
+    // never pass for a real one (`alloc::bytes` turns it into an error).
+    if shape.contains(&0) {
+        return 0;
+    }
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).unwrap_or(usize::MAX)
 }
 
 /// Row-major (C-contiguous) strides of a shape.
@@ -20,7 +25,8 @@ pub fn contiguous_strides(shape: &[usize]) -> Strides {
     let mut acc = 1usize;
     for i in (0..shape.len()).rev() {
         s[i] = acc;
-        acc *= shape[i].max(1);
+        // Saturating: such a shape has more elements than any storage and is refused before use.
+        acc = acc.saturating_mul(shape[i].max(1));
     }
     s
 }
@@ -109,16 +115,32 @@ impl Layout {
     }
 
     /// One past the largest storage index this layout touches (0 when empty).
-    pub fn storage_extent(&self) -> usize {
+    /// The number of storage elements the layout spans from index 0 (`None`
+    /// when that number does not fit a `usize`).
+    pub fn storage_extent(&self) -> Option<usize> {
         if self.numel() == 0 {
-            return 0;
+            return Some(0);
         }
-        self.offset + self.shape.iter().zip(&self.strides).map(|(&d, &s)| (d - 1) * s).sum::<usize>() + 1
+        let mut last = self.offset;
+        for (&d, &s) in self.shape.iter().zip(&self.strides) {
+            last = last.checked_add((d - 1).checked_mul(s)?)?;
+        }
+        last.checked_add(1)
     }
 
     /// Checks that every element lies inside a storage of `len` elements.
     pub fn check_bounds(&self, op: &'static str, len: usize) -> Result<()> {
-        let extent = self.storage_extent();
+        let Some(extent) = self.storage_extent() else {
+            return Err(Error::index(
+                op,
+                format!(
+                    "setStorage: sizes {}, strides {}, storage offset {} reach past the largest possible storage",
+                    fmt_shape(&self.shape),
+                    fmt_shape(&self.strides),
+                    self.offset
+                ),
+            ));
+        };
         if extent > len {
             return Err(Error::index(
                 op,

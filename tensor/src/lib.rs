@@ -12,6 +12,7 @@
 
 pub use half;
 
+pub mod alloc;
 mod attention;
 mod composite;
 mod convert;

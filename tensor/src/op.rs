@@ -617,8 +617,17 @@ impl Op {
     }
 
     /// Shapes and dtypes of the outputs for inputs of the given shapes and dtypes.
-    /// This is the single place where primitives' typing rules live.
+    /// This is the single place where primitives' typing rules live. Every
+    /// output's size is checked to fit the address space (`alloc::bytes`).
     pub fn infer(&self, inputs: &[Meta]) -> Result<SmallVec<[Meta; 2]>> {
+        let outs = self.infer_types(inputs)?;
+        for m in &outs {
+            crate::alloc::bytes(self.name(), &m.shape, m.dtype)?;
+        }
+        Ok(outs)
+    }
+
+    fn infer_types(&self, inputs: &[Meta]) -> Result<SmallVec<[Meta; 2]>> {
         let name = self.name();
         if let Some(n) = self.arity() {
             if inputs.len() != n {

@@ -90,7 +90,8 @@ pub(crate) fn matmul(a: &Input<'_>, b: &Input<'_>, out: &Meta) -> Result<HostBuf
 /// operands stay as they are), else a contiguous copy.
 fn widen<T: Elem>(x: &Input<'_>) -> Result<(Vec<f32>, Layout)> {
     let l = x.layout;
-    let (start, end) = (l.offset(), l.storage_extent());
+    // The layout was bounds-checked against the buffer, so its extent exists.
+    let (start, end) = (l.offset(), l.storage_extent().unwrap_or(usize::MAX));
     if end - start <= 2 * l.numel() {
         let v: Vec<f32> = x.slice::<T>()?[start..end].iter().map(|v| v.cast_f32()).collect();
         return Ok((v, Layout::new(l.shape().into(), l.strides().into(), 0)));

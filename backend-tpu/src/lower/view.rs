@@ -64,7 +64,7 @@ pub fn read_view(b: &mut Builder, flat: &Val, layout: &Layout) -> Result<Val> {
     if numel == 0 {
         return Ok(b.splat(Lit::I(0), flat.dtype(), &shape));
     }
-    if layout.storage_extent() > len {
+    if layout.storage_extent().is_none_or(|e| e > len) {
         return Err(Error::backend(
             "pjrt",
             format!(
@@ -150,7 +150,7 @@ pub fn write_view(b: &mut Builder, base: &Val, layout: &Layout, src: &Val) -> Re
     if numel == 0 {
         return Ok(base.clone());
     }
-    if layout.storage_extent() > len {
+    if layout.storage_extent().is_none_or(|e| e > len) {
         return Err(Error::backend("pjrt", format!("a written view runs past its storage of {len} elements")));
     }
     if layout.is_contiguous() {
