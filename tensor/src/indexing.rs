@@ -62,11 +62,28 @@ impl SliceBound for Option<isize> {
         self
     }
 }
+/// An index or bound as `isize`. A `usize` beyond `isize::MAX` becomes
+/// `isize::MAX`, which is past the end of any dim: an out-of-range position
+/// (an error) or a clamped bound, never a negative index counting from the end.
+trait ToIndex {
+    fn to_index(self) -> isize;
+}
+macro_rules! to_index {
+    ($($t:ty),*) => {$(
+        impl ToIndex for $t {
+            fn to_index(self) -> isize {
+                isize::try_from(self).unwrap_or(isize::MAX)
+            }
+        }
+    )*};
+}
+to_index!(i32, i64, isize, usize);
+
 macro_rules! slice_bound {
     ($($t:ty),*) => {$(
         impl SliceBound for $t {
             fn bound(self) -> Option<isize> {
-                Some(self as isize)
+                Some(self.to_index())
             }
         }
     )*};
@@ -91,32 +108,32 @@ macro_rules! item_from_int {
     ($($t:ty),*) => {$(
         impl From<$t> for IndexItem {
             fn from(i: $t) -> Self {
-                IndexItem::Select(i as isize)
+                IndexItem::Select(i.to_index())
             }
         }
         impl From<Range<$t>> for IndexItem {
             fn from(r: Range<$t>) -> Self {
-                IndexItem::Slice { start: Some(r.start as isize), end: Some(r.end as isize), step: 1 }
+                IndexItem::Slice { start: Some(r.start.to_index()), end: Some(r.end.to_index()), step: 1 }
             }
         }
         impl From<RangeFrom<$t>> for IndexItem {
             fn from(r: RangeFrom<$t>) -> Self {
-                IndexItem::Slice { start: Some(r.start as isize), end: None, step: 1 }
+                IndexItem::Slice { start: Some(r.start.to_index()), end: None, step: 1 }
             }
         }
         impl From<RangeTo<$t>> for IndexItem {
             fn from(r: RangeTo<$t>) -> Self {
-                IndexItem::Slice { start: None, end: Some(r.end as isize), step: 1 }
+                IndexItem::Slice { start: None, end: Some(r.end.to_index()), step: 1 }
             }
         }
         impl From<RangeInclusive<$t>> for IndexItem {
             fn from(r: RangeInclusive<$t>) -> Self {
-                IndexItem::Slice { start: Some(*r.start() as isize), end: inclusive_end(*r.end() as isize), step: 1 }
+                IndexItem::Slice { start: Some(r.start().to_index()), end: inclusive_end(r.end().to_index()), step: 1 }
             }
         }
         impl From<RangeToInclusive<$t>> for IndexItem {
             fn from(r: RangeToInclusive<$t>) -> Self {
-                IndexItem::Slice { start: None, end: inclusive_end(r.end as isize), step: 1 }
+                IndexItem::Slice { start: None, end: inclusive_end(r.end.to_index()), step: 1 }
             }
         }
     )*};
@@ -128,7 +145,7 @@ fn inclusive_end(e: isize) -> Option<isize> {
     if e == -1 {
         None
     } else {
-        Some(e + 1)
+        Some(e.saturating_add(1))
     }
 }
 
@@ -208,7 +225,7 @@ fn is_mask(t: &Tensor) -> bool {
 }
 
 /// An integer index tensor as int64 on `device`.
-fn as_index(op: &'static str, t: &Tensor, x: &Tensor) -> Result<Tensor> {
+fn to_index(op: &'static str, t: &Tensor, x: &Tensor) -> Result<Tensor> {
     if !t.dtype().is_int() {
         return Err(Error::index(
             op,
@@ -257,7 +274,7 @@ impl Advanced {
                 }
             } else {
                 dims.push(d);
-                idx.push(as_index(op, &t, x)?);
+                idx.push(to_index(op, &t, x)?);
                 checked.push(false);
             }
         }
