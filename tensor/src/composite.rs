@@ -54,6 +54,20 @@ fn float_only(op: &'static str, x: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// `x[n, t[n]]` of logits `x [N, C, ...]` at class indices `t`; an index out of
+/// range is PyTorch's cross-entropy error ("Target 10 is out of bounds."),
+/// not the gather's (the gather checks the indices, on the CPU and on the device).
+fn pick_targets(x: &Tensor, t: &Tensor) -> Result<Tensor> {
+    let picked = x.gather(1, &t.unsqueeze(1)?).map_err(|e| match &e {
+        Error::Index { op: "gather", msg } => {
+            let v = msg.strip_prefix("index ").and_then(|m| m.split(' ').next()).unwrap_or("?");
+            Error::index("cross_entropy", format!("Target {v} is out of bounds."))
+        }
+        _ => e,
+    })?;
+    picked.squeeze_dim(1)
+}
+
 /// A 0-d zero of `x`'s dtype and device (keeps `where` from promoting).
 fn zero_like(x: &Tensor) -> Result<Tensor> {
     Tensor::zeros(&[], (x.dtype(), x.device()))
@@ -627,7 +641,7 @@ fn cross_entropy_forward(x: &Tensor, safe: &Tensor, valid: Option<&Tensor>, opts
         // -log_softmax(x)[t] = lse(x) - x[t]: one read of the logits, no [N, C] output;
         // sum_c -log_softmax(x) = C lse(x) - sum_c x.
         let lse = x.logsumexp(1, false)?;
-        let picked = x.gather(1, &safe.unsqueeze(1)?)?.squeeze_dim(1)?;
+        let picked = pick_targets(x, safe)?;
         let nll = mask(lse.sub(&picked)?)?;
         let smooth = if eps > 0.0 {
             let c = x.shape()[1] as f64;
@@ -639,7 +653,7 @@ fn cross_entropy_forward(x: &Tensor, safe: &Tensor, valid: Option<&Tensor>, opts
     } else {
         // Half precision rounds log_softmax like PyTorch before picking.
         let logp = x.log_softmax(1)?;
-        let nll = mask(logp.gather(1, &safe.unsqueeze(1)?)?.squeeze_dim(1)?.neg()?)?;
+        let nll = mask(pick_targets(&logp, safe)?.neg()?)?;
         let smooth = if eps > 0.0 { Some(mask(logp.sum_dim(&[1isize][..], false)?.neg()?)?) } else { None };
         (nll, smooth)
     };

@@ -170,6 +170,14 @@ fn backward_typed<F: NormFloat>(x: &[F], w: &[F], rstd: &[F], g: &[F]) -> (Vec<F
 
 /// `Op::RmsNorm`: outputs `y` and `rstd`.
 pub(crate) fn rms_norm(x: &Input<'_>, w: &Input<'_>, eps: f64) -> Result<Vec<HostBuffer>> {
+    if w.layout.numel() == 0 {
+        // Rows of no elements: an empty `y`, and the rstd of an empty mean (NaN).
+        let shape = x.layout.shape();
+        let rows = kiln_tensor::numel(&shape[..shape.len().saturating_sub(1)]);
+        let empty = HostBuffer::zeros(x.dtype(), 0);
+        let rstd = if x.dtype() == DType::F64 { buf(vec![f64::NAN; rows]) } else { buf(vec![f32::NAN; rows]) };
+        return Ok(vec![empty, rstd]);
+    }
     fn half<T: Elem>(x: &Input<'_>, w: &Input<'_>, eps: f64) -> Result<Vec<HostBuffer>> {
         let (y, r) = forward_typed(&widen_f32::<T>(x)?, &widen_f32::<T>(w)?, eps);
         Ok(vec![buf(narrow_f32::<T>(y)), buf(r)])
@@ -192,6 +200,9 @@ pub(crate) fn rms_norm(x: &Input<'_>, w: &Input<'_>, eps: f64) -> Result<Vec<Hos
 /// `Op::RmsNormBackward`: inputs `x, w, rstd, g`; outputs `dx`, `dw`.
 pub(crate) fn rms_norm_backward(ins: &[Input<'_>]) -> Result<Vec<HostBuffer>> {
     let (x, w, r, g) = (&ins[0], &ins[1], &ins[2], &ins[3]);
+    if w.layout.numel() == 0 {
+        return Ok(vec![HostBuffer::zeros(x.dtype(), 0), HostBuffer::zeros(w.dtype(), 0)]);
+    }
     fn half<T: Elem>(x: &Input<'_>, w: &Input<'_>, r: &Input<'_>, g: &Input<'_>) -> Result<Vec<HostBuffer>> {
         let (dx, dw) =
             backward_typed(&widen_f32::<T>(x)?, &widen_f32::<T>(w)?, &contiguous::<f32>(r)?, &widen_f32::<T>(g)?);
