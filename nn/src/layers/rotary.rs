@@ -68,6 +68,7 @@ impl RotaryEmbedding {
                 format!("head_dim must be even and positive, got {head_dim}"),
             ));
         }
+        kiln_tensor::alloc::reserve("RotaryEmbedding", &[head_dim / 2], DType::F32)?;
         // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), all in float32.
         let base = theta as f32;
         let default: Vec<f32> =

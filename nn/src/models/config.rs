@@ -218,7 +218,7 @@ impl LlamaConfig {
         }
         let torch_dtype =
             v.get("dtype").or_else(|| v.get("torch_dtype")).and_then(|d| d.as_str()).and_then(DType::from_name);
-        Ok(LlamaConfig {
+        LlamaConfig {
             model_type,
             vocab_size: need_usize(v, "vocab_size")?,
             hidden_size,
@@ -240,7 +240,114 @@ impl LlamaConfig {
             eos_token_ids: token_ids(v, "eos_token_id")?,
             torch_dtype,
             raw: Some(v.clone()),
-        })
+        }
+        .validated()
+    }
+
+    fn validated(self) -> Result<LlamaConfig> {
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// The model class this configuration builds (`LlamaForCausalLM`, `Qwen3ForCausalLM`).
+    pub fn class_name(&self) -> &'static str {
+        match self.model_type {
+            ModelType::Llama => "LlamaForCausalLM",
+            ModelType::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    /// Checks the configuration on its own, before anything is built from it:
+    /// positive sizes, heads that divide, an even head size, finite positive
+    /// RoPE base and factors, a finite non-negative norm epsilon, a dropout
+    /// probability in `[0, 1]`, and a parameter count that fits the address
+    /// space. [`from_json`](LlamaConfig::from_json) and the model constructors call it.
+    pub fn validate(&self) -> Result<()> {
+        let class = self.class_name();
+        let bad = |msg: String| Err(Error::invalid("LlamaConfig", format!("{class}: {msg}")));
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return bad(format!("{key} must be positive, got 0"));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return bad(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return bad(format!("head_dim must be even for rotary embeddings, got {}", self.head_dim));
+        }
+        let positive = |key: &str, v: f64| -> Result<()> {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                bad(format!("{key} must be a finite positive number, got {v}"))
+            }
+        };
+        positive("rope_theta", self.rope_theta)?;
+        match &self.rope_scaling {
+            RopeScaling::Default => {}
+            RopeScaling::Linear { factor } => positive("the rope factor", *factor)?,
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                positive("the rope factor", *factor)?;
+                positive("low_freq_factor", *low_freq_factor)?;
+                positive("high_freq_factor", *high_freq_factor)?;
+                if high_freq_factor <= low_freq_factor {
+                    return bad(format!(
+                        "llama3 rope scaling needs high_freq_factor ({high_freq_factor}) > low_freq_factor ({low_freq_factor})"
+                    ));
+                }
+                if *original_max_position_embeddings == 0 {
+                    return bad("original_max_position_embeddings must be positive, got 0".into());
+                }
+            }
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return bad(format!("rms_norm_eps must be finite and non-negative, got {}", self.rms_norm_eps));
+        }
+        if !(0.0..=1.0).contains(&self.attention_dropout) {
+            return bad(format!("attention_dropout must be in [0, 1], got {}", self.attention_dropout));
+        }
+        if !(self.initializer_range.is_finite() && self.initializer_range >= 0.0) {
+            return bad(format!("initializer_range must be finite and non-negative, got {}", self.initializer_range));
+        }
+        match self.num_parameters() {
+            Some(n) if n.checked_mul(2).is_some_and(|b| b <= isize::MAX as usize) => Ok(()),
+            _ => bad("the sizes describe more parameters than fit in memory".into()),
+        }
+    }
+
+    /// The number of parameters the configuration describes (`None` when it
+    /// does not fit a `usize`).
+    pub fn num_parameters(&self) -> Option<usize> {
+        let (c, i) = (self.hidden_size, self.intermediate_size);
+        let (q, kv) = (
+            self.num_attention_heads.checked_mul(self.head_dim)?,
+            self.num_key_value_heads.checked_mul(self.head_dim)?,
+        );
+        let bias = |n: Option<usize>, on: bool| if on { n } else { Some(0) };
+        let attn = [c.checked_mul(q)?, c.checked_mul(kv)?, c.checked_mul(kv)?, q.checked_mul(c)?]
+            .into_iter()
+            .try_fold(0usize, |a, n| a.checked_add(n))?
+            .checked_add(bias(q.checked_add(kv.checked_mul(2)?)?.checked_add(c), self.attention_bias)?)?;
+        let mlp =
+            c.checked_mul(i)?.checked_mul(3)?.checked_add(bias(i.checked_mul(2)?.checked_add(c), self.mlp_bias)?)?;
+        let norms = c.checked_mul(2)?.checked_add(if self.qk_norm() { self.head_dim.checked_mul(2)? } else { 0 })?;
+        let layer = attn.checked_add(mlp)?.checked_add(norms)?;
+        let embed = self.vocab_size.checked_mul(c)?;
+        let heads = if self.tie_word_embeddings { 1 } else { 2 };
+        embed.checked_mul(heads)?.checked_add(layer.checked_mul(self.num_hidden_layers)?)?.checked_add(c)
     }
 
     /// Whether queries and keys get a per-head RMSNorm (Qwen3).

@@ -290,6 +290,79 @@ impl Module for LlamaModel {
     }
 }
 
+/// The first items of a list of problems, then how many more there are.
+fn capped(items: &[String], sep: &str) -> String {
+    const SHOWN: usize = 8;
+    let mut s = items.iter().take(SHOWN).cloned().collect::<Vec<_>>().join(sep);
+    if items.len() > SHOWN {
+        s += &format!("{sep}... and {} more", items.len() - SHOWN);
+    }
+    s
+}
+
+/// The number of decoder layers in the checkpoint must be the configuration's,
+/// checked before any layer is built (a config with a huge layer count would
+/// otherwise build a placeholder per layer first).
+fn check_layer_count(config: &LlamaConfig, weights: &BTreeMap<String, Tensor>) -> Result<()> {
+    let layers = weights
+        .keys()
+        .filter_map(|k| k.strip_prefix("model.layers.")?.split('.').next()?.parse::<usize>().ok())
+        .max()
+        .map_or(0, |m| m + 1);
+    if layers != config.num_hidden_layers {
+        return Err(Error::invalid(
+            "from_weights",
+            format!(
+                "Error(s) in loading state_dict for {}: the configuration has num_hidden_layers = {}, the checkpoint holds {layers} decoder layers",
+                config.class_name(),
+                config.num_hidden_layers
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The shapes the configuration gives the embeddings, the final norm, the
+/// output projection and the first layer's projections must be the
+/// checkpoint's, checked before anything is built from the configuration.
+fn check_key_shapes(config: &LlamaConfig, weights: &BTreeMap<String, Tensor>) -> Result<()> {
+    let (c, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
+    let q = config.num_attention_heads.saturating_mul(config.head_dim);
+    let kv = config.num_key_value_heads.saturating_mul(config.head_dim);
+    let mut expected = vec![
+        ("model.embed_tokens.weight", vec![v, c]),
+        ("model.norm.weight", vec![c]),
+        ("model.layers.0.self_attn.q_proj.weight", vec![q, c]),
+        ("model.layers.0.self_attn.k_proj.weight", vec![kv, c]),
+        ("model.layers.0.self_attn.v_proj.weight", vec![kv, c]),
+        ("model.layers.0.self_attn.o_proj.weight", vec![c, q]),
+        ("model.layers.0.mlp.gate_proj.weight", vec![i, c]),
+        ("model.layers.0.mlp.down_proj.weight", vec![c, i]),
+    ];
+    if !config.tie_word_embeddings {
+        expected.push(("lm_head.weight", vec![v, c]));
+    }
+    let bad: Vec<String> = expected
+        .iter()
+        .filter_map(|(name, shape)| {
+            let t = weights.get(*name)?;
+            (t.shape() != shape.as_slice()).then(|| {
+                format!(
+                    "size mismatch for {name}: copying a param with shape {:?} from checkpoint, the shape in current model is {shape:?}.",
+                    t.shape()
+                )
+            })
+        })
+        .collect();
+    if !bad.is_empty() {
+        return Err(Error::invalid(
+            "from_weights",
+            format!("Error(s) in loading state_dict for {}:\n\t{}", config.class_name(), bad.join("\n\t")),
+        ));
+    }
+    Ok(())
+}
+
 /// A Llama 2/3 or Qwen3 causal language model (`LlamaForCausalLM`,
 /// `Qwen3ForCausalLM`) with Hugging Face parameter names.
 ///
@@ -322,6 +395,7 @@ pub struct LlamaForCausalLM {
 
 impl LlamaForCausalLM {
     fn build(cfg: &LlamaConfig, src: &mut Source<'_>) -> Result<LlamaForCausalLM> {
+        cfg.validate()?;
         let model = LlamaModel::build(cfg, "model", src)?;
         let lm_head = if cfg.tie_word_embeddings {
             None
@@ -337,6 +411,12 @@ impl LlamaForCausalLM {
     /// zero, norms one. Parameters require grad.
     pub fn new(config: &LlamaConfig, opts: impl Into<TensorOptions>) -> Result<LlamaForCausalLM> {
         let opts = opts.into();
+        config.validate()?;
+        if opts.device == Device::Cpu {
+            // The whole model, before the first of its many allocations.
+            let n = config.num_parameters().unwrap_or(usize::MAX);
+            kiln_tensor::alloc::reserve(config.class_name(), &[n], opts.dtype)?;
+        }
         let std = config.initializer_range;
         let mut src = |_: &str, shape: &[usize], init: Init| match init {
             Init::Normal => normal_param(shape, std, opts),
@@ -372,6 +452,10 @@ impl LlamaForCausalLM {
         dtype: DType,
         device: Device,
     ) -> Result<LlamaForCausalLM> {
+        config.validate()?;
+        let class = config.class_name();
+        check_layer_count(config, weights)?;
+        check_key_shapes(config, weights)?;
         let opts = TensorOptions { dtype, device };
         let mut used = BTreeSet::new();
         let mut missing = vec![];
@@ -413,16 +497,18 @@ impl LlamaForCausalLM {
             weights.keys().filter(|k| !used.contains(*k) && !ignored(k)).map(|k| format!("\"{k}\"")).collect();
         let mut problems = vec![];
         if !missing.is_empty() {
-            problems.push(format!("Missing key(s) in state_dict: {}.", missing.join(", ")));
+            problems.push(format!("Missing key(s) in state_dict: {}.", capped(&missing, ", ")));
         }
         if !unexpected.is_empty() {
-            problems.push(format!("Unexpected key(s) in state_dict: {}.", unexpected.join(", ")));
+            problems.push(format!("Unexpected key(s) in state_dict: {}.", capped(&unexpected, ", ")));
         }
-        problems.extend(mis_shaped);
+        if !mis_shaped.is_empty() {
+            problems.push(capped(&mis_shaped, "\n\t"));
+        }
         if !problems.is_empty() {
             return Err(Error::invalid(
                 "from_weights",
-                format!("Error(s) in loading state_dict for LlamaForCausalLM:\n\t{}", problems.join("\n\t")),
+                format!("Error(s) in loading state_dict for {class}:\n\t{}", problems.join("\n\t")),
             ));
         }
         Ok(model)
