@@ -146,7 +146,12 @@ pub fn generate(
     };
     let prompt = prompt_ids.to_dtype(DType::I64)?.to_device(device)?;
     let mut rows: Vec<Vec<i64>> = prompt.to_vec::<i64>()?.chunks(p).map(|r| r.to_vec()).collect();
-    let mut cache = model.new_cache(p + max_new_tokens);
+    if b == 0 || max_new_tokens == 0 {
+        return prompt.deep_clone();
+    }
+    // Room for the prompt and a first stretch of tokens; the cache doubles as
+    // generation goes on, so memory follows the tokens actually produced.
+    let mut cache = model.new_cache(p.saturating_add(max_new_tokens.min(256)));
     let mut finished = vec![false; b];
     let mut next = prompt;
     for _ in 0..max_new_tokens {
