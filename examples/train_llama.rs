@@ -757,6 +757,9 @@ fn run(mut args: Args) -> Result<()> {
             model.train(true);
         }
         if step % args.save_every == 0 || step == args.steps {
+            // The log first: a checkpoint never gets ahead of loss.csv (a resume
+            // keeps the rows up to its step and trains the rest again).
+            write_log(&csv_path, &rows)?;
             let state = TrainerState::capture(step, Some(data.train.state()))?
                 .with_extra(json!({ "args": args.run_settings() }));
             save_checkpoint(
@@ -767,7 +770,6 @@ fn run(mut args: Args) -> Result<()> {
                 &state,
             )?;
             prune_checkpoints(&args.out, 2)?;
-            write_log(&csv_path, &rows)?;
         }
     }
     if let Some(c) = &compiled {

@@ -34,6 +34,10 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
 /// The model configuration file (Hugging Face layout).
 pub const CONFIG_FILE: &str = "config.json";
+/// The file written last into a checkpoint: the name and size of every other
+/// file. A directory without it, or whose files do not match it, is not a checkpoint.
+pub const MANIFEST_FILE: &str = "checkpoint_manifest.json";
+const MANIFEST_FORMAT: &str = "kiln-checkpoint-1";
 
 const FORMAT: &str = "kiln-trainer-state-2";
 
@@ -146,8 +150,9 @@ pub fn list_checkpoints(out: impl AsRef<Path>) -> Result<Vec<(u64, PathBuf)>> {
         let entry = entry.map_err(|e| io_err(out, e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(step) = name.strip_prefix("checkpoint-").and_then(|s| s.parse::<u64>().ok()) else { continue };
-        // Only renamed-into-place directories exist under this name, so each one is complete.
-        if entry.path().join(TRAINER_STATE_FILE).is_file() {
+        // Directories get this name by a rename of a complete one, and leave it by a
+        // rename before they are deleted; the manifest also covers copies made by hand.
+        if is_complete(&entry.path()) {
             found.push((step, entry.path()));
         }
     }
@@ -160,14 +165,73 @@ pub fn latest_checkpoint(out: impl AsRef<Path>) -> Result<Option<PathBuf>> {
     Ok(list_checkpoints(out)?.pop().map(|(_, p)| p))
 }
 
-/// Deletes all but the `keep` most recent checkpoints of `out`.
+/// Deletes all but the `keep` most recent checkpoints of `out`. Each is first
+/// renamed aside (to a name `list_checkpoints` ignores), so a process killed
+/// while deleting leaves no half-deleted checkpoint behind, only a leftover
+/// that the next save removes.
 pub fn prune_checkpoints(out: impl AsRef<Path>, keep: usize) -> Result<()> {
-    let all = list_checkpoints(out)?;
+    let all = list_checkpoints(&out)?;
     let n = all.len().saturating_sub(keep);
     for (_, p) in &all[..n] {
-        std::fs::remove_dir_all(p).map_err(|e| io_err(p, e))?;
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let aside = out.as_ref().join(format!(".{name}.deleting-{}", std::process::id()));
+        std::fs::rename(p, &aside).map_err(|e| io_err(p, format!("cannot move aside before deleting: {e}")))?;
+        std::fs::remove_dir_all(&aside).map_err(|e| io_err(&aside, e))?;
     }
     Ok(())
+}
+
+/// Writes the manifest of the files in `dir` (the last file of a checkpoint).
+fn write_manifest(dir: &Path) -> Result<()> {
+    let mut files = serde_json::Map::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| io_err(dir, e))? {
+        let entry = entry.map_err(|e| io_err(dir, e))?;
+        let len = entry.metadata().map_err(|e| io_err(&entry.path(), e))?.len();
+        files.insert(entry.file_name().to_string_lossy().into_owned(), serde_json::json!(len));
+    }
+    let text = serde_json::to_string_pretty(&serde_json::json!({"format": MANIFEST_FORMAT, "files": files}))
+        .map_err(|e| io_err(dir, e))?;
+    write_atomic(&dir.join(MANIFEST_FILE), |w| w.write_all(text.as_bytes()))
+}
+
+/// Whether `dir` holds a manifest whose files are all there, at their sizes.
+fn is_complete(dir: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(dir.join(MANIFEST_FILE)) else { return false };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return false };
+    let Some(files) = v["files"].as_object().filter(|_| v["format"] == MANIFEST_FORMAT) else { return false };
+    files.contains_key(TRAINER_STATE_FILE)
+        && files.iter().all(|(name, len)| {
+            std::fs::metadata(dir.join(name)).is_ok_and(|m| m.is_file() && Some(m.len()) == len.as_u64())
+        })
+}
+
+/// Removes what interrupted saves and prunes left in `out`: the temporary and
+/// set-aside directories (`.checkpoint-N.tmp-PID`, `.old-PID`, `.deleting-PID`)
+/// of this process or of processes that no longer run.
+fn remove_leftovers(out: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(out) else { return Ok(()) };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(".checkpoint-") else { continue };
+        let pid = [".tmp-", ".old-", ".deleting-"]
+            .iter()
+            .find_map(|tag| rest.rsplit_once(tag).and_then(|(_, pid)| pid.parse::<u32>().ok()));
+        let Some(pid) = pid else { continue };
+        if pid == std::process::id() || !process_alive(pid) {
+            let p = entry.path();
+            std::fs::remove_dir_all(&p).map_err(|e| io_err(&p, format!("cannot remove a leftover: {e}")))?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether process `pid` exists (Linux: `/proc/PID`; elsewhere assumed alive).
+fn process_alive(pid: u32) -> bool {
+    if cfg!(target_os = "linux") {
+        Path::new("/proc").join(pid.to_string()).exists()
+    } else {
+        true
+    }
 }
 
 /// Fills a directory atomically: `fill` writes into a fresh temporary sibling
@@ -215,7 +279,9 @@ pub fn write_dir_atomic(dir: impl AsRef<Path>, fill: impl FnOnce(&Path) -> Resul
 /// `model.safetensors` (the model's `state_dict()`, Hugging Face names),
 /// `config.json` when `model_config` (its JSON text) is given, so that the
 /// directory loads as a pretrained model, `optimizer.safetensors` (the
-/// optimizer's `state_dict()`), and `trainer_state.json`.
+/// optimizer's `state_dict()`), `trainer_state.json`, and last the manifest
+/// ([`MANIFEST_FILE`]) that makes it a complete checkpoint. Leftovers of
+/// interrupted saves and prunes in the parent directory are removed first.
 pub fn save_checkpoint(
     dir: impl AsRef<Path>,
     model: &dyn Module,
@@ -227,13 +293,18 @@ pub fn save_checkpoint(
     let opt_state: BTreeMap<String, Tensor> = optimizer.state_dict()?.into_iter().collect();
     let trainer =
         serde_json::to_string_pretty(&state.to_json()).map_err(|e| io_err(Path::new(TRAINER_STATE_FILE), e))?;
+    let dir = dir.as_ref();
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        remove_leftovers(parent)?;
+    }
     write_dir_atomic(dir, |tmp| {
         save_checkpoint_dir(tmp, &weights, None)?;
         if let Some(cfg) = model_config {
             write_atomic(&tmp.join(CONFIG_FILE), |w| w.write_all(cfg.as_bytes()))?;
         }
         save_safetensors(tmp.join(OPTIMIZER_FILE), &opt_state, None)?;
-        write_atomic(&tmp.join(TRAINER_STATE_FILE), |w| w.write_all(trainer.as_bytes()))
+        write_atomic(&tmp.join(TRAINER_STATE_FILE), |w| w.write_all(trainer.as_bytes()))?;
+        write_manifest(tmp)
     })
 }
 
@@ -250,6 +321,12 @@ pub struct Checkpoint {
 /// Opens a checkpoint written by [`save_checkpoint`] (reads `trainer_state.json`).
 pub fn load_checkpoint(dir: impl AsRef<Path>) -> Result<Checkpoint> {
     let dir = dir.as_ref().to_path_buf();
+    if dir.is_dir() && !is_complete(&dir) {
+        return Err(io_err(
+            &dir,
+            format!("not a complete checkpoint: {MANIFEST_FILE} is missing or names files that are not there"),
+        ));
+    }
     let path = dir.join(TRAINER_STATE_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, format!("cannot read: {e}")))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err(&path, e))?;
