@@ -10,16 +10,7 @@ use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
 use kiln::nn::module::Module;
 use kiln::prelude::*;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use support::{assert_close, fixture_dir, rng_lock};
-
-/// A fresh empty directory under the system temp dir.
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kiln-nn-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use support::{assert_close, fixture_dir, rng_lock, temp_dir};
 
 fn fixture_model(name: &str) -> LlamaForCausalLM {
     LlamaForCausalLM::from_pretrained(fixture_dir(name), DType::F32, Device::Cpu).unwrap()

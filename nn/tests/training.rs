@@ -17,18 +17,10 @@ use kiln::nn::optim::{decay_groups, AdamW, AdamWConfig, Optimizer};
 use kiln::nn::schedule::LrSchedule;
 use kiln::prelude::*;
 use std::path::{Path, PathBuf};
-use support::rng_lock;
+use support::{rng_lock, temp_dir};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
-}
-
-/// A fresh, empty temporary directory for one test.
-fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kiln-training-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 // ---- the golden fixtures -------------------------------------------------------------------------

@@ -64,3 +64,12 @@ pub fn register_tpu() {
         kiln::tpu::register().unwrap_or_else(|e| panic!("registering the PJRT backend: {e}"));
     });
 }
+
+/// A fresh, empty directory under the system's temporary directory, named for
+/// `tag` and this process.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln-nn-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
