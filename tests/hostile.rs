@@ -22,7 +22,11 @@ fn sizes_that_overflow_are_errors() {
         let x = Tensor::zeros(&[4], o).unwrap();
         assert_err(x.as_strided(&[2], &[1 << 63], None), &["as_strided", "require a storage of"]);
         assert_err(x.as_strided(&[3], &[usize::MAX / 2], Some(5)), &["as_strided", "reach past the largest possible"]);
-        assert_err(x.expand(&[1 << 40, 1 << 40, 4]).unwrap().exp(), &["exp", "has more elements than a usize"]);
+        assert_err(x.expand(&[1 << 40, 1 << 40, 4]), &["expand", "numel overflows"]);
+        assert_err(
+            x.reshape(&[1, 4]).unwrap().expand(&[1 << 61, 4]).unwrap().exp(),
+            &["exp", "more bytes than the address space"],
+        );
     });
 }
 

@@ -130,6 +130,12 @@ impl Layout {
 
     /// Checks that every element lies inside a storage of `len` elements.
     pub fn check_bounds(&self, op: &'static str, len: usize) -> Result<()> {
+        if !self.shape.contains(&0) && self.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).is_none() {
+            return Err(Error::shape(
+                op,
+                format!("sizes {} have more elements than a usize can count (numel overflows)", fmt_shape(&self.shape)),
+            ));
+        }
         let Some(extent) = self.storage_extent() else {
             return Err(Error::index(
                 op,
