@@ -2,17 +2,17 @@
 //! one-op StableHLO program (views read inside it), compiled once per distinct
 //! program text and cached, and dispatched asynchronously (Strict) or waited
 //! for and checked (Debug); under DeferAndFuse ops append to a pending graph
-//! that runs as one program (`defer.rs`).
+//! that runs as one program (`graph.rs`).
 use crate::cache::{self, DiskCache, DiskOutcome};
-pub use crate::defer::PjrtBuffer;
-use crate::defer::{out_meta, Graph, ParamSrc};
-use crate::lower::{self, ArgView, Check, Val};
+pub use crate::graph::PjrtBuffer;
+use crate::graph::{self, data_in, only_the_storage_reaches, Graph};
+use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, Event, Executable, Upload};
 use kiln_tensor::{Backend, DType, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 /// Work dispatched in Strict mode that nobody has waited for yet: a program
 /// and its completion event, or a host-to-device copy and the bytes it reads.
@@ -80,35 +80,6 @@ fn err(msg: impl Into<String>) -> Error {
     Error::backend("pjrt", msg)
 }
 
-/// What a storage holds, when it is this backend's.
-pub(crate) fn data_in(d: &StorageData, device: Device) -> Result<PjrtBuffer> {
-    match d {
-        StorageData::Device(d) => d
-            .as_any()
-            .downcast_ref::<PjrtBuffer>()
-            .cloned()
-            .ok_or_else(|| err(format!("a tensor on {device} holds another backend's buffer"))),
-        StorageData::Host(_) => Err(err(format!("a tensor on {device} holds host memory"))),
-    }
-}
-
-/// Whether a storage's data (`data`, a clone of it) can reach its buffer only
-/// through the storage: a ready buffer, or a deferred slot that nobody else
-/// holds. Whoever holds a slot can take its buffer at any time (a reader on
-/// another thread between its read and its program), so the buffer behind a
-/// shared slot must not be donated.
-pub(crate) fn only_the_storage_reaches(data: &PjrtBuffer) -> bool {
-    match data {
-        PjrtBuffer::Ready(_) => true,
-        // The storage's slot and this clone.
-        PjrtBuffer::Deferred(s) => Arc::strong_count(s) <= 2,
-    }
-}
-
-fn data_of(t: &Tensor) -> Result<PjrtBuffer> {
-    data_in(&t.storage().read(), t.device())
-}
-
 /// The number of pending dispatches after which finished ones are collected.
 const REAP_AT: usize = 64;
 
@@ -122,7 +93,7 @@ impl PjrtBackend {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .filter(|&n: &usize| n > 0)
-                .unwrap_or(crate::defer::DEFAULT_MAX_OPS),
+                .unwrap_or(graph::DEFAULT_MAX_OPS),
             compiles: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             executions: AtomicU64::new(0),
@@ -136,7 +107,7 @@ impl PjrtBackend {
     /// The device buffer behind a tensor's storage, running its pending graph
     /// first when the storage holds a deferred result.
     pub(crate) fn buffer_of(&self, t: &Tensor) -> Result<Arc<Buffer>> {
-        self.ready_data(data_of(t)?)
+        self.ready_data(data_in(&t.storage().read(), t.device())?)
     }
 
     /// One value of a creation op (see `lower::creation_args`) as a one-element buffer on `device`.
@@ -167,8 +138,8 @@ impl PjrtBackend {
             return Ok(b);
         }
         if let PjrtBuffer::Deferred(slot) = &data {
-            if crate::capture::is_capture_graph(slot.graph) {
-                return Err(crate::capture::escaped_value_error());
+            if graph::is_capture_graph(slot.graph) {
+                return Err(graph::escaped_value_error());
             }
             self.flush(slot.device)?;
             if let Some(b) = slot.filled.get() {
@@ -198,121 +169,23 @@ impl PjrtBackend {
         first
     }
 
-    /// The value of a storage's data inside graph `g`: an earlier output of it, or
-    /// a ready buffer as a parameter (whose source, for capture, is `storage`).
-    fn value_in(&self, g: &mut Graph, data: &PjrtBuffer, storage: &Arc<Storage>) -> Result<Val> {
-        match data {
-            PjrtBuffer::Deferred(slot) if slot.graph == g.id => Ok(g.outs[slot.index].0.clone()),
-            PjrtBuffer::Deferred(slot) if crate::capture::is_capture_graph(slot.graph) => {
-                Err(crate::capture::escaped_value_error())
-            }
-            other => match other.ready() {
-                Some(b) => Ok(g.param(&b, ParamSrc::Storage(Arc::downgrade(storage)))),
-                None => Err(err("an input is pending in another device's graph")),
-            },
-        }
-    }
-
-    /// DeferAndFuse: appends `op` to the device's pending graph (or the thread's
-    /// capture graph, see `capture.rs`).
-    fn defer_exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
-        if let Some(r) = crate::capture::with_graph(device.index(), |g| self.append_op(g, op, inputs, outs, device)) {
-            return r.map(|(st, _)| st);
+    /// Appends to the graph ops on `device` go to: the thread's capture graph
+    /// while tracing, else the device's pending graph (DeferAndFuse), which runs
+    /// when `f` asks (an op with a device-side check: its error surfaces at the
+    /// call) or when it holds `KILN_TPU_DEFER_MAX_OPS` ops.
+    fn defer<R>(&self, device: Device, f: impl FnOnce(&mut Graph) -> Result<(R, bool)>) -> Result<R> {
+        let mut f = Some(f);
+        let mut on = |g: &mut Graph| f.take().map(|f| f(g));
+        if let Some(r) = graph::with_capture(device.index(), &mut on).flatten() {
+            return r.map(|(r, _)| r);
         }
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let g = graphs.entry(device.index()).or_insert_with(|| Graph::new(device.index()));
-        let (storages, has_checks) = self.append_op(g, op, inputs, outs, device)?;
-        if has_checks || g.ops >= self.max_ops {
-            // An op with a device-side check runs now, so its error surfaces at the call.
+        let (r, run_now) = on(g).ok_or_else(|| err("a deferred op was appended twice"))??;
+        if run_now || g.ops >= self.max_ops {
             self.run_graph(&mut graphs, device.index())?;
         }
-        Ok(storages)
-    }
-
-    /// Appends `op`'s lowering to `g`; returns the output storages (holding new
-    /// slots) and whether the op has device-side checks.
-    pub(crate) fn append_op(
-        &self,
-        g: &mut Graph,
-        op: &Op,
-        inputs: &[&Tensor],
-        outs: &[Meta],
-        device: Device,
-    ) -> Result<(Vec<Arc<Storage>>, bool)> {
-        let (results, checks) = if let Some(values) = lower::creation_args(op) {
-            if let Some(log) = &mut g.host {
-                log.value(kiln_tensor::trace::in_constant_scope(), || describe_creation(op))?;
-            }
-            let mut args = Vec::with_capacity(values.len());
-            for (bytes, dt) in values {
-                args.push(g.constant(bytes, dt, |b| self.upload_scalar(b, dt, device))?);
-            }
-            (vec![lower::creation_lower(&mut g.builder, op, &args)?], vec![])
-        } else {
-            let mut vals = Vec::with_capacity(inputs.len());
-            for t in inputs {
-                let flat = self.value_in(g, &data_of(t)?, t.storage())?;
-                vals.push(lower::read_view(&mut g.builder, &flat, t.layout())?);
-            }
-            lower::lower_op(&mut g.builder, op, &vals, outs)?
-        };
-        lower::check_results(op, &results, outs)?;
-        let mut storages = Vec::with_capacity(outs.len());
-        for (r, m) in results.iter().zip(outs) {
-            let n = r.ty.numel();
-            let flat = g.builder.reshape(r, &[n]);
-            let slot = g.output(flat);
-            let st = Arc::new(Storage::new(
-                StorageData::Device(Box::new(PjrtBuffer::Deferred(slot.clone()))),
-                m.dtype,
-                n,
-                device,
-            ));
-            g.sinks[slot.index] = Arc::downgrade(&st);
-            storages.push(st);
-        }
-        g.ops += 1;
-        let has_checks = !checks.is_empty();
-        for (v, c) in checks {
-            g.checks.push((v, c, op.name(), inputs.iter().map(|t| (*t).clone()).collect()));
-        }
-        Ok((storages, has_checks))
-    }
-
-    /// DeferAndFuse: appends an in-place write to the device's pending graph (or
-    /// the thread's capture graph).
-    fn defer_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
-        let device = dst.device();
-        if let Some(r) = crate::capture::with_graph(device.index(), |g| self.append_assign(g, dst, src)) {
-            return r;
-        }
-        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        let g = graphs.entry(device.index()).or_insert_with(|| Graph::new(device.index()));
-        self.append_assign(g, dst, src)?;
-        if g.ops >= self.max_ops {
-            self.run_graph(&mut graphs, device.index())?;
-        }
-        Ok(())
-    }
-
-    fn append_assign(&self, g: &mut Graph, dst: &Tensor, src: &Tensor) -> Result<()> {
-        let device = dst.device();
-        let src_flat = self.value_in(g, &data_of(src)?, src.storage())?;
-        let s = lower::read_view(&mut g.builder, &src_flat, src.layout())?;
-        let mut w = dst.storage().write();
-        let before = data_in(&w, device)?;
-        let dst_flat = self.value_in(g, &before, dst.storage())?;
-        let own = matches!(&before, PjrtBuffer::Deferred(s) if s.graph == g.id);
-        if g.host.is_some() && !own && !g.saved.iter().any(|(s, _)| Weak::ptr_eq(s, &Arc::downgrade(dst.storage()))) {
-            g.saved.push((Arc::downgrade(dst.storage()), before));
-        }
-        let new = lower::write_view(&mut g.builder, &dst_flat, dst.layout(), &s)?;
-        let slot = g.output(new);
-        g.sinks[slot.index] = Arc::downgrade(dst.storage());
-        *w = StorageData::Device(Box::new(PjrtBuffer::Deferred(slot)));
-        drop(w);
-        g.ops += 1;
-        Ok(())
+        Ok(r)
     }
 
     /// Compiles (or finds) and runs one device's pending graph; fills its live
@@ -322,46 +195,20 @@ impl PjrtBackend {
         if slot.is_empty() {
             return Ok(());
         }
-        let Graph { builder: mut b, params, outs, checks, .. } = std::mem::replace(slot, Graph::new(device));
-        let params: Vec<(Arc<Buffer>, Val)> = params.into_iter().map(|(b, v, _)| (b, v)).collect();
-        let mut live = vec![];
-        let mut slots = vec![];
-        for (v, w) in outs {
-            if let Some(s) = w.upgrade() {
-                live.push(v);
-                slots.push(s);
-            }
-        }
-        if live.is_empty() && checks.is_empty() {
-            return Ok(());
-        }
-        // Parameters only the graph still holds are donated to an output of their type.
-        let mut taken = vec![false; live.len()];
-        for (pi, (buf, v)) in params.iter().enumerate() {
-            if Arc::strong_count(buf) == 1 {
-                if let Some(j) = (0..live.len()).find(|&j| !taken[j] && live[j].ty == v.ty) {
-                    taken[j] = true;
-                    b.alias(pi, j);
-                }
-            }
-        }
-        let n_live = live.len();
-        let mut outputs = live;
-        outputs.extend(checks.iter().map(|c| c.0.clone()));
-        let text = b.finish(&outputs);
-        let exe = self.executable(&text)?;
-        let args: Vec<&Buffer> = params.iter().map(|p| &*p.0).collect();
-        let (mut bufs, event) = exe.execute(&args, device, &out_meta(&outputs))?;
+        let Some(p) = std::mem::replace(slot, Graph::new(device)).into_program() else { return Ok(()) };
+        let exe = self.executable(&p.text)?;
+        let args: Vec<&Buffer> = p.args.iter().map(|b| &**b).collect();
+        let (mut bufs, event) = exe.execute(&args, device, &p.out_meta)?;
         self.executions.fetch_add(1, Ordering::Relaxed);
         self.graphs_run.fetch_add(1, Ordering::Relaxed);
         drop(args);
-        drop(params);
-        let flags = bufs.split_off(n_live);
-        for (s, buf) in slots.iter().zip(bufs) {
+        drop(p.args);
+        let flags = bufs.split_off(p.slots.len());
+        for (s, buf) in p.slots.iter().zip(bufs) {
             let _ = s.filled.set(Arc::new(buf));
         }
         self.queue(Pending::Program { op: "a deferred graph", event })?;
-        for (flag, (_, c, name, inputs)) in flags.iter().zip(&checks) {
+        for (flag, (c, name, inputs)) in flags.iter().zip(&p.checks) {
             let refs: Vec<&Tensor> = inputs.iter().collect();
             self.verify(flag, name, c, &refs)?;
         }
@@ -542,16 +389,6 @@ impl PjrtBackend {
     }
 }
 
-/// What a creation op's value is, for the messages about host values.
-fn describe_creation(op: &Op) -> String {
-    let user = kiln_tensor::trace::current_scalar_use().unwrap_or(op.name());
-    match op {
-        Op::Full { value, dtype, .. } => format!("{user}: the host scalar {} ({dtype})", value.to_f64()),
-        Op::Arange { start, step, .. } => format!("{user}: the host values start {start} and step {step}"),
-        _ => format!("{user}: a host value"),
-    }
-}
-
 // Note [Checks on the device]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // XLA clamps out-of-range gather/scatter indices and returns garbage for an
@@ -593,7 +430,7 @@ impl Backend for PjrtBackend {
             Mode::Strict | Mode::Defer => self.queue(Pending::Upload(upload))?,
         }
         let b = Arc::new(b);
-        crate::capture::with_graph(device.index(), |g| {
+        graph::with_capture(device.index(), |g| {
             if let Some(log) = &mut g.host {
                 let what = format!("host data ({len} {dtype} values) uploaded");
                 log.upload(Arc::as_ptr(&b) as usize, kiln_tensor::trace::in_constant_scope(), what);
@@ -604,8 +441,8 @@ impl Backend for PjrtBackend {
     }
 
     fn to_host(&self, t: &Tensor) -> Result<HostBuffer> {
-        if crate::capture::is_tracing() {
-            return Err(crate::capture::read_while_tracing(kiln_tensor::reading_via().unwrap_or("to_host"), t));
+        if graph::is_tracing() {
+            return Err(graph::read_while_tracing(kiln_tensor::reading_via().unwrap_or("to_host"), t));
         }
         let buf = self.buffer_of(t)?;
         self.drain()?;
@@ -625,8 +462,9 @@ impl Backend for PjrtBackend {
     }
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
-        if mode() == Mode::Defer || crate::capture::is_tracing() {
-            return self.defer_exec(op, inputs, outs, device);
+        if mode() == Mode::Defer || graph::is_tracing() {
+            let upload = |bytes: &[u8], dt: DType| self.upload_scalar(bytes, dt, device);
+            return self.defer(device, |g| g.append_op(op, inputs, outs, device, &upload));
         }
         if let Some(values) = lower::creation_args(op) {
             let text = lower::creation_module(op)?;
@@ -650,8 +488,8 @@ impl Backend for PjrtBackend {
 
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         kiln_tensor::check_assign(dst, src)?;
-        if mode() == Mode::Defer || crate::capture::is_tracing() {
-            return self.defer_assign(dst, src);
+        if mode() == Mode::Defer || graph::is_tracing() {
+            return self.defer(dst.device(), |g| g.append_assign(dst, src).map(|()| ((), false)));
         }
         let same = Arc::ptr_eq(dst.storage(), src.storage());
         // The write holds the destination's lock from reading its buffer to
@@ -689,8 +527,8 @@ impl Backend for PjrtBackend {
     }
 
     fn nonzero(&self, t: &Tensor) -> Result<Tensor> {
-        if crate::capture::is_tracing() {
-            return Err(crate::capture::read_while_tracing("nonzero", t));
+        if graph::is_tracing() {
+            return Err(graph::read_while_tracing("nonzero", t));
         }
         let host = self.to_host(t)?;
         let shape = t.shape().to_vec();

@@ -1,14 +1,13 @@
 //! Capture (`kiln_tpu::compile`, torch.compile's role): a function on PJRT
 //! tensors, typically a whole training step, traced into one program that
 //! later calls replay (see Note [Capture]).
-use crate::backend::{data_in, PjrtBackend, PjrtBuffer};
-use crate::defer::{out_meta, Graph, ParamSrc, CAPTURE_BIT};
+use crate::backend::PjrtBackend;
+use crate::graph::{self, data_in, escaped_value_error, out_meta, Graph, ParamSrc, PjrtBuffer};
 use crate::host_values::HostValues;
 use crate::lower::Check;
 use crate::pjrt::{Buffer, Executable};
 use kiln_tensor::trace::WatchRead;
 use kiln_tensor::{DType, Device, Error, Layout, Result, Storage, StorageData, Tensor};
-use std::cell::RefCell;
 use std::sync::{Arc, Weak};
 
 // Note [Capture]
@@ -50,45 +49,6 @@ use std::sync::{Arc, Weak};
 // Reading tensor data inside the traced function is an error (the value does
 // not exist yet); so is using a tensor the function computed after the call
 // without returning it or storing it in state that outlives the call.
-
-thread_local! {
-    static ACTIVE: RefCell<Option<Graph>> = const { RefCell::new(None) };
-}
-
-/// Runs `f` on the thread's capture graph when one is active for `device`.
-pub(crate) fn with_graph<R>(device: usize, f: impl FnOnce(&mut Graph) -> R) -> Option<R> {
-    ACTIVE.with(|a| match a.borrow_mut().as_mut() {
-        Some(g) if g.device == device => Some(f(g)),
-        _ => None,
-    })
-}
-
-/// Whether this thread is tracing a function.
-pub fn is_tracing() -> bool {
-    ACTIVE.with(|a| a.borrow().is_some())
-}
-
-pub(crate) fn is_capture_graph(id: u64) -> bool {
-    id & CAPTURE_BIT != 0
-}
-
-pub(crate) fn escaped_value_error() -> Error {
-    Error::invalid(
-        "compile",
-        "a tensor computed inside a function traced by kiln::compile was used outside it; return it from the function (or keep it in state that outlives the call)",
-    )
-}
-
-/// The error for reading tensor data while tracing.
-pub(crate) fn read_while_tracing(what: &str, t: &Tensor) -> Error {
-    Error::invalid(
-        "compile",
-        format!(
-            "{what}() of a tensor of shape {:?} inside a function traced by kiln::compile reads its data, which does not exist while tracing; return the tensor from the function and read it after the call",
-            t.shape()
-        ),
-    )
-}
 
 /// One input's guard: what the traced program assumes about it.
 #[derive(Debug, Clone, PartialEq)]
@@ -403,16 +363,17 @@ where
         struct Clear;
         impl Drop for Clear {
             fn drop(&mut self) {
-                ACTIVE.with(|a| *a.borrow_mut() = None);
+                graph::end_capture();
                 kiln_tensor::trace::end_watching();
             }
         }
-        ACTIVE.with(|a| *a.borrow_mut() = Some(Graph::new_capture(dev, self.host_values)));
+        graph::begin_capture(Graph::new_capture(dev, self.host_values));
         kiln_tensor::trace::begin_watching();
         let clear = Clear;
         let result = (self.f)(inputs);
         let watches = kiln_tensor::trace::end_watching();
-        let mut g = ACTIVE.with(|a| a.borrow_mut().take()).expect("the capture graph");
+        let mut g = graph::end_capture()
+            .ok_or_else(|| Error::invalid("compile", "the capture graph was taken while tracing"))?;
         drop(clear);
         let saved = std::mem::take(&mut g.saved);
         let built = result.and_then(|returned| build(backend, g, inputs, &returned, watches));
@@ -605,7 +566,7 @@ fn replay(
     // A storage's buffer, noting in `shared` whether a slot held elsewhere reaches it too.
     let storage_buffer = |st: &Arc<kiln_tensor::Storage>, shared: &mut bool| -> Result<Arc<Buffer>> {
         let data = data_in(&st.read(), device)?;
-        *shared = !crate::backend::only_the_storage_reaches(&data);
+        *shared = !graph::only_the_storage_reaches(&data);
         backend.ready_data(data)
     };
     for (k, s) in t.sources.iter().take(if traced.is_some() { 0 } else { usize::MAX }).enumerate() {

@@ -13,14 +13,15 @@
 mod backend;
 pub mod cache;
 mod capture;
-mod defer;
+mod graph;
 mod host_values;
 pub mod lower;
 mod mode;
 pub mod pjrt;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
-pub use capture::{compile, is_tracing, CaptureStats, Compiled};
+pub use capture::{compile, CaptureStats, Compiled};
+pub use graph::is_tracing;
 pub use host_values::HostValues;
 pub use mode::{mode, nan_trap, set_mode, set_nan_trap, with_mode, Mode};
 

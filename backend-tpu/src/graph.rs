@@ -1,0 +1,439 @@
+//! The graph of deferred work, the one home of building programs from ops:
+//! what a PJRT storage holds (a ready buffer or a slot of a graph), and a
+//! `Graph`'s verbs (read a tensor into it, append an op or an in-place write,
+//! turn it into a program). DeferAndFuse (the backend's pending graph per
+//! device, Note [Deferred buffers]) and capture (the thread's capture graph,
+//! `capture.rs`) both build on it; it knows neither the backend nor capture.
+use crate::host_values::{HostLog, HostValues};
+use crate::lower::{self, Builder, Check, Ty, Val};
+use crate::pjrt::Buffer;
+use kiln_tensor::{DType, Device, Error, Meta, Op, Result, Storage, StorageData, Tensor};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+
+/// Where a graph parameter's buffer came from (what a captured program reads again on replay).
+#[derive(Debug, Clone)]
+pub enum ParamSrc {
+    /// The buffer a storage held when the graph first read it.
+    Storage(Weak<Storage>),
+    /// The value of a creation op (`full`, `arange`), as bytes.
+    Constant(Vec<u8>),
+}
+
+// Note [Deferred buffers]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A storage on a PJRT device holds a `PjrtBuffer`: a ready device buffer, or,
+// under DeferAndFuse, a `Slot` of the device's pending graph: an output that
+// will exist once the graph runs. A deferred op reads its inputs' values in
+// the graph (a previous op's output, or a ready buffer added as a program
+// parameter), appends its lowering, and returns storages holding new slots.
+// An in-place write appends the write's lowering and points the storage at
+// the new slot, so every view sees it, as in the eager modes.
+//
+// The graph runs when a result is needed: reading data, `synchronize` /
+// `kiln_tpu::sync()`, an op in another mode reading a deferred input, an op
+// with a device-side check (its error must surface at the call), or the size
+// limit. Only slots still referenced by some storage become program outputs
+// (the rest is dead code XLA removes). A parameter whose buffer nothing but
+// the graph holds any more (its storage was overwritten in place) is donated
+// to an output of its type (`tf.aliasing_output`), so XLA updates it in place.
+// The module text is the executable cache's key: the same sequence of ops on
+// the same shapes compiles once, and the values of creation ops are program
+// arguments, so a changing scalar never recompiles.
+
+/// The default number of ops after which a pending graph runs (`KILN_TPU_DEFER_MAX_OPS`).
+pub const DEFAULT_MAX_OPS: usize = 4096;
+
+static NEXT_GRAPH: AtomicU64 = AtomicU64::new(1);
+
+/// Graph ids with this bit set belong to capture graphs (`capture.rs`).
+pub const CAPTURE_BIT: u64 = 1 << 63;
+
+/// A deferred output: filled with its buffer when its graph runs.
+#[derive(Debug)]
+pub struct Slot {
+    pub graph: u64,
+    pub device: usize,
+    pub index: usize,
+    pub filled: OnceLock<Arc<Buffer>>,
+}
+
+/// The pending graph of one device.
+pub struct Graph {
+    pub id: u64,
+    pub device: usize,
+    pub builder: Builder,
+    /// Ready buffers the graph reads, in argument order, with their values and sources.
+    pub params: Vec<(Arc<Buffer>, Val, ParamSrc)>,
+    /// Outputs appended so far (flat values) and the slots waiting for them.
+    pub outs: Vec<(Val, Weak<Slot>)>,
+    /// The storage each output was made for (a new result, or the target of an in-place write).
+    pub sinks: Vec<Weak<Storage>>,
+    /// Device-side checks of the ops appended since the last run, with the
+    /// op's name and its inputs (for the error message).
+    pub checks: Vec<(Val, Check, &'static str, Vec<Tensor>)>,
+    pub ops: usize,
+    /// The argument of each creation-op value (dtype and bytes) the graph has,
+    /// so that equal values share one argument (Note [Shared constants]).
+    constants: HashMap<(DType, Vec<u8>), Val>,
+    /// A capture graph's record of the host values entering it.
+    pub host: Option<HostLog>,
+    /// A capture graph's storages written while tracing, with what they held
+    /// before: put back when the trace fails.
+    pub saved: Vec<(Weak<Storage>, PjrtBuffer)>,
+}
+
+// Note [Shared constants]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A creation op's value (`full`'s fill, `arange`'s start and step) is an
+// argument of the program, not a literal in its text, so that one executable
+// serves every value (see `lower::creation_module`). A graph sees the same
+// values again and again: a captured AdamW step makes `beta1`, `1 - beta2`,
+// `eps` and the like once per parameter, a scalar operand (`x * 0.5`) is a
+// `full` too. Equal values (same dtype, same bytes) therefore share one
+// argument: the captured llama-16m training step went from 689 scalar
+// arguments to 66, and its optimized XLA module (which a warm start rebuilds
+// from its serialized form) from 10000 instructions to 9376. A value that
+// differs between two traces of a captured function still shows up as a
+// changed constant or a changed program, so the capture's stability check is
+// unaffected.
+
+impl Graph {
+    pub fn new(device: usize) -> Graph {
+        Graph {
+            id: NEXT_GRAPH.fetch_add(1, Ordering::Relaxed),
+            device,
+            builder: Builder::new(&[]).0,
+            params: vec![],
+            outs: vec![],
+            sinks: vec![],
+            checks: vec![],
+            ops: 0,
+            constants: HashMap::new(),
+            host: None,
+            saved: vec![],
+        }
+    }
+
+    /// The argument holding a creation-op value (`bytes` of type `dtype`),
+    /// made on first use by `upload` (Note [Shared constants]).
+    pub fn constant(
+        &mut self,
+        bytes: Vec<u8>,
+        dtype: DType,
+        upload: impl FnOnce(&[u8]) -> Result<Arc<Buffer>>,
+    ) -> Result<Val> {
+        let key = (dtype, bytes);
+        if let Some(v) = self.constants.get(&key) {
+            return Ok(v.clone());
+        }
+        let buf = upload(&key.1)?;
+        let v = self.param(&buf, ParamSrc::Constant(key.1.clone()));
+        self.constants.insert(key, v.clone());
+        Ok(v)
+    }
+
+    /// The value of a ready buffer in the graph (a parameter, added once).
+    pub fn param(&mut self, buf: &Arc<Buffer>, src: ParamSrc) -> Val {
+        if let Some((_, v, _)) = self.params.iter().find(|(b, _, _)| Arc::ptr_eq(b, buf)) {
+            return v.clone();
+        }
+        let v = self.builder.add_arg(Ty::new(&[buf.numel()], buf.dtype()));
+        self.params.push((buf.clone(), v.clone(), src));
+        v
+    }
+
+    /// Records a flat output value and returns the slot that will hold it.
+    pub fn output(&mut self, v: Val) -> Arc<Slot> {
+        let slot =
+            Arc::new(Slot { graph: self.id, device: self.device, index: self.outs.len(), filled: OnceLock::new() });
+        self.outs.push((v, Arc::downgrade(&slot)));
+        self.sinks.push(Weak::new());
+        slot
+    }
+
+    /// A graph recording a traced function (its slots never run as such).
+    pub fn new_capture(device: usize, policy: HostValues) -> Graph {
+        let mut g = Graph::new(device);
+        g.id |= CAPTURE_BIT;
+        g.host = Some(HostLog::new(policy));
+        g
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.outs.is_empty() && self.checks.is_empty()
+    }
+}
+
+impl Graph {
+    /// The value of a storage's data inside the graph: an earlier output of it,
+    /// or a ready buffer as a parameter (whose source, for capture, is `storage`).
+    fn value_of(&mut self, data: &PjrtBuffer, storage: &Arc<Storage>) -> Result<Val> {
+        match data {
+            PjrtBuffer::Deferred(slot) if slot.graph == self.id => Ok(self.outs[slot.index].0.clone()),
+            PjrtBuffer::Deferred(slot) if is_capture_graph(slot.graph) => Err(escaped_value_error()),
+            other => match other.ready() {
+                Some(b) => Ok(self.param(&b, ParamSrc::Storage(Arc::downgrade(storage)))),
+                None => Err(err("an input is pending in another device's graph")),
+            },
+        }
+    }
+
+    /// Appends `op`'s lowering; returns the output storages (holding new slots)
+    /// and whether the op has device-side checks. `upload` makes the buffer of a
+    /// creation op's value (Note [Shared constants]).
+    pub fn append_op(
+        &mut self,
+        op: &Op,
+        inputs: &[&Tensor],
+        outs: &[Meta],
+        device: Device,
+        upload: &Upload<'_>,
+    ) -> Result<(Vec<Arc<Storage>>, bool)> {
+        let (results, checks) = if let Some(values) = lower::creation_args(op) {
+            if let Some(log) = &mut self.host {
+                log.value(kiln_tensor::trace::in_constant_scope(), || describe_creation(op))?;
+            }
+            let mut args = Vec::with_capacity(values.len());
+            for (bytes, dt) in values {
+                args.push(self.constant(bytes, dt, |b| upload(b, dt))?);
+            }
+            (vec![lower::creation_lower(&mut self.builder, op, &args)?], vec![])
+        } else {
+            let mut vals = Vec::with_capacity(inputs.len());
+            for t in inputs {
+                let flat = self.value_of(&data_of(t)?, t.storage())?;
+                vals.push(lower::read_view(&mut self.builder, &flat, t.layout())?);
+            }
+            lower::lower_op(&mut self.builder, op, &vals, outs)?
+        };
+        lower::check_results(op, &results, outs)?;
+        let mut storages = Vec::with_capacity(outs.len());
+        for (r, m) in results.iter().zip(outs) {
+            let n = r.ty.numel();
+            let flat = self.builder.reshape(r, &[n]);
+            let slot = self.output(flat);
+            let st = Arc::new(Storage::new(
+                StorageData::Device(Box::new(PjrtBuffer::Deferred(slot.clone()))),
+                m.dtype,
+                n,
+                device,
+            ));
+            self.sinks[slot.index] = Arc::downgrade(&st);
+            storages.push(st);
+        }
+        self.ops += 1;
+        let has_checks = !checks.is_empty();
+        for (v, c) in checks {
+            self.checks.push((v, c, op.name(), inputs.iter().map(|t| (*t).clone()).collect()));
+        }
+        Ok((storages, has_checks))
+    }
+
+    /// Appends the write of `src` into the memory `dst` views: the storage then
+    /// holds the new slot, so every view sees it (a capture graph remembers what
+    /// the storage held before, to put it back when the trace fails).
+    pub fn append_assign(&mut self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        let device = dst.device();
+        let src_flat = self.value_of(&data_of(src)?, src.storage())?;
+        let s = lower::read_view(&mut self.builder, &src_flat, src.layout())?;
+        let mut w = dst.storage().write();
+        let before = data_in(&w, device)?;
+        let dst_flat = self.value_of(&before, dst.storage())?;
+        let own = matches!(&before, PjrtBuffer::Deferred(s) if s.graph == self.id);
+        let target = Arc::downgrade(dst.storage());
+        if self.host.is_some() && !own && !self.saved.iter().any(|(s, _)| Weak::ptr_eq(s, &target)) {
+            self.saved.push((target, before));
+        }
+        let new = lower::write_view(&mut self.builder, &dst_flat, dst.layout(), &s)?;
+        let slot = self.output(new);
+        self.sinks[slot.index] = Arc::downgrade(dst.storage());
+        *w = StorageData::Device(Box::new(PjrtBuffer::Deferred(slot)));
+        drop(w);
+        self.ops += 1;
+        Ok(())
+    }
+
+    /// DeferAndFuse's program of the graph: its live outputs (slots someone
+    /// still holds) then its check flags; parameters only the graph still holds
+    /// are donated to an output of their type. `None` when nothing is live.
+    pub fn into_program(self) -> Option<Program> {
+        let Graph { builder: mut b, params, outs, checks, .. } = self;
+        let params: Vec<(Arc<Buffer>, Val)> = params.into_iter().map(|(b, v, _)| (b, v)).collect();
+        let mut live = vec![];
+        let mut slots = vec![];
+        for (v, w) in outs {
+            if let Some(s) = w.upgrade() {
+                live.push(v);
+                slots.push(s);
+            }
+        }
+        if live.is_empty() && checks.is_empty() {
+            return None;
+        }
+        let mut taken = vec![false; live.len()];
+        for (pi, (buf, v)) in params.iter().enumerate() {
+            if Arc::strong_count(buf) == 1 {
+                if let Some(j) = (0..live.len()).find(|&j| !taken[j] && live[j].ty == v.ty) {
+                    taken[j] = true;
+                    b.alias(pi, j);
+                }
+            }
+        }
+        let mut outputs = live;
+        outputs.extend(checks.iter().map(|c| c.0.clone()));
+        let text = b.finish(&outputs);
+        let out_meta = out_meta(&outputs);
+        let args = params.into_iter().map(|(b, _)| b).collect();
+        Some(Program {
+            text,
+            args,
+            out_meta,
+            slots,
+            checks: checks.into_iter().map(|(_, c, n, i)| (c, n, i)).collect(),
+        })
+    }
+}
+
+/// Makes the one-element buffer of a creation op's value (bytes of a dtype).
+pub type Upload<'a> = dyn Fn(&[u8], DType) -> Result<Arc<Buffer>> + 'a;
+
+/// A deferred graph as a program to run (see [`Graph::into_program`]).
+pub struct Program {
+    pub text: String,
+    /// The argument buffers, in parameter order.
+    pub args: Vec<Arc<Buffer>>,
+    /// The types of the outputs: one per slot, then one bool per check.
+    pub out_meta: Vec<(DType, Vec<usize>)>,
+    /// The slots the first outputs fill.
+    pub slots: Vec<Arc<Slot>>,
+    /// The checks the trailing outputs verify, with the op's name and inputs.
+    pub checks: Vec<(Check, &'static str, Vec<Tensor>)>,
+}
+
+fn err(msg: impl Into<String>) -> Error {
+    Error::backend("pjrt", msg)
+}
+
+/// What a storage holds, when it is this backend's.
+pub(crate) fn data_in(d: &StorageData, device: Device) -> Result<PjrtBuffer> {
+    match d {
+        StorageData::Device(d) => d
+            .as_any()
+            .downcast_ref::<PjrtBuffer>()
+            .cloned()
+            .ok_or_else(|| err(format!("a tensor on {device} holds another backend's buffer"))),
+        StorageData::Host(_) => Err(err(format!("a tensor on {device} holds host memory"))),
+    }
+}
+
+/// Whether a storage's data (`data`, a clone of it) can reach its buffer only
+/// through the storage: a ready buffer, or a deferred slot that nobody else
+/// holds. Whoever holds a slot can take its buffer at any time (a reader on
+/// another thread between its read and its program), so the buffer behind a
+/// shared slot must not be donated.
+pub(crate) fn only_the_storage_reaches(data: &PjrtBuffer) -> bool {
+    match data {
+        PjrtBuffer::Ready(_) => true,
+        // The storage's slot and this clone.
+        PjrtBuffer::Deferred(s) => Arc::strong_count(s) <= 2,
+    }
+}
+
+fn data_of(t: &Tensor) -> Result<PjrtBuffer> {
+    data_in(&t.storage().read(), t.device())
+}
+
+thread_local! {
+    static ACTIVE: RefCell<Option<Graph>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` on the thread's capture graph when one is active for `device`.
+pub(crate) fn with_capture<R>(device: usize, f: impl FnOnce(&mut Graph) -> R) -> Option<R> {
+    ACTIVE.with(|a| match a.borrow_mut().as_mut() {
+        Some(g) if g.device == device => Some(f(g)),
+        _ => None,
+    })
+}
+
+/// Whether this thread is tracing a function.
+pub fn is_tracing() -> bool {
+    ACTIVE.with(|a| a.borrow().is_some())
+}
+
+pub(crate) fn is_capture_graph(id: u64) -> bool {
+    id & CAPTURE_BIT != 0
+}
+
+pub(crate) fn escaped_value_error() -> Error {
+    Error::invalid(
+        "compile",
+        "a tensor computed inside a function traced by kiln::compile was used outside it; return it from the function (or keep it in state that outlives the call)",
+    )
+}
+
+/// The error for reading tensor data while tracing.
+pub(crate) fn read_while_tracing(what: &str, t: &Tensor) -> Error {
+    Error::invalid(
+        "compile",
+        format!(
+            "{what}() of a tensor of shape {:?} inside a function traced by kiln::compile reads its data, which does not exist while tracing; return the tensor from the function and read it after the call",
+            t.shape()
+        ),
+    )
+}
+
+/// Makes `g` the thread's capture graph (a trace begins).
+pub(crate) fn begin_capture(g: Graph) {
+    ACTIVE.with(|a| *a.borrow_mut() = Some(g));
+}
+
+/// Takes the thread's capture graph (the trace ends).
+pub(crate) fn end_capture() -> Option<Graph> {
+    ACTIVE.with(|a| a.borrow_mut().take())
+}
+
+/// What a creation op's value is, for the messages about host values.
+fn describe_creation(op: &Op) -> String {
+    let user = kiln_tensor::trace::current_scalar_use().unwrap_or(op.name());
+    match op {
+        Op::Full { value, dtype, .. } => format!("{user}: the host scalar {} ({dtype})", value.to_f64()),
+        Op::Arange { start, step, .. } => format!("{user}: the host values start {start} and step {step}"),
+        _ => format!("{user}: a host value"),
+    }
+}
+
+/// What a storage on a PJRT device holds.
+#[derive(Debug, Clone)]
+pub enum PjrtBuffer {
+    /// A device buffer.
+    Ready(Arc<Buffer>),
+    /// An output of a pending graph (DeferAndFuse).
+    Deferred(Arc<Slot>),
+}
+
+impl PjrtBuffer {
+    /// The device buffer, when it exists: a ready one, or a deferred slot whose graph has run.
+    pub fn ready(&self) -> Option<Arc<Buffer>> {
+        match self {
+            PjrtBuffer::Ready(b) => Some(b.clone()),
+            PjrtBuffer::Deferred(s) => s.filled.get().cloned(),
+        }
+    }
+}
+
+impl kiln_tensor::DeviceBuffer for PjrtBuffer {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// The program output types of the live outputs, for execution.
+pub fn out_meta(vals: &[Val]) -> Vec<(DType, Vec<usize>)> {
+    vals.iter().map(|v| (v.dtype(), v.shape().to_vec())).collect()
+}
