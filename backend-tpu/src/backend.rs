@@ -8,7 +8,7 @@ pub use crate::graph::PjrtBuffer;
 use crate::graph::{self, data_in, only_the_storage_reaches, Graph};
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
-use crate::pjrt::{Buffer, Client, Event, Executable, Upload};
+use crate::pjrt::{Buffer, Client, CompileOptions, Event, Executable, Upload};
 use kiln_tensor::{Backend, DType, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,11 +53,17 @@ pub struct Stats {
     pub load_secs: f64,
 }
 
+/// Executables by program text, then by the options they were compiled with.
+type ExecutableCache = HashMap<String, Vec<(CompileOptions, Arc<Executable>)>>;
+
 /// The PJRT backend: one client, its executable cache and the queue of
 /// asynchronous work whose errors have not been collected yet.
 pub struct PjrtBackend {
     client: Arc<Client>,
-    cache: Mutex<HashMap<String, Arc<Executable>>>,
+    /// Executables by program text, then by compile options (one entry for a
+    /// one-device program; one per mesh shape and device assignment for a
+    /// program over a mesh).
+    cache: Mutex<ExecutableCache>,
     pending: Mutex<Vec<Pending>>,
     /// DeferAndFuse's pending graph of each device.
     graphs: Mutex<HashMap<usize, Graph>>,
@@ -99,7 +105,7 @@ impl PjrtBackend {
             executions: AtomicU64::new(0),
             graphs_run: AtomicU64::new(0),
             compile_ns: AtomicU64::new(0),
-            disk: cache::cache_dir().map(|d| DiskCache::new(d, &client, &crate::pjrt::default_compile_options())),
+            disk: cache::cache_dir().map(|d| DiskCache::new(d, &client)),
             client,
         }
     }
@@ -233,15 +239,24 @@ impl PjrtBackend {
         }
     }
 
-    /// The executable for a program text: from the cache, or compiled and cached.
+    /// The executable for a one-device program text: from the cache, or compiled and cached.
     pub fn executable(&self, text: &str) -> Result<Arc<Executable>> {
-        if let Some(e) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(text) {
+        self.executable_with(text, &CompileOptions::single())
+    }
+
+    /// The executable for a program text compiled with `options` (a program
+    /// over a mesh: `CompileOptions::spmd`), from the cache or compiled.
+    pub fn executable_with(&self, text: &str, options: &CompileOptions) -> Result<Arc<Executable>> {
+        let found = |c: &ExecutableCache| {
+            c.get(text).and_then(|v| v.iter().find(|(o, _)| o == options).map(|(_, e)| e.clone()))
+        };
+        if let Some(e) = found(&self.cache.lock().unwrap_or_else(|e| e.into_inner())) {
             self.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(e.clone());
+            return Ok(e);
         }
         let compile = || {
             let t = std::time::Instant::now();
-            let exe = self.client.compile(text).map_err(|e| err(format!("{e}\nprogram:\n{text}")))?;
+            let exe = self.client.compile_with(text, options).map_err(|e| err(format!("{e}\nprogram:\n{text}")))?;
             let dt = t.elapsed();
             self.compiles.fetch_add(1, Ordering::Relaxed);
             self.compile_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
@@ -250,7 +265,7 @@ impl PjrtBackend {
         };
         let exe = Arc::new(match &self.disk {
             Some(d) => {
-                let (exe, outcome) = d.get_or_compile(&self.client, text, compile)?;
+                let (exe, outcome) = d.get_or_compile(&self.client, text, options, compile)?;
                 if outcome == DiskOutcome::Hit {
                     cache::log(&format!("loaded a program of {} bytes from {}", text.len(), d.dir().display()));
                 }
@@ -258,7 +273,12 @@ impl PjrtBackend {
             }
             None => compile()?,
         });
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).insert(text.to_string(), exe.clone());
+        let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = found(&c) {
+            // Another thread compiled it meanwhile: keep one executable per key.
+            return Ok(e);
+        }
+        c.entry(text.to_string()).or_default().push((options.clone(), exe.clone()));
         Ok(exe)
     }
 

@@ -1,7 +1,7 @@
 //! The persistent compile cache: serialized executables on disk, keyed by the
 //! program and everything that decides whether a compiled program is valid
 //! (see Note [Compile cache keys]).
-use crate::pjrt::{Client, Executable};
+use crate::pjrt::{Client, CompileOptions, Executable};
 use kiln_tensor::Result;
 use sha2::{Digest, Sha256};
 use std::io::Write;
@@ -16,9 +16,11 @@ use std::sync::Arc;
 // code for the features it finds). The key is the SHA-256 of all of these and
 // the module text: the plugin file's path, size and modification time, its C
 // API version, the platform name and version, the number and kind of devices,
-// the compile options, the CPU's feature flags, and `XLA_FLAGS` (the plugin
-// reads its compiler flags from there; a program compiled under other flags
-// is another program). An entry is
+// the compile options (for a program over a mesh: the number of partitions
+// and the device assignment, so the same text on another mesh shape or on
+// other devices is another entry), the CPU's feature flags, and `XLA_FLAGS`
+// (the plugin reads its compiler flags from there; a program compiled under
+// other flags is another program). An entry is
 //     "KILNXEC1" | sha256(payload) | payload length (u64 le) | payload
 // written to a temporary file in the cache directory and renamed into place,
 // so a reader sees a whole entry or none, and two processes writing the same
@@ -81,13 +83,13 @@ fn hex(d: &[u8]) -> String {
 
 impl DiskCache {
     /// The cache for `client` in `dir`, capped at `KILN_CACHE_MAX_MB` when set.
-    pub fn new(dir: PathBuf, client: &Client, compile_options: &[u8]) -> DiskCache {
+    pub fn new(dir: PathBuf, client: &Client) -> DiskCache {
         let api = client.api();
         let meta = std::fs::metadata(api.path()).ok();
         let kinds: Vec<String> =
             (0..client.device_count()).map(|i| client.device_kind(i).unwrap_or_default()).collect();
         let identity = format!(
-            "plugin={} size={:?} mtime={:?} api={:?} platform={} {} devices={:?} options={} cpu={} xla_flags={:?}",
+            "plugin={} size={:?} mtime={:?} api={:?} platform={} {} devices={:?} cpu={} xla_flags={:?}",
             api.path().display(),
             meta.as_ref().map(|m| m.len()),
             meta.as_ref().and_then(|m| m.modified().ok()),
@@ -95,7 +97,6 @@ impl DiskCache {
             client.platform(),
             client.platform_version(),
             kinds,
-            hex(compile_options),
             cpu_features(),
             std::env::var("XLA_FLAGS").unwrap_or_default()
         );
@@ -115,10 +116,12 @@ impl DiskCache {
         &self.dir
     }
 
-    /// The file holding `text`'s executable.
-    pub fn path_for(&self, text: &str) -> PathBuf {
+    /// The file holding `text`'s executable compiled with `options`.
+    pub fn path_for(&self, text: &str, options: &CompileOptions) -> PathBuf {
         let mut h = Sha256::new();
         h.update(self.identity.as_bytes());
+        h.update([0u8]);
+        h.update(options.encode());
         h.update([0u8]);
         h.update(text.as_bytes());
         self.dir.join(format!("{}.kxe", hex(&h.finalize())))
@@ -131,9 +134,10 @@ impl DiskCache {
         &self,
         client: &Arc<Client>,
         text: &str,
+        options: &CompileOptions,
         compile: impl FnOnce() -> Result<Executable>,
     ) -> Result<(Executable, DiskOutcome)> {
-        let path = self.path_for(text);
+        let path = self.path_for(text, options);
         let t = std::time::Instant::now();
         let mut outcome = DiskOutcome::Miss;
         if let Ok(bytes) = std::fs::read(&path) {

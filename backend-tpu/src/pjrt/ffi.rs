@@ -399,6 +399,15 @@ pub struct PJRT_LoadedExecutable_GetExecutable_Args {
 }
 
 #[repr(C)]
+pub struct PJRT_LoadedExecutable_AddressableDevices_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub executable: *mut PJRT_LoadedExecutable,
+    pub addressable_devices: *const *mut PJRT_Device,
+    pub num_addressable_devices: usize,
+}
+
+#[repr(C)]
 pub struct PJRT_ExecuteOptions {
     pub struct_size: usize,
     pub extension_start: *mut c_void,
@@ -526,6 +535,7 @@ args!(
     PJRT_Executable_Serialize_Args,
     PJRT_LoadedExecutable_Destroy_Args,
     PJRT_LoadedExecutable_GetExecutable_Args,
+    PJRT_LoadedExecutable_AddressableDevices_Args,
     PJRT_ExecuteOptions,
     PJRT_LoadedExecutable_Execute_Args,
     PJRT_Executable_DeserializeAndLoad_Args,

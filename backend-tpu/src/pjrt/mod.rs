@@ -4,7 +4,12 @@
 //!
 //! Every call goes through [`Api::call`], which turns a returned `PJRT_Error`
 //! into a [`kiln_tensor::Error::Backend`] carrying the plugin's message and code.
+mod executable;
 pub mod ffi;
+mod options;
+
+pub use executable::Executable;
+pub use options::CompileOptions;
 
 use ffi::Args;
 use kiln_tensor::{DType, Error, Result};
@@ -303,6 +308,18 @@ impl Client {
         })
     }
 
+    /// The global id of device `i` (what device assignments name; on XLA:CPU,
+    /// process p's devices start at 2048 p).
+    pub fn device_id(&self, i: usize) -> Result<i64> {
+        let mut g = ffi::PJRT_Device_GetDescription_Args::new();
+        g.device = self.device(i)?;
+        self.api.call("Device_GetDescription", self.api.t().device_get_description, &mut g)?;
+        let mut a = ffi::PJRT_DeviceDescription_Id_Args::new();
+        a.device_description = g.device_description;
+        self.api.call("DeviceDescription_Id", self.api.t().device_description_id, &mut a)?;
+        Ok(a.id as i64)
+    }
+
     /// The kind of device `i`, as the plugin describes it (e.g. `cpu`, `TPU v5 lite`).
     pub fn device_kind(&self, i: usize) -> Result<String> {
         let mut g = ffi::PJRT_Device_GetDescription_Args::new();
@@ -388,6 +405,11 @@ impl Client {
     /// Compiles a StableHLO module (MLIR text) for one device, portable across
     /// this client's devices (the device is chosen at execution).
     pub fn compile(self: &Arc<Self>, mlir: &str) -> Result<Executable> {
+        self.compile_with(mlir, &CompileOptions::single())
+    }
+
+    /// Compiles a StableHLO module with the given options (Note [Compile options]).
+    pub fn compile_with(self: &Arc<Self>, mlir: &str, options: &CompileOptions) -> Result<Executable> {
         let format = b"mlir";
         let mut code = mlir.as_bytes().to_vec();
         let mut p = ffi::PJRT_Program::new();
@@ -395,7 +417,7 @@ impl Client {
         p.code_size = code.len();
         p.format = format.as_ptr() as *const _;
         p.format_size = format.len();
-        let opts = default_compile_options();
+        let opts = options.encode();
         let mut a = ffi::PJRT_Client_Compile_Args::new();
         a.client = self.raw;
         a.program = &p;
@@ -442,39 +464,6 @@ pub fn buffer_type(d: DType) -> std::ffi::c_int {
         DType::F32 => ffi::BUFFER_TYPE_F32,
         DType::F64 => ffi::BUFFER_TYPE_F64,
     }
-}
-
-/// The compile options of kiln's programs: one replica, one partition, portable.
-pub fn default_compile_options() -> Vec<u8> {
-    compile_options(1, 1, true)
-}
-
-/// A serialized `xla.CompileOptionsProto`: `executable_build_options` (field 3)
-/// with `device_ordinal` = -1 (1), `num_replicas` (4), `num_partitions` (5),
-/// and `compile_portable_executable` (field 4). Protobuf wire format written directly.
-pub fn compile_options(replicas: u64, partitions: u64, portable: bool) -> Vec<u8> {
-    fn varint(out: &mut Vec<u8>, mut v: u64) {
-        while v >= 0x80 {
-            out.push((v as u8) | 0x80);
-            v >>= 7;
-        }
-        out.push(v as u8);
-    }
-    let mut build = vec![];
-    build.push(1 << 3); // device_ordinal, varint
-    varint(&mut build, -1i64 as u64);
-    build.push(4 << 3); // num_replicas
-    varint(&mut build, replicas);
-    build.push(5 << 3); // num_partitions
-    varint(&mut build, partitions);
-    let mut out = vec![(3 << 3) | 2]; // executable_build_options, length-delimited
-    varint(&mut out, build.len() as u64);
-    out.extend_from_slice(&build);
-    if portable {
-        out.push(4 << 3); // compile_portable_executable
-        out.push(1);
-    }
-    out
 }
 
 /// A completion event (`PJRT_Event`), destroyed on drop.
@@ -616,151 +605,6 @@ impl Drop for Buffer {
     }
 }
 
-/// A compiled, loaded program (`PJRT_LoadedExecutable`), destroyed on drop.
-pub struct Executable {
-    client: Arc<Client>,
-    raw: *mut ffi::PJRT_LoadedExecutable,
-    num_outputs: usize,
-}
-
-// SAFETY: PJRT loaded executables may be executed concurrently from several threads.
-unsafe impl Send for Executable {}
-// SAFETY: as above.
-unsafe impl Sync for Executable {}
-
-impl std::fmt::Debug for Executable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PjrtExecutable({} outputs)", self.num_outputs)
-    }
-}
-
-impl Executable {
-    /// Takes ownership of a loaded executable the plugin just made for `client`
-    /// (destroyed on drop) and reads its number of outputs.
-    fn own(client: &Arc<Client>, raw: *mut ffi::PJRT_LoadedExecutable) -> Result<Executable> {
-        let mut exe = Executable { client: client.clone(), raw, num_outputs: 0 };
-        exe.num_outputs = exe.query_num_outputs()?;
-        Ok(exe)
-    }
-
-    /// Runs `f` on the executable behind this loaded one (`LoadedExecutable_GetExecutable`),
-    /// destroying that handle afterwards whatever `f` returns.
-    fn with_executable<R>(&self, f: impl FnOnce(&Api, *mut ffi::PJRT_Executable) -> Result<R>) -> Result<R> {
-        let api = &self.client.api;
-        let mut g = ffi::PJRT_LoadedExecutable_GetExecutable_Args::new();
-        g.loaded_executable = self.raw;
-        api.call("LoadedExecutable_GetExecutable", api.t().loaded_executable_get_executable, &mut g)?;
-        let r = f(api, g.executable);
-        let mut d = ffi::PJRT_Executable_Destroy_Args::new();
-        d.executable = g.executable;
-        let _ = api.call("Executable_Destroy", api.t().executable_destroy, &mut d);
-        r
-    }
-
-    fn query_num_outputs(&self) -> Result<usize> {
-        self.with_executable(|api, exe| {
-            let mut n = ffi::PJRT_Executable_NumOutputs_Args::new();
-            n.executable = exe;
-            api.call("Executable_NumOutputs", api.t().executable_num_outputs, &mut n)?;
-            Ok(n.num_outputs)
-        })
-    }
-
-    pub fn num_outputs(&self) -> usize {
-        self.num_outputs
-    }
-
-    /// The executable's serialized form (for the on-disk compile cache).
-    pub fn serialize(&self) -> Result<Vec<u8>> {
-        self.with_executable(|api, exe| {
-            let mut a = ffi::PJRT_Executable_Serialize_Args::new();
-            a.executable = exe;
-            let r = api.call("Executable_Serialize", api.t().executable_serialize, &mut a);
-            let out = r.map(|_| {
-                // SAFETY: on success the plugin returned `serialized_bytes_size` bytes, owned by
-                // `serialized_executable` until its deleter runs (below, after the copy).
-                let bytes =
-                    unsafe { std::slice::from_raw_parts(a.serialized_bytes as *const u8, a.serialized_bytes_size) };
-                bytes.to_vec()
-            });
-            if let Some(del) = a.serialized_executable_deleter {
-                if !a.serialized_executable.is_null() {
-                    // SAFETY: the deleter the plugin gave for exactly this object, called once.
-                    unsafe { del(a.serialized_executable) };
-                }
-            }
-            out
-        })
-    }
-
-    /// Runs the program on device `device` with `args`, returning its output
-    /// buffers at once (they fill asynchronously) and the completion event.
-    /// `out_meta` gives each output's dtype and dims (known to the caller from
-    /// the lowering).
-    pub fn execute(
-        &self,
-        args: &[&Buffer],
-        device: usize,
-        out_meta: &[(DType, Vec<usize>)],
-    ) -> Result<(Vec<Buffer>, Event)> {
-        self.execute_with(args, device, out_meta, &[])
-    }
-
-    /// [`Executable::execute`], keeping the buffers of the arguments at
-    /// `non_donatable` (indices) even where the program donates them.
-    pub fn execute_with(
-        &self,
-        args: &[&Buffer],
-        device: usize,
-        out_meta: &[(DType, Vec<usize>)],
-        non_donatable: &[i64],
-    ) -> Result<(Vec<Buffer>, Event)> {
-        if out_meta.len() != self.num_outputs {
-            return Err(err(format!(
-                "execute: the program has {} outputs, {} were described",
-                self.num_outputs,
-                out_meta.len()
-            )));
-        }
-        let api = &self.client.api;
-        let arg_ptrs: Vec<*mut ffi::PJRT_Buffer> = args.iter().map(|b| b.raw).collect();
-        let arg_lists: [*const *mut ffi::PJRT_Buffer; 1] = [arg_ptrs.as_ptr()];
-        let mut outs: Vec<*mut ffi::PJRT_Buffer> = vec![ptr::null_mut(); self.num_outputs];
-        let out_lists: [*mut *mut ffi::PJRT_Buffer; 1] = [outs.as_mut_ptr()];
-        let mut events: [*mut ffi::PJRT_Event; 1] = [ptr::null_mut()];
-        let mut opts = ffi::PJRT_ExecuteOptions::new();
-        opts.non_donatable_input_indices = non_donatable.as_ptr();
-        opts.num_non_donatable_input_indices = non_donatable.len();
-        let mut a = ffi::PJRT_LoadedExecutable_Execute_Args::new();
-        a.executable = self.raw;
-        a.options = &mut opts;
-        a.argument_lists = arg_lists.as_ptr();
-        a.num_devices = 1;
-        a.num_args = arg_ptrs.len();
-        a.output_lists = out_lists.as_ptr();
-        a.device_complete_events = events.as_mut_ptr();
-        a.execute_device = self.client.device(device)?;
-        api.call("LoadedExecutable_Execute", api.t().loaded_executable_execute, &mut a)?;
-        let bufs = outs
-            .into_iter()
-            .zip(out_meta)
-            .map(|(raw, (dtype, dims))| Buffer { client: self.client.clone(), raw, dtype: *dtype, dims: dims.clone() })
-            .collect::<Vec<_>>();
-        if bufs.iter().any(|b| b.raw.is_null()) || events[0].is_null() {
-            return Err(err("execute: the plugin returned no output buffer or completion event"));
-        }
-        Ok((bufs, Event { api: api.clone(), raw: events[0] }))
-    }
-}
-
-impl Drop for Executable {
-    fn drop(&mut self) {
-        let mut a = ffi::PJRT_LoadedExecutable_Destroy_Args::new();
-        a.executable = self.raw;
-        let _ = self.client.api.call("LoadedExecutable_Destroy", self.client.api.t().loaded_executable_destroy, &mut a);
-    }
-}
-
 /// The plugin's name for an error-free attribute listing (used in diagnostics).
 pub fn describe(api: &Api) -> String {
     let mut a = ffi::PJRT_Plugin_Attributes_Args::new();
@@ -794,16 +638,6 @@ pub fn describe(api: &Api) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn compile_options_are_a_compile_options_proto() {
-        // executable_build_options { device_ordinal: -1, num_replicas: 1, num_partitions: 1 }, portable.
-        let mut want = vec![0x1a, 15, 0x08];
-        want.extend([0xff; 9]);
-        want.push(0x01);
-        want.extend([0x20, 1, 0x28, 1, 0x20, 1]);
-        assert_eq!(compile_options(1, 1, true), want);
-    }
 
     #[test]
     fn argument_structs_carry_their_size() {
