@@ -6,9 +6,11 @@
 //! needs a device, so every lowering has golden-text tests.
 mod ops;
 mod random;
+mod shard;
 mod view;
 
 pub use ops::{lower_op, Check};
+pub use shard::{mesh_decl, Sharding};
 pub use view::{read_view, write_view};
 
 use kiln_tensor::{DType, Error, Layout, Meta, Result};
@@ -219,6 +221,8 @@ pub struct Builder {
     body: String,
     next: usize,
     args: Vec<Ty>,
+    /// The sharding of each argument of a program over a mesh (Note [Shardings]).
+    arg_shardings: Vec<Option<Sharding>>,
     /// `(argument, output)` pairs: the argument's buffer is donated to the output.
     aliases: Vec<(usize, usize)>,
 }
@@ -226,7 +230,7 @@ pub struct Builder {
 impl Builder {
     /// A builder for a function of the given argument types, and the arguments as values.
     pub fn new(args: &[Ty]) -> (Builder, Vec<Val>) {
-        let mut b = Builder { body: String::new(), next: 0, args: vec![], aliases: vec![] };
+        let mut b = Builder { body: String::new(), next: 0, args: vec![], arg_shardings: vec![], aliases: vec![] };
         let vals = args.iter().map(|t| b.add_arg(t.clone())).collect();
         (b, vals)
     }
@@ -235,7 +239,21 @@ impl Builder {
     pub fn add_arg(&mut self, ty: Ty) -> Val {
         let v = Val { name: format!("%a{}", self.args.len()), ty: ty.clone() };
         self.args.push(ty);
+        self.arg_shardings.push(None);
         v
+    }
+
+    /// Appends an argument of a program over a mesh: `ty` is the global type,
+    /// each device passes its shard.
+    pub fn add_sharded_arg(&mut self, ty: Ty, sharding: Sharding) -> Result<Val> {
+        if let Some(first) = self.arg_shardings.iter().flatten().next() {
+            shard::check_mesh(&sharding, &first.mesh)?;
+        }
+        let v = self.add_arg(ty);
+        if let Some(s) = self.arg_shardings.last_mut() {
+            *s = Some(sharding);
+        }
+        Ok(v)
     }
 
     fn fresh(&mut self) -> String {
@@ -298,26 +316,92 @@ impl Builder {
     }
 
     /// The whole module with `outs` returned from `@main`.
+    /// In a program over a mesh (sharded arguments), the results are replicated.
     pub fn finish(self, outs: &[Val]) -> String {
+        let outs_sharded: Vec<Sharding> = match self.arg_shardings.iter().flatten().next() {
+            Some(s) => outs.iter().map(|v| Sharding::replicated(&s.mesh, v.ty.rank())).collect(),
+            None => vec![],
+        };
+        // Cannot fail: the arguments share one mesh (`add_sharded_arg`) and every result has a sharding.
+        self.finish_sharded(outs, &outs_sharded).unwrap_or_else(|e| format!("// {e}\n"))
+    }
+
+    /// The whole module, the results of a program over a mesh carrying
+    /// `out_shardings` (one per result, or none for a one-device program). Every
+    /// sharding must be over the same root mesh, which the module declares.
+    pub fn finish_sharded(self, outs: &[Val], out_shardings: &[Sharding]) -> Result<String> {
+        let mut mesh: Option<kiln_tensor::DeviceMesh> = None;
+        for s in self.arg_shardings.iter().flatten().chain(out_shardings) {
+            match &mesh {
+                None => mesh = Some(s.mesh.clone()),
+                Some(m) => shard::check_mesh(s, m)?,
+            }
+        }
+        if mesh.is_some() && out_shardings.len() != outs.len() {
+            return Err(kiln_tensor::Error::backend(
+                "pjrt",
+                format!(
+                    "a program over a mesh with {} results was given {} result shardings",
+                    outs.len(),
+                    out_shardings.len()
+                ),
+            ));
+        }
         let args: Vec<String> = self
             .args
             .iter()
             .enumerate()
-            .map(|(i, t)| match self.aliases.iter().find(|a| a.0 == i) {
-                Some((_, o)) => format!("%a{i}: {} {{tf.aliasing_output = {o} : i32}}", t.mlir()),
-                None => format!("%a{i}: {}", t.mlir()),
+            .map(|(i, t)| {
+                let mut attrs = vec![];
+                if let Some((_, o)) = self.aliases.iter().find(|a| a.0 == i) {
+                    attrs.push(format!("tf.aliasing_output = {o} : i32"));
+                }
+                if let Some(s) = &self.arg_shardings[i] {
+                    attrs.push(format!("sdy.sharding = {}", s.attr()));
+                }
+                if attrs.is_empty() {
+                    format!("%a{i}: {}", t.mlir())
+                } else {
+                    format!("%a{i}: {} {{{}}}", t.mlir(), attrs.join(", "))
+                }
             })
             .collect();
+        // A partial-sum result must be declared unreduced inside the function too
+        // (Shardy refuses an implicit unreduced-to-reduced transition at the return).
+        let mut body = self.body;
+        let mut names: Vec<String> = outs.iter().map(|v| v.name.clone()).collect();
+        for (i, s) in out_shardings.iter().enumerate() {
+            if !s.unreduced.is_empty() {
+                let c = format!("%u{i}");
+                let t = outs[i].ty.mlir();
+                let _ = writeln!(
+                    body,
+                    "    {c} = \"sdy.sharding_constraint\"({}) {{sharding = {}}} : ({t}) -> {t}",
+                    names[i],
+                    s.attr()
+                );
+                names[i] = c;
+            }
+        }
         let out_tys: Vec<String> = outs.iter().map(|v| v.ty.mlir()).collect();
-        let names: Vec<&str> = outs.iter().map(|v| v.name.as_str()).collect();
-        format!(
-            "module @kiln attributes {{mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32}} {{\n  func.func public @main({}) -> ({}) {{\n{}    \"func.return\"({}) : ({}) -> ()\n  }}\n}}\n",
+        let results: Vec<String> = match &mesh {
+            None => out_tys.clone(),
+            Some(_) => {
+                out_tys.iter().zip(out_shardings).map(|(t, s)| format!("{t} {{sdy.sharding = {}}}", s.attr())).collect()
+            }
+        };
+        let (partitions, decl) = match &mesh {
+            None => (1, String::new()),
+            Some(m) => (m.devices().len(), format!("  {}\n", shard::mesh_decl(m))),
+        };
+        Ok(format!(
+            "module @kiln attributes {{mhlo.num_partitions = {partitions} : i32, mhlo.num_replicas = 1 : i32}} {{\n{decl}  func.func public @main({}) -> ({}) {{\n{}    \"func.return\"({}) : ({}) -> ()\n  }}\n}}\n",
             args.join(", "),
-            out_tys.join(", "),
-            self.body,
+            results.join(", "),
+            body,
             names.join(", "),
             out_tys.join(", ")
-        )
+        ))
     }
 
     // ---- building blocks ---------------------------------------------------------------

@@ -1,0 +1,343 @@
+//! Device meshes and placements, DTensor's vocabulary: a `DeviceMesh` names an
+//! n-dimensional grid of devices of one kind, and a `Placement` per mesh axis
+//! says how a tensor is laid over that axis (see Note [Device meshes]).
+use crate::{DeviceKind, Error, Result};
+use smallvec::SmallVec;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+// Note [Device meshes]
+// ~~~~~~~~~~~~~~~~~~~~
+// A mesh is a grid of devices with named axes (`init_device_mesh(Tpu, &[2, 2],
+// &["dp", "tp"])`: devices 0 1 / 2 3, rows along "dp"). kiln is one
+// controller driving every device of the mesh, as JAX is, so a sub-mesh
+// (`mesh["tp"]`) is not "the slice holding my rank" as in PyTorch's
+// one-process-per-device model: it is a view of the whole grid that exposes
+// only some axes. A tensor placed on `mesh["tp"]` with `[Shard(0)]` still lives
+// on all four devices, split over "tp" and replicated over "dp". This is what
+// makes 2-D recipes compose: FSDP places parameters on `mesh["dp"]`, tensor
+// parallelism on `mesh["tp"]`, and both placements apply to one tensor on the
+// root mesh.
+//
+// Devices are kept row-major (the last axis varies fastest). Programs over a
+// mesh are compiled with the root's devices as their device assignment, in
+// that order, so partition i of an SPMD program runs on the mesh's i-th
+// device, and the StableHLO mesh (`sdy.mesh`) needs no device list.
+
+/// A named grid of devices of one kind (PyTorch's `DeviceMesh`). Cheap to clone.
+#[derive(Clone)]
+pub struct DeviceMesh {
+    root: Arc<Root>,
+    /// The root axes this mesh exposes, in order (all of them for a root mesh).
+    axes: SmallVec<[usize; 4]>,
+    /// The one-axis sub-meshes `mesh["name"]` returns, made on first use.
+    singles: Arc<OnceLock<Vec<DeviceMesh>>>,
+}
+
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct Root {
+    kind: DeviceKind,
+    shape: Vec<usize>,
+    names: Vec<String>,
+    devices: Vec<usize>,
+}
+
+/// How a tensor is laid over one mesh axis (PyTorch's DTensor placements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Placement {
+    /// Split along tensor dimension `d` over the axis (uneven sizes allowed: the
+    /// last shards are shorter, as `torch.chunk` splits).
+    Shard(usize),
+    /// A full copy on every device of the axis.
+    Replicate,
+    /// Each device holds a partial value; the tensor is their reduction.
+    Partial(PartialOp),
+}
+
+/// The reduction that combines the partial values of a [`Placement::Partial`] tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PartialOp {
+    Sum,
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Placement::Shard(d) => write!(f, "Shard(dim={d})"),
+            Placement::Replicate => write!(f, "Replicate()"),
+            Placement::Partial(PartialOp::Sum) => write!(f, "Partial(sum)"),
+        }
+    }
+}
+
+fn valid_name(n: &str) -> bool {
+    let mut c = n.chars();
+    c.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_') && c.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// A mesh over the first `shape.iter().product()` devices of `kind`, row-major,
+/// with one name per axis (PyTorch's `init_device_mesh`):
+///
+/// ```no_run
+/// # use kiln_tensor::{mesh::init_device_mesh, DeviceKind};
+/// let mesh = init_device_mesh(DeviceKind::Tpu, &[2, 2], &["dp", "tp"])?;
+/// assert_eq!(mesh["tp"].shape(), vec![2]);
+/// # Ok::<(), kiln_tensor::Error>(())
+/// ```
+pub fn init_device_mesh(kind: DeviceKind, shape: &[usize], names: &[&str]) -> Result<DeviceMesh> {
+    let n: usize = shape.iter().product();
+    DeviceMesh::new(kind, &(0..n).collect::<Vec<_>>(), shape, names)
+}
+
+impl DeviceMesh {
+    /// A mesh over the given devices (indices of `kind`, row-major over `shape`).
+    pub fn new(kind: DeviceKind, devices: &[usize], shape: &[usize], names: &[&str]) -> Result<DeviceMesh> {
+        const OP: &str = "init_device_mesh";
+        if shape.is_empty() || shape.contains(&0) {
+            return Err(Error::invalid(
+                OP,
+                format!("a mesh needs at least one axis and no empty axis, got shape {shape:?}"),
+            ));
+        }
+        if names.len() != shape.len() {
+            return Err(Error::invalid(
+                OP,
+                format!("{} axis names {names:?} for a mesh of shape {shape:?}", names.len()),
+            ));
+        }
+        for (i, n) in names.iter().enumerate() {
+            if !valid_name(n) {
+                return Err(Error::invalid(OP, format!("mesh axis name {n:?} is not an identifier")));
+            }
+            if names[..i].contains(n) {
+                return Err(Error::invalid(OP, format!("mesh axis name {n:?} appears twice in {names:?}")));
+            }
+        }
+        let want = shape.iter().try_fold(1usize, |a, &s| a.checked_mul(s));
+        if want != Some(devices.len()) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "a mesh of shape {shape:?} needs {} devices, {} were given",
+                    shape.iter().product::<usize>(),
+                    devices.len()
+                ),
+            ));
+        }
+        let backend = crate::backend_for(kind).ok_or_else(|| {
+            Error::device(
+                OP,
+                format!("no backend is registered for {kind:?} devices; register it before making a mesh"),
+            )
+        })?;
+        let have = backend.device_count();
+        if let Some(d) = devices.iter().find(|&&d| d >= have) {
+            return Err(Error::device(
+                OP,
+                format!(
+                    "a mesh of shape {shape:?} needs device {d} of kind {kind:?}, but the {} backend has {have} device(s){}",
+                    backend.name(),
+                    if kind == DeviceKind::Tpu { " (KILN_PJRT_CPU_DEVICES sets the number of XLA:CPU devices)" } else { "" }
+                ),
+            ));
+        }
+        for (i, d) in devices.iter().enumerate() {
+            if devices[..i].contains(d) {
+                return Err(Error::invalid(OP, format!("device {d} appears twice in the mesh's devices {devices:?}")));
+            }
+        }
+        let root = Root {
+            kind,
+            shape: shape.to_vec(),
+            names: names.iter().map(|s| s.to_string()).collect(),
+            devices: devices.to_vec(),
+        };
+        Ok(DeviceMesh::view(Arc::new(root), (0..shape.len()).collect()))
+    }
+
+    /// The kind of the mesh's devices.
+    pub fn device_kind(&self) -> DeviceKind {
+        self.root.kind
+    }
+
+    /// The sizes of this mesh's axes.
+    pub fn shape(&self) -> Vec<usize> {
+        self.axes.iter().map(|&a| self.root.shape[a]).collect()
+    }
+
+    /// The number of axes.
+    pub fn ndim(&self) -> usize {
+        self.axes.len()
+    }
+
+    /// The number of devices along this mesh's axes (the whole mesh for a root mesh).
+    pub fn size(&self) -> usize {
+        self.shape().iter().product()
+    }
+
+    /// The axis names, in order (PyTorch's `mesh_dim_names`).
+    pub fn axis_names(&self) -> Vec<&str> {
+        self.axes.iter().map(|&a| self.root.names[a].as_str()).collect()
+    }
+
+    /// The size of the axis called `name`.
+    pub fn axis_size(&self, name: &str) -> Result<usize> {
+        Ok(self.root.shape[self.root_axis(name)?])
+    }
+
+    /// The sub-mesh exposing the named axes, in the given order (PyTorch's
+    /// `mesh["dp"]` and `mesh["dp", "tp"]`); see Note [Device meshes].
+    pub fn sub(&self, names: &[&str]) -> Result<DeviceMesh> {
+        let mut axes = SmallVec::new();
+        for n in names {
+            let a = self.root_axis(n)?;
+            if !self.axes.contains(&a) {
+                return Err(Error::invalid(
+                    "DeviceMesh",
+                    format!("axis {n:?} is not an axis of this mesh ({:?})", self.axis_names()),
+                ));
+            }
+            if axes.contains(&a) {
+                return Err(Error::invalid("DeviceMesh", format!("axis {n:?} is named twice")));
+            }
+            axes.push(a);
+        }
+        if axes.is_empty() {
+            return Err(Error::invalid("DeviceMesh", "a sub-mesh needs at least one axis"));
+        }
+        Ok(DeviceMesh::view(self.root.clone(), axes))
+    }
+
+    fn view(root: Arc<Root>, axes: SmallVec<[usize; 4]>) -> DeviceMesh {
+        DeviceMesh { root, axes, singles: Arc::new(OnceLock::new()) }
+    }
+
+    /// The root mesh this one is a view of (itself for a root mesh).
+    pub fn root(&self) -> DeviceMesh {
+        DeviceMesh::view(self.root.clone(), (0..self.root.shape.len()).collect())
+    }
+
+    /// The index of axis `name` in the root mesh.
+    fn root_axis(&self, name: &str) -> Result<usize> {
+        self.root.names.iter().position(|n| n == name).ok_or_else(|| {
+            Error::invalid("DeviceMesh", format!("the mesh has no axis {name:?}; its axes are {:?}", self.root.names))
+        })
+    }
+
+    /// The root axis behind this mesh's axis `i`.
+    pub fn root_axis_of(&self, i: usize) -> usize {
+        self.axes[i]
+    }
+
+    /// The root mesh's shape.
+    pub fn root_shape(&self) -> &[usize] {
+        &self.root.shape
+    }
+
+    /// The root mesh's axis names.
+    pub fn root_axis_names(&self) -> Vec<&str> {
+        self.root.names.iter().map(|s| s.as_str()).collect()
+    }
+
+    /// Every device of the root mesh, row-major (see Note [Device meshes]).
+    pub fn devices(&self) -> &[usize] {
+        &self.root.devices
+    }
+
+    /// The coordinates of the mesh's `i`-th device (row-major position) along every root axis.
+    pub fn coordinates(&self, i: usize) -> Vec<usize> {
+        let mut c = vec![0; self.root.shape.len()];
+        let mut r = i;
+        for a in (0..c.len()).rev() {
+            c[a] = r % self.root.shape[a];
+            r /= self.root.shape[a];
+        }
+        c
+    }
+
+    /// Whether two meshes have the same root (same devices, shape and names).
+    pub fn same_root(&self, other: &DeviceMesh) -> bool {
+        Arc::ptr_eq(&self.root, &other.root) || self.root == other.root
+    }
+
+    /// Checks `placements` (one per axis of this mesh) for a tensor of `ndim` dimensions.
+    pub fn check_placements(&self, placements: &[Placement], ndim: usize) -> Result<()> {
+        if placements.len() != self.ndim() {
+            return Err(Error::invalid(
+                "distribute_tensor",
+                format!(
+                    "{} placements for a mesh of {} axes ({:?}): give one per axis",
+                    placements.len(),
+                    self.ndim(),
+                    self.axis_names()
+                ),
+            ));
+        }
+        for p in placements {
+            if let Placement::Shard(d) = p {
+                if *d >= ndim {
+                    return Err(Error::index("distribute_tensor", format!("{p} of a tensor with {ndim} dimension(s)")));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl PartialEq for DeviceMesh {
+    fn eq(&self, other: &DeviceMesh) -> bool {
+        self.same_root(other) && self.axes == other.axes
+    }
+}
+
+impl Eq for DeviceMesh {}
+
+impl std::hash::Hash for DeviceMesh {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.root.hash(h);
+        self.axes.hash(h);
+    }
+}
+
+impl std::ops::Index<&str> for DeviceMesh {
+    type Output = DeviceMesh;
+    /// `mesh["dp"]`: the one-axis sub-mesh (see [`DeviceMesh::sub`]). Panics on
+    /// an unknown axis, as indexing does; `sub` returns the error instead.
+    fn index(&self, name: &str) -> &DeviceMesh {
+        let singles = self.singles.get_or_init(|| {
+            self.axes.iter().map(|&a| DeviceMesh::view(self.root.clone(), SmallVec::from_slice(&[a]))).collect()
+        });
+        let found =
+            self.root.names.iter().position(|n| n == name).and_then(|a| singles.iter().find(|m| m.axes[0] == a));
+        match found {
+            Some(m) => m,
+            None => panic!("the mesh {self} has no axis {name:?}"),
+        }
+    }
+}
+
+impl fmt::Debug for DeviceMesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl fmt::Display for DeviceMesh {
+    /// `DeviceMesh(tpu, [dp=2, tp=2], devices [0, 1, 2, 3])`; a sub-mesh names its root too.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.root.kind {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Tpu => "tpu",
+            DeviceKind::PrivateUse1 => "privateuse1",
+        };
+        let axes: Vec<String> =
+            self.axes.iter().map(|&a| format!("{}={}", self.root.names[a], self.root.shape[a])).collect();
+        write!(f, "DeviceMesh({kind}, [{}], devices {:?}", axes.join(", "), self.root.devices)?;
+        if self.axes.len() != self.root.shape.len() {
+            let root: Vec<String> =
+                self.root.names.iter().zip(&self.root.shape).map(|(n, s)| format!("{n}={s}")).collect();
+            write!(f, ", of [{}]", root.join(", "))?;
+        }
+        write!(f, ")")
+    }
+}
