@@ -1,6 +1,6 @@
 //! `Device` and the backend registry: devices are runtime values resolved to a
 //! registered `Backend`, so out-of-tree backends plug in (PyTorch's PrivateUse1 idea).
-use crate::{DType, Error, HostBuffer, Layout, Op, Result, Shape, Storage, Tensor};
+use crate::{DType, DeviceMesh, Error, HostBuffer, Layout, Op, Placement, Result, Shape, Storage, Tensor};
 use std::fmt;
 use std::sync::{Arc, RwLock};
 
@@ -12,6 +12,9 @@ pub enum Device {
     Tpu(usize),
     /// A device of an out-of-tree backend registered under [`DeviceKind::PrivateUse1`].
     PrivateUse1(usize),
+    /// A device mesh (`DeviceMesh::device`, see Note \[Device meshes\]): a
+    /// tensor on it is distributed over the mesh's devices, one shard each.
+    Mesh(usize),
 }
 
 /// The kind of a device, the key of the backend registry.
@@ -28,12 +31,14 @@ impl Device {
             Device::Cpu => DeviceKind::Cpu,
             Device::Tpu(_) => DeviceKind::Tpu,
             Device::PrivateUse1(_) => DeviceKind::PrivateUse1,
+            Device::Mesh(id) => crate::mesh::mesh_kind(id).unwrap_or(DeviceKind::Tpu),
         }
     }
+    /// The device's index among its kind's devices; a mesh's id for a mesh.
     pub fn index(self) -> usize {
         match self {
             Device::Cpu => 0,
-            Device::Tpu(i) | Device::PrivateUse1(i) => i,
+            Device::Tpu(i) | Device::PrivateUse1(i) | Device::Mesh(i) => i,
         }
     }
     /// The backend serving this device, or an error saying how to register one.
@@ -46,6 +51,12 @@ impl Device {
                 ),
             )
         })?;
+        if let Device::Mesh(id) = self {
+            if crate::mesh::mesh_kind(id).is_none() {
+                return Err(Error::device("device", format!("device {self} does not exist: no mesh has id {id}")));
+            }
+            return Ok(b);
+        }
         let n = b.device_count();
         if self.index() >= n {
             return Err(Error::device(
@@ -67,6 +78,7 @@ impl Device {
             "cpu" if i == 0 => Ok(Device::Cpu),
             "tpu" => Ok(Device::Tpu(i)),
             "privateuse1" => Ok(Device::PrivateUse1(i)),
+            "mesh" => Ok(Device::Mesh(i)),
             _ => Err(Error::invalid("device", format!("unknown device {s:?} (expected cpu, tpu or tpu:N)"))),
         }
     }
@@ -78,6 +90,7 @@ impl fmt::Display for Device {
             Device::Cpu => write!(f, "cpu"),
             Device::Tpu(i) => write!(f, "tpu:{i}"),
             Device::PrivateUse1(i) => write!(f, "privateuse1:{i}"),
+            Device::Mesh(i) => write!(f, "mesh:{i}"),
         }
     }
 }
@@ -118,6 +131,44 @@ pub trait Backend: Send + Sync + 'static {
     fn synchronize(&self, _device: Device) -> Result<()> {
         Ok(())
     }
+
+    // ---- distributed tensors (see `distributed.rs`); backends without meshes keep the defaults.
+
+    /// Whether tensors of this backend can be placed on device meshes.
+    fn supports_meshes(&self) -> bool {
+        false
+    }
+    /// `t` (a whole tensor on any device) placed on `mesh` with `placements`.
+    fn distribute(&self, _t: &Tensor, mesh: &DeviceMesh, _placements: &[Placement]) -> Result<Tensor> {
+        Err(no_meshes(self.name(), mesh))
+    }
+    /// The mesh and placements of a tensor on a mesh device.
+    fn placements(&self, t: &Tensor) -> Result<(DeviceMesh, Vec<Placement>)> {
+        Err(Error::device("placements", format!("{} is not a device mesh", t.device())))
+    }
+    /// `t` (on a mesh device) with other placements, on `mesh` (a view of its root mesh).
+    fn redistribute(&self, _t: &Tensor, mesh: &DeviceMesh, _placements: &[Placement]) -> Result<Tensor> {
+        Err(no_meshes(self.name(), mesh))
+    }
+    /// Each mesh device's shard of `t`, in mesh order, each a tensor on its device.
+    fn local_shards(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        Err(Error::device("to_local", format!("{} is not a device mesh", t.device())))
+    }
+    /// The distributed tensor of `shape` whose shards (one per mesh device, in mesh order) are `shards`.
+    #[allow(clippy::wrong_self_convention)]
+    fn from_local(
+        &self,
+        _shards: &[Tensor],
+        mesh: &DeviceMesh,
+        _placements: &[Placement],
+        _shape: &[usize],
+    ) -> Result<Tensor> {
+        Err(no_meshes(self.name(), mesh))
+    }
+}
+
+fn no_meshes(backend: &str, mesh: &DeviceMesh) -> Error {
+    Error::device("distribute_tensor", format!("the {backend} backend has no device meshes ({mesh})"))
 }
 
 type Registry = RwLock<Vec<(DeviceKind, &'static dyn Backend)>>;

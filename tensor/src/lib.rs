@@ -19,6 +19,7 @@ mod convert;
 mod create;
 pub mod device;
 mod display;
+mod distributed;
 pub mod dtype;
 mod elementwise;
 pub mod error;
@@ -46,6 +47,7 @@ pub use create::TensorOptions;
 pub use device::{
     backend_for, check_assign, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind, Meta,
 };
+pub use distributed::distribute_tensor;
 pub use dtype::{Category, DType, Element};
 pub use elementwise::Operand;
 pub use error::{Error, Result};

@@ -1,10 +1,10 @@
 //! Device meshes and placements, DTensor's vocabulary: a `DeviceMesh` names an
 //! n-dimensional grid of devices of one kind, and a `Placement` per mesh axis
 //! says how a tensor is laid over that axis (see Note [Device meshes]).
-use crate::{DeviceKind, Error, Result};
+use crate::{Device, DeviceKind, Error, Result};
 use smallvec::SmallVec;
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 // Note [Device meshes]
 // ~~~~~~~~~~~~~~~~~~~~
@@ -19,10 +19,26 @@ use std::sync::{Arc, OnceLock};
 // parallelism on `mesh["tp"]`, and both placements apply to one tensor on the
 // root mesh.
 //
+// A mesh is also a device: `mesh.device()` is `Device::Mesh(id)`, where every
+// tensor placed on the mesh (or any sub-mesh of it) lives, as torch_xla's SPMD
+// mode puts every tensor on one virtual device. So ops on distributed tensors
+// go through the ordinary dispatch (all inputs on one device), and creation
+// ops and `to_device` on a mesh device make tensors replicated over it.
+// Meshes are registered once per distinct (kind, shape, names, devices): the
+// same mesh made twice is the same device.
+//
 // Devices are kept row-major (the last axis varies fastest). Programs over a
 // mesh are compiled with the root's devices as their device assignment, in
 // that order, so partition i of an SPMD program runs on the mesh's i-th
 // device, and the StableHLO mesh (`sdy.mesh`) needs no device list.
+
+/// Every root mesh made so far, by id (meshes are few and live for the process).
+static MESHES: RwLock<Vec<Arc<Root>>> = RwLock::new(Vec::new());
+
+/// The device kind of mesh `id`, if it exists.
+pub(crate) fn mesh_kind(id: usize) -> Option<DeviceKind> {
+    MESHES.read().unwrap_or_else(|e| e.into_inner()).get(id).map(|r| r.kind)
+}
 
 /// A named grid of devices of one kind (PyTorch's `DeviceMesh`). Cheap to clone.
 #[derive(Clone)]
@@ -36,6 +52,8 @@ pub struct DeviceMesh {
 
 #[derive(Debug, PartialEq, Eq, Hash)]
 struct Root {
+    /// The mesh's id: `Device::Mesh(id)` (equal meshes share one).
+    id: usize,
     kind: DeviceKind,
     shape: Vec<usize>,
     names: Vec<String>,
@@ -146,13 +164,40 @@ impl DeviceMesh {
                 return Err(Error::invalid(OP, format!("device {d} appears twice in the mesh's devices {devices:?}")));
             }
         }
-        let root = Root {
-            kind,
-            shape: shape.to_vec(),
-            names: names.iter().map(|s| s.to_string()).collect(),
-            devices: devices.to_vec(),
+        if !backend.supports_meshes() {
+            return Err(Error::device(OP, format!("the {} backend has no device meshes", backend.name())));
+        }
+        let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+        let mut reg = MESHES.write().unwrap_or_else(|e| e.into_inner());
+        let found = reg
+            .iter()
+            .find(|r| r.kind == kind && r.shape == shape && r.names == names && r.devices == devices)
+            .cloned();
+        let root = match found {
+            Some(r) => r,
+            None => {
+                let r = Arc::new(Root { id: reg.len(), kind, shape: shape.to_vec(), names, devices: devices.to_vec() });
+                reg.push(r.clone());
+                r
+            }
         };
-        Ok(DeviceMesh::view(Arc::new(root), (0..shape.len()).collect()))
+        Ok(DeviceMesh::view(root, (0..shape.len()).collect()))
+    }
+
+    /// The device a tensor placed on this mesh (or on any view of its root) is on.
+    pub fn device(&self) -> Device {
+        Device::Mesh(self.root.id)
+    }
+
+    /// The root mesh behind a mesh device.
+    pub fn of_device(device: Device) -> Result<DeviceMesh> {
+        let Device::Mesh(id) = device else {
+            return Err(Error::device("device_mesh", format!("{device} is not a device mesh")));
+        };
+        let root = MESHES.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned();
+        let root = root.ok_or_else(|| Error::device("device_mesh", format!("no mesh has id {id}")))?;
+        let n = root.shape.len();
+        Ok(DeviceMesh::view(root, (0..n).collect()))
     }
 
     /// The kind of the mesh's devices.
@@ -257,7 +302,7 @@ impl DeviceMesh {
 
     /// Whether two meshes have the same root (same devices, shape and names).
     pub fn same_root(&self, other: &DeviceMesh) -> bool {
-        Arc::ptr_eq(&self.root, &other.root) || self.root == other.root
+        self.root.id == other.root.id
     }
 
     /// Checks `placements` (one per axis of this mesh) for a tensor of `ndim` dimensions.
