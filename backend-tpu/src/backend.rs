@@ -9,7 +9,9 @@ use crate::graph::{self, data_in, only_the_storage_reaches, Graph};
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, CompileOptions, Event, Executable, Upload};
-use kiln_tensor::{Backend, DType, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
+use kiln_tensor::{
+    Backend, DType, Device, DeviceMesh, Error, HostBuffer, Meta, Op, Placement, Result, Storage, StorageData, Tensor,
+};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -142,6 +144,9 @@ impl PjrtBackend {
     pub(crate) fn ready_data(&self, data: PjrtBuffer) -> Result<Arc<Buffer>> {
         if let Some(b) = data.ready() {
             return Ok(b);
+        }
+        if let PjrtBuffer::Sharded(s) = &data {
+            return Err(err(format!("a tensor on a device mesh ({}) has no single buffer", s.view)));
         }
         if let PjrtBuffer::Deferred(slot) = &data {
             if graph::is_capture_graph(slot.graph) {
@@ -441,6 +446,9 @@ impl Backend for PjrtBackend {
     }
 
     fn from_host(&self, buf: HostBuffer, device: Device) -> Result<Arc<Storage>> {
+        if let Device::Mesh(_) = device {
+            return self.upload_mesh(buf, device);
+        }
         let dtype = buf.dtype();
         let len = buf.len();
         let bytes = buf.to_le_bytes();
@@ -464,6 +472,9 @@ impl Backend for PjrtBackend {
         if graph::is_tracing() {
             return Err(graph::read_while_tracing(kiln_tensor::reading_via().unwrap_or("to_host"), t));
         }
+        if let Device::Mesh(_) = t.device() {
+            return self.to_host_mesh(t);
+        }
         let buf = self.buffer_of(t)?;
         self.drain()?;
         let l = t.layout();
@@ -482,6 +493,9 @@ impl Backend for PjrtBackend {
     }
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
+        if let Device::Mesh(_) = device {
+            return self.exec_mesh(op, inputs, outs, device);
+        }
         if mode() == Mode::Defer || graph::is_tracing() {
             let upload = |bytes: &[u8], dt: DType| self.upload_scalar(bytes, dt, device);
             return self.defer(device, |g| g.append_op(op, inputs, outs, device, &upload));
@@ -508,6 +522,9 @@ impl Backend for PjrtBackend {
 
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         kiln_tensor::check_assign(dst, src)?;
+        if let Device::Mesh(_) = dst.device() {
+            return self.assign_mesh(dst, src);
+        }
         if mode() == Mode::Defer || graph::is_tracing() {
             return self.defer(dst.device(), |g| g.append_assign(dst, src).map(|()| ((), false)));
         }
@@ -552,6 +569,7 @@ impl Backend for PjrtBackend {
         }
         let host = self.to_host(t)?;
         let shape = t.shape().to_vec();
+        // (On a mesh device, the indices come back replicated over the mesh, as `to_device` makes them.)
         let strides = kiln_tensor::contiguous_strides(&shape);
         let mut idx = vec![];
         let mut n = 0;
@@ -571,5 +589,35 @@ impl Backend for PjrtBackend {
     fn synchronize(&self, _device: Device) -> Result<()> {
         let r = self.flush_all();
         self.drain().and(r)
+    }
+
+    fn supports_meshes(&self) -> bool {
+        true
+    }
+
+    fn distribute(&self, t: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> Result<Tensor> {
+        self.distribute_tensor(t, mesh, placements)
+    }
+
+    fn placements(&self, t: &Tensor) -> Result<(DeviceMesh, Vec<Placement>)> {
+        self.placements_of(t)
+    }
+
+    fn redistribute(&self, t: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> Result<Tensor> {
+        self.redistribute_tensor(t, mesh, placements)
+    }
+
+    fn local_shards(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        self.local_shards_of(t)
+    }
+
+    fn from_local(
+        &self,
+        shards: &[Tensor],
+        mesh: &DeviceMesh,
+        placements: &[Placement],
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        self.assemble_shards(shards, mesh, placements, shape)
     }
 }

@@ -174,6 +174,7 @@ impl Graph {
         match data {
             PjrtBuffer::Deferred(slot) if slot.graph == self.id => Ok(self.outs[slot.index].0.clone()),
             PjrtBuffer::Deferred(slot) if is_capture_graph(slot.graph) => Err(escaped_value_error()),
+            PjrtBuffer::Sharded(_) => Err(crate::dist::unsupported_mode(storage.device())),
             other => match other.ready() {
                 Some(b) => Ok(self.param(&b, ParamSrc::Storage(Arc::downgrade(storage)))),
                 None => Err(err("an input is pending in another device's graph")),
@@ -339,6 +340,7 @@ pub(crate) fn only_the_storage_reaches(data: &PjrtBuffer) -> bool {
         PjrtBuffer::Ready(_) => true,
         // The storage's slot and this clone.
         PjrtBuffer::Deferred(s) => Arc::strong_count(s) <= 2,
+        PjrtBuffer::Sharded(_) => false,
     }
 }
 
@@ -412,6 +414,8 @@ pub enum PjrtBuffer {
     Ready(Arc<Buffer>),
     /// An output of a pending graph (DeferAndFuse).
     Deferred(Arc<Slot>),
+    /// One shard per device of a mesh (a tensor on a mesh device, `dist.rs`).
+    Sharded(Arc<crate::dist::Shards>),
 }
 
 impl PjrtBuffer {
@@ -420,6 +424,7 @@ impl PjrtBuffer {
         match self {
             PjrtBuffer::Ready(b) => Some(b.clone()),
             PjrtBuffer::Deferred(s) => s.filled.get().cloned(),
+            PjrtBuffer::Sharded(_) => None,
         }
     }
 }

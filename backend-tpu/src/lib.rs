@@ -13,6 +13,7 @@
 mod backend;
 pub mod cache;
 mod capture;
+mod dist;
 mod graph;
 mod host_values;
 pub mod lower;
@@ -122,5 +123,40 @@ impl kiln_tensor::Backend for Registered {
     }
     fn synchronize(&self, device: kiln_tensor::Device) -> Result<()> {
         self.0.synchronize(device)
+    }
+    fn supports_meshes(&self) -> bool {
+        self.0.supports_meshes()
+    }
+    fn distribute(
+        &self,
+        t: &kiln_tensor::Tensor,
+        mesh: &kiln_tensor::DeviceMesh,
+        placements: &[kiln_tensor::Placement],
+    ) -> Result<kiln_tensor::Tensor> {
+        self.0.distribute(t, mesh, placements)
+    }
+    fn placements(&self, t: &kiln_tensor::Tensor) -> Result<(kiln_tensor::DeviceMesh, Vec<kiln_tensor::Placement>)> {
+        self.0.placements(t)
+    }
+    fn redistribute(
+        &self,
+        t: &kiln_tensor::Tensor,
+        mesh: &kiln_tensor::DeviceMesh,
+        placements: &[kiln_tensor::Placement],
+    ) -> Result<kiln_tensor::Tensor> {
+        self.0.redistribute(t, mesh, placements)
+    }
+    fn local_shards(&self, t: &kiln_tensor::Tensor) -> Result<Vec<kiln_tensor::Tensor>> {
+        self.0.local_shards(t)
+    }
+    #[allow(clippy::wrong_self_convention)]
+    fn from_local(
+        &self,
+        shards: &[kiln_tensor::Tensor],
+        mesh: &kiln_tensor::DeviceMesh,
+        placements: &[kiln_tensor::Placement],
+        shape: &[usize],
+    ) -> Result<kiln_tensor::Tensor> {
+        self.0.from_local(shards, mesh, placements, shape)
     }
 }

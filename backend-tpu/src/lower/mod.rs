@@ -6,7 +6,7 @@
 //! needs a device, so every lowering has golden-text tests.
 mod ops;
 mod random;
-mod shard;
+pub mod shard;
 mod view;
 
 pub use ops::{lower_op, Check};
@@ -306,6 +306,13 @@ impl Builder {
         let tys: Vec<String> = rets.iter().map(|v| v.ty.mlir()).collect();
         let _ = write!(self.body, "    \"stablehlo.return\"({}) : ({}) -> ()\n  }}", names.join(", "), tys.join(", "));
         std::mem::replace(&mut self.body, saved)
+    }
+
+    /// `x` moved to the sharding `s` (`sdy.reshard`): the partitioner inserts
+    /// the collectives (a partial sum resharded without its unreduced axes is all-reduced).
+    pub fn reshard(&mut self, x: &Val, s: &Sharding) -> Val {
+        let attrs = format!("sharding = {}", s.attr());
+        self.op("sdy.sharding_constraint", &[x], &attrs, x.ty.clone())
     }
 
     /// Donates argument `arg`'s buffer to output `out` (same type): the program

@@ -1,7 +1,7 @@
 //! Shardings: a mesh and per-axis placements as Shardy's annotations
 //! (`sdy.mesh`, `#sdy.sharding`), and how a tensor of a given sharding is cut
 //! into the shards each device holds (see Note [Shardings]).
-use kiln_tensor::{DeviceMesh, Error, Placement, Result};
+use kiln_tensor::{DeviceMesh, Error, PartialOp, Placement, Result};
 
 // Note [Shardings]
 // ~~~~~~~~~~~~~~~~
@@ -190,4 +190,209 @@ pub fn check_mesh(s: &Sharding, mesh: &DeviceMesh) -> Result<()> {
         "pjrt",
         format!("expected all tensors to be on the same device mesh, but found {} and {}", s.mesh, mesh.root()),
     ))
+}
+
+impl Sharding {
+    /// The placements of this sharding on `mesh` (a view of its root), or
+    /// `None` when it uses an axis the view does not expose.
+    pub fn placements_on(&self, mesh: &DeviceMesh) -> Option<Vec<Placement>> {
+        let view: Vec<usize> = (0..mesh.ndim()).map(|i| mesh.root_axis_of(i)).collect();
+        let used = self.dims.iter().flatten().chain(&self.unreduced);
+        if used.clone().any(|a| !view.contains(a)) {
+            return None;
+        }
+        Some(
+            view.iter()
+                .map(|a| {
+                    if self.unreduced.contains(a) {
+                        return Placement::Partial(PartialOp::Sum);
+                    }
+                    match self.dims.iter().position(|d| d.contains(a)) {
+                        Some(d) => Placement::Shard(d),
+                        None => Placement::Replicate,
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// The same split without partial sums (what a value becomes once reduced).
+    pub fn reduced(&self) -> Sharding {
+        Sharding { mesh: self.mesh.clone(), dims: self.dims.clone(), unreduced: vec![] }
+    }
+
+    /// The real (unpadded) shape of the mesh's `device`-th device's shard of a tensor of `shape`.
+    pub fn real_shard_shape(&self, shape: &[usize], device: usize) -> Vec<usize> {
+        let local = self.shard_shape(shape);
+        let chunk = self.chunk_index(device);
+        (0..shape.len()).map(|d| shape[d].saturating_sub(chunk[d] * local[d]).min(local[d])).collect()
+    }
+}
+
+// Note [Placements of results]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Any sharding of a result is correct: the partitioner moves data to make the
+// program compute the same values whatever the annotations say. So kiln
+// chooses result placements by its own rules, per primitive, to keep data
+// where it is and to give the placements PyTorch's DTensor gives, rather than
+// reading back what the partitioner would have propagated:
+// - elementwise ops, casts and copies keep the split of the first input of
+//   the result's shape (partial sums are reduced first);
+// - a sum over a split dimension leaves a partial sum over its axes
+//   (`Partial(sum)`, as DTensor); other reductions over a split dimension
+//   replicate it; kept dimensions keep their split;
+// - a matmul keeps the rows' split of its left operand and the columns' split
+//   of its right one, and a contraction split over the same axes on both
+//   sides leaves a partial sum over them;
+// - softmax, log-softmax, RMSNorm and logsumexp keep the split of every
+//   dimension but the normalised one;
+// - anything else (indexing, sorting, attention, creation ops, ...) is
+//   replicated, which is always correct and costs memory and gathers.
+// Inputs keep their split where the partitioner can compute on it, and are
+// gathered where it cannot: XLA partitions a reduction over a split dimension
+// only when its body is a plain sum, so kiln's NaN-propagating max and min,
+// and softmax and RMSNorm along the normalised dimension, first gather that
+// dimension; primitives without a rule take whole (replicated) inputs.
+// An input that is a view of its storage (a transpose, a slice, an expand) has
+// the split of its storage's dimensions when the view only permutes them, and
+// counts as replicated otherwise.
+
+/// The sharding of the view `shape` / `strides` / `offset` of a storage of
+/// `storage_shape` with sharding `s` (see the Note).
+pub fn view_sharding(s: &Sharding, storage_shape: &[usize], layout: &kiln_tensor::Layout) -> Sharding {
+    let cs = kiln_tensor::contiguous_strides(storage_shape);
+    let (shape, strides) = (layout.shape(), layout.strides());
+    let mut dims = vec![vec![]; shape.len()];
+    let mut used = vec![false; storage_shape.len()];
+    let permutes = layout.offset() == 0
+        && shape.len() == storage_shape.len()
+        && (0..shape.len()).all(|j| {
+            let found = (0..storage_shape.len())
+                .find(|&i| !used[i] && storage_shape[i] == shape[j] && (cs[i] == strides[j] || shape[j] == 1));
+            match found {
+                Some(i) => {
+                    used[i] = true;
+                    dims[j] = s.dims[i].clone();
+                    true
+                }
+                None => false,
+            }
+        });
+    if permutes {
+        Sharding { mesh: s.mesh.clone(), dims, unreduced: s.unreduced.clone() }
+    } else {
+        Sharding::replicated(&s.mesh, shape.len())
+    }
+}
+
+/// The sharding input `s` (of `shape`) must have when `op` reads it (see the Note).
+pub fn in_sharding(op: &kiln_tensor::Op, s: &Sharding, shape: &[usize]) -> Sharding {
+    use kiln_tensor::{Op, ReduceOp};
+    let gather = |dims: &[usize]| {
+        let mut t = s.reduced();
+        for &d in dims {
+            if d < t.dims.len() {
+                t.dims[d].clear();
+            }
+        }
+        t
+    };
+    match op {
+        Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_) | Op::Copy | Op::MatMul => s.reduced(),
+        Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean, .. } => s.reduced(),
+        Op::Reduce { dims, .. } => gather(dims),
+        Op::Softmax { dim, .. } => gather(&[*dim]),
+        Op::RmsNorm { .. } if !shape.is_empty() => gather(&[shape.len() - 1]),
+        _ => Sharding::replicated(&s.mesh, shape.len()),
+    }
+}
+
+/// The sharding kiln gives output `out` (of `out_shape`) of `op`, from its inputs'
+/// shapes and (view) shardings (Note [Placements of results]).
+pub fn out_sharding(
+    op: &kiln_tensor::Op,
+    ins: &[(Vec<usize>, Sharding)],
+    out: usize,
+    out_shape: &[usize],
+    mesh: &DeviceMesh,
+) -> Sharding {
+    use kiln_tensor::{Op, ReduceOp};
+    let rep = Sharding::replicated(mesh, out_shape.len());
+    let split = |dims: Vec<Vec<usize>>, unreduced: Vec<usize>| {
+        let mut seen = vec![];
+        let mut dims = dims;
+        // A mesh axis splits one dimension at most: later uses are dropped.
+        for d in dims.iter_mut() {
+            d.retain(|a| !seen.contains(a));
+            seen.extend(d.iter().copied());
+        }
+        let unreduced = unreduced.into_iter().filter(|a| !seen.contains(a)).collect();
+        Sharding { mesh: mesh.root(), dims, unreduced }
+    };
+    match op {
+        Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_) | Op::Copy => ins
+            .iter()
+            .find(|(shape, s)| shape == out_shape && !s.reduced().is_replicated())
+            .map_or(rep, |(_, s)| s.reduced()),
+        Op::Reduce { op: r, dims, keepdim } if out == 0 => {
+            let Some((shape, s)) = ins.first() else { return rep };
+            let mut kept = vec![];
+            let mut partial = s.unreduced.clone();
+            for d in 0..shape.len() {
+                if dims.contains(&d) {
+                    if *r == ReduceOp::Sum {
+                        partial.extend(s.dims[d].iter().copied());
+                    }
+                    if *keepdim {
+                        kept.push(vec![]);
+                    }
+                } else {
+                    kept.push(s.dims[d].clone());
+                }
+            }
+            if *r != ReduceOp::Sum && !s.unreduced.is_empty() {
+                partial.clear();
+            }
+            if kept.len() != out_shape.len() {
+                return rep;
+            }
+            split(kept, partial)
+        }
+        Op::MatMul => {
+            let [(ls, l), (rs, r)] = ins else { return rep };
+            if ls.len() < 2 || rs.len() < 2 || out_shape.len() < 2 {
+                return rep;
+            }
+            let n = out_shape.len();
+            let mut dims = vec![vec![]; n];
+            // Batch dimensions of the left operand when it has the result's batch shape.
+            if ls.len() == n && ls[..n - 2] == out_shape[..n - 2] {
+                dims[..n - 2].clone_from_slice(&l.dims[..n - 2]);
+            }
+            dims[n - 2] = l.dims[ls.len() - 2].clone();
+            dims[n - 1] = r.dims[rs.len() - 1].clone();
+            let (lk, rk) = (&l.dims[ls.len() - 1], &r.dims[rs.len() - 2]);
+            let partial = if lk == rk { lk.clone() } else { vec![] };
+            split(dims, partial)
+        }
+        Op::Softmax { dim, .. } if out == 0 => {
+            let Some((shape, s)) = ins.first() else { return rep };
+            if shape != out_shape {
+                return rep;
+            }
+            let mut dims = s.dims.clone();
+            dims[*dim] = vec![];
+            split(dims, vec![])
+        }
+        Op::RmsNorm { .. } if out == 0 => {
+            let Some((shape, s)) = ins.first() else { return rep };
+            if shape != out_shape || shape.is_empty() {
+                return rep;
+            }
+            let mut dims = s.dims.clone();
+            dims[shape.len() - 1] = vec![];
+            split(dims, vec![])
+        }
+        _ => rep,
+    }
 }

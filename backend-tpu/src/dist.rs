@@ -1,0 +1,458 @@
+//! Distributed tensors on the PJRT backend: a storage on a mesh device holds
+//! one shard per mesh device (`Shards`), and every op, in-place write and read
+//! on such tensors runs as one SPMD program over the mesh (see Note
+//! [Distributed storages]).
+use crate::backend::PjrtBackend;
+use crate::graph::PjrtBuffer;
+use crate::lower::{self, shard, Builder, Sharding, Ty, Val};
+use crate::mode::{mode, Mode};
+use crate::pjrt::{Buffer, CompileOptions};
+use kiln_tensor::{
+    DType, Device, DeviceMesh, Error, HostBuffer, Layout, Meta, Op, Placement, Result, Storage, StorageData, Tensor,
+};
+use std::sync::Arc;
+
+// Note [Distributed storages]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A tensor on a mesh device (`Device::Mesh`, Note [Device meshes]) has an
+// ordinary layout over an ordinary storage, whose data is `Shards`: the
+// storage's logical n-d shape, its sharding over the root mesh (Note
+// [Shardings]), and one buffer per mesh device holding that device's shard of
+// the padded value. Views stay layout transforms of the storage, as on one
+// device.
+//
+// Every primitive on such tensors is one SPMD program over the mesh, built as
+// a one-device program is: each input storage is an argument of its padded
+// global type carrying its sharding (a partial sum is resharded to reduced
+// first), sliced to its logical shape and flattened, and the input's view is
+// read from it (Note [Views of flat buffers]); the op's lowering follows;
+// each result is padded and annotated with the sharding kiln chooses (Note
+// [Placements of results]). The partitioner turns the program into one per
+// device with the collectives it needs, so results are right whatever the
+// annotations; the annotations decide where data lives and what moves. An
+// in-place write is a program that writes the view into the destination
+// storage's value and returns it with the storage's sharding, then swaps the
+// new shards in. Reading data gathers the view replicated and copies the first
+// device's buffer. `redistribute` is a program whose result carries the new
+// sharding. DeferAndFuse and capture do not take distributed tensors yet: they
+// are an error, not a silent fallback.
+
+/// What a storage on a mesh device holds.
+#[derive(Debug)]
+pub struct Shards {
+    /// Each mesh device's shard of the padded value, in mesh order.
+    pub bufs: Vec<Arc<Buffer>>,
+    /// The split over the root mesh, of the storage's n-d shape.
+    pub sharding: Sharding,
+    /// The storage's logical shape (its element count is the storage's length).
+    pub shape: Vec<usize>,
+    /// The mesh the tensor was placed on (reported by `device_mesh`).
+    pub view: DeviceMesh,
+}
+
+fn err(msg: impl Into<String>) -> Error {
+    Error::backend("pjrt", msg)
+}
+
+/// The shards behind a tensor on a mesh device.
+pub(crate) fn shards_of(t: &Tensor) -> Result<Arc<Shards>> {
+    shards_in(&t.storage().read(), t.device())
+}
+
+fn shards_in(d: &StorageData, device: Device) -> Result<Arc<Shards>> {
+    match crate::graph::data_in(d, device)? {
+        PjrtBuffer::Sharded(s) => Ok(s),
+        _ => Err(err(format!("a tensor on {device} holds a one-device buffer"))),
+    }
+}
+
+/// The error for distributed tensors in a mode that does not take them yet.
+pub(crate) fn unsupported_mode(device: Device) -> Error {
+    Error::invalid(
+        "pjrt",
+        format!(
+            "tensors on {device} (a device mesh) run in Strict and Debug mode; DeferAndFuse and kiln::compile do not take distributed tensors yet"
+        ),
+    )
+}
+
+/// A program over a mesh being built: its arguments' shards and values.
+struct MeshProgram {
+    b: Builder,
+    args: Vec<Arc<Shards>>,
+    vals: Vec<Val>,
+}
+
+impl MeshProgram {
+    fn new() -> MeshProgram {
+        MeshProgram { b: Builder::new(&[]).0, args: vec![], vals: vec![] }
+    }
+
+    /// The flat logical value of a storage's shards (an argument, added once).
+    fn storage_value(&mut self, s: &Arc<Shards>, dtype: DType) -> Result<Val> {
+        let padded = s.sharding.padded_shape(&s.shape);
+        let mut v = match self.args.iter().position(|a| Arc::ptr_eq(a, s)) {
+            Some(i) => self.vals[i].clone(),
+            None => {
+                let v = self.b.add_sharded_arg(Ty::new(&padded, dtype), s.sharding.clone())?;
+                self.args.push(s.clone());
+                self.vals.push(v.clone());
+                v
+            }
+        };
+        if !s.sharding.unreduced.is_empty() {
+            v = self.b.reshard(&v, &s.sharding.reduced());
+        }
+        if padded != s.shape {
+            let zeros = vec![0; s.shape.len()];
+            let ones = vec![1; s.shape.len()];
+            v = self.b.slice(&v, &zeros, &s.shape, &ones);
+        }
+        let n = s.shape.iter().product();
+        Ok(self.b.reshape(&v, &[n]))
+    }
+
+    /// `v` (of `shape`) padded to `s`'s padded shape, as a result.
+    fn padded(&mut self, v: &Val, shape: &[usize], s: &Sharding) -> Val {
+        let v = self.b.reshape(v, shape);
+        let padded = s.padded_shape(shape);
+        if padded == shape {
+            return v;
+        }
+        let high: Vec<usize> = padded.iter().zip(shape).map(|(p, n)| p - n).collect();
+        self.b.pad(&v, lower::Lit::I(0), &vec![0; shape.len()], &high)
+    }
+}
+
+impl PjrtBackend {
+    /// Compiles `text` for `mesh` and runs it over every mesh device with
+    /// `args` (each storage's shards); returns each output's buffers in mesh order.
+    fn run_mesh(
+        &self,
+        name: &'static str,
+        text: &str,
+        mesh: &DeviceMesh,
+        args: &[Arc<Shards>],
+        out_meta: &[(DType, Vec<usize>)],
+    ) -> Result<Vec<Vec<Arc<Buffer>>>> {
+        let client = self.client();
+        let ids: Vec<i64> = mesh.devices().iter().map(|&d| client.device_id(d)).collect::<Result<_>>()?;
+        let exe = self.executable_with(text, &CompileOptions::spmd(&ids))?;
+        let order = exe.addressable_devices()?;
+        let pos: Vec<usize> = order
+            .iter()
+            .map(|d| mesh.devices().iter().position(|m| m == d).ok_or_else(|| err("an executable device off the mesh")))
+            .collect::<Result<_>>()?;
+        let lists: Vec<Vec<&Buffer>> = pos.iter().map(|&p| args.iter().map(|a| &*a.bufs[p]).collect()).collect();
+        let (outs, events) = exe.execute_spmd(&lists, out_meta, &[], 0)?;
+        self.count_execution();
+        for e in events {
+            match mode() {
+                Mode::Debug => e.wait(name).map_err(|e| err(format!("{name} failed on {mesh}: {e}")))?,
+                _ => self.queue_event(name, e)?,
+            }
+        }
+        let mut by_out: Vec<Vec<Option<Arc<Buffer>>>> = vec![vec![None; pos.len()]; out_meta.len()];
+        for (dev_outs, &p) in outs.into_iter().zip(&pos) {
+            for (o, b) in dev_outs.into_iter().enumerate() {
+                by_out[o][p] = Some(Arc::new(b));
+            }
+        }
+        by_out
+            .into_iter()
+            .map(|v| v.into_iter().map(|b| b.ok_or_else(|| err("a mesh device returned no output"))).collect())
+            .collect()
+    }
+
+    fn mesh_storage(&self, shards: Shards, dtype: DType, device: Device) -> Arc<Storage> {
+        let len = shards.shape.iter().product();
+        Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer::Sharded(Arc::new(shards)))), dtype, len, device))
+    }
+
+    /// `Backend::exec` for inputs on a mesh device (Note [Distributed storages]).
+    pub(crate) fn exec_mesh(
+        &self,
+        op: &Op,
+        inputs: &[&Tensor],
+        outs: &[Meta],
+        device: Device,
+    ) -> Result<Vec<Arc<Storage>>> {
+        if mode() == Mode::Defer || crate::graph::is_tracing() {
+            return Err(unsupported_mode(device));
+        }
+        let mesh = DeviceMesh::of_device(device)?;
+        let mut p = MeshProgram::new();
+        let mut in_shardings = vec![];
+        let (results, checks) = if let Some(values) = lower::creation_args(op) {
+            let mut args = vec![];
+            for (bytes, dt) in values {
+                let s = self.replicated_shards(&bytes, dt, &[1], &mesh)?;
+                args.push(p.storage_value(&s, dt)?);
+            }
+            (vec![lower::creation_lower(&mut p.b, op, &args)?], vec![])
+        } else {
+            let mut vals = vec![];
+            for t in inputs {
+                let s = shards_of(t)?;
+                let flat = p.storage_value(&s, t.dtype())?;
+                let v = lower::read_view(&mut p.b, &flat, t.layout())?;
+                let view = shard::view_sharding(&s.sharding, &s.shape, t.layout()).reduced();
+                let need = shard::in_sharding(op, &view, t.shape());
+                vals.push(if need == view { v } else { p.b.reshard(&v, &need) });
+                in_shardings.push((t.shape().to_vec(), need));
+            }
+            lower::lower_op(&mut p.b, op, &vals, outs)?
+        };
+        lower::check_results(op, &results, outs)?;
+        let mut values = vec![];
+        let mut shardings = vec![];
+        let mut meta = vec![];
+        for (i, (r, m)) in results.iter().zip(outs).enumerate() {
+            let s = shard::out_sharding(op, &in_shardings, i, &m.shape, &mesh);
+            values.push(p.padded(r, &m.shape, &s));
+            meta.push((m.dtype, s.shard_shape(&m.shape)));
+            shardings.push(s);
+        }
+        for (v, _) in &checks {
+            values.push(v.clone());
+            shardings.push(Sharding::replicated(&mesh, 0));
+            meta.push((DType::Bool, vec![]));
+        }
+        let MeshProgram { b, args, .. } = p;
+        let text = b.finish_sharded(&values, &shardings)?;
+        let mut bufs = self.run_mesh(op.name(), &text, &mesh, &args, &meta)?;
+        let flags = bufs.split_off(outs.len());
+        for (flag, (_, c)) in flags.iter().zip(&checks) {
+            self.verify(&flag[0], op.name(), c, inputs)?;
+        }
+        Ok(bufs
+            .into_iter()
+            .zip(outs)
+            .zip(shardings)
+            .map(|((bufs, m), sharding)| {
+                let shards = Shards { bufs, sharding, shape: m.shape.to_vec(), view: mesh.clone() };
+                self.mesh_storage(shards, m.dtype, device)
+            })
+            .collect())
+    }
+
+    /// `bytes` (a row-major value of `shape`) copied to every device of `mesh`.
+    fn replicated_shards(&self, bytes: &[u8], dtype: DType, shape: &[usize], mesh: &DeviceMesh) -> Result<Arc<Shards>> {
+        let sharding = Sharding::replicated(mesh, shape.len());
+        self.sharded_from_bytes(bytes, dtype, shape, sharding, mesh.root())
+    }
+
+    /// Each mesh device's shard of the row-major `bytes`, uploaded to it.
+    fn sharded_from_bytes(
+        &self,
+        bytes: &[u8],
+        dtype: DType,
+        shape: &[usize],
+        sharding: Sharding,
+        view: DeviceMesh,
+    ) -> Result<Arc<Shards>> {
+        let elem = dtype.size_in_bytes();
+        let local = sharding.shard_shape(shape);
+        let mut bufs = vec![];
+        for (pos, &d) in sharding.mesh.devices().iter().enumerate() {
+            let b = if sharding.is_replicated() {
+                self.client().buffer_from_host(bytes, dtype, &local, d)?
+            } else {
+                self.client().buffer_from_host(&sharding.shard_bytes(bytes, elem, shape, pos), dtype, &local, d)?
+            };
+            bufs.push(Arc::new(b));
+        }
+        Ok(Arc::new(Shards { bufs, sharding, shape: shape.to_vec(), view }))
+    }
+
+    /// `Backend::from_host` on a mesh device: the data replicated on every device.
+    pub(crate) fn upload_mesh(&self, buf: HostBuffer, device: Device) -> Result<Arc<Storage>> {
+        let mesh = DeviceMesh::of_device(device)?;
+        let dtype = buf.dtype();
+        let s = self.replicated_shards(&buf.to_le_bytes(), dtype, &[buf.len()], &mesh)?;
+        let len = buf.len();
+        Ok(Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer::Sharded(s))), dtype, len, device)))
+    }
+
+    /// The view of `t` as a fresh storage of its shape with `sharding` (a
+    /// program whose result carries it): redistribution, and the gather reads use.
+    fn materialize(&self, t: &Tensor, sharding: Sharding, view: DeviceMesh) -> Result<Arc<Shards>> {
+        if mode() == Mode::Defer || crate::graph::is_tracing() {
+            return Err(unsupported_mode(t.device()));
+        }
+        let mesh = sharding.mesh.clone();
+        let s = shards_of(t)?;
+        let mut p = MeshProgram::new();
+        let flat = p.storage_value(&s, t.dtype())?;
+        let v = lower::read_view(&mut p.b, &flat, t.layout())?;
+        let out = p.padded(&v, t.shape(), &sharding);
+        let MeshProgram { b, args, .. } = p;
+        let text = b.finish_sharded(&[out], std::slice::from_ref(&sharding))?;
+        let meta = [(t.dtype(), sharding.shard_shape(t.shape()))];
+        let bufs = self.run_mesh("redistribute", &text, &mesh, &args, &meta)?.remove(0);
+        Ok(Arc::new(Shards { bufs, sharding, shape: t.shape().to_vec(), view }))
+    }
+
+    /// `Backend::to_host` for a tensor on a mesh device: its view gathered.
+    pub(crate) fn to_host_mesh(&self, t: &Tensor) -> Result<HostBuffer> {
+        let mesh = DeviceMesh::of_device(t.device())?;
+        let s = self.materialize(t, Sharding::replicated(&mesh, t.ndim()), mesh)?;
+        self.drain()?;
+        let buf = &s.bufs[0];
+        let mut bytes =
+            kiln_tensor::alloc::try_vec("to_host", &[buf.numel() * t.dtype().size_in_bytes()], DType::U8, 0u8)?;
+        buf.copy_to_host(&mut bytes)?;
+        HostBuffer::from_le_bytes(t.dtype(), &bytes)
+    }
+
+    /// `Backend::assign` on a mesh device: the write's program returns the
+    /// destination storage's new value with its sharding.
+    pub(crate) fn assign_mesh(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        if mode() == Mode::Defer || crate::graph::is_tracing() {
+            return Err(unsupported_mode(dst.device()));
+        }
+        let mesh = DeviceMesh::of_device(dst.device())?;
+        let src_shards = shards_of(src)?;
+        // The destination's lock is held from reading its shards to swapping in the new ones.
+        let mut w = dst.storage().write();
+        let d = shards_in(&w, dst.device())?;
+        let mut p = MeshProgram::new();
+        let flat = p.storage_value(&d, dst.dtype())?;
+        let sflat = p.storage_value(&src_shards, src.dtype())?;
+        let s = lower::read_view(&mut p.b, &sflat, src.layout())?;
+        let new = lower::write_view(&mut p.b, &flat, dst.layout(), &s)?;
+        let sharding = d.sharding.reduced();
+        let out = p.padded(&new, &d.shape, &sharding);
+        let MeshProgram { b, args, .. } = p;
+        let text = b.finish_sharded(&[out], std::slice::from_ref(&sharding))?;
+        let meta = [(dst.dtype(), sharding.shard_shape(&d.shape))];
+        let bufs = self.run_mesh("copy_", &text, &mesh, &args, &meta)?.remove(0);
+        let shards = Shards { bufs, sharding, shape: d.shape.clone(), view: d.view.clone() };
+        *w = StorageData::Device(Box::new(PjrtBuffer::Sharded(Arc::new(shards))));
+        Ok(())
+    }
+
+    /// `Backend::distribute`: `t`'s data cut into shards, one upload per device.
+    pub(crate) fn distribute_tensor(&self, t: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> Result<Tensor> {
+        if placements.iter().any(|p| matches!(p, Placement::Partial(_))) {
+            return Err(Error::invalid(
+                "distribute_tensor",
+                "a whole tensor has no partial values: place it with Shard or Replicate (Partial placements come from ops, or from Tensor::from_local)",
+            ));
+        }
+        let sharding = Sharding::from_placements(mesh, placements, t.ndim())?;
+        let host = t.to_host()?;
+        let s = self.sharded_from_bytes(&host.to_le_bytes(), t.dtype(), t.shape(), sharding, mesh.clone())?;
+        let st = self.mesh_storage(Arc::try_unwrap(s).map_err(|_| err("shards shared"))?, t.dtype(), mesh.device());
+        Tensor::from_storage(st, Layout::contiguous(t.shape()))
+    }
+
+    /// `Backend::placements` of a tensor on a mesh device.
+    pub(crate) fn placements_of(&self, t: &Tensor) -> Result<(DeviceMesh, Vec<Placement>)> {
+        if !matches!(t.device(), Device::Mesh(_)) {
+            return Err(Error::device("placements", format!("{} is not a device mesh", t.device())));
+        }
+        let s = shards_of(t)?;
+        let view = shard::view_sharding(&s.sharding, &s.shape, t.layout());
+        if let Some(p) = view.placements_on(&s.view) {
+            return Ok((s.view.clone(), p));
+        }
+        let root = s.view.root();
+        let p = view.placements_on(&root).ok_or_else(|| err("a sharding off its own mesh"))?;
+        Ok((root, p))
+    }
+
+    /// `Backend::redistribute`.
+    pub(crate) fn redistribute_tensor(
+        &self,
+        t: &Tensor,
+        mesh: &DeviceMesh,
+        placements: &[Placement],
+    ) -> Result<Tensor> {
+        let s = shards_of(t)?;
+        shard::check_mesh(&s.sharding, mesh)?;
+        let target = Sharding::from_placements(mesh, placements, t.ndim())?;
+        let current = shard::view_sharding(&s.sharding, &s.shape, t.layout());
+        if !target.unreduced.is_empty() && target.unreduced != current.unreduced {
+            return Err(Error::invalid(
+                "redistribute",
+                format!(
+                    "cannot make a Partial placement from {:?}: Partial placements come from ops (sum, matmul) or from Tensor::from_local",
+                    current.placements_on(&mesh.root())
+                ),
+            ));
+        }
+        let shards = self.materialize(t, target, mesh.clone())?;
+        let st = self.mesh_storage(Arc::try_unwrap(shards).map_err(|_| err("shards shared"))?, t.dtype(), t.device());
+        Tensor::from_storage(st, Layout::contiguous(t.shape()))
+    }
+
+    /// `Backend::local_shards`: each device's real (unpadded) shard of `t`'s view.
+    pub(crate) fn local_shards_of(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        let (mesh, placements) = self.placements_of(t)?;
+        let s = shards_of(t)?;
+        // A view other than the storage itself is materialized with its placements first.
+        let s = if t.layout().is_contiguous() && t.layout().offset() == 0 && t.shape() == s.shape.as_slice() {
+            s
+        } else {
+            let sharding = Sharding::from_placements(&mesh, &placements, t.ndim())?;
+            self.materialize(t, sharding, mesh)?
+        };
+        let local = s.sharding.shard_shape(&s.shape);
+        let strides = kiln_tensor::contiguous_strides(&local);
+        let mut out = vec![];
+        for (pos, &d) in s.sharding.mesh.devices().iter().enumerate() {
+            let buf = s.bufs[pos].clone();
+            let len = buf.numel();
+            let st =
+                Storage::new(StorageData::Device(Box::new(PjrtBuffer::Ready(buf))), t.dtype(), len, Device::Tpu(d));
+            let real = s.sharding.real_shard_shape(&s.shape, pos);
+            out.push(Tensor::from_storage(Arc::new(st), Layout::new(real.as_slice().into(), strides.clone(), 0))?);
+        }
+        Ok(out)
+    }
+
+    /// `Backend::from_local`: shards (one per mesh device, each on its device
+    /// and of its real shard shape) as one distributed tensor.
+    pub(crate) fn assemble_shards(
+        &self,
+        shards: &[Tensor],
+        mesh: &DeviceMesh,
+        placements: &[Placement],
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        let sharding = Sharding::from_placements(mesh, placements, shape.len())?;
+        let local = sharding.shard_shape(shape);
+        let dtype = shards[0].dtype();
+        let mut bufs = vec![];
+        for (pos, (t, &d)) in shards.iter().zip(mesh.devices()).enumerate() {
+            let real = sharding.real_shard_shape(shape, pos);
+            if t.shape() != real.as_slice() || t.dtype() != dtype {
+                return Err(Error::shape(
+                    "from_local",
+                    format!(
+                        "the shard for mesh device {pos} (tpu:{d}) of a {shape:?} tensor placed {placements:?} must be {real:?} {dtype}, got {:?} {}",
+                        t.shape(),
+                        t.dtype()
+                    ),
+                ));
+            }
+            let t = t.to_device(Device::Tpu(d))?;
+            let full = if real == local {
+                t.contiguous()?
+            } else {
+                let z = Tensor::zeros(&local, (dtype, Device::Tpu(d)))?;
+                let mut v = z.clone();
+                for (dim, &n) in real.iter().enumerate() {
+                    v = v.narrow(dim as isize, 0, n)?;
+                }
+                v.copy_(&t)?;
+                z
+            };
+            bufs.push(self.buffer_of(&full)?);
+        }
+        let shards = Shards { bufs, sharding, shape: shape.to_vec(), view: mesh.clone() };
+        let st = self.mesh_storage(shards, dtype, mesh.device());
+        Tensor::from_storage(st, Layout::contiguous(shape))
+    }
+}

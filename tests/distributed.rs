@@ -1,0 +1,265 @@
+//! Distributed tensors on meshes of the XLA:CPU plugin's four devices, in
+//! Strict and Debug mode: placing and gathering, shards, ops on distributed
+//! tensors against the same ops on the CPU (values and result placements),
+//! in-place writes through views, redistribution, autograd, and the errors.
+mod common;
+
+use common::devices;
+use kiln::prelude::*;
+use kiln::tpu::{with_mode, Mode};
+use kiln::{distribute_tensor, init_device_mesh, DeviceKind, DeviceMesh, PartialOp, Placement};
+use Placement::{Replicate, Shard};
+
+const PARTIAL: Placement = Placement::Partial(PartialOp::Sum);
+
+fn mesh(shape: &[usize], names: &[&str]) -> DeviceMesh {
+    devices();
+    init_device_mesh(DeviceKind::Tpu, shape, names).unwrap()
+}
+
+fn values(n: usize, seed: f32) -> Vec<f32> {
+    (0..n).map(|i| ((i as f32 * 0.61 + seed).sin() * 3.0).round() / 4.0).collect()
+}
+
+fn tensor(shape: &[usize], seed: f32) -> Tensor {
+    Tensor::from_vec(values(shape.iter().product(), seed), shape).unwrap()
+}
+
+fn close(got: &Tensor, want: &Tensor) {
+    assert_eq!(got.shape(), want.shape());
+    let (g, w) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "element {i}: {a} vs {b}\n{g:?}\n{w:?}");
+    }
+}
+
+/// Runs `f` in Strict mode and in Debug mode.
+fn in_eager_modes(mut f: impl FnMut(Mode)) {
+    for m in [Mode::Strict, Mode::Debug] {
+        with_mode(m, || f(m));
+    }
+}
+
+#[test]
+fn distribute_then_gather_gives_back_the_tensor() {
+    let m1 = mesh(&[4], &["x"]);
+    let m2 = mesh(&[2, 2], &["dp", "tp"]);
+    let cases: Vec<(&DeviceMesh, Vec<Placement>, Vec<usize>)> = vec![
+        (&m1, vec![Shard(0)], vec![8, 3]),
+        (&m1, vec![Shard(1)], vec![3, 10]), // uneven: 3, 3, 3, 1
+        (&m1, vec![Shard(0)], vec![2, 5]),  // fewer rows than devices
+        (&m1, vec![Replicate], vec![5]),
+        (&m2, vec![Shard(0), Shard(1)], vec![5, 7]),
+        (&m2, vec![Shard(1), Shard(1)], vec![2, 9]),
+        (&m2, vec![Replicate, Shard(0)], vec![6]),
+    ];
+    for (mesh, placements, shape) in cases {
+        let t = tensor(&shape, 0.3);
+        let d = distribute_tensor(&t, mesh, &placements).unwrap();
+        assert_eq!(d.device(), mesh.device());
+        assert!(d.is_distributed() && !t.is_distributed());
+        assert_eq!(d.shape(), shape.as_slice());
+        assert_eq!(d.placements().unwrap(), placements);
+        assert_eq!(&d.device_mesh().unwrap(), mesh);
+        assert_eq!(d.to_vec::<f32>().unwrap(), t.to_vec::<f32>().unwrap(), "{placements:?} {shape:?}");
+        let full = d.full_tensor().unwrap();
+        assert_eq!(full.device(), Device::Tpu(mesh.devices()[0]));
+        assert_eq!(full.to_vec::<f32>().unwrap(), t.to_vec::<f32>().unwrap());
+        assert_eq!(d.to_device(Device::Cpu).unwrap().to_vec::<f32>().unwrap(), t.to_vec::<f32>().unwrap());
+    }
+}
+
+#[test]
+fn local_shards_are_each_devices_part_and_from_local_puts_them_back() {
+    let m = mesh(&[4], &["x"]);
+    let t = tensor(&[10, 2], 0.9);
+    let d = distribute_tensor(&t, &m, &[Shard(0)]).unwrap();
+    let local = d.to_local().unwrap();
+    let rows = [3, 3, 3, 1];
+    let mut start = 0isize;
+    for (i, l) in local.iter().enumerate() {
+        assert_eq!(l.device(), Device::Tpu(i));
+        assert_eq!(l.shape(), &[rows[i], 2]);
+        close(l, &t.narrow(0, start, rows[i]).unwrap());
+        start += rows[i] as isize;
+    }
+    let back = Tensor::from_local(&local, &m, &[Shard(0)], &[10, 2]).unwrap();
+    assert_eq!(back.to_vec::<f32>().unwrap(), t.to_vec::<f32>().unwrap());
+    // Partial shards from_local: the tensor is their sum.
+    let parts: Vec<Tensor> = (0..4).map(|i| tensor(&[3], i as f32).to_device(Device::Tpu(i)).unwrap()).collect();
+    let p = Tensor::from_local(&parts, &m, &[PARTIAL], &[3]).unwrap();
+    assert_eq!(p.placements().unwrap(), vec![PARTIAL]);
+    let mut want = vec![0f32; 3];
+    for (i, _) in parts.iter().enumerate() {
+        for (w, v) in want.iter_mut().zip(values(3, i as f32)) {
+            *w += v;
+        }
+    }
+    close(&p.full_tensor().unwrap(), &Tensor::from_vec(want, &[3]).unwrap());
+    // A shard of the wrong shape.
+    let e = Tensor::from_local(&local, &m, &[Shard(0)], &[12, 2]).unwrap_err().to_string();
+    assert!(e.contains("must be [3, 2]") && e.contains("got [1, 2]"), "{e}");
+}
+
+#[test]
+fn ops_on_distributed_tensors_equal_the_cpu_and_keep_placements() {
+    let m = mesh(&[2, 2], &["dp", "tp"]);
+    in_eager_modes(|mode| {
+        let (x, w, b) = (tensor(&[6, 8], 0.1), tensor(&[8, 5], 0.4), tensor(&[8], 0.7));
+        let dx = distribute_tensor(&x, &m, &[Shard(0), Replicate]).unwrap();
+        let dw = distribute_tensor(&w, &m, &[Replicate, Shard(1)]).unwrap();
+        let db = distribute_tensor(&b, &m["tp"], &[Replicate]).unwrap();
+        // Elementwise with a broadcast operand and a scalar: the rows stay split.
+        let y = dx.add(&db).unwrap().mul(0.5).unwrap().exp().unwrap();
+        close(&y, &x.add(&b).unwrap().mul(0.5).unwrap().exp().unwrap());
+        assert_eq!(y.placements().unwrap(), vec![Shard(0), Replicate], "{mode:?}");
+        // A matmul: rows of the left operand, columns of the right one.
+        let z = dx.matmul(&dw).unwrap();
+        close(&z, &x.matmul(&w).unwrap());
+        assert_eq!(z.placements().unwrap(), vec![Shard(0), Shard(1)]);
+        // A contraction split on both sides leaves a partial sum (as DTensor).
+        let xk = distribute_tensor(&x, &m, &[Replicate, Shard(1)]).unwrap();
+        let wk = distribute_tensor(&w, &m, &[Replicate, Shard(0)]).unwrap();
+        let zk = xk.matmul(&wk).unwrap();
+        assert_eq!(zk.placements().unwrap(), vec![Replicate, PARTIAL]);
+        close(&zk, &x.matmul(&w).unwrap());
+        // A partial sum feeds the next op as its reduced value.
+        close(&zk.relu().unwrap(), &x.matmul(&w).unwrap().relu().unwrap());
+        // Reductions: a sum over the split dimension is partial, a max replicated there.
+        let s = dx.sum_dim(0, false).unwrap();
+        assert_eq!(s.placements().unwrap(), vec![PARTIAL, Replicate]);
+        close(&s, &x.sum_dim(0, false).unwrap());
+        close(&dx.sum_dim(1, true).unwrap(), &x.sum_dim(1, true).unwrap());
+        assert_eq!(dx.sum_dim(1, true).unwrap().placements().unwrap(), vec![Shard(0), Replicate]);
+        close(&dx.max_dim(0, false).unwrap().0, &x.max_dim(0, false).unwrap().0);
+        close(&dx.mean().unwrap(), &x.mean().unwrap());
+        // Row-wise softmax keeps the rows split.
+        let sm = dx.softmax(-1).unwrap();
+        close(&sm, &x.softmax(-1).unwrap());
+        assert_eq!(sm.placements().unwrap(), vec![Shard(0), Replicate]);
+        // Views: a transpose reports the permuted split, a slice reads through the storage.
+        let t = dx.t().unwrap();
+        assert_eq!(t.placements().unwrap(), vec![Shard(1), Replicate]);
+        close(&t.add(1.0).unwrap(), &x.t().unwrap().add(1.0).unwrap());
+        close(&dx.narrow(0, 1, 4).unwrap().sum().unwrap(), &x.narrow(0, 1, 4).unwrap().sum().unwrap());
+        // Indexing, concatenation, comparisons, creation ops on the mesh.
+        let idx = Tensor::from_vec(vec![5i64, 0, 3], &[3]).unwrap();
+        let di = idx.to_device(m.device()).unwrap();
+        close(&dx.index_select(0, &di).unwrap(), &x.index_select(0, &idx).unwrap());
+        close(
+            &Tensor::cat(&[&dx, &y], 1).unwrap(),
+            &Tensor::cat(&[&x, &y.to_device(Device::Cpu).unwrap()], 1).unwrap(),
+        );
+        let mask = dx.gt(0.0).unwrap();
+        close(
+            &Tensor::where_cond(&mask, &dx, 0.0).unwrap(),
+            &Tensor::where_cond(&x.gt(0.0).unwrap(), &x, 0.0).unwrap(),
+        );
+        let z = Tensor::zeros(&[3, 2], (DType::F32, m.device())).unwrap();
+        assert_eq!(z.placements().unwrap(), vec![Replicate, Replicate]);
+        assert_eq!(z.to_vec::<f32>().unwrap(), vec![0.0; 6]);
+        // Out-of-range indices are the CPU's error on a mesh too.
+        let bad = Tensor::from_vec(vec![6i64], &[1]).unwrap().to_device(m.device()).unwrap();
+        let e = dx.index_select(0, &bad).unwrap_err().to_string();
+        assert!(e.contains("index 6 is out of bounds for dimension 0 with size 6"), "{e}");
+    });
+}
+
+#[test]
+fn in_place_writes_reach_the_shards_through_views() {
+    let m = mesh(&[4], &["x"]);
+    in_eager_modes(|_| {
+        let x = tensor(&[7, 3], 0.2);
+        let d = distribute_tensor(&x, &m, &[Shard(0)]).unwrap();
+        let want = x.clone().contiguous().unwrap();
+        d.add_(1.5).unwrap();
+        want.add_(1.5).unwrap();
+        // Through a column view and a row slice of the same storage.
+        let col = d.narrow(1, 1, 1).unwrap();
+        col.mul_(-2.0).unwrap();
+        want.narrow(1, 1, 1).unwrap().mul_(-2.0).unwrap();
+        d.narrow(0, 2, 3).unwrap().copy_(&Tensor::ones(&[3, 3], (DType::F32, m.device())).unwrap()).unwrap();
+        want.narrow(0, 2, 3).unwrap().copy_(&Tensor::ones(&[3, 3], DType::F32).unwrap()).unwrap();
+        close(&d, &want);
+        assert_eq!(d.placements().unwrap(), vec![Shard(0)], "a write keeps the storage's split");
+        close(&col, &want.narrow(1, 1, 1).unwrap());
+    });
+}
+
+#[test]
+fn redistribute_moves_data_between_placements() {
+    let m = mesh(&[2, 2], &["dp", "tp"]);
+    let x = tensor(&[5, 6], 0.5);
+    let d = distribute_tensor(&x, &m, &[Shard(0), Shard(1)]).unwrap();
+    let chain: [[Placement; 2]; 4] =
+        [[Shard(1), Shard(0)], [Replicate, Shard(1)], [Shard(0), Shard(0)], [Replicate, Replicate]];
+    let mut cur = d;
+    for p in chain {
+        cur = cur.redistribute(&m, &p).unwrap();
+        assert_eq!(cur.placements().unwrap(), p.to_vec());
+        assert_eq!(cur.to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap(), "{p:?}");
+        let rows = cur.to_local().unwrap()[3].shape().to_vec();
+        let want: Vec<usize> = match p {
+            [Shard(1), Shard(0)] => vec![2, 3],
+            [Replicate, Shard(1)] => vec![5, 3],
+            [Shard(0), Shard(0)] => vec![0, 6], // 5 rows over 4 devices: 2, 2, 1, 0
+            _ => vec![5, 6],
+        };
+        assert_eq!(rows, want, "{p:?}");
+    }
+    // A partial sum reduced by redistribution.
+    let xk = distribute_tensor(&x, &m, &[Replicate, Shard(1)]).unwrap();
+    let s = xk.sum_dim(1, false).unwrap();
+    assert_eq!(s.placements().unwrap(), vec![Replicate, PARTIAL]);
+    let r = s.redistribute(&m, &[Replicate, Replicate]).unwrap();
+    assert_eq!(r.placements().unwrap(), vec![Replicate, Replicate]);
+    close(&r, &x.sum_dim(1, false).unwrap());
+    // Onto a sub-mesh: the placement names only its axis.
+    let on_tp = x.to_device(m.device()).unwrap().redistribute(&m["tp"], &[Shard(0)]).unwrap();
+    assert_eq!((on_tp.device_mesh().unwrap(), on_tp.placements().unwrap()), (m["tp"].clone(), vec![Shard(0)]));
+    close(&on_tp, &x);
+}
+
+#[test]
+fn gradients_flow_through_distributed_tensors() {
+    let m = mesh(&[4], &["dp"]);
+    in_eager_modes(|_| {
+        let (x, w) = (tensor(&[8, 6], 0.3), tensor(&[6, 4], 0.8));
+        let dx = distribute_tensor(&x, &m, &[Shard(0)]).unwrap();
+        let dw = distribute_tensor(&w, &m, &[Replicate]).unwrap();
+        dw.requires_grad_(true).unwrap();
+        let cw = w.clone();
+        cw.requires_grad_(true).unwrap();
+        let loss = dx.matmul(&dw).unwrap().tanh().unwrap().sum().unwrap();
+        let want = x.matmul(&cw).unwrap().tanh().unwrap().sum().unwrap();
+        close(&loss, &want);
+        loss.backward().unwrap();
+        want.backward().unwrap();
+        let g = dw.grad().expect("a gradient");
+        assert!(g.is_distributed());
+        close(&g, &cw.grad().unwrap());
+    });
+}
+
+#[test]
+fn misuse_is_a_clear_error() {
+    let m = mesh(&[4], &["x"]);
+    let x = tensor(&[4, 2], 0.1);
+    let d = distribute_tensor(&x, &m, &[Shard(0)]).unwrap();
+    let e = |r: kiln::Result<Tensor>| r.unwrap_err().to_string();
+    // A distributed tensor and a one-device tensor in one op.
+    let one = x.to_device(Device::Tpu(0)).unwrap();
+    assert!(e(d.add(&one)).contains("expected all tensors to be on the same device"));
+    // Placements.
+    assert!(e(distribute_tensor(&x, &m, &[Shard(2)])).contains("Shard(dim=2) of a tensor with 2 dimension(s)"));
+    assert!(e(distribute_tensor(&x, &m, &[Shard(0), Shard(1)])).contains("2 placements for a mesh of 1 axes"));
+    assert!(e(distribute_tensor(&x, &m, &[PARTIAL])).contains("no partial values"));
+    assert!(e(d.redistribute(&m, &[PARTIAL])).contains("cannot make a Partial placement"));
+    assert!(one.placements().unwrap_err().to_string().contains("not a device mesh"));
+    assert!(x.to_local().unwrap_err().to_string().contains("not on a device mesh"));
+    // DeferAndFuse and compile do not take distributed tensors yet: an error, not a fallback.
+    let r = with_mode(Mode::Defer, || d.add(1.0).map(|_| ()));
+    assert!(r.unwrap_err().to_string().contains("DeferAndFuse and kiln::compile do not take distributed tensors"));
+    // A mesh device that does not exist.
+    assert!(e(Tensor::zeros(&[1], (DType::F32, Device::Mesh(999)))).contains("no mesh has id 999"));
+}
