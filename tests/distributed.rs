@@ -1,5 +1,5 @@
 //! Distributed tensors on meshes of the XLA:CPU plugin's four devices, in
-//! Strict and Debug mode: placing and gathering, shards, ops on distributed
+//! Strict, Debug and DeferAndFuse mode: placing and gathering, shards, ops on distributed
 //! tensors against the same ops on the CPU (values and result placements),
 //! in-place writes through views, redistribution, autograd, and the errors.
 mod common;
@@ -33,10 +33,21 @@ fn close(got: &Tensor, want: &Tensor) {
     }
 }
 
-/// Runs `f` in Strict mode and in Debug mode.
-fn in_eager_modes(mut f: impl FnMut(Mode)) {
-    for m in [Mode::Strict, Mode::Debug] {
+/// Whether `t`'s storage holds a result of a pending DeferAndFuse graph.
+fn is_deferred(t: &Tensor) -> bool {
+    match &*t.storage().read() {
+        kiln::tensor::StorageData::Device(d) => {
+            matches!(d.as_any().downcast_ref::<kiln::tpu::PjrtBuffer>(), Some(kiln::tpu::PjrtBuffer::Deferred(_)))
+        }
+        _ => false,
+    }
+}
+
+/// Runs `f` in Strict, Debug and DeferAndFuse mode.
+fn in_every_mode(mut f: impl FnMut(Mode)) {
+    for m in [Mode::Strict, Mode::Debug, Mode::Defer] {
         with_mode(m, || f(m));
+        kiln::tpu::sync().unwrap();
     }
 }
 
@@ -104,13 +115,15 @@ fn local_shards_are_each_devices_part_and_from_local_puts_them_back() {
 #[test]
 fn ops_on_distributed_tensors_equal_the_cpu_and_keep_placements() {
     let m = mesh(&[2, 2], &["dp", "tp"]);
-    in_eager_modes(|mode| {
+    in_every_mode(|mode| {
         let (x, w, b) = (tensor(&[6, 8], 0.1), tensor(&[8, 5], 0.4), tensor(&[8], 0.7));
         let dx = distribute_tensor(&x, &m, &[Shard(0), Replicate]).unwrap();
         let dw = distribute_tensor(&w, &m, &[Replicate, Shard(1)]).unwrap();
         let db = distribute_tensor(&b, &m["tp"], &[Replicate]).unwrap();
         // Elementwise with a broadcast operand and a scalar: the rows stay split.
         let y = dx.add(&db).unwrap().mul(0.5).unwrap().exp().unwrap();
+        // Under DeferAndFuse the chain is one pending program over the mesh until read.
+        assert_eq!(is_deferred(&y), mode == Mode::Defer);
         close(&y, &x.add(&b).unwrap().mul(0.5).unwrap().exp().unwrap());
         assert_eq!(y.placements().unwrap(), vec![Shard(0), Replicate], "{mode:?}");
         // A matmul: rows of the left operand, columns of the right one.
@@ -168,7 +181,7 @@ fn ops_on_distributed_tensors_equal_the_cpu_and_keep_placements() {
 #[test]
 fn in_place_writes_reach_the_shards_through_views() {
     let m = mesh(&[4], &["x"]);
-    in_eager_modes(|_| {
+    in_every_mode(|_| {
         let x = tensor(&[7, 3], 0.2);
         let d = distribute_tensor(&x, &m, &[Shard(0)]).unwrap();
         let want = x.clone().contiguous().unwrap();
@@ -223,7 +236,7 @@ fn redistribute_moves_data_between_placements() {
 #[test]
 fn gradients_flow_through_distributed_tensors() {
     let m = mesh(&[4], &["dp"]);
-    in_eager_modes(|_| {
+    in_every_mode(|_| {
         let (x, w) = (tensor(&[8, 6], 0.3), tensor(&[6, 4], 0.8));
         let dx = distribute_tensor(&x, &m, &[Shard(0)]).unwrap();
         let dw = distribute_tensor(&w, &m, &[Replicate]).unwrap();
@@ -257,9 +270,10 @@ fn misuse_is_a_clear_error() {
     assert!(e(d.redistribute(&m, &[PARTIAL])).contains("cannot make a Partial placement"));
     assert!(one.placements().unwrap_err().to_string().contains("not a device mesh"));
     assert!(x.to_local().unwrap_err().to_string().contains("not on a device mesh"));
-    // DeferAndFuse and compile do not take distributed tensors yet: an error, not a fallback.
-    let r = with_mode(Mode::Defer, || d.add(1.0).map(|_| ()));
-    assert!(r.unwrap_err().to_string().contains("DeferAndFuse and kiln::compile do not take distributed tensors"));
+    // kiln::compile does not take distributed tensors yet: an error, not a fallback.
+    let mut f = kiln::compile(m.device(), |xs: &[Tensor]| Ok(vec![xs[0].add(1.0)?]));
+    let r = f.call(std::slice::from_ref(&d)).map(|_| ());
+    assert!(r.unwrap_err().to_string().contains("kiln::compile does not take distributed tensors yet"));
     // A mesh device that does not exist.
     assert!(e(Tensor::zeros(&[1], (DType::F32, Device::Mesh(999)))).contains("no mesh has id 999"));
 }

@@ -5,7 +5,7 @@
 //! that runs as one program (`graph.rs`).
 use crate::cache::{self, DiskCache, DiskOutcome};
 pub use crate::graph::PjrtBuffer;
-use crate::graph::{self, data_in, only_the_storage_reaches, Graph};
+use crate::graph::{self, data_in, only_the_storage_reaches, Graph, Uploaded};
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, CompileOptions, Event, Executable, Upload};
@@ -68,7 +68,7 @@ pub struct PjrtBackend {
     cache: Mutex<ExecutableCache>,
     pending: Mutex<Vec<Pending>>,
     /// DeferAndFuse's pending graph of each device.
-    graphs: Mutex<HashMap<usize, Graph>>,
+    graphs: Mutex<HashMap<Device, Graph>>,
     max_ops: usize,
     compiles: AtomicU64,
     hits: AtomicU64,
@@ -161,7 +161,7 @@ impl PjrtBackend {
     }
 
     /// Runs the pending graph of `device` (DeferAndFuse), if any.
-    pub fn flush(&self, device: usize) -> Result<()> {
+    pub fn flush(&self, device: Device) -> Result<()> {
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         self.run_graph(&mut graphs, device)
     }
@@ -169,7 +169,7 @@ impl PjrtBackend {
     /// Runs every pending graph.
     pub fn flush_all(&self) -> Result<()> {
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        let devices: Vec<usize> = graphs.keys().copied().collect();
+        let devices: Vec<Device> = graphs.keys().copied().collect();
         let mut first = Ok(());
         for d in devices {
             let r = self.run_graph(&mut graphs, d);
@@ -187,29 +187,36 @@ impl PjrtBackend {
     fn defer<R>(&self, device: Device, f: impl FnOnce(&mut Graph) -> Result<(R, bool)>) -> Result<R> {
         let mut f = Some(f);
         let mut on = |g: &mut Graph| f.take().map(|f| f(g));
-        if let Some(r) = graph::with_capture(device.index(), &mut on).flatten() {
+        if let Some(r) = graph::with_capture(device, &mut on).flatten() {
             return r.map(|(r, _)| r);
         }
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        let g = graphs.entry(device.index()).or_insert_with(|| Graph::new(device.index()));
+        let g = graphs.entry(device).or_insert_with(|| Graph::new(device));
         let (r, run_now) = on(g).ok_or_else(|| err("a deferred op was appended twice"))??;
         if run_now || g.ops >= self.max_ops {
-            self.run_graph(&mut graphs, device.index())?;
+            self.run_graph(&mut graphs, device)?;
         }
         Ok(r)
     }
 
     /// Compiles (or finds) and runs one device's pending graph; fills its live
     /// slots and verifies its checks (see Note [Deferred buffers]).
-    fn run_graph(&self, graphs: &mut HashMap<usize, Graph>, device: usize) -> Result<()> {
+    fn run_graph(&self, graphs: &mut HashMap<Device, Graph>, device: Device) -> Result<()> {
         let Some(slot) = graphs.get_mut(&device) else { return Ok(()) };
         if slot.is_empty() {
             return Ok(());
         }
-        let Some(p) = std::mem::replace(slot, Graph::new(device)).into_program() else { return Ok(()) };
+        let g = std::mem::replace(slot, Graph::new(device));
+        if g.is_mesh() {
+            return match g.into_mesh_program()? {
+                Some(p) => self.run_mesh_graph(p),
+                None => Ok(()),
+            };
+        }
+        let Some(p) = g.into_program() else { return Ok(()) };
         let exe = self.executable(&p.text)?;
         let args: Vec<&Buffer> = p.args.iter().map(|b| &**b).collect();
-        let (mut bufs, event) = exe.execute(&args, device, &p.out_meta)?;
+        let (mut bufs, event) = exe.execute(&args, device.index(), &p.out_meta)?;
         self.executions.fetch_add(1, Ordering::Relaxed);
         self.graphs_run.fetch_add(1, Ordering::Relaxed);
         drop(args);
@@ -458,7 +465,7 @@ impl Backend for PjrtBackend {
             Mode::Strict | Mode::Defer => self.queue(Pending::Upload(upload))?,
         }
         let b = Arc::new(b);
-        graph::with_capture(device.index(), |g| {
+        graph::with_capture(device, |g| {
             if let Some(log) = &mut g.host {
                 let what = format!("host data ({len} {dtype} values) uploaded");
                 log.upload(Arc::as_ptr(&b) as usize, kiln_tensor::trace::in_constant_scope(), what);
@@ -494,10 +501,14 @@ impl Backend for PjrtBackend {
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
         if let Device::Mesh(_) = device {
+            if mode() == Mode::Defer && !graph::is_tracing() {
+                let upload = |bytes: &[u8], dt: DType| self.upload_mesh_value(bytes, dt, device);
+                return self.defer(device, |g| g.append_op(op, inputs, outs, device, &upload));
+            }
             return self.exec_mesh(op, inputs, outs, device);
         }
         if mode() == Mode::Defer || graph::is_tracing() {
-            let upload = |bytes: &[u8], dt: DType| self.upload_scalar(bytes, dt, device);
+            let upload = |bytes: &[u8], dt: DType| self.upload_scalar(bytes, dt, device).map(Uploaded::One);
             return self.defer(device, |g| g.append_op(op, inputs, outs, device, &upload));
         }
         if let Some(values) = lower::creation_args(op) {
@@ -523,6 +534,9 @@ impl Backend for PjrtBackend {
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         kiln_tensor::check_assign(dst, src)?;
         if let Device::Mesh(_) = dst.device() {
+            if mode() == Mode::Defer && !graph::is_tracing() {
+                return self.defer(dst.device(), |g| g.append_assign(dst, src).map(|()| ((), false)));
+            }
             return self.assign_mesh(dst, src);
         }
         if mode() == Mode::Defer || graph::is_tracing() {

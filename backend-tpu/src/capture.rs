@@ -355,7 +355,10 @@ where
 
     /// Runs the function on the capture graph and builds its trace.
     fn trace(&mut self, backend: &PjrtBackend, inputs: &[Tensor]) -> Result<(Trace, Signature, Vec<Arc<Buffer>>)> {
-        let dev = self.device.index();
+        let dev = self.device;
+        if let Device::Mesh(_) = dev {
+            return Err(crate::dist::unsupported_mode(dev));
+        }
         backend.flush(dev)?;
         for t in inputs {
             backend.buffer_of(t)?;
@@ -472,7 +475,7 @@ fn build(
         let Some(slot) = wslot.upgrade() else { continue };
         let Some(st) = sink_storages[idx].upgrade() else { continue };
         let holds = matches!(
-            data_in(&st.read(), Device::Tpu(g_device)),
+            data_in(&st.read(), g_device),
             Ok(PjrtBuffer::Deferred(s)) if Arc::ptr_eq(&s, &slot)
         );
         if !holds {
@@ -501,10 +504,7 @@ fn build(
             _ => {
                 return Err(Error::invalid(
                     "compile",
-                    format!(
-                        "output {i} of the traced function is not a tensor on {} computed by it",
-                        Device::Tpu(g_device)
-                    ),
+                    format!("output {i} of the traced function is not a tensor on {} computed by it", g_device),
                 ))
             }
         }

@@ -3,8 +3,8 @@
 //! on such tensors runs as one SPMD program over the mesh (see Note
 //! [Distributed storages]).
 use crate::backend::PjrtBackend;
-use crate::graph::PjrtBuffer;
-use crate::lower::{self, shard, Builder, Sharding, Ty, Val};
+use crate::graph::{Graph, PjrtBuffer, Slot, Uploaded};
+use crate::lower::{self, shard, Builder, Check, Sharding, Ty, Val};
 use crate::mode::{mode, Mode};
 use crate::pjrt::{Buffer, CompileOptions};
 use kiln_tensor::{
@@ -34,8 +34,13 @@ use std::sync::Arc;
 // storage's value and returns it with the storage's sharding, then swaps the
 // new shards in. Reading data gathers the view replicated and copies the first
 // device's buffer. `redistribute` is a program whose result carries the new
-// sharding. DeferAndFuse and capture do not take distributed tensors yet: they
-// are an error, not a silent fallback.
+// sharding. Under DeferAndFuse, ops and writes append to the mesh device's
+// pending graph (`graph.rs`) the same way: its arguments are shards
+// (`Graph::shard_param`), each output remembers its storage's sharding and
+// n-d shape in its slot, and the graph runs as one SPMD program that fills
+// the slots with shards; an argument only the graph still holds is donated
+// to an output of the same type and sharding. Capture does not take
+// distributed tensors yet: an error, not a silent fallback.
 
 /// What a storage on a mesh device holds.
 #[derive(Debug)]
@@ -54,24 +59,12 @@ fn err(msg: impl Into<String>) -> Error {
     Error::backend("pjrt", msg)
 }
 
-/// The shards behind a tensor on a mesh device.
-pub(crate) fn shards_of(t: &Tensor) -> Result<Arc<Shards>> {
-    shards_in(&t.storage().read(), t.device())
-}
-
-fn shards_in(d: &StorageData, device: Device) -> Result<Arc<Shards>> {
-    match crate::graph::data_in(d, device)? {
-        PjrtBuffer::Sharded(s) => Ok(s),
-        _ => Err(err(format!("a tensor on {device} holds a one-device buffer"))),
-    }
-}
-
-/// The error for distributed tensors in a mode that does not take them yet.
+/// The error for distributed tensors in a traced function, which does not take them yet.
 pub(crate) fn unsupported_mode(device: Device) -> Error {
     Error::invalid(
         "pjrt",
         format!(
-            "tensors on {device} (a device mesh) run in Strict and Debug mode; DeferAndFuse and kiln::compile do not take distributed tensors yet"
+            "tensors on {device} (a device mesh) run in Strict, Debug and DeferAndFuse mode; kiln::compile does not take distributed tensors yet"
         ),
     )
 }
@@ -90,41 +83,199 @@ impl MeshProgram {
 
     /// The flat logical value of a storage's shards (an argument, added once).
     fn storage_value(&mut self, s: &Arc<Shards>, dtype: DType) -> Result<Val> {
-        let padded = s.sharding.padded_shape(&s.shape);
-        let mut v = match self.args.iter().position(|a| Arc::ptr_eq(a, s)) {
+        let arg = match self.args.iter().position(|a| Arc::ptr_eq(a, s)) {
             Some(i) => self.vals[i].clone(),
             None => {
-                let v = self.b.add_sharded_arg(Ty::new(&padded, dtype), s.sharding.clone())?;
+                let v =
+                    self.b.add_sharded_arg(Ty::new(&s.sharding.padded_shape(&s.shape), dtype), s.sharding.clone())?;
                 self.args.push(s.clone());
                 self.vals.push(v.clone());
                 v
             }
         };
-        if !s.sharding.unreduced.is_empty() {
-            v = self.b.reshard(&v, &s.sharding.reduced());
-        }
-        if padded != s.shape {
-            let zeros = vec![0; s.shape.len()];
-            let ones = vec![1; s.shape.len()];
-            v = self.b.slice(&v, &zeros, &s.shape, &ones);
-        }
-        let n = s.shape.iter().product();
-        Ok(self.b.reshape(&v, &[n]))
+        Ok(flat_value(&mut self.b, &arg, s))
     }
 
-    /// `v` (of `shape`) padded to `s`'s padded shape, as a result.
     fn padded(&mut self, v: &Val, shape: &[usize], s: &Sharding) -> Val {
-        let v = self.b.reshape(v, shape);
-        let padded = s.padded_shape(shape);
-        if padded == shape {
-            return v;
-        }
-        let high: Vec<usize> = padded.iter().zip(shape).map(|(p, n)| p - n).collect();
-        self.b.pad(&v, lower::Lit::I(0), &vec![0; shape.len()], &high)
+        padded(&mut self.b, v, shape, s)
     }
 }
 
+/// The flat logical value of the argument `arg` holding `s`'s shards: a
+/// partial sum constrained to reduced, kiln's padding sliced off, flattened.
+fn flat_value(b: &mut Builder, arg: &Val, s: &Shards) -> Val {
+    let mut v = arg.clone();
+    if !s.sharding.unreduced.is_empty() {
+        v = b.reshard(&v, &s.sharding.reduced());
+    }
+    if s.sharding.padded_shape(&s.shape) != s.shape {
+        let zeros = vec![0; s.shape.len()];
+        let ones = vec![1; s.shape.len()];
+        v = b.slice(&v, &zeros, &s.shape, &ones);
+    }
+    let n = s.shape.iter().product();
+    b.reshape(&v, &[n])
+}
+
+/// `v` (any value of `shape`'s element count) as `shape`, padded to `s`'s
+/// padded shape: what a program over a mesh returns for a storage.
+pub(crate) fn padded(b: &mut Builder, v: &Val, shape: &[usize], s: &Sharding) -> Val {
+    let v = b.reshape(v, shape);
+    let padded = s.padded_shape(shape);
+    if padded == shape {
+        return v;
+    }
+    let high: Vec<usize> = padded.iter().zip(shape).map(|(p, n)| p - n).collect();
+    b.pad(&v, lower::Lit::I(0), &vec![0; shape.len()], &high)
+}
+
+/// The sharding and n-d shape of a storage on a mesh device (ready or deferred).
+pub(crate) fn storage_sharding(data: &PjrtBuffer) -> Option<(Sharding, Vec<usize>)> {
+    match data {
+        PjrtBuffer::Sharded(s) => Some((s.sharding.clone(), s.shape.clone())),
+        PjrtBuffer::Deferred(slot) => slot.sharding.clone(),
+        PjrtBuffer::Ready(_) => None,
+    }
+}
+
+/// The view `v` of `t` (whose storage has `sharding` and `shape`) moved to the
+/// sharding `op` needs it in (Note [Placements of results]); also returns that sharding.
+pub(crate) fn constrain(
+    b: &mut Builder,
+    op: &Op,
+    v: Val,
+    sharding: &Sharding,
+    shape: &[usize],
+    t: &Tensor,
+) -> (Val, Sharding) {
+    let view = shard::view_sharding(sharding, shape, t.layout()).reduced();
+    let need = shard::in_sharding(op, &view, t.shape());
+    if need == view {
+        (v, need)
+    } else {
+        (b.reshard(&v, &need), need)
+    }
+}
+
+impl Graph {
+    /// The flat value of a storage's shards in a mesh graph (an argument, added once).
+    pub(crate) fn shard_param(&mut self, s: &Arc<Shards>, dtype: DType) -> Result<Val> {
+        let arg = match self.shard_params.iter().find(|(a, _)| Arc::ptr_eq(a, s)) {
+            Some((_, v)) => v.clone(),
+            None => {
+                let ty = Ty::new(&s.sharding.padded_shape(&s.shape), dtype);
+                let v = self.builder.add_sharded_arg(ty, s.sharding.clone())?;
+                self.shard_params.push((s.clone(), v.clone()));
+                v
+            }
+        };
+        Ok(flat_value(&mut self.builder, &arg, s))
+    }
+
+    /// DeferAndFuse's program of a mesh graph (as `Graph::into_program`): live
+    /// outputs with their shardings, then check flags; arguments only the graph
+    /// still holds are donated to an output of their type and sharding.
+    pub(crate) fn into_mesh_program(self) -> Result<Option<MeshGraphProgram>> {
+        let mesh = DeviceMesh::of_device(self.device)?;
+        let Graph { builder: mut b, shard_params, outs, out_nd, checks, .. } = self;
+        let mut live = vec![];
+        for ((_, w), nd) in outs.iter().zip(out_nd) {
+            if let (Some(slot), Some((v, s))) = (w.upgrade(), nd) {
+                live.push((slot, v, s));
+            }
+        }
+        if live.is_empty() && checks.is_empty() {
+            return Ok(None);
+        }
+        let mut taken = vec![false; live.len()];
+        for (pi, (sh, v)) in shard_params.iter().enumerate() {
+            if Arc::strong_count(sh) == 1 && sh.sharding.unreduced.is_empty() {
+                let fits = |j: usize| !taken[j] && live[j].1.ty == v.ty && live[j].2 == sh.sharding;
+                if let Some(j) = (0..live.len()).find(|&j| fits(j)) {
+                    taken[j] = true;
+                    b.alias(pi, j);
+                }
+            }
+        }
+        let mut values: Vec<Val> = live.iter().map(|l| l.1.clone()).collect();
+        let mut shardings: Vec<Sharding> = live.iter().map(|l| l.2.clone()).collect();
+        let mut out_meta: Vec<(DType, Vec<usize>)> = live
+            .iter()
+            .map(|(slot, v, s)| {
+                let shape = slot.sharding.as_ref().map_or(v.shape().to_vec(), |(_, shape)| shape.clone());
+                (v.dtype(), s.shard_shape(&shape))
+            })
+            .collect();
+        for (v, ..) in &checks {
+            values.push(v.clone());
+            shardings.push(Sharding::replicated(&mesh, 0));
+            out_meta.push((DType::Bool, vec![]));
+        }
+        let text = b.finish_sharded(&values, &shardings)?;
+        Ok(Some(MeshGraphProgram {
+            text,
+            args: shard_params.into_iter().map(|(s, _)| s).collect(),
+            out_meta,
+            slots: live.into_iter().map(|l| l.0).collect(),
+            checks: checks.into_iter().map(|(_, c, n, i)| (c, n, i)).collect(),
+            mesh,
+        }))
+    }
+}
+
+/// A mesh graph as a program to run (see [`Graph::into_mesh_program`]).
+pub(crate) struct MeshGraphProgram {
+    text: String,
+    args: Vec<Arc<Shards>>,
+    out_meta: Vec<(DType, Vec<usize>)>,
+    slots: Vec<Arc<Slot>>,
+    checks: Vec<(Check, &'static str, Vec<Tensor>)>,
+    mesh: DeviceMesh,
+}
+
 impl PjrtBackend {
+    /// Runs a mesh graph's program, fills its slots with their shards and
+    /// verifies its checks (DeferAndFuse on a mesh device).
+    pub(crate) fn run_mesh_graph(&self, p: MeshGraphProgram) -> Result<()> {
+        let MeshGraphProgram { text, args, out_meta, slots, checks, mesh } = p;
+        let mut bufs = self.run_mesh("a deferred graph", &text, &mesh, &args, &out_meta)?;
+        drop(args);
+        let flags = bufs.split_off(slots.len());
+        for (slot, bufs) in slots.iter().zip(bufs) {
+            let (sharding, shape) =
+                slot.sharding.clone().ok_or_else(|| err("a mesh graph's output without a sharding"))?;
+            let _ = slot.shards.set(Arc::new(Shards { bufs, sharding, shape, view: mesh.clone() }));
+        }
+        for (flag, (c, name, inputs)) in flags.iter().zip(&checks) {
+            let refs: Vec<&Tensor> = inputs.iter().collect();
+            self.verify(&flag[0], name, c, &refs)?;
+        }
+        Ok(())
+    }
+
+    /// The shards behind a tensor on a mesh device, running its pending graph
+    /// first when the storage holds a deferred result.
+    pub(crate) fn shards(&self, t: &Tensor) -> Result<Arc<Shards>> {
+        let data = crate::graph::data_in(&t.storage().read(), t.device())?;
+        self.shards_from(data, t.device())
+    }
+
+    fn shards_from(&self, data: PjrtBuffer, device: Device) -> Result<Arc<Shards>> {
+        match data {
+            PjrtBuffer::Sharded(s) => Ok(s),
+            PjrtBuffer::Deferred(slot) if slot.sharding.is_some() => {
+                if crate::graph::is_capture_graph(slot.graph) {
+                    return Err(crate::graph::escaped_value_error());
+                }
+                if slot.shards.get().is_none() {
+                    self.flush(slot.device)?;
+                }
+                slot.shards.get().cloned().ok_or_else(|| err("a deferred result was never computed"))
+            }
+            _ => Err(err(format!("a tensor on {device} holds a one-device buffer"))),
+        }
+    }
+
     /// Compiles `text` for `mesh` and runs it over every mesh device with
     /// `args` (each storage's shards); returns each output's buffers in mesh order.
     fn run_mesh(
@@ -177,7 +328,7 @@ impl PjrtBackend {
         outs: &[Meta],
         device: Device,
     ) -> Result<Vec<Arc<Storage>>> {
-        if mode() == Mode::Defer || crate::graph::is_tracing() {
+        if crate::graph::is_tracing() {
             return Err(unsupported_mode(device));
         }
         let mesh = DeviceMesh::of_device(device)?;
@@ -193,7 +344,7 @@ impl PjrtBackend {
         } else {
             let mut vals = vec![];
             for t in inputs {
-                let s = shards_of(t)?;
+                let s = self.shards(t)?;
                 let flat = p.storage_value(&s, t.dtype())?;
                 let v = lower::read_view(&mut p.b, &flat, t.layout())?;
                 let view = shard::view_sharding(&s.sharding, &s.shape, t.layout()).reduced();
@@ -237,6 +388,12 @@ impl PjrtBackend {
     }
 
     /// `bytes` (a row-major value of `shape`) copied to every device of `mesh`.
+    /// A creation op's value (one element) on every device of the mesh `device`.
+    pub(crate) fn upload_mesh_value(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Uploaded> {
+        let mesh = DeviceMesh::of_device(device)?;
+        Ok(Uploaded::Mesh(self.replicated_shards(bytes, dtype, &[1], &mesh)?))
+    }
+
     fn replicated_shards(&self, bytes: &[u8], dtype: DType, shape: &[usize], mesh: &DeviceMesh) -> Result<Arc<Shards>> {
         let sharding = Sharding::replicated(mesh, shape.len());
         self.sharded_from_bytes(bytes, dtype, shape, sharding, mesh.root())
@@ -277,11 +434,11 @@ impl PjrtBackend {
     /// The view of `t` as a fresh storage of its shape with `sharding` (a
     /// program whose result carries it): redistribution, and the gather reads use.
     fn materialize(&self, t: &Tensor, sharding: Sharding, view: DeviceMesh) -> Result<Arc<Shards>> {
-        if mode() == Mode::Defer || crate::graph::is_tracing() {
+        if crate::graph::is_tracing() {
             return Err(unsupported_mode(t.device()));
         }
         let mesh = sharding.mesh.clone();
-        let s = shards_of(t)?;
+        let s = self.shards(t)?;
         let mut p = MeshProgram::new();
         let flat = p.storage_value(&s, t.dtype())?;
         let v = lower::read_view(&mut p.b, &flat, t.layout())?;
@@ -308,14 +465,20 @@ impl PjrtBackend {
     /// `Backend::assign` on a mesh device: the write's program returns the
     /// destination storage's new value with its sharding.
     pub(crate) fn assign_mesh(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
-        if mode() == Mode::Defer || crate::graph::is_tracing() {
+        if crate::graph::is_tracing() {
             return Err(unsupported_mode(dst.device()));
         }
         let mesh = DeviceMesh::of_device(dst.device())?;
-        let src_shards = shards_of(src)?;
-        // The destination's lock is held from reading its shards to swapping in the new ones.
-        let mut w = dst.storage().write();
-        let d = shards_in(&w, dst.device())?;
+        let src_shards = self.shards(src)?;
+        // The destination's lock is held from reading its shards to swapping in
+        // the new ones; a deferred destination is computed before it is taken.
+        let (mut w, d) = loop {
+            self.shards(dst)?;
+            let w = dst.storage().write();
+            if let PjrtBuffer::Sharded(d) = crate::graph::data_in(&w, dst.device())? {
+                break (w, d);
+            }
+        };
         let mut p = MeshProgram::new();
         let flat = p.storage_value(&d, dst.dtype())?;
         let sflat = p.storage_value(&src_shards, src.dtype())?;
@@ -352,7 +515,7 @@ impl PjrtBackend {
         if !matches!(t.device(), Device::Mesh(_)) {
             return Err(Error::device("placements", format!("{} is not a device mesh", t.device())));
         }
-        let s = shards_of(t)?;
+        let s = self.shards(t)?;
         let view = shard::view_sharding(&s.sharding, &s.shape, t.layout());
         if let Some(p) = view.placements_on(&s.view) {
             return Ok((s.view.clone(), p));
@@ -369,7 +532,7 @@ impl PjrtBackend {
         mesh: &DeviceMesh,
         placements: &[Placement],
     ) -> Result<Tensor> {
-        let s = shards_of(t)?;
+        let s = self.shards(t)?;
         shard::check_mesh(&s.sharding, mesh)?;
         let target = Sharding::from_placements(mesh, placements, t.ndim())?;
         let current = shard::view_sharding(&s.sharding, &s.shape, t.layout());
@@ -390,7 +553,7 @@ impl PjrtBackend {
     /// `Backend::local_shards`: each device's real (unpadded) shard of `t`'s view.
     pub(crate) fn local_shards_of(&self, t: &Tensor) -> Result<Vec<Tensor>> {
         let (mesh, placements) = self.placements_of(t)?;
-        let s = shards_of(t)?;
+        let s = self.shards(t)?;
         // A view other than the storage itself is materialized with its placements first.
         let s = if t.layout().is_contiguous() && t.layout().offset() == 0 && t.shape() == s.shape.as_slice() {
             s

@@ -4,8 +4,9 @@
 //! turn it into a program). DeferAndFuse (the backend's pending graph per
 //! device, Note [Deferred buffers]) and capture (the thread's capture graph,
 //! `capture.rs`) both build on it; it knows neither the backend nor capture.
+use crate::dist::Shards;
 use crate::host_values::{HostLog, HostValues};
-use crate::lower::{self, Builder, Check, Ty, Val};
+use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
 use crate::pjrt::Buffer;
 use kiln_tensor::{DType, Device, Error, Meta, Op, Result, Storage, StorageData, Tensor};
 use std::cell::RefCell;
@@ -55,15 +56,19 @@ pub const CAPTURE_BIT: u64 = 1 << 63;
 #[derive(Debug)]
 pub struct Slot {
     pub graph: u64,
-    pub device: usize,
+    pub device: Device,
     pub index: usize,
     pub filled: OnceLock<Arc<Buffer>>,
+    /// A mesh graph's output: its shards once the graph has run.
+    pub shards: OnceLock<Arc<Shards>>,
+    /// A mesh graph's output: the storage's sharding and n-d shape.
+    pub sharding: Option<(Sharding, Vec<usize>)>,
 }
 
 /// The pending graph of one device.
 pub struct Graph {
     pub id: u64,
-    pub device: usize,
+    pub device: Device,
     pub builder: Builder,
     /// Ready buffers the graph reads, in argument order, with their values and sources.
     pub params: Vec<(Arc<Buffer>, Val, ParamSrc)>,
@@ -83,6 +88,11 @@ pub struct Graph {
     /// A capture graph's storages written while tracing, with what they held
     /// before: put back when the trace fails.
     pub saved: Vec<(Weak<Storage>, PjrtBuffer)>,
+    /// A mesh graph's arguments (all of them: `params` stays empty), in order,
+    /// with their values (see `dist.rs`).
+    pub shard_params: Vec<(Arc<Shards>, Val)>,
+    /// A mesh graph's outputs (parallel to `outs`): the padded n-d value and its sharding.
+    pub out_nd: Vec<Option<(Val, Sharding)>>,
 }
 
 // Note [Shared constants]
@@ -101,7 +111,7 @@ pub struct Graph {
 // unaffected.
 
 impl Graph {
-    pub fn new(device: usize) -> Graph {
+    pub fn new(device: Device) -> Graph {
         Graph {
             id: NEXT_GRAPH.fetch_add(1, Ordering::Relaxed),
             device,
@@ -114,7 +124,14 @@ impl Graph {
             constants: HashMap::new(),
             host: None,
             saved: vec![],
+            shard_params: vec![],
+            out_nd: vec![],
         }
+    }
+
+    /// Whether the graph runs over a device mesh.
+    pub fn is_mesh(&self) -> bool {
+        matches!(self.device, Device::Mesh(_))
     }
 
     /// The argument holding a creation-op value (`bytes` of type `dtype`),
@@ -123,14 +140,16 @@ impl Graph {
         &mut self,
         bytes: Vec<u8>,
         dtype: DType,
-        upload: impl FnOnce(&[u8]) -> Result<Arc<Buffer>>,
+        upload: impl FnOnce(&[u8]) -> Result<Uploaded>,
     ) -> Result<Val> {
         let key = (dtype, bytes);
         if let Some(v) = self.constants.get(&key) {
             return Ok(v.clone());
         }
-        let buf = upload(&key.1)?;
-        let v = self.param(&buf, ParamSrc::Constant(key.1.clone()));
+        let v = match upload(&key.1)? {
+            Uploaded::One(buf) => self.param(&buf, ParamSrc::Constant(key.1.clone())),
+            Uploaded::Mesh(s) => self.shard_param(&s, dtype)?,
+        };
         self.constants.insert(key, v.clone());
         Ok(v)
     }
@@ -145,17 +164,27 @@ impl Graph {
         v
     }
 
-    /// Records a flat output value and returns the slot that will hold it.
-    pub fn output(&mut self, v: Val) -> Arc<Slot> {
-        let slot =
-            Arc::new(Slot { graph: self.id, device: self.device, index: self.outs.len(), filled: OnceLock::new() });
+    /// Records a flat output value and returns the slot that will hold it;
+    /// in a mesh graph, with the storage's sharding and n-d shape (the padded
+    /// n-d value is what the program returns).
+    pub fn output(&mut self, v: Val, sharding: Option<(Sharding, Vec<usize>)>) -> Arc<Slot> {
+        let nd = sharding.as_ref().map(|(s, shape)| (crate::dist::padded(&mut self.builder, &v, shape, s), s.clone()));
+        let slot = Arc::new(Slot {
+            graph: self.id,
+            device: self.device,
+            index: self.outs.len(),
+            filled: OnceLock::new(),
+            shards: OnceLock::new(),
+            sharding,
+        });
         self.outs.push((v, Arc::downgrade(&slot)));
+        self.out_nd.push(nd);
         self.sinks.push(Weak::new());
         slot
     }
 
     /// A graph recording a traced function (its slots never run as such).
-    pub fn new_capture(device: usize, policy: HostValues) -> Graph {
+    pub fn new_capture(device: Device, policy: HostValues) -> Graph {
         let mut g = Graph::new(device);
         g.id |= CAPTURE_BIT;
         g.host = Some(HostLog::new(policy));
@@ -174,7 +203,11 @@ impl Graph {
         match data {
             PjrtBuffer::Deferred(slot) if slot.graph == self.id => Ok(self.outs[slot.index].0.clone()),
             PjrtBuffer::Deferred(slot) if is_capture_graph(slot.graph) => Err(escaped_value_error()),
-            PjrtBuffer::Sharded(_) => Err(crate::dist::unsupported_mode(storage.device())),
+            PjrtBuffer::Sharded(s) => self.shard_param(s, storage.dtype()),
+            PjrtBuffer::Deferred(slot) if slot.sharding.is_some() => match slot.shards.get() {
+                Some(s) => self.shard_param(&s.clone(), storage.dtype()),
+                None => Err(err("an input is pending in another mesh's graph")),
+            },
             other => match other.ready() {
                 Some(b) => Ok(self.param(&b, ParamSrc::Storage(Arc::downgrade(storage)))),
                 None => Err(err("an input is pending in another device's graph")),
@@ -193,6 +226,7 @@ impl Graph {
         device: Device,
         upload: &Upload<'_>,
     ) -> Result<(Vec<Arc<Storage>>, bool)> {
+        let mut in_shardings = vec![];
         let (results, checks) = if let Some(values) = lower::creation_args(op) {
             if let Some(log) = &mut self.host {
                 log.value(kiln_tensor::trace::in_constant_scope(), || describe_creation(op))?;
@@ -205,17 +239,33 @@ impl Graph {
         } else {
             let mut vals = Vec::with_capacity(inputs.len());
             for t in inputs {
-                let flat = self.value_of(&data_of(t)?, t.storage())?;
-                vals.push(lower::read_view(&mut self.builder, &flat, t.layout())?);
+                let data = data_of(t)?;
+                let flat = self.value_of(&data, t.storage())?;
+                let v = lower::read_view(&mut self.builder, &flat, t.layout())?;
+                vals.push(match crate::dist::storage_sharding(&data) {
+                    Some((s, shape)) => {
+                        let (v, need) = crate::dist::constrain(&mut self.builder, op, v, &s, &shape, t);
+                        in_shardings.push((t.shape().to_vec(), need));
+                        v
+                    }
+                    None => v,
+                });
             }
             lower::lower_op(&mut self.builder, op, &vals, outs)?
         };
         lower::check_results(op, &results, outs)?;
         let mut storages = Vec::with_capacity(outs.len());
-        for (r, m) in results.iter().zip(outs) {
+        for (i, (r, m)) in results.iter().zip(outs).enumerate() {
             let n = r.ty.numel();
             let flat = self.builder.reshape(r, &[n]);
-            let slot = self.output(flat);
+            let sharding = match device {
+                Device::Mesh(_) => {
+                    let mesh = kiln_tensor::DeviceMesh::of_device(device)?;
+                    Some((lower::shard::out_sharding(op, &in_shardings, i, &m.shape, &mesh), m.shape.to_vec()))
+                }
+                _ => None,
+            };
+            let slot = self.output(flat, sharding);
             let st = Arc::new(Storage::new(
                 StorageData::Device(Box::new(PjrtBuffer::Deferred(slot.clone()))),
                 m.dtype,
@@ -243,13 +293,14 @@ impl Graph {
         let mut w = dst.storage().write();
         let before = data_in(&w, device)?;
         let dst_flat = self.value_of(&before, dst.storage())?;
+        let sharding = crate::dist::storage_sharding(&before).map(|(s, shape)| (s.reduced(), shape));
         let own = matches!(&before, PjrtBuffer::Deferred(s) if s.graph == self.id);
         let target = Arc::downgrade(dst.storage());
         if self.host.is_some() && !own && !self.saved.iter().any(|(s, _)| Weak::ptr_eq(s, &target)) {
             self.saved.push((target, before));
         }
         let new = lower::write_view(&mut self.builder, &dst_flat, dst.layout(), &s)?;
-        let slot = self.output(new);
+        let slot = self.output(new, sharding);
         self.sinks[slot.index] = Arc::downgrade(dst.storage());
         *w = StorageData::Device(Box::new(PjrtBuffer::Deferred(slot)));
         drop(w);
@@ -299,7 +350,13 @@ impl Graph {
 }
 
 /// Makes the one-element buffer of a creation op's value (bytes of a dtype).
-pub type Upload<'a> = dyn Fn(&[u8], DType) -> Result<Arc<Buffer>> + 'a;
+pub type Upload<'a> = dyn Fn(&[u8], DType) -> Result<Uploaded> + 'a;
+
+/// A creation op's value on the graph's device: one buffer, or one per mesh device.
+pub enum Uploaded {
+    One(Arc<Buffer>),
+    Mesh(Arc<Shards>),
+}
 
 /// A deferred graph as a program to run (see [`Graph::into_program`]).
 pub struct Program {
@@ -353,7 +410,7 @@ thread_local! {
 }
 
 /// Runs `f` on the thread's capture graph when one is active for `device`.
-pub(crate) fn with_capture<R>(device: usize, f: impl FnOnce(&mut Graph) -> R) -> Option<R> {
+pub(crate) fn with_capture<R>(device: Device, f: impl FnOnce(&mut Graph) -> R) -> Option<R> {
     ACTIVE.with(|a| match a.borrow_mut().as_mut() {
         Some(g) if g.device == device => Some(f(g)),
         _ => None,
