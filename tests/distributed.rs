@@ -270,10 +270,59 @@ fn misuse_is_a_clear_error() {
     assert!(e(d.redistribute(&m, &[PARTIAL])).contains("cannot make a Partial placement"));
     assert!(one.placements().unwrap_err().to_string().contains("not a device mesh"));
     assert!(x.to_local().unwrap_err().to_string().contains("not on a device mesh"));
-    // kiln::compile does not take distributed tensors yet: an error, not a fallback.
-    let mut f = kiln::compile(m.device(), |xs: &[Tensor]| Ok(vec![xs[0].add(1.0)?]));
+    // Inside a traced function, redistribution is not traced yet: an error, not a fallback.
+    let mut f = kiln::compile(m.device(), |xs: &[Tensor]| Ok(vec![xs[0].redistribute(&m, &[Replicate])?]));
     let r = f.call(std::slice::from_ref(&d)).map(|_| ());
-    assert!(r.unwrap_err().to_string().contains("kiln::compile does not take distributed tensors yet"));
+    assert!(r.unwrap_err().to_string().contains("redistribute, to_local and from_local are not traced yet"));
     // A mesh device that does not exist.
     assert!(e(Tensor::zeros(&[1], (DType::F32, Device::Mesh(999)))).contains("no mesh has id 999"));
+}
+
+#[test]
+fn a_compiled_adamw_step_on_a_mesh_replays_and_matches_the_cpu() {
+    use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+    let m = mesh(&[2, 2], &["dp", "tp"]);
+    let (x, y, w0) = (tensor(&[8, 6], 0.3), tensor(&[8, 3], 0.5), tensor(&[6, 3], 0.8));
+    let cfg = AdamWConfig { lr: 0.05, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let loss_of = |w: &Tensor, x: &Tensor, y: &Tensor| -> kiln::Result<Tensor> {
+        let d = x.matmul(w)?.sub(y)?;
+        d.mul(&d)?.mean()
+    };
+    // The CPU reference.
+    let cw = w0.clone();
+    cw.requires_grad_(true).unwrap();
+    let mut copt = AdamW::new(vec![cw.clone()], cfg).unwrap();
+    // The batch split over dp, the weight's columns over tp.
+    let dx = distribute_tensor(&x, &m, &[Shard(0), Replicate]).unwrap();
+    let dy = distribute_tensor(&y, &m, &[Shard(0), Replicate]).unwrap();
+    let dw = distribute_tensor(&w0, &m, &[Replicate, Shard(1)]).unwrap();
+    dw.requires_grad_(true).unwrap();
+    let mut opt = AdamW::new(vec![dw.clone()], cfg).unwrap();
+    opt.set_capturable(true).unwrap();
+    let mut step = kiln::compile(m.device(), |xs: &[Tensor]| {
+        opt.zero_grad();
+        let loss = loss_of(&dw, &xs[0], &xs[1])?;
+        loss.backward()?;
+        opt.step()?;
+        Ok(vec![loss])
+    });
+    for i in 0..6 {
+        copt.zero_grad();
+        let want = loss_of(&cw, &x, &y).unwrap();
+        want.backward().unwrap();
+        copt.step().unwrap();
+        let got = step.call(&[dx.clone(), dy.clone()]).unwrap();
+        assert!(got[0].is_distributed());
+        close(&got[0], &want);
+        close(&dw.detach(), &cw.detach());
+        assert_eq!(dw.placements().unwrap(), vec![Replicate, Shard(1)], "step {i}: the parameter keeps its split");
+    }
+    let s = step.stats();
+    assert_eq!((s.calls, s.retraces), (6, 0), "{s:?}");
+    assert!(s.replays >= 3, "the step replays once stable: {s:?}");
+    // Other placements of an input are another program (a guard), never a stale replay.
+    let dx2 = distribute_tensor(&x, &m, &[Replicate, Replicate]).unwrap();
+    step.call(&[dx2, dy.clone()]).unwrap();
+    assert_eq!(step.stats().retraces, 1);
+    assert!(step.stats().last_retrace.as_deref().is_some_and(|r| r.contains("input 0 changed")), "{:?}", step.stats());
 }

@@ -5,7 +5,7 @@
 //! that runs as one program (`graph.rs`).
 use crate::cache::{self, DiskCache, DiskOutcome};
 pub use crate::graph::PjrtBuffer;
-use crate::graph::{self, data_in, only_the_storage_reaches, Graph, Uploaded};
+use crate::graph::{self, data_in, only_the_storage_reaches, Arg, Graph};
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, CompileOptions, Event, Executable, Upload};
@@ -501,14 +501,14 @@ impl Backend for PjrtBackend {
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
         if let Device::Mesh(_) = device {
-            if mode() == Mode::Defer && !graph::is_tracing() {
+            if mode() == Mode::Defer || graph::is_tracing() {
                 let upload = |bytes: &[u8], dt: DType| self.upload_mesh_value(bytes, dt, device);
                 return self.defer(device, |g| g.append_op(op, inputs, outs, device, &upload));
             }
             return self.exec_mesh(op, inputs, outs, device);
         }
         if mode() == Mode::Defer || graph::is_tracing() {
-            let upload = |bytes: &[u8], dt: DType| self.upload_scalar(bytes, dt, device).map(Uploaded::One);
+            let upload = |bytes: &[u8], dt: DType| self.upload_scalar(bytes, dt, device).map(Arg::One);
             return self.defer(device, |g| g.append_op(op, inputs, outs, device, &upload));
         }
         if let Some(values) = lower::creation_args(op) {
@@ -534,7 +534,7 @@ impl Backend for PjrtBackend {
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         kiln_tensor::check_assign(dst, src)?;
         if let Device::Mesh(_) = dst.device() {
-            if mode() == Mode::Defer && !graph::is_tracing() {
+            if mode() == Mode::Defer || graph::is_tracing() {
                 return self.defer(dst.device(), |g| g.append_assign(dst, src).map(|()| ((), false)));
             }
             return self.assign_mesh(dst, src);

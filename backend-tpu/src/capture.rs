@@ -2,9 +2,11 @@
 //! tensors, typically a whole training step, traced into one program that
 //! later calls replay (see Note [Capture]).
 use crate::backend::PjrtBackend;
-use crate::graph::{self, data_in, escaped_value_error, out_meta, Graph, ParamSrc, PjrtBuffer};
+use crate::dist::Shards;
+use crate::graph::{self, data_in, escaped_value_error, out_meta, Arg, Graph, ParamSrc, PjrtBuffer};
 use crate::host_values::HostValues;
 use crate::lower::Check;
+use crate::lower::Sharding;
 use crate::pjrt::{Buffer, Executable};
 use kiln_tensor::trace::WatchRead;
 use kiln_tensor::{DType, Device, Error, Layout, Result, Storage, StorageData, Tensor};
@@ -59,6 +61,8 @@ struct Guard {
     offset: usize,
     storage_len: usize,
     device: Device,
+    /// On a mesh: the storage's sharding and n-d shape (other placements are another program).
+    sharding: Option<(Sharding, Vec<usize>)>,
 }
 
 impl Guard {
@@ -70,10 +74,14 @@ impl Guard {
             offset: t.layout().offset(),
             storage_len: t.storage().len(),
             device: t.device(),
+            sharding: data_in(&t.storage().read(), t.device()).ok().and_then(|d| crate::dist::storage_sharding(&d)),
         }
     }
     fn describe(&self) -> String {
-        format!("{:?} {} on {}", self.shape, self.dtype, self.device)
+        match &self.sharding {
+            Some((s, _)) => format!("{:?} {} on {} as {}", self.shape, self.dtype, self.device, s.attr()),
+            None => format!("{:?} {} on {}", self.shape, self.dtype, self.device),
+        }
     }
 }
 
@@ -87,7 +95,7 @@ enum SourceKind {
 enum Source {
     Input(usize),
     State(Weak<Storage>),
-    Constant(Arc<Buffer>),
+    Constant(Arg),
 }
 
 impl Source {
@@ -119,6 +127,10 @@ enum Return {
 /// A traced, compiled function.
 struct Trace {
     exe: Arc<Executable>,
+    /// On a mesh: the sharding each source had when traced.
+    source_shardings: Vec<Option<Sharding>>,
+    /// A trace over a device mesh: the mesh, and each sink's sharding and logical shape.
+    mesh: Option<MeshOutputs>,
     sources: Vec<Source>,
     donated: Vec<usize>,
     sinks: Vec<Sink>,
@@ -129,6 +141,12 @@ struct Trace {
     watches: Vec<WatchRead>,
     /// The undeclared host values of the function's own code that entered the program.
     host: Vec<String>,
+}
+
+/// The mesh of a trace over one, and each output's sharding and logical shape.
+struct MeshOutputs {
+    mesh: kiln_tensor::DeviceMesh,
+    outs: Vec<(Sharding, Vec<usize>)>,
 }
 
 /// What must match between consecutive traces for the trace to be replayed.
@@ -142,7 +160,7 @@ struct Signature {
 
 enum EntryState {
     Warming(Signature),
-    Ready(Trace, Signature),
+    Ready(Box<Trace>, Signature),
 }
 
 struct Entry {
@@ -335,7 +353,7 @@ where
                     ));
                 }
                 self.entries[p].state =
-                    if stable && replayable { EntryState::Ready(trace, sig) } else { EntryState::Warming(sig) };
+                    if stable && replayable { EntryState::Ready(Box::new(trace), sig) } else { EntryState::Warming(sig) };
             }
             None => self.entries.push(Entry { guard, state: EntryState::Warming(sig) }),
         }
@@ -354,14 +372,14 @@ where
     }
 
     /// Runs the function on the capture graph and builds its trace.
-    fn trace(&mut self, backend: &PjrtBackend, inputs: &[Tensor]) -> Result<(Trace, Signature, Vec<Arc<Buffer>>)> {
+    fn trace(&mut self, backend: &PjrtBackend, inputs: &[Tensor]) -> Result<(Trace, Signature, Vec<Arg>)> {
         let dev = self.device;
-        if let Device::Mesh(_) = dev {
-            return Err(crate::dist::unsupported_mode(dev));
-        }
         backend.flush(dev)?;
         for t in inputs {
-            backend.buffer_of(t)?;
+            match dev {
+                Device::Mesh(_) => drop(backend.shards(t)?),
+                _ => drop(backend.buffer_of(t)?),
+            }
         }
         struct Clear;
         impl Drop for Clear {
@@ -405,7 +423,7 @@ fn retrace_reason(prev: &[Guard], now: &[Guard]) -> String {
     }
     for (i, (a, b)) in prev.iter().zip(now).enumerate() {
         if a != b {
-            if a.shape != b.shape || a.dtype != b.dtype || a.device != b.device {
+            if a.shape != b.shape || a.dtype != b.dtype || a.device != b.device || a.sharding != b.sharding {
                 return format!("input {i} changed from {} to {}", a.describe(), b.describe());
             }
             return format!(
@@ -439,8 +457,10 @@ fn build(
     inputs: &[Tensor],
     returned: &[Tensor],
     watches: Vec<WatchRead>,
-) -> Result<(Trace, Signature, Vec<Arc<Buffer>>)> {
-    let Graph { builder: mut b, params, outs, sinks: sink_storages, checks, id, device: g_device, host, .. } = g;
+) -> Result<(Trace, Signature, Vec<Arg>)> {
+    let Graph {
+        builder: mut b, params, outs, out_nd, sinks: sink_storages, checks, id, device: g_device, host, ..
+    } = g;
     let mut host = host.expect("a capture graph records host values");
     let mut sources = vec![];
     let mut constants = vec![];
@@ -458,7 +478,7 @@ fn build(
                     // Data uploaded inside the function (a tensor moved to the device there), or a
                     // tensor dropped inside it: a constant of the trace, and a host value unless declared.
                     (None, None) => {
-                        host.orphan(Arc::as_ptr(buf) as usize)?;
+                        host.orphan(buf.addr())?;
                         Source::Constant(buf.clone())
                     }
                 }
@@ -466,11 +486,12 @@ fn build(
         });
     }
     let kinds = sources.iter().map(Source::kind).collect();
-    let args_bufs: Vec<Arc<Buffer>> = params.into_iter().map(|(buf, _, _)| buf).collect();
+    let args_bufs: Vec<Arg> = params.into_iter().map(|(buf, _, _)| buf).collect();
     // Live outputs and where they go.
     let mut out_vals = vec![];
     let mut sinks = vec![];
     let mut out_slot_index = vec![]; // graph output index of each program output
+    let mut out_shardings = vec![]; // a mesh graph's: each program output's sharding and shape
     for (idx, (val, wslot)) in outs.iter().enumerate() {
         let Some(slot) = wslot.upgrade() else { continue };
         let Some(st) = sink_storages[idx].upgrade() else { continue };
@@ -490,7 +511,15 @@ fn build(
             (None, true) => Sink::State(Arc::downgrade(&st)),
             (None, false) => Sink::Fresh,
         });
-        out_vals.push(val.clone());
+        match &out_nd[idx] {
+            // A mesh graph returns the padded n-d value, with the slot's sharding.
+            Some((v, s)) => {
+                let shape = slot.sharding.as_ref().map(|(_, shape)| shape.clone()).unwrap_or_default();
+                out_vals.push(v.clone());
+                out_shardings.push((s.clone(), shape));
+            }
+            None => out_vals.push(val.clone()),
+        }
         out_slot_index.push(idx);
     }
     let mut returns = vec![];
@@ -500,7 +529,7 @@ fn build(
                 let pos = out_slot_index.iter().position(|&k| k == s.index).ok_or_else(escaped_value_error)?;
                 returns.push(Return::Output(pos, t.layout().clone()));
             }
-            Ok(PjrtBuffer::Ready(_)) => returns.push(Return::Same(t.clone())),
+            Ok(PjrtBuffer::Ready(_) | PjrtBuffer::Sharded(_)) => returns.push(Return::Same(t.clone())),
             _ => {
                 return Err(Error::invalid(
                     "compile",
@@ -517,7 +546,13 @@ fn build(
             Source::Input(i) => sinks.iter().position(|s| matches!(s, Sink::Input(k) if k == i)),
             Source::Constant(_) => None,
         };
-        if let Some(j) = j {
+        // On a mesh, only shards of the same sharding (and not partial) can be updated in place.
+        let fits = |j: usize| match (&args_bufs[pi], out_shardings.get(j)) {
+            (Arg::Mesh(a), Some((s, _))) => a.sharding == *s,
+            (Arg::One(_), None) => true,
+            _ => false,
+        };
+        if let Some(j) = j.filter(|&j| fits(j)) {
             b.alias(pi, j);
             donated.push(pi);
         }
@@ -532,12 +567,40 @@ fn build(
         .collect();
     let mut program_outs = out_vals;
     program_outs.extend(checks.iter().map(|c| c.0.clone()));
-    let text = b.finish(&program_outs);
-    let exe = backend.executable(&text)?;
-    let meta = out_meta(&program_outs);
+    let (text, exe, meta, mesh) = match g_device {
+        Device::Mesh(_) => {
+            let mesh = kiln_tensor::DeviceMesh::of_device(g_device)?;
+            let mut shardings: Vec<Sharding> = out_shardings.iter().map(|(s, _)| s.clone()).collect();
+            shardings.extend(checks.iter().map(|_| Sharding::replicated(&mesh, 0)));
+            let text = b.finish_sharded(&program_outs, &shardings)?;
+            let exe = backend.mesh_executable(&text, &mesh)?;
+            let mut meta: Vec<(DType, Vec<usize>)> = out_shardings
+                .iter()
+                .zip(&program_outs)
+                .map(|((s, shape), v)| (v.dtype(), s.shard_shape(shape)))
+                .collect();
+            meta.extend(checks.iter().map(|_| (DType::Bool, vec![])));
+            (text, exe, meta, Some(MeshOutputs { mesh, outs: out_shardings }))
+        }
+        _ => {
+            let text = b.finish(&program_outs);
+            let exe = backend.executable(&text)?;
+            let meta = out_meta(&program_outs);
+            (text, exe, meta, None)
+        }
+    };
     let n = sinks.len();
+    let source_shardings = args_bufs
+        .iter()
+        .map(|a| match a {
+            Arg::Mesh(s) => Some(s.sharding.clone()),
+            Arg::One(_) => None,
+        })
+        .collect();
     let trace = Trace {
         exe,
+        source_shardings,
+        mesh,
         sources,
         donated,
         sinks,
@@ -558,20 +621,35 @@ fn replay(
     t: &Trace,
     inputs: &[Tensor],
     device: Device,
-    traced: Option<Vec<Arc<Buffer>>>,
+    traced: Option<Vec<Arg>>,
 ) -> Result<Vec<Tensor>> {
-    let mut args: Vec<Arc<Buffer>> = Vec::with_capacity(t.sources.len());
+    let mut args: Vec<Arg> = Vec::with_capacity(t.sources.len());
     // Sources whose buffer is also reachable through a slot someone else holds.
     let mut shared = vec![false; t.sources.len()];
     // A storage's buffer, noting in `shared` whether a slot held elsewhere reaches it too.
-    let storage_buffer = |st: &Arc<kiln_tensor::Storage>, shared: &mut bool| -> Result<Arc<Buffer>> {
+    let storage_buffer = |st: &Arc<kiln_tensor::Storage>, shared: &mut bool, k: usize| -> Result<Arg> {
         let data = data_in(&st.read(), device)?;
         *shared = !graph::only_the_storage_reaches(&data);
-        backend.ready_data(data)
+        match device {
+            Device::Mesh(_) => {
+                let s = backend.shards_from(data, device)?;
+                if t.source_shardings.get(k).and_then(|x| x.as_ref()) != Some(&s.sharding) {
+                    return Err(Error::invalid(
+                        "compile",
+                        format!(
+                            "state read by the compiled function now has another placement ({}) than when it was traced; compile the function again",
+                            s.sharding.attr()
+                        ),
+                    ));
+                }
+                Ok(Arg::Mesh(s))
+            }
+            _ => backend.ready_data(data).map(Arg::One),
+        }
     };
     for (k, s) in t.sources.iter().take(if traced.is_some() { 0 } else { usize::MAX }).enumerate() {
         args.push(match s {
-            Source::Input(i) => storage_buffer(inputs[*i].storage(), &mut shared[k])?,
+            Source::Input(i) => storage_buffer(inputs[*i].storage(), &mut shared[k], k)?,
             Source::State(w) => {
                 let st = w.upgrade().ok_or_else(|| {
                     Error::invalid(
@@ -579,7 +657,7 @@ fn replay(
                         "the compiled function reads a tensor that no longer exists (state it read when traced was dropped); compile the function again",
                     )
                 })?;
-                storage_buffer(&st, &mut shared[k])?
+                storage_buffer(&st, &mut shared[k], k)?
             }
             Source::Constant(b) => b.clone(),
         });
@@ -590,16 +668,55 @@ fn replay(
     // A donated buffer someone else still holds (a storage and this list hold one
     // each), or can still take through a slot they hold, is kept.
     let non_donatable: Vec<i64> =
-        t.donated.iter().filter(|&&i| shared[i] || Arc::strong_count(&args[i]) > 2).map(|&i| i as i64).collect();
-    let refs: Vec<&Buffer> = args.iter().map(|b| &**b).collect();
-    let (mut bufs, event) = t.exe.execute_with(&refs, device.index(), &t.out_meta, &non_donatable)?;
-    drop(refs);
+        t.donated.iter().filter(|&&i| shared[i] || args[i].holders() > 2).map(|&i| i as i64).collect();
+    // Each output's data: a buffer, or shards on a mesh.
+    let (datas, flags): (Vec<PjrtBuffer>, Vec<Arc<Buffer>>) = match &t.mesh {
+        None => {
+            let refs: Vec<&Buffer> = args
+                .iter()
+                .map(|a| match a {
+                    Arg::One(b) => Ok(&**b),
+                    Arg::Mesh(_) => Err(Error::backend("pjrt", "shards in a one-device program")),
+                })
+                .collect::<Result<_>>()?;
+            let (mut bufs, event) = t.exe.execute_with(&refs, device.index(), &t.out_meta, &non_donatable)?;
+            drop(refs);
+            backend.count_execution();
+            backend.queue_event("a compiled function", event)?;
+            let flags = bufs.split_off(t.sinks.len()).into_iter().map(Arc::new).collect();
+            (bufs.into_iter().map(|b| PjrtBuffer::Ready(Arc::new(b))).collect(), flags)
+        }
+        Some(MeshOutputs { mesh, outs: shardings }) => {
+            let shards: Vec<Arc<Shards>> = args
+                .iter()
+                .map(|a| match a {
+                    Arg::Mesh(s) => Ok(s.clone()),
+                    Arg::One(_) => Err(Error::backend("pjrt", "a one-device buffer in a program over a mesh")),
+                })
+                .collect::<Result<_>>()?;
+            let mut bufs =
+                backend.launch_mesh(&t.exe, "a compiled function", mesh, &shards, &t.out_meta, &non_donatable)?;
+            // Check flags are replicated: the first device's copy is read.
+            let flags = bufs.split_off(t.sinks.len()).into_iter().map(|mut f| f.swap_remove(0)).collect();
+            let datas = bufs
+                .into_iter()
+                .zip(shardings)
+                .map(|(bufs, (sharding, shape))| {
+                    let sh = Shards { bufs, sharding: sharding.clone(), shape: shape.clone(), view: mesh.clone() };
+                    PjrtBuffer::Sharded(Arc::new(sh))
+                })
+                .collect();
+            (datas, flags)
+        }
+    };
     drop(args);
-    backend.count_execution();
-    let flags = bufs.split_off(t.sinks.len());
     let mut fresh: Vec<Option<Arc<Storage>>> = vec![None; t.sinks.len()];
-    for (i, (sink, buf)) in t.sinks.iter().zip(bufs).enumerate() {
-        let data = StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(buf))));
+    for (i, (sink, data)) in t.sinks.iter().zip(datas).enumerate() {
+        let len = match &t.mesh {
+            Some(m) => m.outs[i].1.iter().product(),
+            None => t.out_meta[i].1.iter().product(),
+        };
+        let data = StorageData::Device(Box::new(data));
         match sink {
             Sink::Input(k) => {
                 let st = inputs[*k].storage();
@@ -613,12 +730,10 @@ fn replay(
                 }
             }
             Sink::Fresh => {
-                let meta = &t.out_meta[i];
-                fresh[i] = Some(Arc::new(Storage::new(data, meta.0, meta.1.iter().product(), device)));
+                fresh[i] = Some(Arc::new(Storage::new(data, t.out_meta[i].0, len, device)));
             }
         }
     }
-    backend.queue_event("a compiled function", event)?;
     for (flag, (c, name)) in flags.iter().zip(&t.checks) {
         backend.verify(flag, name, c, &[])?;
     }

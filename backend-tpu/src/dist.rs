@@ -3,10 +3,10 @@
 //! on such tensors runs as one SPMD program over the mesh (see Note
 //! [Distributed storages]).
 use crate::backend::PjrtBackend;
-use crate::graph::{Graph, PjrtBuffer, Slot, Uploaded};
+use crate::graph::{Arg, Graph, PjrtBuffer, Slot};
 use crate::lower::{self, shard, Builder, Check, Sharding, Ty, Val};
 use crate::mode::{mode, Mode};
-use crate::pjrt::{Buffer, CompileOptions};
+use crate::pjrt::{Buffer, CompileOptions, Executable};
 use kiln_tensor::{
     DType, Device, DeviceMesh, Error, HostBuffer, Layout, Meta, Op, Placement, Result, Storage, StorageData, Tensor,
 };
@@ -39,8 +39,13 @@ use std::sync::Arc;
 // (`Graph::shard_param`), each output remembers its storage's sharding and
 // n-d shape in its slot, and the graph runs as one SPMD program that fills
 // the slots with shards; an argument only the graph still holds is donated
-// to an output of the same type and sharding. Capture does not take
-// distributed tensors yet: an error, not a silent fallback.
+// to an output of the same type and sharding. Capture (`kiln::compile` on a
+// mesh device) traces into such a graph and replays its program over the
+// mesh: each source's shards go in, each sink gets new shards with the
+// traced sharding; an input's sharding is part of the guard, and state whose
+// sharding changed since the trace is an error, so a replay never reads
+// shards laid out for another program. Redistribution, `to_local` and
+// `from_local` inside a traced function are an error for now.
 
 /// What a storage on a mesh device holds.
 #[derive(Debug)]
@@ -59,12 +64,12 @@ fn err(msg: impl Into<String>) -> Error {
     Error::backend("pjrt", msg)
 }
 
-/// The error for distributed tensors in a traced function, which does not take them yet.
+/// The error for what a function traced by kiln::compile cannot do with distributed tensors yet.
 pub(crate) fn unsupported_mode(device: Device) -> Error {
     Error::invalid(
         "pjrt",
         format!(
-            "tensors on {device} (a device mesh) run in Strict, Debug and DeferAndFuse mode; kiln::compile does not take distributed tensors yet"
+            "inside a function traced by kiln::compile, tensors on {device} (a device mesh) take ops and in-place writes; redistribute, to_local and from_local are not traced yet: call them outside the function"
         ),
     )
 }
@@ -86,8 +91,7 @@ impl MeshProgram {
         let arg = match self.args.iter().position(|a| Arc::ptr_eq(a, s)) {
             Some(i) => self.vals[i].clone(),
             None => {
-                let v =
-                    self.b.add_sharded_arg(Ty::new(&s.sharding.padded_shape(&s.shape), dtype), s.sharding.clone())?;
+                let v = shard_arg(&mut self.b, s, dtype)?;
                 self.args.push(s.clone());
                 self.vals.push(v.clone());
                 v
@@ -101,9 +105,14 @@ impl MeshProgram {
     }
 }
 
+/// A new argument holding `s`'s shards: its padded global type and sharding.
+pub(crate) fn shard_arg(b: &mut Builder, s: &Shards, dtype: DType) -> Result<Val> {
+    b.add_sharded_arg(Ty::new(&s.sharding.padded_shape(&s.shape), dtype), s.sharding.clone())
+}
+
 /// The flat logical value of the argument `arg` holding `s`'s shards: a
 /// partial sum constrained to reduced, kiln's padding sliced off, flattened.
-fn flat_value(b: &mut Builder, arg: &Val, s: &Shards) -> Val {
+pub(crate) fn flat_value(b: &mut Builder, arg: &Val, s: &Shards) -> Val {
     let mut v = arg.clone();
     if !s.sharding.unreduced.is_empty() {
         v = b.reshard(&v, &s.sharding.reduced());
@@ -158,26 +167,19 @@ pub(crate) fn constrain(
 }
 
 impl Graph {
-    /// The flat value of a storage's shards in a mesh graph (an argument, added once).
-    pub(crate) fn shard_param(&mut self, s: &Arc<Shards>, dtype: DType) -> Result<Val> {
-        let arg = match self.shard_params.iter().find(|(a, _)| Arc::ptr_eq(a, s)) {
-            Some((_, v)) => v.clone(),
-            None => {
-                let ty = Ty::new(&s.sharding.padded_shape(&s.shape), dtype);
-                let v = self.builder.add_sharded_arg(ty, s.sharding.clone())?;
-                self.shard_params.push((s.clone(), v.clone()));
-                v
-            }
-        };
-        Ok(flat_value(&mut self.builder, &arg, s))
-    }
-
     /// DeferAndFuse's program of a mesh graph (as `Graph::into_program`): live
     /// outputs with their shardings, then check flags; arguments only the graph
     /// still holds are donated to an output of their type and sharding.
     pub(crate) fn into_mesh_program(self) -> Result<Option<MeshGraphProgram>> {
         let mesh = DeviceMesh::of_device(self.device)?;
-        let Graph { builder: mut b, shard_params, outs, out_nd, checks, .. } = self;
+        let Graph { builder: mut b, params, outs, out_nd, checks, .. } = self;
+        let shard_params: Vec<(Arc<Shards>, Val)> = params
+            .into_iter()
+            .filter_map(|(a, v, _)| match a {
+                Arg::Mesh(s) => Some((s, v)),
+                Arg::One(_) => None,
+            })
+            .collect();
         let mut live = vec![];
         for ((_, w), nd) in outs.iter().zip(out_nd) {
             if let (Some(slot), Some((v, s))) = (w.upgrade(), nd) {
@@ -260,7 +262,7 @@ impl PjrtBackend {
         self.shards_from(data, t.device())
     }
 
-    fn shards_from(&self, data: PjrtBuffer, device: Device) -> Result<Arc<Shards>> {
+    pub(crate) fn shards_from(&self, data: PjrtBuffer, device: Device) -> Result<Arc<Shards>> {
         match data {
             PjrtBuffer::Sharded(s) => Ok(s),
             PjrtBuffer::Deferred(slot) if slot.sharding.is_some() => {
@@ -286,16 +288,36 @@ impl PjrtBackend {
         args: &[Arc<Shards>],
         out_meta: &[(DType, Vec<usize>)],
     ) -> Result<Vec<Vec<Arc<Buffer>>>> {
+        let exe = self.mesh_executable(text, mesh)?;
+        self.launch_mesh(&exe, name, mesh, args, out_meta, &[])
+    }
+
+    /// The executable of a program over `mesh` (compiled for its devices, in mesh order).
+    pub(crate) fn mesh_executable(&self, text: &str, mesh: &DeviceMesh) -> Result<Arc<Executable>> {
         let client = self.client();
         let ids: Vec<i64> = mesh.devices().iter().map(|&d| client.device_id(d)).collect::<Result<_>>()?;
-        let exe = self.executable_with(text, &CompileOptions::spmd(&ids))?;
+        self.executable_with(text, &CompileOptions::spmd(&ids))
+    }
+
+    /// Runs a program over `mesh` once over every device (each argument's
+    /// shards in the executable's device order); returns each output's
+    /// buffers in mesh order. Debug mode waits for every device.
+    pub(crate) fn launch_mesh(
+        &self,
+        exe: &Executable,
+        name: &'static str,
+        mesh: &DeviceMesh,
+        args: &[Arc<Shards>],
+        out_meta: &[(DType, Vec<usize>)],
+        non_donatable: &[i64],
+    ) -> Result<Vec<Vec<Arc<Buffer>>>> {
         let order = exe.addressable_devices()?;
         let pos: Vec<usize> = order
             .iter()
             .map(|d| mesh.devices().iter().position(|m| m == d).ok_or_else(|| err("an executable device off the mesh")))
             .collect::<Result<_>>()?;
         let lists: Vec<Vec<&Buffer>> = pos.iter().map(|&p| args.iter().map(|a| &*a.bufs[p]).collect()).collect();
-        let (outs, events) = exe.execute_spmd(&lists, out_meta, &[], 0)?;
+        let (outs, events) = exe.execute_spmd(&lists, out_meta, non_donatable, 0)?;
         self.count_execution();
         for e in events {
             match mode() {
@@ -389,9 +411,9 @@ impl PjrtBackend {
 
     /// `bytes` (a row-major value of `shape`) copied to every device of `mesh`.
     /// A creation op's value (one element) on every device of the mesh `device`.
-    pub(crate) fn upload_mesh_value(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Uploaded> {
+    pub(crate) fn upload_mesh_value(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Arg> {
         let mesh = DeviceMesh::of_device(device)?;
-        Ok(Uploaded::Mesh(self.replicated_shards(bytes, dtype, &[1], &mesh)?))
+        Ok(Arg::Mesh(self.replicated_shards(bytes, dtype, &[1], &mesh)?))
     }
 
     fn replicated_shards(&self, bytes: &[u8], dtype: DType, shape: &[usize], mesh: &DeviceMesh) -> Result<Arc<Shards>> {
@@ -428,6 +450,12 @@ impl PjrtBackend {
         let dtype = buf.dtype();
         let s = self.replicated_shards(&buf.to_le_bytes(), dtype, &[buf.len()], &mesh)?;
         let len = buf.len();
+        crate::graph::with_capture(device, |g| {
+            if let Some(log) = &mut g.host {
+                let what = format!("host data ({len} {dtype} values) uploaded");
+                log.upload(Arc::as_ptr(&s) as usize, kiln_tensor::trace::in_constant_scope(), what);
+            }
+        });
         Ok(Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer::Sharded(s))), dtype, len, device)))
     }
 

@@ -70,8 +70,9 @@ pub struct Graph {
     pub id: u64,
     pub device: Device,
     pub builder: Builder,
-    /// Ready buffers the graph reads, in argument order, with their values and sources.
-    pub params: Vec<(Arc<Buffer>, Val, ParamSrc)>,
+    /// Ready buffers (or, in a mesh graph, shards) the graph reads, in
+    /// argument order, with their flat values and sources.
+    pub params: Vec<(Arg, Val, ParamSrc)>,
     /// Outputs appended so far (flat values) and the slots waiting for them.
     pub outs: Vec<(Val, Weak<Slot>)>,
     /// The storage each output was made for (a new result, or the target of an in-place write).
@@ -88,9 +89,6 @@ pub struct Graph {
     /// A capture graph's storages written while tracing, with what they held
     /// before: put back when the trace fails.
     pub saved: Vec<(Weak<Storage>, PjrtBuffer)>,
-    /// A mesh graph's arguments (all of them: `params` stays empty), in order,
-    /// with their values (see `dist.rs`).
-    pub shard_params: Vec<(Arc<Shards>, Val)>,
     /// A mesh graph's outputs (parallel to `outs`): the padded n-d value and its sharding.
     pub out_nd: Vec<Option<(Val, Sharding)>>,
 }
@@ -124,7 +122,6 @@ impl Graph {
             constants: HashMap::new(),
             host: None,
             saved: vec![],
-            shard_params: vec![],
             out_nd: vec![],
         }
     }
@@ -136,32 +133,36 @@ impl Graph {
 
     /// The argument holding a creation-op value (`bytes` of type `dtype`),
     /// made on first use by `upload` (Note [Shared constants]).
-    pub fn constant(
-        &mut self,
-        bytes: Vec<u8>,
-        dtype: DType,
-        upload: impl FnOnce(&[u8]) -> Result<Uploaded>,
-    ) -> Result<Val> {
+    pub fn constant(&mut self, bytes: Vec<u8>, dtype: DType, upload: impl FnOnce(&[u8]) -> Result<Arg>) -> Result<Val> {
         let key = (dtype, bytes);
         if let Some(v) = self.constants.get(&key) {
             return Ok(v.clone());
         }
-        let v = match upload(&key.1)? {
-            Uploaded::One(buf) => self.param(&buf, ParamSrc::Constant(key.1.clone())),
-            Uploaded::Mesh(s) => self.shard_param(&s, dtype)?,
-        };
+        let arg = upload(&key.1)?;
+        let v = self.param(&arg, dtype, ParamSrc::Constant(key.1.clone()))?;
         self.constants.insert(key, v.clone());
         Ok(v)
     }
 
-    /// The value of a ready buffer in the graph (a parameter, added once).
-    pub fn param(&mut self, buf: &Arc<Buffer>, src: ParamSrc) -> Val {
-        if let Some((_, v, _)) = self.params.iter().find(|(b, _, _)| Arc::ptr_eq(b, buf)) {
-            return v.clone();
-        }
-        let v = self.builder.add_arg(Ty::new(&[buf.numel()], buf.dtype()));
-        self.params.push((buf.clone(), v.clone(), src));
-        v
+    /// The flat value of a ready buffer, or of shards, in the graph (a
+    /// parameter, added once; see `dist.rs` for shards).
+    pub fn param(&mut self, arg: &Arg, dtype: DType, src: ParamSrc) -> Result<Val> {
+        let found = self.params.iter().position(|(a, _, _)| a.same(arg));
+        let raw = match found {
+            Some(i) => self.params[i].1.clone(),
+            None => {
+                let v = match arg {
+                    Arg::One(b) => self.builder.add_arg(Ty::new(&[b.numel()], b.dtype())),
+                    Arg::Mesh(s) => crate::dist::shard_arg(&mut self.builder, s, dtype)?,
+                };
+                self.params.push((arg.clone(), v.clone(), src));
+                v
+            }
+        };
+        Ok(match arg {
+            Arg::One(_) => raw,
+            Arg::Mesh(s) => crate::dist::flat_value(&mut self.builder, &raw, s),
+        })
     }
 
     /// Records a flat output value and returns the slot that will hold it;
@@ -203,13 +204,17 @@ impl Graph {
         match data {
             PjrtBuffer::Deferred(slot) if slot.graph == self.id => Ok(self.outs[slot.index].0.clone()),
             PjrtBuffer::Deferred(slot) if is_capture_graph(slot.graph) => Err(escaped_value_error()),
-            PjrtBuffer::Sharded(s) => self.shard_param(s, storage.dtype()),
+            PjrtBuffer::Sharded(s) => {
+                self.param(&Arg::Mesh(s.clone()), storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage)))
+            }
             PjrtBuffer::Deferred(slot) if slot.sharding.is_some() => match slot.shards.get() {
-                Some(s) => self.shard_param(&s.clone(), storage.dtype()),
+                Some(s) => {
+                    self.param(&Arg::Mesh(s.clone()), storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage)))
+                }
                 None => Err(err("an input is pending in another mesh's graph")),
             },
             other => match other.ready() {
-                Some(b) => Ok(self.param(&b, ParamSrc::Storage(Arc::downgrade(storage)))),
+                Some(b) => self.param(&Arg::One(b), storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage))),
                 None => Err(err("an input is pending in another device's graph")),
             },
         }
@@ -313,7 +318,14 @@ impl Graph {
     /// are donated to an output of their type. `None` when nothing is live.
     pub fn into_program(self) -> Option<Program> {
         let Graph { builder: mut b, params, outs, checks, .. } = self;
-        let params: Vec<(Arc<Buffer>, Val)> = params.into_iter().map(|(b, v, _)| (b, v)).collect();
+        // A one-device graph's parameters are buffers (a mesh graph runs through `into_mesh_program`).
+        let params: Vec<(Arc<Buffer>, Val)> = params
+            .into_iter()
+            .filter_map(|(a, v, _)| match a {
+                Arg::One(b) => Some((b, v)),
+                Arg::Mesh(_) => None,
+            })
+            .collect();
         let mut live = vec![];
         let mut slots = vec![];
         for (v, w) in outs {
@@ -349,13 +361,39 @@ impl Graph {
     }
 }
 
-/// Makes the one-element buffer of a creation op's value (bytes of a dtype).
-pub type Upload<'a> = dyn Fn(&[u8], DType) -> Result<Uploaded> + 'a;
+/// Makes the one-element buffer (or, on a mesh, the shards) of a creation op's value (bytes of a dtype).
+pub type Upload<'a> = dyn Fn(&[u8], DType) -> Result<Arg> + 'a;
 
-/// A creation op's value on the graph's device: one buffer, or one per mesh device.
-pub enum Uploaded {
+/// What a program argument is: a buffer on one device, or one shard per mesh device.
+#[derive(Debug, Clone)]
+pub enum Arg {
     One(Arc<Buffer>),
     Mesh(Arc<Shards>),
+}
+
+impl Arg {
+    /// Whether two arguments are the same data (the same buffer or shards).
+    pub fn same(&self, other: &Arg) -> bool {
+        match (self, other) {
+            (Arg::One(a), Arg::One(b)) => Arc::ptr_eq(a, b),
+            (Arg::Mesh(a), Arg::Mesh(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+    /// The address of the data, an identity for host-value bookkeeping.
+    pub fn addr(&self) -> usize {
+        match self {
+            Arg::One(b) => Arc::as_ptr(b) as usize,
+            Arg::Mesh(s) => Arc::as_ptr(s) as usize,
+        }
+    }
+    /// How many handles hold the data (1: only this one).
+    pub fn holders(&self) -> usize {
+        match self {
+            Arg::One(b) => Arc::strong_count(b),
+            Arg::Mesh(s) => Arc::strong_count(s),
+        }
+    }
 }
 
 /// A deferred graph as a program to run (see [`Graph::into_program`]).
