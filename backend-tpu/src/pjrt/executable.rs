@@ -171,6 +171,13 @@ impl Executable {
                 a.len()
             )));
         }
+        // Two programs with collectives launched at once from two threads could be
+        // queued in different orders on different devices, and each device would
+        // then wait in a collective the others run later: a deadlock (the plugin
+        // aborts the process after its rendezvous timeout). Launches over several
+        // devices are therefore enqueued one at a time, in one order on every device.
+        static LAUNCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one_at_a_time = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
         self.launch(args, None, out_meta, non_donatable, launch_id)
     }
 
