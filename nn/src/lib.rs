@@ -11,6 +11,7 @@ pub mod layers;
 pub mod models;
 pub mod module;
 pub mod optim;
+pub mod parallel;
 pub mod schedule;
 
 pub use models::{LlamaConfig, LlamaForCausalLM};

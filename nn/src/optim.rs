@@ -361,7 +361,13 @@ pub(crate) fn check_grad(op: &'static str, name: &str, p: &Tensor, g: &Tensor) -
     Ok(())
 }
 
-/// A fresh zero tensor like `p` (contiguous, same dtype and device, no grad).
+/// A fresh zero tensor like `p` (contiguous, same dtype and device, no grad);
+/// for a distributed parameter, with its placements, so optimizer state is
+/// split as its parameter is (FSDP's promise, Note [Parallelism recipes]).
 pub(crate) fn zeros_like(p: &Tensor) -> Result<Tensor> {
-    Tensor::zeros(p.shape(), (p.dtype(), p.device()))
+    let z = Tensor::zeros(p.shape(), (p.dtype(), p.device()))?;
+    if p.is_distributed() {
+        return z.redistribute(&p.device_mesh()?, &p.placements()?);
+    }
+    Ok(z)
 }

@@ -1,0 +1,255 @@
+//! Parallelism recipes with PyTorch's names, on distributed tensors: data
+//! parallelism (`replicate`, DDP's composable form), FSDP2 (`fully_shard`),
+//! tensor parallelism (`parallelize_module` with `ColwiseParallel` /
+//! `RowwiseParallel` plans, one for Llama and Qwen3), and their 2-D
+//! composition (see Note [Parallelism recipes]).
+use crate::module::Module;
+use kiln_tensor::{distribute_tensor, DeviceMesh, Error, Placement, Result, Tensor};
+
+// Note [Parallelism recipes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// kiln drives every device of a mesh from one program (Note [Device meshes]),
+// so a recipe is only a choice of placements for parameters and inputs; XLA's
+// partitioner inserts the collectives each one implies:
+// - `replicate` (data parallelism, PyTorch's composable `replicate` / DDP):
+//   every parameter `Replicate`; the batch is split over the data axis
+//   (`shard_batch`). A parameter's gradient comes out as a partial sum over
+//   that axis, and the optimizer's read of it is the all-reduce.
+// - `fully_shard` (FSDP2): every parameter `Shard(0)` over the axis (the
+//   optimizer state follows its parameter, see `optim`), so each device holds
+//   1/N of parameters, gradients and state; ops that read a parameter
+//   whole make the partitioner all-gather it, and gradients are
+//   reduce-scattered back to the shard. `reshard_after_forward` is what XLA
+//   does anyway inside one program: a gathered parameter is not kept.
+// - `parallelize_module` (tensor parallelism): `ColwiseParallel` splits a
+//   Linear's output features (`weight` `Shard(0)`, `bias` `Shard(0)`),
+//   `RowwiseParallel` its input features (`weight` `Shard(1)`, bias
+//   replicated); the Llama/Qwen3 plan makes q/k/v and gate/up colwise and
+//   o/down rowwise, splitting attention heads and the MLP over the axis.
+// Recipes compose on sub-meshes of one mesh: placing a parameter on
+// `mesh["dp"]` keeps what an earlier recipe put on `mesh["tp"]`, so
+// `parallelize_module(.., &mesh["tp"], ..)` then `fully_shard(.., &mesh["dp"])`
+// is 2-D FSDP x TP. Parameters keep their names and `requires_grad`, so
+// optimizers and checkpoints see the same model.
+
+/// How `parallelize_module` splits one Linear (PyTorch's `ParallelStyle`s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParallelStyle {
+    /// Output features split: `weight` `[out, in]` on dim 0, `bias` on dim 0.
+    ColwiseParallel,
+    /// Input features split: `weight` on dim 1, `bias` replicated.
+    RowwiseParallel,
+}
+
+/// Places every parameter of `module` on `mesh` with the placements `plan`
+/// gives for its name and tensor (one per axis of `mesh`). A parameter already
+/// on a mesh with the same root keeps its placements on the other axes.
+pub fn distribute_module<M: Module + ?Sized>(
+    module: &mut M,
+    mesh: &DeviceMesh,
+    mut plan: impl FnMut(&str, &Tensor) -> Vec<Placement>,
+) -> Result<()> {
+    let _g = kiln_autograd::no_grad();
+    module.visit_params_mut("", &mut |name, p| {
+        let placements = plan(name, p);
+        let rg = p.requires_grad();
+        let placed = place(p, mesh, &placements)
+            .map_err(|e| Error::invalid("distribute_module", format!("parameter {name}: {e}")))?;
+        let placed = placed.detach();
+        placed.requires_grad_(rg)?;
+        *p = placed;
+        Ok(())
+    })
+}
+
+/// `t` with `placements` on the axes of `mesh`, keeping what it has on the
+/// root's other axes when it is already distributed there.
+fn place(t: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> Result<Tensor> {
+    if !t.is_distributed() {
+        return distribute_tensor(t, mesh, placements);
+    }
+    let root = mesh.root();
+    let current = t.device_mesh()?;
+    if !current.same_root(mesh) {
+        return Err(Error::device(
+            "distribute_module",
+            format!("the tensor is on {current}, which is not a view of {root}"),
+        ));
+    }
+    let placed = t.placements()?;
+    let mut on_root = vec![Placement::Replicate; root.ndim()];
+    for (i, p) in placed.iter().enumerate() {
+        on_root[current.root_axis_of(i)] = *p;
+    }
+    for (i, p) in placements.iter().enumerate() {
+        on_root[mesh.root_axis_of(i)] = *p;
+    }
+    t.redistribute(&root, &on_root)
+}
+
+/// Data parallelism (PyTorch's `replicate`, DDP's composable form): every
+/// parameter replicated on `mesh`; split the batch with [`shard_batch`].
+pub fn replicate<M: Module + ?Sized>(module: &mut M, mesh: &DeviceMesh) -> Result<()> {
+    let n = mesh.ndim();
+    distribute_module(module, mesh, |_, _| vec![Placement::Replicate; n])
+}
+
+/// FSDP2's `fully_shard`: every parameter split along its first dimension
+/// over every axis of `mesh` (usually the data axis, `mesh["dp"]`).
+pub fn fully_shard<M: Module + ?Sized>(module: &mut M, mesh: &DeviceMesh) -> Result<()> {
+    let n = mesh.ndim();
+    distribute_module(module, mesh, |_, p| {
+        if p.ndim() == 0 {
+            vec![Placement::Replicate; n]
+        } else {
+            vec![Placement::Shard(0); n]
+        }
+    })
+}
+
+/// Tensor parallelism (PyTorch's `parallelize_module`): each Linear whose name
+/// matches a plan entry is split over `mesh` (one axis) in that style; other
+/// parameters are replicated. A pattern matches a module name exactly or
+/// with `*` standing for one name component (`model.layers.*.mlp.up_proj`).
+pub fn parallelize_module<M: Module + ?Sized>(
+    module: &mut M,
+    mesh: &DeviceMesh,
+    plan: &[(&str, ParallelStyle)],
+) -> Result<()> {
+    if mesh.ndim() != 1 {
+        return Err(Error::invalid(
+            "parallelize_module",
+            format!("tensor parallelism takes a one-axis mesh (e.g. mesh[\"tp\"]), got {mesh}"),
+        ));
+    }
+    let mut used = vec![false; plan.len()];
+    distribute_module(module, mesh, |name, p| {
+        let (module_name, leaf) = name.rsplit_once('.').unwrap_or(("", name));
+        let style = plan.iter().position(|(pat, _)| matches(pat, module_name)).map(|i| {
+            used[i] = true;
+            plan[i].1
+        });
+        let placement = match (style, leaf, p.ndim()) {
+            (Some(ParallelStyle::ColwiseParallel), "weight" | "bias", _) => Placement::Shard(0),
+            (Some(ParallelStyle::RowwiseParallel), "weight", 2) => Placement::Shard(1),
+            _ => Placement::Replicate,
+        };
+        vec![placement]
+    })?;
+    if let Some(i) = used.iter().position(|u| !u) {
+        return Err(Error::invalid(
+            "parallelize_module",
+            format!("the plan entry {:?} matches no module of the model", plan[i].0),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `name` matches `pattern` component by component (`*` matches one).
+fn matches(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<&str>, Vec<&str>) = (pattern.split('.').collect(), name.split('.').collect());
+    p.len() == n.len() && p.iter().zip(&n).all(|(a, b)| *a == "*" || a == b)
+}
+
+/// The tensor-parallel plan of Llama and Qwen3 decoder layers (the Megatron
+/// split, PyTorch's and TorchTitan's): attention heads and MLP features over the axis.
+pub fn llama_tp_plan() -> Vec<(&'static str, ParallelStyle)> {
+    use ParallelStyle::{ColwiseParallel, RowwiseParallel};
+    vec![
+        ("model.layers.*.self_attn.q_proj", ColwiseParallel),
+        ("model.layers.*.self_attn.k_proj", ColwiseParallel),
+        ("model.layers.*.self_attn.v_proj", ColwiseParallel),
+        ("model.layers.*.self_attn.o_proj", RowwiseParallel),
+        ("model.layers.*.mlp.gate_proj", ColwiseParallel),
+        ("model.layers.*.mlp.up_proj", ColwiseParallel),
+        ("model.layers.*.mlp.down_proj", RowwiseParallel),
+    ]
+}
+
+/// A batch split along its first dimension over `mesh` (every axis of it),
+/// for data parallelism.
+pub fn shard_batch(t: &Tensor, mesh: &DeviceMesh) -> Result<Tensor> {
+    distribute_tensor(t, mesh, &vec![Placement::Shard(0); mesh.ndim()])
+}
+
+/// A recipe by name, as the tools take it (`--parallel ddp|fsdp|tp|fsdp+tp`),
+/// for Llama and Qwen3 models on a mesh with axes named `dp` and/or `tp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recipe {
+    /// [`replicate`] over `dp`, the batch split over `dp`.
+    Ddp,
+    /// [`fully_shard`] over `dp`, the batch split over `dp`.
+    Fsdp,
+    /// [`parallelize_module`] with [`llama_tp_plan`] over `tp`, the batch replicated.
+    Tp,
+    /// Tensor parallelism over `tp`, then FSDP over `dp`; the batch split over `dp`.
+    FsdpTp,
+}
+
+impl Recipe {
+    /// `ddp`, `fsdp`, `tp` or `fsdp+tp`.
+    pub fn parse(s: &str) -> Result<Recipe> {
+        match s {
+            "ddp" => Ok(Recipe::Ddp),
+            "fsdp" => Ok(Recipe::Fsdp),
+            "tp" => Ok(Recipe::Tp),
+            "fsdp+tp" | "tp+fsdp" => Ok(Recipe::FsdpTp),
+            _ => Err(Error::invalid("parallel", format!("unknown recipe {s:?}: expected ddp, fsdp, tp or fsdp+tp"))),
+        }
+    }
+
+    /// The mesh axes the recipe uses.
+    fn axes(self) -> &'static [&'static str] {
+        match self {
+            Recipe::Ddp | Recipe::Fsdp => &["dp"],
+            Recipe::Tp => &["tp"],
+            Recipe::FsdpTp => &["dp", "tp"],
+        }
+    }
+
+    /// Places `model`'s parameters on `mesh`.
+    pub fn apply<M: Module + ?Sized>(self, model: &mut M, mesh: &DeviceMesh) -> Result<()> {
+        for a in self.axes() {
+            mesh.axis_size(a).map_err(|_| {
+                Error::invalid(
+                    "parallel",
+                    format!("{self:?} needs a mesh axis named {a:?}, the mesh is {mesh} (e.g. --mesh dp=4 or dp=2,tp=2)"),
+                )
+            })?;
+        }
+        let sub = |a: &str| mesh.sub(&[a]);
+        match self {
+            Recipe::Ddp => replicate(model, &sub("dp")?),
+            Recipe::Fsdp => fully_shard(model, &sub("dp")?),
+            Recipe::Tp => parallelize_module(model, &sub("tp")?, &llama_tp_plan()),
+            Recipe::FsdpTp => {
+                parallelize_module(model, &sub("tp")?, &llama_tp_plan())?;
+                fully_shard(model, &sub("dp")?)
+            }
+        }
+    }
+
+    /// A batch of token ids placed as the recipe reads it.
+    pub fn place_batch(self, ids: &Tensor, mesh: &DeviceMesh) -> Result<Tensor> {
+        match self {
+            Recipe::Tp => ids.to_device(mesh.device()),
+            _ => shard_batch(ids, &mesh.sub(&["dp"])?),
+        }
+    }
+}
+
+/// A mesh from a spec like `dp=4` or `dp=2,tp=2` (axis names and sizes, row-major).
+pub fn parse_mesh(spec: &str, kind: kiln_tensor::DeviceKind) -> Result<DeviceMesh> {
+    let mut names = vec![];
+    let mut shape = vec![];
+    for part in spec.split(',') {
+        let (n, s) = part
+            .split_once('=')
+            .ok_or_else(|| Error::invalid("mesh", format!("{part:?} in {spec:?}: expected NAME=SIZE, e.g. dp=2,tp=2")))?;
+        let s: usize =
+            s.trim().parse().map_err(|_| Error::invalid("mesh", format!("{part:?} in {spec:?}: {s:?} is not a size")))?;
+        names.push(n.trim());
+        shape.push(s);
+    }
+    kiln_tensor::init_device_mesh(kind, &shape, &names)
+}
