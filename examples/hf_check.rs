@@ -6,7 +6,8 @@
 //! ```sh
 //! cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors \
 //!     [--dtype f32|bf16] [--steps N] [--lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1] \
-//!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled]
+//!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled] \
+//!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -22,6 +23,7 @@ use kiln::nn::io::{load_safetensors, save_safetensors};
 use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM};
 use kiln::nn::module::Module;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+use kiln::nn::parallel::{parse_mesh, Recipe};
 use kiln::prelude::*;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -43,6 +45,9 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
   --device D           device: cpu, or tpu (the PJRT backend; KILN_PJRT_PLUGIN picks the plugin) [default: cpu]
   --mode M             mode of the PJRT backend: strict, debug or defer, or compiled (AdamW steps 2..N
                        captured by kiln::compile, capturable AdamW) [default: strict, or KILN_TPU_MODE]
+  --mesh SPEC          run on a mesh of PJRT devices, e.g. dp=4 or dp=2,tp=2 (KILN_PJRT_CPU_DEVICES
+                       sets the number of XLA:CPU devices); needs --device tpu and --parallel
+  --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp
 ";
 
 struct Args {
@@ -56,6 +61,8 @@ struct Args {
     device: Device,
     /// AdamW steps 2..N run as one program captured by kiln::compile.
     compiled: bool,
+    /// The mesh and the recipe (`--mesh`, `--parallel`).
+    parallel: Option<(kiln::DeviceMesh, Recipe)>,
 }
 
 fn fail(msg: &str) -> ! {
@@ -74,6 +81,8 @@ fn parse_args() -> Args {
     let mut device = Device::Cpu;
     let mut mode = None;
     let mut compiled = false;
+    let mut mesh_spec = None;
+    let mut recipe = None;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
@@ -109,6 +118,8 @@ fn parse_args() -> Args {
                         .unwrap_or_else(|| fail(&format!("--mode {value}: expected strict, debug, defer or compiled"))),
                 )
             }
+            "--mesh" => mesh_spec = Some(value),
+            "--parallel" => recipe = Some(Recipe::parse(&value).unwrap_or_else(|e| fail(&e.to_string()))),
             other => fail(&format!("unknown option {other}")),
         }
     }
@@ -116,6 +127,16 @@ fn parse_args() -> Args {
     if let Some(m) = mode {
         kiln::tpu::set_mode(m);
     }
+    let parallel = match (mesh_spec, recipe) {
+        (None, None) => None,
+        (Some(spec), Some(r)) => {
+            if device.kind() != kiln::DeviceKind::Tpu {
+                fail("--mesh needs --device tpu");
+            }
+            Some((parse_mesh(&spec, kiln::DeviceKind::Tpu).unwrap_or_else(|e| fail(&e.to_string())), r))
+        }
+        _ => fail("--mesh and --parallel go together"),
+    };
     Args {
         model: model.unwrap_or_else(|| fail("--model is required")),
         input: input.unwrap_or_else(|| fail("--input-ids is required")),
@@ -124,8 +145,9 @@ fn parse_args() -> Args {
         steps,
         adamw,
         generate: gen,
-        device,
+        device: parallel.as_ref().map_or(device, |(m, _)| m.device()),
         compiled,
+        parallel,
     }
 }
 
@@ -148,7 +170,15 @@ fn main() {
 
 fn run(a: Args) -> Result<()> {
     let t0 = Instant::now();
-    let model = LlamaForCausalLM::from_pretrained(&a.model, a.dtype, a.device)?;
+    let mut model = LlamaForCausalLM::from_pretrained(&a.model, a.dtype, a.device)?;
+    if let Some((mesh, recipe)) = &a.parallel {
+        recipe.apply(&mut model, mesh)?;
+        eprintln!("parallel: {recipe:?} on {mesh}");
+        for (n, p) in model.named_parameters().iter().take(4) {
+            let placements: Vec<String> = p.placements()?.iter().map(|x| x.to_string()).collect();
+            eprintln!("  {n}: {:?} on {} as [{}]", p.shape(), p.device_mesh()?, placements.join(", "));
+        }
+    }
     let cfg = model.config();
     eprintln!(
         "loaded {} ({} layers, hidden {}, {} parameters) as {} on {} in {:.2}s",
@@ -171,7 +201,11 @@ fn run(a: Args) -> Result<()> {
                 format!("{k} must be an integer [B, T] tensor, got {:?} {}", t.shape(), t.dtype()),
             ));
         }
-        t.to_dtype(DType::I64)?.to_device(a.device)
+        let t = t.to_dtype(DType::I64)?;
+        match &a.parallel {
+            Some((mesh, recipe)) => recipe.place_batch(&t, mesh),
+            None => t.to_device(a.device),
+        }
     };
     let ids = get("input_ids")?;
     let mut out: BTreeMap<String, Tensor> = BTreeMap::new();

@@ -352,8 +352,11 @@ where
                         difference(prev, &sig)
                     ));
                 }
-                self.entries[p].state =
-                    if stable && replayable { EntryState::Ready(Box::new(trace), sig) } else { EntryState::Warming(sig) };
+                self.entries[p].state = if stable && replayable {
+                    EntryState::Ready(Box::new(trace), sig)
+                } else {
+                    EntryState::Warming(sig)
+                };
             }
             None => self.entries.push(Entry { guard, state: EntryState::Warming(sig) }),
         }

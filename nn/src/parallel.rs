@@ -213,7 +213,9 @@ impl Recipe {
             mesh.axis_size(a).map_err(|_| {
                 Error::invalid(
                     "parallel",
-                    format!("{self:?} needs a mesh axis named {a:?}, the mesh is {mesh} (e.g. --mesh dp=4 or dp=2,tp=2)"),
+                    format!(
+                        "{self:?} needs a mesh axis named {a:?}, the mesh is {mesh} (e.g. --mesh dp=4 or dp=2,tp=2)"
+                    ),
                 )
             })?;
         }
@@ -243,11 +245,13 @@ pub fn parse_mesh(spec: &str, kind: kiln_tensor::DeviceKind) -> Result<DeviceMes
     let mut names = vec![];
     let mut shape = vec![];
     for part in spec.split(',') {
-        let (n, s) = part
-            .split_once('=')
-            .ok_or_else(|| Error::invalid("mesh", format!("{part:?} in {spec:?}: expected NAME=SIZE, e.g. dp=2,tp=2")))?;
-        let s: usize =
-            s.trim().parse().map_err(|_| Error::invalid("mesh", format!("{part:?} in {spec:?}: {s:?} is not a size")))?;
+        let (n, s) = part.split_once('=').ok_or_else(|| {
+            Error::invalid("mesh", format!("{part:?} in {spec:?}: expected NAME=SIZE, e.g. dp=2,tp=2"))
+        })?;
+        let s: usize = s
+            .trim()
+            .parse()
+            .map_err(|_| Error::invalid("mesh", format!("{part:?} in {spec:?}: {s:?} is not a size")))?;
         names.push(n.trim());
         shape.push(s);
     }
