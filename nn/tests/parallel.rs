@@ -1,8 +1,10 @@
-//! The llama fixture trained with every parallelism recipe on the XLA:CPU
-//! plugin's four devices (`kiln::nn::parallel`): data parallelism, FSDP,
+//! The llama and qwen3 fixtures trained with every parallelism recipe on the
+//! XLA:CPU plugin's devices (`kiln::nn::parallel`): data parallelism, FSDP,
 //! tensor parallelism and 2-D FSDP x TP reproduce the single-device golden
 //! values (logits, loss, every gradient, AdamW step 1 and step 10, the loss
-//! curve) eagerly and with the AdamW steps captured by `kiln::compile`.
+//! curve) eagerly and with the AdamW steps captured by `kiln::compile`, on
+//! four devices, and on eight (`KILN_PJRT_CPU_DEVICES=8`, set by this binary
+//! before the backend starts).
 mod support;
 
 use kiln::nn::io::load_safetensors;
@@ -22,16 +24,24 @@ enum Recipe {
     FsdpTp,
 }
 
-/// Loads the llama fixture onto a mesh, applies `recipe`, and checks one
-/// forward/backward and ten AdamW steps against the golden file.
-fn check(recipe: Recipe, compiled: bool) {
+/// Registers the PJRT backend with eight XLA:CPU devices.
+fn eight_devices() {
+    // Every test of this binary asks for the same count, once, before the backend starts.
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| std::env::set_var("KILN_PJRT_CPU_DEVICES", "8"));
     register_tpu();
-    let name = "llama";
+}
+
+/// Loads fixture `name` onto a mesh of `shape` ("dp" and/or "tp" axes),
+/// applies `recipe`, and checks one forward/backward and ten AdamW steps
+/// against the golden file.
+fn check(name: &str, recipe: Recipe, shape: &[usize], compiled: bool) {
+    eight_devices();
     let g = load_safetensors(fixture_dir(name).join("golden.safetensors")).unwrap();
-    let (shape, names): (&[usize], &[&str]) = match recipe {
-        Recipe::Ddp | Recipe::Fsdp => (&[4], &["dp"]),
-        Recipe::Tp => (&[4], &["tp"]),
-        Recipe::FsdpTp => (&[2, 2], &["dp", "tp"]),
+    let names: &[&str] = match recipe {
+        Recipe::Ddp | Recipe::Fsdp => &["dp"],
+        Recipe::Tp => &["tp"],
+        Recipe::FsdpTp => &["dp", "tp"],
     };
     let mesh = init_device_mesh(DeviceKind::Tpu, shape, names).unwrap();
     let mut model = LlamaForCausalLM::from_pretrained(fixture_dir(name), DType::F32, mesh.device()).unwrap();
@@ -76,7 +86,7 @@ fn check(recipe: Recipe, compiled: bool) {
     };
     assert_eq!((root(q), root(o)), (wq, wo), "{recipe:?}");
 
-    let what = format!("{recipe:?} {}", if compiled { "compiled" } else { "eager" });
+    let what = format!("{name} {recipe:?} {shape:?} {}", if compiled { "compiled" } else { "eager" });
     let logits = model.forward(&ids, None).unwrap();
     let (la, lr) = tolerance(name, "logits");
     assert_close(&format!("{what} logits"), &logits, &g["logits"], la, lr);
@@ -133,32 +143,48 @@ fn check(recipe: Recipe, compiled: bool) {
 }
 
 #[test]
-fn data_parallel_reproduces_the_fixture() {
-    check(Recipe::Ddp, false);
-    check(Recipe::Ddp, true);
+fn data_parallel_reproduces_the_fixtures() {
+    for compiled in [false, true] {
+        check("llama", Recipe::Ddp, &[4], compiled);
+        check("qwen3", Recipe::Ddp, &[4], compiled);
+    }
 }
 
 #[test]
-fn fsdp_reproduces_the_fixture() {
-    check(Recipe::Fsdp, false);
-    check(Recipe::Fsdp, true);
+fn fsdp_reproduces_the_fixtures() {
+    for compiled in [false, true] {
+        check("llama", Recipe::Fsdp, &[4], compiled);
+        check("qwen3", Recipe::Fsdp, &[4], compiled);
+    }
 }
 
 #[test]
-fn tensor_parallel_reproduces_the_fixture() {
-    check(Recipe::Tp, false);
-    check(Recipe::Tp, true);
+fn tensor_parallel_reproduces_the_fixtures() {
+    for compiled in [false, true] {
+        check("llama", Recipe::Tp, &[4], compiled);
+        check("qwen3", Recipe::Tp, &[4], compiled);
+    }
 }
 
 #[test]
-fn fsdp_times_tp_reproduces_the_fixture() {
-    check(Recipe::FsdpTp, false);
-    check(Recipe::FsdpTp, true);
+fn fsdp_times_tp_reproduces_the_fixtures() {
+    for compiled in [false, true] {
+        check("llama", Recipe::FsdpTp, &[2, 2], compiled);
+        check("qwen3", Recipe::FsdpTp, &[2, 2], compiled);
+    }
+}
+
+#[test]
+fn eight_devices_reproduce_the_fixture() {
+    for compiled in [false, true] {
+        check("llama", Recipe::FsdpTp, &[4, 2], compiled);
+        check("qwen3", Recipe::Fsdp, &[8], compiled);
+    }
 }
 
 #[test]
 fn a_plan_that_matches_nothing_is_an_error() {
-    register_tpu();
+    eight_devices();
     let mesh = init_device_mesh(DeviceKind::Tpu, &[4], &["tp"]).unwrap();
     let mut model = LlamaForCausalLM::from_pretrained(fixture_dir("llama"), DType::F32, mesh.device()).unwrap();
     let e = parallelize_module(&mut model, &mesh, &[("model.layers.*.mlp.gate", ParallelStyle::ColwiseParallel)])
