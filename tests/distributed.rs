@@ -202,6 +202,11 @@ fn in_place_writes_reach_the_shards_through_views() {
 #[test]
 fn redistribute_moves_data_between_placements() {
     let m = mesh(&[2, 2], &["dp", "tp"]);
+    in_every_mode(|_| redistribute_chain(&m));
+}
+
+fn redistribute_chain(m: &DeviceMesh) {
+    let m = m.clone();
     let x = tensor(&[5, 6], 0.5);
     let d = distribute_tensor(&x, &m, &[Shard(0), Shard(1)]).unwrap();
     let chain: [[Placement; 2]; 4] =
@@ -270,10 +275,10 @@ fn misuse_is_a_clear_error() {
     assert!(e(d.redistribute(&m, &[PARTIAL])).contains("cannot make a Partial placement"));
     assert!(one.placements().unwrap_err().to_string().contains("not a device mesh"));
     assert!(x.to_local().unwrap_err().to_string().contains("not on a device mesh"));
-    // Inside a traced function, redistribution is not traced yet: an error, not a fallback.
-    let mut f = kiln::compile(m.device(), |xs: &[Tensor]| Ok(vec![xs[0].redistribute(&m, &[Replicate])?]));
+    // Inside a traced function, shards are not traced yet: an error, not a fallback.
+    let mut f = kiln::compile(m.device(), |xs: &[Tensor]| Ok(vec![xs[0].to_local()?.remove(0)]));
     let r = f.call(std::slice::from_ref(&d)).map(|_| ());
-    assert!(r.unwrap_err().to_string().contains("redistribute, to_local and from_local are not traced yet"));
+    assert!(r.unwrap_err().to_string().contains("to_local, from_local and reading data are not traced yet"));
     // A mesh device that does not exist.
     assert!(e(Tensor::zeros(&[1], (DType::F32, Device::Mesh(999)))).contains("no mesh has id 999"));
 }

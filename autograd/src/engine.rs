@@ -50,6 +50,18 @@ impl Sink<'_> {
                     drop(g);
                     d
                 };
+                // A distributed parameter's gradient takes the parameter's placements
+                // (FSDP's reduce-scatter, DDP's all-reduce: Note [Parallelism recipes] in kiln-nn).
+                let g = if leaf.is_distributed() && g.is_distributed() {
+                    let (mesh, placements) = (leaf.device_mesh()?, leaf.placements()?);
+                    if g.device_mesh()? != mesh || g.placements()? != placements {
+                        g.redistribute(&mesh, &placements)?
+                    } else {
+                        g
+                    }
+                } else {
+                    g
+                };
                 // Read, add and store under the leaf's gradient lock (concurrent backward passes).
                 leaf.update_grad(|old| {
                     Ok(match old {

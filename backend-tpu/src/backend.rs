@@ -184,7 +184,7 @@ impl PjrtBackend {
     /// while tracing, else the device's pending graph (DeferAndFuse), which runs
     /// when `f` asks (an op with a device-side check: its error surfaces at the
     /// call) or when it holds `KILN_TPU_DEFER_MAX_OPS` ops.
-    fn defer<R>(&self, device: Device, f: impl FnOnce(&mut Graph) -> Result<(R, bool)>) -> Result<R> {
+    pub(crate) fn defer<R>(&self, device: Device, f: impl FnOnce(&mut Graph) -> Result<(R, bool)>) -> Result<R> {
         let mut f = Some(f);
         let mut on = |g: &mut Graph| f.take().map(|f| f(g));
         if let Some(r) = graph::with_capture(device, &mut on).flatten() {

@@ -701,11 +701,22 @@ fn replay(
                 backend.launch_mesh(&t.exe, "a compiled function", mesh, &shards, &t.out_meta, &non_donatable)?;
             // Check flags are replicated: the first device's copy is read.
             let flags = bufs.split_off(t.sinks.len()).into_iter().map(|mut f| f.swap_remove(0)).collect();
+            // A storage written in place keeps the mesh it was placed on.
+            let view_of = |st: &Arc<Storage>| match data_in(&st.read(), device) {
+                Ok(PjrtBuffer::Sharded(s)) => s.view.clone(),
+                _ => mesh.clone(),
+            };
             let datas = bufs
                 .into_iter()
                 .zip(shardings)
-                .map(|(bufs, (sharding, shape))| {
-                    let sh = Shards { bufs, sharding: sharding.clone(), shape: shape.clone(), view: mesh.clone() };
+                .zip(&t.sinks)
+                .map(|((bufs, (sharding, shape)), sink)| {
+                    let view = match sink {
+                        Sink::Input(k) => view_of(inputs[*k].storage()),
+                        Sink::State(w) => w.upgrade().map_or(mesh.clone(), |st| view_of(&st)),
+                        Sink::Fresh => mesh.clone(),
+                    };
+                    let sh = Shards { bufs, sharding: sharding.clone(), shape: shape.clone(), view };
                     PjrtBuffer::Sharded(Arc::new(sh))
                 })
                 .collect();

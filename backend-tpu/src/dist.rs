@@ -44,8 +44,9 @@ use std::sync::Arc;
 // mesh: each source's shards go in, each sink gets new shards with the
 // traced sharding; an input's sharding is part of the guard, and state whose
 // sharding changed since the trace is an error, so a replay never reads
-// shards laid out for another program. Redistribution, `to_local` and
-// `from_local` inside a traced function are an error for now.
+// shards laid out for another program. `redistribute` under DeferAndFuse and
+// in traced functions is a graph result carrying the target sharding;
+// `to_local` and `from_local` inside a traced function are an error for now.
 
 /// What a storage on a mesh device holds.
 #[derive(Debug)]
@@ -69,7 +70,7 @@ pub(crate) fn unsupported_mode(device: Device) -> Error {
     Error::invalid(
         "pjrt",
         format!(
-            "inside a function traced by kiln::compile, tensors on {device} (a device mesh) take ops and in-place writes; redistribute, to_local and from_local are not traced yet: call them outside the function"
+            "inside a function traced by kiln::compile, tensors on {device} (a device mesh) take ops, in-place writes and redistribute; to_local, from_local and reading data are not traced yet: call them outside the function"
         ),
     )
 }
@@ -246,7 +247,8 @@ impl PjrtBackend {
         for (slot, bufs) in slots.iter().zip(bufs) {
             let (sharding, shape) =
                 slot.sharding.clone().ok_or_else(|| err("a mesh graph's output without a sharding"))?;
-            let _ = slot.shards.set(Arc::new(Shards { bufs, sharding, shape, view: mesh.clone() }));
+            let view = slot.view.get().cloned().unwrap_or_else(|| mesh.clone());
+            let _ = slot.shards.set(Arc::new(Shards { bufs, sharding, shape, view }));
         }
         for (flag, (c, name, inputs)) in flags.iter().zip(&checks) {
             let refs: Vec<&Tensor> = inputs.iter().collect();
@@ -543,12 +545,19 @@ impl PjrtBackend {
         if !matches!(t.device(), Device::Mesh(_)) {
             return Err(Error::device("placements", format!("{} is not a device mesh", t.device())));
         }
-        let s = self.shards(t)?;
-        let view = shard::view_sharding(&s.sharding, &s.shape, t.layout());
-        if let Some(p) = view.placements_on(&s.view) {
-            return Ok((s.view.clone(), p));
+        // From the storage's sharding, ready or pending (a pending one is not run for this).
+        let data = crate::graph::data_in(&t.storage().read(), t.device())?;
+        let (sharding, shape) = storage_sharding(&data).ok_or_else(|| err("a tensor on a mesh without shards"))?;
+        let placed_on = match &data {
+            PjrtBuffer::Sharded(s) => s.view.clone(),
+            PjrtBuffer::Deferred(slot) => slot.view.get().cloned().unwrap_or_else(|| sharding.mesh.clone()),
+            PjrtBuffer::Ready(_) => sharding.mesh.clone(),
+        };
+        let view = shard::view_sharding(&sharding, &shape, t.layout());
+        if let Some(p) = view.placements_on(&placed_on) {
+            return Ok((placed_on, p));
         }
-        let root = s.view.root();
+        let root = placed_on.root();
         let p = view.placements_on(&root).ok_or_else(|| err("a sharding off its own mesh"))?;
         Ok((root, p))
     }
@@ -560,10 +569,11 @@ impl PjrtBackend {
         mesh: &DeviceMesh,
         placements: &[Placement],
     ) -> Result<Tensor> {
-        let s = self.shards(t)?;
-        shard::check_mesh(&s.sharding, mesh)?;
+        let data = crate::graph::data_in(&t.storage().read(), t.device())?;
+        let (sharding, shape) = storage_sharding(&data).ok_or_else(|| err("a tensor on a mesh without shards"))?;
+        shard::check_mesh(&sharding, mesh)?;
         let target = Sharding::from_placements(mesh, placements, t.ndim())?;
-        let current = shard::view_sharding(&s.sharding, &s.shape, t.layout());
+        let current = shard::view_sharding(&sharding, &shape, t.layout());
         if !target.unreduced.is_empty() && target.unreduced != current.unreduced {
             return Err(Error::invalid(
                 "redistribute",
@@ -573,6 +583,11 @@ impl PjrtBackend {
                 ),
             ));
         }
+        if mode() == Mode::Defer || crate::graph::is_tracing() {
+            // Deferred (and traced): the view, as a result carrying the target sharding.
+            let st = self.defer(t.device(), |g| g.append_reshard(t, target, mesh.clone()).map(|st| (st, false)))?;
+            return Tensor::from_storage(st, Layout::contiguous(t.shape()));
+        }
         let shards = self.materialize(t, target, mesh.clone())?;
         let st = self.mesh_storage(Arc::try_unwrap(shards).map_err(|_| err("shards shared"))?, t.dtype(), t.device());
         Tensor::from_storage(st, Layout::contiguous(t.shape()))
@@ -580,6 +595,9 @@ impl PjrtBackend {
 
     /// `Backend::local_shards`: each device's real (unpadded) shard of `t`'s view.
     pub(crate) fn local_shards_of(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        if crate::graph::is_tracing() {
+            return Err(unsupported_mode(t.device()));
+        }
         let (mesh, placements) = self.placements_of(t)?;
         let s = self.shards(t)?;
         // A view other than the storage itself is materialized with its placements first.
@@ -612,6 +630,9 @@ impl PjrtBackend {
         placements: &[Placement],
         shape: &[usize],
     ) -> Result<Tensor> {
+        if crate::graph::is_tracing() {
+            return Err(unsupported_mode(mesh.device()));
+        }
         let sharding = Sharding::from_placements(mesh, placements, shape.len())?;
         let local = sharding.shard_shape(shape);
         let dtype = shards[0].dtype();

@@ -8,7 +8,7 @@ use crate::dist::Shards;
 use crate::host_values::{HostLog, HostValues};
 use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
 use crate::pjrt::Buffer;
-use kiln_tensor::{DType, Device, Error, Meta, Op, Result, Storage, StorageData, Tensor};
+use kiln_tensor::{DType, Device, DeviceMesh, Error, Meta, Op, Result, Storage, StorageData, Tensor};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -63,6 +63,8 @@ pub struct Slot {
     pub shards: OnceLock<Arc<Shards>>,
     /// A mesh graph's output: the storage's sharding and n-d shape.
     pub sharding: Option<(Sharding, Vec<usize>)>,
+    /// A mesh graph's output placed on a sub-mesh (`redistribute`): that mesh.
+    pub view: OnceLock<kiln_tensor::DeviceMesh>,
 }
 
 /// The pending graph of one device.
@@ -169,7 +171,23 @@ impl Graph {
     /// in a mesh graph, with the storage's sharding and n-d shape (the padded
     /// n-d value is what the program returns).
     pub fn output(&mut self, v: Val, sharding: Option<(Sharding, Vec<usize>)>) -> Arc<Slot> {
-        let nd = sharding.as_ref().map(|(s, shape)| (crate::dist::padded(&mut self.builder, &v, shape, s), s.clone()));
+        let (v, nd) = match &sharding {
+            // A partial sum is declared unreduced where it is made, and later ops
+            // read it reduced (as a one-op program reads its arguments): Shardy
+            // wants both transitions spelled out.
+            Some((s, shape)) if !s.unreduced.is_empty() => {
+                let x = self.builder.reshape(&v, shape);
+                let u = self.builder.reshard(&x, s);
+                let r = self.builder.reshard(&u, &s.reduced());
+                let flat = self.builder.reshape(&r, &[v.ty.numel()]);
+                (flat, Some((crate::dist::padded(&mut self.builder, &u, shape, s), s.clone())))
+            }
+            Some((s, shape)) => {
+                let nd = crate::dist::padded(&mut self.builder, &v, shape, s);
+                (v, Some((nd, s.clone())))
+            }
+            None => (v, None),
+        };
         let slot = Arc::new(Slot {
             graph: self.id,
             device: self.device,
@@ -177,6 +195,7 @@ impl Graph {
             filled: OnceLock::new(),
             shards: OnceLock::new(),
             sharding,
+            view: OnceLock::new(),
         });
         self.outs.push((v, Arc::downgrade(&slot)));
         self.out_nd.push(nd);
@@ -311,6 +330,26 @@ impl Graph {
         drop(w);
         self.ops += 1;
         Ok(())
+    }
+
+    /// Appends `t`'s view as a new storage of a mesh graph whose value carries
+    /// `target` (a redistribution: the partitioner moves the data).
+    pub fn append_reshard(&mut self, t: &Tensor, target: Sharding, view: DeviceMesh) -> Result<Arc<Storage>> {
+        let flat = self.value_of(&data_of(t)?, t.storage())?;
+        let v = lower::read_view(&mut self.builder, &flat, t.layout())?;
+        let n = t.numel();
+        let flat = self.builder.reshape(&v, &[n]);
+        let slot = self.output(flat, Some((target, t.shape().to_vec())));
+        let _ = slot.view.set(view);
+        let st = Arc::new(Storage::new(
+            StorageData::Device(Box::new(PjrtBuffer::Deferred(slot.clone()))),
+            t.dtype(),
+            n,
+            t.device(),
+        ));
+        self.sinks[slot.index] = Arc::downgrade(&st);
+        self.ops += 1;
+        Ok(st)
     }
 
     /// DeferAndFuse's program of the graph: its live outputs (slots someone

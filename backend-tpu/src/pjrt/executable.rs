@@ -171,14 +171,32 @@ impl Executable {
                 a.len()
             )));
         }
-        // Two programs with collectives launched at once from two threads could be
-        // queued in different orders on different devices, and each device would
-        // then wait in a collective the others run later: a deadlock (the plugin
-        // aborts the process after its rendezvous timeout). Launches over several
-        // devices are therefore enqueued one at a time, in one order on every device.
-        static LAUNCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _one_at_a_time = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
-        self.launch(args, None, out_meta, non_donatable, launch_id)
+        // Two programs with collectives in flight at once (launched from two
+        // threads) can deadlock: queued in different orders on different devices,
+        // or each holding some of the plugin's threads while its collective waits
+        // for participants that cannot start (seen on XLA:CPU: "Expected 8 threads
+        // to join the rendezvous", then the plugin aborts the process). So one
+        // program over several devices runs at a time: a launch waits until the
+        // previous one's outputs are computed (its own errors surface to its owner).
+        static IN_FLIGHT: std::sync::Mutex<Vec<Event>> = std::sync::Mutex::new(Vec::new());
+        let mut previous = IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner());
+        for e in previous.drain(..) {
+            let _ = e.wait("the previous program over several devices");
+        }
+        let (outs, events) = self.launch(args, None, out_meta, non_donatable, launch_id)?;
+        for o in &outs {
+            match o.first() {
+                Some(b) => previous.push(b.ready_event()?),
+                None => {
+                    // No output to watch: wait for this launch before letting another start.
+                    for e in &events {
+                        let _ = e.wait("a program over several devices");
+                    }
+                    break;
+                }
+            }
+        }
+        Ok((outs, events))
     }
 
     /// `PJRT_LoadedExecutable_Execute` over `args.len()` devices (or on
