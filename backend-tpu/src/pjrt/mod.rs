@@ -308,25 +308,27 @@ impl Client {
         })
     }
 
-    /// The global id of device `i` (what device assignments name; on XLA:CPU,
-    /// process p's devices start at 2048 p).
-    pub fn device_id(&self, i: usize) -> Result<i64> {
+    /// The description of device `i` (owned by the client).
+    fn description(&self, i: usize) -> Result<*mut ffi::PJRT_DeviceDescription> {
         let mut g = ffi::PJRT_Device_GetDescription_Args::new();
         g.device = self.device(i)?;
         self.api.call("Device_GetDescription", self.api.t().device_get_description, &mut g)?;
+        Ok(g.device_description)
+    }
+
+    /// The global id of device `i` (what device assignments name; on XLA:CPU,
+    /// process p's devices start at 2048 p).
+    pub fn device_id(&self, i: usize) -> Result<i64> {
         let mut a = ffi::PJRT_DeviceDescription_Id_Args::new();
-        a.device_description = g.device_description;
+        a.device_description = self.description(i)?;
         self.api.call("DeviceDescription_Id", self.api.t().device_description_id, &mut a)?;
         Ok(a.id as i64)
     }
 
     /// The kind of device `i`, as the plugin describes it (e.g. `cpu`, `TPU v5 lite`).
     pub fn device_kind(&self, i: usize) -> Result<String> {
-        let mut g = ffi::PJRT_Device_GetDescription_Args::new();
-        g.device = self.device(i)?;
-        self.api.call("Device_GetDescription", self.api.t().device_get_description, &mut g)?;
         let mut k = ffi::PJRT_DeviceDescription_Kind_Args::new();
-        k.device_description = g.device_description;
+        k.device_description = self.description(i)?;
         self.api.call("DeviceDescription_Kind", self.api.t().device_description_kind, &mut k)?;
         if k.device_kind.is_null() {
             return Ok(String::new());
