@@ -29,6 +29,8 @@ pub struct LlmArgs {
     pub new_tokens: usize,
     /// `train` only: the step captured by `kiln::compile` (capturable AdamW).
     pub compiled: bool,
+    /// `train` only: a mesh spec (`dp=4`) and a recipe (`fsdp`), see `kiln::nn::parallel`.
+    pub parallel: Option<(String, String)>,
 }
 
 /// The model presets, as Hugging Face `config.json` values.
@@ -92,15 +94,34 @@ fn time_steps(warmup: usize, steps: usize, mut f: impl FnMut() -> Result<()>) ->
 /// `train`: zero_grad + forward + backward + AdamW step + reading the loss.
 pub fn train(a: &LlmArgs) -> Result<Line> {
     let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
-    let mut model = LlamaForCausalLM::new(&cfg, (DType::F32, a.device))?;
+    let recipe = match &a.parallel {
+        Some((spec, r)) => {
+            Some((kiln::nn::parallel::parse_mesh(spec, a.device.kind())?, kiln::nn::parallel::Recipe::parse(r)?))
+        }
+        None => None,
+    };
+    let device = recipe.as_ref().map_or(a.device, |(m, _)| m.device());
+    let mut model = LlamaForCausalLM::new(&cfg, (DType::F32, device))?;
+    if let Some((mesh, r)) = &recipe {
+        r.apply(&mut model, mesh)?;
+    }
     model.train(true);
     let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
-    let mut opt = AdamW::new(model.parameters(), adamw)?;
+    let mut opt = AdamW::new(model.named_parameters(), adamw)?;
     opt.set_capturable(a.compiled)?;
-    let ids = random_ids(a.batch, a.seq, cfg.vocab_size, a.device)?;
+    let ids = random_ids(a.batch, a.seq, cfg.vocab_size, Device::Cpu)?;
+    let ids = match &recipe {
+        Some((mesh, r)) => r.place_batch(&ids, mesh)?,
+        None => ids.to_device(device)?,
+    };
     let mut losses = vec![];
     if a.compiled {
-        return train_compiled(a, &model, &mut opt, &ids);
+        let a = LlmArgs { device, ..a.clone() };
+        let l = train_compiled(&a, &model, &mut opt, &ids)?;
+        return match &recipe {
+            Some((mesh, r)) => memory_line(l, &model, &opt, mesh, &format!("{r:?}")),
+            None => Ok(l),
+        };
     }
     // On a PJRT device: the executable cache's counters over the timed steps.
     let pjrt = a.device.kind() == kiln::DeviceKind::Tpu;
@@ -136,6 +157,36 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
             .set("pjrt_disk_load_s", sig4(s1.load_secs));
     }
     Ok(l)
+}
+
+/// Per-device bytes of parameters, gradients and AdamW state of a model on a
+/// mesh (the largest over devices), against the same model on one device.
+fn memory_line(l: Line, model: &LlamaForCausalLM, opt: &AdamW, mesh: &kiln::DeviceMesh, recipe: &str) -> Result<Line> {
+    let n = mesh.devices().len();
+    let (mut per_device, mut whole) = (vec![0usize; n], 0usize);
+    let mut add = |t: &Tensor| -> Result<()> {
+        whole += t.numel() * t.dtype().size_in_bytes();
+        for (i, s) in t.to_local()?.iter().enumerate() {
+            per_device[i] += s.numel() * s.dtype().size_in_bytes();
+        }
+        Ok(())
+    };
+    for (name, p) in model.named_parameters() {
+        add(&p)?;
+        if let Some(g) = p.grad() {
+            add(&g)?;
+        }
+        if let Some(st) = opt.state(&name) {
+            add(&st.exp_avg)?;
+            add(&st.exp_avg_sq)?;
+        }
+    }
+    let worst = per_device.iter().copied().max().unwrap_or(0);
+    Ok(l.set("mesh", mesh.to_string())
+        .set("parallel", recipe)
+        .set("state_mb_per_device", sig4(worst as f64 / (1 << 20) as f64))
+        .set("state_mb_unsharded", sig4(whole as f64 / (1 << 20) as f64))
+        .set("state_fraction_per_device", sig4(worst as f64 / whole.max(1) as f64)))
 }
 
 /// The line of a `train` run: throughput from the sorted step times, first and last loss, peak RSS.
@@ -301,6 +352,7 @@ mod tests {
             prompt: 4,
             new_tokens: 3,
             compiled: false,
+            parallel: None,
         }
     }
 

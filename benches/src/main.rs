@@ -110,6 +110,9 @@ struct Args {
     warmup: Option<usize>,
     prompt: usize,
     new_tokens: usize,
+    /// `train --mesh SPEC --parallel R`.
+    mesh: Option<String>,
+    parallel: Option<String>,
 }
 
 fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> std::result::Result<Vec<T>, String> {
@@ -146,6 +149,8 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         warmup: None,
         prompt: 64,
         new_tokens: 64,
+        mesh: None,
+        parallel: None,
     };
     let mut it = argv.iter();
     while let Some(arg) = it.next() {
@@ -186,6 +191,8 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--warmup" => a.warmup = Some(value()?.parse().map_err(|_| "--warmup needs an integer".to_string())?),
             "--prompt" => a.prompt = int("--prompt", &value()?)?,
             "--new-tokens" => a.new_tokens = int("--new-tokens", &value()?)?,
+            "--mesh" => a.mesh = Some(value()?),
+            "--parallel" => a.parallel = Some(value()?),
             c if !c.starts_with('-') && a.cmd.is_empty() => a.cmd = c.to_string(),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -252,6 +259,14 @@ fn main() -> ExitCode {
                 prompt: args.prompt,
                 new_tokens: args.new_tokens,
                 compiled: args.compiled,
+                parallel: match (&args.mesh, &args.parallel) {
+                    (Some(m), Some(p)) => Some((m.clone(), p.clone())),
+                    (None, None) => None,
+                    _ => {
+                        eprintln!("kiln-bench: --mesh and --parallel go together");
+                        return ExitCode::from(2);
+                    }
+                },
             };
             let r = match cmd {
                 "train" => llm::train(&a),

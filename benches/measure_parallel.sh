@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The parallelism measurements in one run (see the README): the llama-16m
+# training step captured by kiln::compile on 4 XLA:CPU devices under DDP, FSDP
+# and FSDP x TP, each with
+#   - the collectives of its optimized program (count and bytes per step, from
+#     XLA's dump, benches/collectives.py) against the recipe's minimum,
+#   - the per-device bytes of parameters + gradients + AdamW state against the
+#     unsharded model (state_fraction_per_device; FSDP's target is 1/N),
+#   - tokens/s against the one-device step with the same per-device batch.
+# On a 2-core machine the 4 devices share 2 cores: tokens/s measures the
+# partitioning overhead, not a speed-up.
+# Usage: benches/measure_parallel.sh [BATCH]   (global batch, default 8; seq 256)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+cargo build --release -p kiln-bench >&2
+BIN=target/release/kiln-bench
+B="${1:-8}"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+quiet() { grep -v '^WARNING\|^I0000\|^W0000\|^E0000' || true; }
+common=(train --preset llama-16m --seq 256 --steps 3 --warmup 2 --device tpu --mode compiled)
+
+echo "== one device, the per-device batch ($((B / 4))) and the global batch ($B)"
+for b in $((B / 4)) "$B"; do
+    "$BIN" "${common[@]}" --batch "$b" 2>&1 | quiet | tail -1
+done
+
+for p in "dp=4 ddp" "dp=4 fsdp" "dp=2,tp=2 fsdp+tp"; do
+    set -- $p
+    echo "== --mesh $1 --parallel $2, global batch $B"
+    rm -rf "$TMP/dump"
+    XLA_FLAGS="--xla_dump_to=$TMP/dump --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" KILN_CACHE_DIR="$TMP/cache" \
+        "$BIN" "${common[@]}" --batch "$B" --mesh "$1" --parallel "$2" 2>&1 | quiet | tail -1
+    python3 benches/collectives.py "$TMP/dump"
+done
