@@ -2,7 +2,8 @@
 //! XLA:CPU plugin's devices (`kiln::nn::parallel`): data parallelism, FSDP,
 //! tensor parallelism and 2-D FSDP x TP reproduce the single-device golden
 //! values (logits, loss, every gradient, AdamW step 1 and step 10, the loss
-//! curve) eagerly and with the AdamW steps captured by `kiln::compile`, on
+//! curve, and the global gradient norm that clipping uses) eagerly and with
+//! the AdamW steps captured by `kiln::compile`, on
 //! four devices, and on eight (`KILN_PJRT_CPU_DEVICES=8`, set by this binary
 //! before the backend starts).
 mod support;
@@ -101,6 +102,16 @@ fn check(name: &str, recipe: Recipe, shape: &[usize], compiled: bool) {
         assert_close(&format!("{what} grad.{n}"), &grad, &g[&format!("grad.{n}")], ga, gr);
     }
 
+    // Gradient clipping's global norm over sharded gradients equals the norm of the golden ones.
+    let norm = kiln::nn::clip::grad_norm(&model.parameters()).unwrap().item::<f32>().unwrap() as f64;
+    let want: f64 = g
+        .iter()
+        .filter(|(k, _)| k.starts_with("grad."))
+        .flat_map(|(_, t)| t.to_vec_f64().unwrap())
+        .map(|x| x * x)
+        .sum::<f64>()
+        .sqrt();
+    assert!((norm - want).abs() <= 1e-5 * want, "{what}: global gradient norm {norm} vs {want}");
     let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
     let mut opt = AdamW::new(model.named_parameters(), cfg).unwrap();
     opt.set_capturable(compiled).unwrap();
