@@ -150,6 +150,12 @@ fn ops_on_distributed_tensors_equal_the_cpu_and_keep_placements() {
         let sm = dx.softmax(-1).unwrap();
         close(&sm, &x.softmax(-1).unwrap());
         assert_eq!(sm.placements().unwrap(), vec![Shard(0), Replicate]);
+        // Fused attention works row by row: the batch split stays (and so does its gradient's).
+        let (q, k, v) = (tensor(&[4, 2, 5, 8], 0.2), tensor(&[4, 2, 5, 8], 0.6), tensor(&[4, 2, 5, 8], 0.9));
+        let place = |t: &Tensor| distribute_tensor(t, &m, &[Shard(0), Replicate]).unwrap();
+        let att = place(&q).scaled_dot_product_attention(&place(&k), &place(&v), true, None).unwrap();
+        close(&att, &q.scaled_dot_product_attention(&k, &v, true, None).unwrap());
+        assert_eq!(att.placements().unwrap(), vec![Shard(0), Replicate]);
         // Views: a transpose reports the permuted split, a slice reads through the storage.
         let t = dx.t().unwrap();
         assert_eq!(t.placements().unwrap(), vec![Shard(1), Replicate]);

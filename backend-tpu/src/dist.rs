@@ -153,13 +153,14 @@ pub(crate) fn storage_sharding(data: &PjrtBuffer) -> Option<(Sharding, Vec<usize
 pub(crate) fn constrain(
     b: &mut Builder,
     op: &Op,
+    input: usize,
     v: Val,
     sharding: &Sharding,
     shape: &[usize],
     t: &Tensor,
 ) -> (Val, Sharding) {
     let view = shard::view_sharding(sharding, shape, t.layout()).reduced();
-    let need = shard::in_sharding(op, &view, t.shape());
+    let need = shard::in_sharding(op, input, &view, t.shape());
     if need == view {
         (v, need)
     } else {
@@ -367,13 +368,12 @@ impl PjrtBackend {
             (vec![lower::creation_lower(&mut p.b, op, &args)?], vec![])
         } else {
             let mut vals = vec![];
-            for t in inputs {
+            for (i, t) in inputs.iter().enumerate() {
                 let s = self.shards(t)?;
                 let flat = p.storage_value(&s, t.dtype())?;
                 let v = lower::read_view(&mut p.b, &flat, t.layout())?;
-                let view = shard::view_sharding(&s.sharding, &s.shape, t.layout()).reduced();
-                let need = shard::in_sharding(op, &view, t.shape());
-                vals.push(if need == view { v } else { p.b.reshard(&v, &need) });
+                let (v, need) = constrain(&mut p.b, op, i, v, &s.sharding, &s.shape, t);
+                vals.push(v);
                 in_shardings.push((t.shape().to_vec(), need));
             }
             lower::lower_op(&mut p.b, op, &vals, outs)?

@@ -262,13 +262,13 @@ impl Graph {
             (vec![lower::creation_lower(&mut self.builder, op, &args)?], vec![])
         } else {
             let mut vals = Vec::with_capacity(inputs.len());
-            for t in inputs {
+            for (i, t) in inputs.iter().enumerate() {
                 let data = data_of(t)?;
                 let flat = self.value_of(&data, t.storage())?;
                 let v = lower::read_view(&mut self.builder, &flat, t.layout())?;
                 vals.push(match crate::dist::storage_sharding(&data) {
                     Some((s, shape)) => {
-                        let (v, need) = crate::dist::constrain(&mut self.builder, op, v, &s, &shape, t);
+                        let (v, need) = crate::dist::constrain(&mut self.builder, op, i, v, &s, &shape, t);
                         in_shardings.push((t.shape().to_vec(), need));
                         v
                     }

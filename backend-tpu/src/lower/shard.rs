@@ -244,8 +244,13 @@ impl Sharding {
 // - a matmul keeps the rows' split of its left operand and the columns' split
 //   of its right one, and a contraction split over the same axes on both
 //   sides leaves a partial sum over them;
-// - softmax, log-softmax, RMSNorm and logsumexp keep the split of every
-//   dimension but the normalised one;
+// - softmax, log-softmax and RMSNorm keep the split of every dimension but
+//   the normalised one;
+// - the fused primitives that work row by row (attention and its gradient,
+//   rotary embedding, the cross-entropy gradient, RMSNorm's gradient) keep
+//   the split of their inputs' first (batch) dimension and read the rest of
+//   those inputs, and their other inputs (weights, rotary tables), whole;
+//   RMSNorm's weight gradient (a sum over the batch) is replicated;
 // - anything else (indexing, sorting, attention, creation ops, ...) is
 //   replicated, which is always correct and costs memory and gathers.
 // Inputs keep their split where the partitioner can compute on it, and are
@@ -286,7 +291,7 @@ pub fn view_sharding(s: &Sharding, storage_shape: &[usize], layout: &kiln_tensor
 }
 
 /// The sharding input `s` (of `shape`) must have when `op` reads it (see the Note).
-pub fn in_sharding(op: &kiln_tensor::Op, s: &Sharding, shape: &[usize]) -> Sharding {
+pub fn in_sharding(op: &kiln_tensor::Op, input: usize, s: &Sharding, shape: &[usize]) -> Sharding {
     use kiln_tensor::{Op, ReduceOp};
     let gather = |dims: &[usize]| {
         let mut t = s.reduced();
@@ -303,7 +308,25 @@ pub fn in_sharding(op: &kiln_tensor::Op, s: &Sharding, shape: &[usize]) -> Shard
         Op::Reduce { dims, .. } => gather(dims),
         Op::Softmax { dim, .. } => gather(&[*dim]),
         Op::RmsNorm { .. } if !shape.is_empty() => gather(&[shape.len() - 1]),
+        _ if batch_inputs(op).is_some_and(|b| b.contains(&input)) && !shape.is_empty() => {
+            gather(&(1..shape.len()).collect::<Vec<_>>())
+        }
         _ => Sharding::replicated(&s.mesh, shape.len()),
+    }
+}
+
+/// The inputs of a fused primitive that work row by row along their first
+/// (batch) dimension, which may stay split (Note [Placements of results]); its
+/// other inputs (weights, rotary tables) are read whole.
+fn batch_inputs(op: &kiln_tensor::Op) -> Option<&'static [usize]> {
+    use kiln_tensor::Op;
+    match op {
+        Op::Attention { .. } => Some(&[0, 1, 2]),
+        Op::AttentionBackward { .. } => Some(&[0, 1, 2, 3, 4, 5]),
+        Op::Rotary => Some(&[0]),
+        Op::CrossEntropyBackward { .. } => Some(&[0, 1, 2]),
+        Op::RmsNormBackward { .. } => Some(&[0, 2, 3]),
+        _ => None,
     }
 }
 
@@ -383,6 +406,25 @@ pub fn out_sharding(
             let mut dims = s.dims.clone();
             dims[*dim] = vec![];
             split(dims, vec![])
+        }
+        // A batch-wise primitive's outputs of the first input's batch size keep its batch split.
+        _ if batch_inputs(op).is_some() => {
+            let Some((shape, s)) = ins.first() else { return rep };
+            let same_batch = out_shape.len() >= 2 && shape.first() == out_shape.first();
+            if !same_batch || matches!(op, Op::RmsNormBackward { .. } if out == 1) {
+                return rep;
+            }
+            let mut dims = vec![vec![]; out_shape.len()];
+            dims[0] = s.dims[0].clone();
+            split(dims, vec![])
+        }
+        Op::RmsNorm { .. } if out == 1 => {
+            // rstd `[...]`: the split of every dimension but the normalised one.
+            let Some((shape, s)) = ins.first() else { return rep };
+            if shape.len() != out_shape.len() + 1 {
+                return rep;
+            }
+            split(s.dims[..out_shape.len()].to_vec(), vec![])
         }
         Op::RmsNorm { .. } if out == 0 => {
             let Some((shape, s)) = ins.first() else { return rep };
