@@ -1,11 +1,10 @@
 //! The llama and qwen3 fixtures trained with every parallelism recipe on the
 //! XLA:CPU plugin's devices (`kiln::nn::parallel`): data parallelism, FSDP,
 //! tensor parallelism and 2-D FSDP x TP reproduce the single-device golden
-//! values (logits, loss, every gradient, AdamW step 1 and step 10, the loss
-//! curve, and the global gradient norm that clipping uses) eagerly and with
-//! the AdamW steps captured by `kiln::compile`, on
-//! four devices, and on eight (`KILN_PJRT_CPU_DEVICES=8`, set by this binary
-//! before the backend starts).
+//! values (logits, loss, every gradient, the global gradient norm clipping
+//! uses, AdamW steps 1 and 10, the loss curve) eagerly and with the AdamW
+//! steps captured by `kiln::compile`, on four devices and on eight
+//! (`KILN_PJRT_CPU_DEVICES=8`, set by this binary before the backend starts).
 mod support;
 
 use kiln::nn::io::load_safetensors;
