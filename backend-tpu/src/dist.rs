@@ -36,7 +36,7 @@ use std::sync::Arc;
 // device's buffer. `redistribute` is a program whose result carries the new
 // sharding. Under DeferAndFuse, ops and writes append to the mesh device's
 // pending graph (`graph.rs`) the same way: its arguments are shards
-// (`Graph::shard_param`), each output remembers its storage's sharding and
+// (`Arg::Mesh`, read by `flat_value`), each output remembers its storage's sharding and
 // n-d shape in its slot, and the graph runs as one SPMD program that fills
 // the slots with shards; an argument only the graph still holds is donated
 // to an output of the same type and sharding. Capture (`kiln::compile` on a
