@@ -337,3 +337,43 @@ fn a_compiled_adamw_step_on_a_mesh_replays_and_matches_the_cpu() {
     assert_eq!(step.stats().retraces, 1);
     assert!(step.stats().last_retrace.as_deref().is_some_and(|r| r.contains("input 0 changed")), "{:?}", step.stats());
 }
+
+#[test]
+fn empty_nan_huge_and_concurrent_inputs() {
+    let m = mesh(&[4], &["x"]);
+    in_every_mode(|mode| {
+        // Empty: a [0, 3] tensor split over 4 devices, every shard empty.
+        let e = Tensor::zeros(&[0, 3], DType::F32).unwrap();
+        let d = distribute_tensor(&e, &m, &[Shard(0)]).unwrap();
+        assert_eq!(d.add(1.0).unwrap().shape(), &[0, 3]);
+        assert_eq!(d.sum().unwrap().item::<f32>().unwrap(), 0.0, "{mode:?}");
+        assert_eq!(d.full_tensor().unwrap().shape(), &[0, 3]);
+        assert!(d.to_local().unwrap().iter().all(|s| s.shape() == [0, 3]));
+        // NaN propagates as on the CPU, through a reduction over the split dimension.
+        let x = Tensor::from_vec(vec![1.0f32, f32::NAN, 3.0, -2.0, 5.0, 0.5, 7.0, 8.0], &[8]).unwrap();
+        let dx = distribute_tensor(&x, &m, &[Shard(0)]).unwrap();
+        assert!(dx.max().unwrap().item::<f32>().unwrap().is_nan());
+        assert!(dx.sum().unwrap().item::<f32>().unwrap().is_nan());
+        let clean = Tensor::where_cond(&dx.isnan().unwrap(), 0.0, &dx).unwrap();
+        assert_eq!(clean.sum().unwrap().item::<f32>().unwrap(), 22.5);
+    });
+    // Meshes larger than the machine, or than usize counts: errors, never an allocation.
+    let e = init_device_mesh(DeviceKind::Tpu, &[1 << 20, 1 << 20], &["a", "b"]).unwrap_err().to_string();
+    assert!(e.contains("needs 1099511627776 devices") && e.contains("KILN_PJRT_CPU_DEVICES"), "{e}");
+    let e = init_device_mesh(DeviceKind::Tpu, &[1 << 40, 1 << 40], &["a", "b"]).unwrap_err().to_string();
+    assert!(e.contains("more than usize::MAX"), "{e}");
+    // Two threads on one mesh at once: each gets the CPU's answer.
+    std::thread::scope(|s| {
+        for seed in [0.1f32, 0.9] {
+            let m = &m;
+            s.spawn(move || {
+                let (x, w) = (tensor(&[8, 6], seed), tensor(&[6, 4], seed + 0.5));
+                let dx = distribute_tensor(&x, m, &[Shard(0)]).unwrap();
+                let dw = distribute_tensor(&w, m, &[Replicate]).unwrap();
+                for _ in 0..10 {
+                    close(&dx.matmul(&dw).unwrap().tanh().unwrap(), &x.matmul(&w).unwrap().tanh().unwrap());
+                }
+            });
+        }
+    });
+}

@@ -103,59 +103,71 @@ fn valid_name(n: &str) -> bool {
 /// # Ok::<(), kiln_tensor::Error>(())
 /// ```
 pub fn init_device_mesh(kind: DeviceKind, shape: &[usize], names: &[&str]) -> Result<DeviceMesh> {
-    let n: usize = shape.iter().product();
+    // Checked before the device list is made: a huge shape is an error, not an allocation.
+    let (_, n) = check_mesh_shape(kind, shape, names)?;
     DeviceMesh::new(kind, &(0..n).collect::<Vec<_>>(), shape, names)
+}
+
+const OP: &str = "init_device_mesh";
+
+/// Checks a mesh's shape and axis names against the backend of `kind`; returns
+/// the backend and the number of devices the mesh needs (at most the backend's).
+fn check_mesh_shape(kind: DeviceKind, shape: &[usize], names: &[&str]) -> Result<(&'static dyn crate::Backend, usize)> {
+    if shape.is_empty() || shape.contains(&0) {
+        return Err(Error::invalid(
+            OP,
+            format!("a mesh needs at least one axis and no empty axis, got shape {shape:?}"),
+        ));
+    }
+    if names.len() != shape.len() {
+        return Err(Error::invalid(OP, format!("{} axis names {names:?} for a mesh of shape {shape:?}", names.len())));
+    }
+    for (i, n) in names.iter().enumerate() {
+        if !valid_name(n) {
+            return Err(Error::invalid(OP, format!("mesh axis name {n:?} is not an identifier")));
+        }
+        if names[..i].contains(n) {
+            return Err(Error::invalid(OP, format!("mesh axis name {n:?} appears twice in {names:?}")));
+        }
+    }
+    let backend = crate::backend_for(kind).ok_or_else(|| {
+        Error::device(OP, format!("no backend is registered for {kind:?} devices; register it before making a mesh"))
+    })?;
+    if !backend.supports_meshes() {
+        return Err(Error::device(OP, format!("the {} backend has no device meshes", backend.name())));
+    }
+    let have = backend.device_count();
+    let hint = if kind == DeviceKind::Tpu { " (KILN_PJRT_CPU_DEVICES sets the number of XLA:CPU devices)" } else { "" };
+    match shape.iter().try_fold(1usize, |a, &s| a.checked_mul(s)) {
+        Some(n) if n <= have => Ok((backend, n)),
+        n => Err(Error::device(
+            OP,
+            format!(
+                "a mesh of shape {shape:?} needs {} devices of kind {kind:?}, but the {} backend has {have}{hint}",
+                n.map_or("more than usize::MAX".to_string(), |n| n.to_string()),
+                backend.name()
+            ),
+        )),
+    }
 }
 
 impl DeviceMesh {
     /// A mesh over the given devices (indices of `kind`, row-major over `shape`).
     pub fn new(kind: DeviceKind, devices: &[usize], shape: &[usize], names: &[&str]) -> Result<DeviceMesh> {
-        const OP: &str = "init_device_mesh";
-        if shape.is_empty() || shape.contains(&0) {
+        let (backend, want) = check_mesh_shape(kind, shape, names)?;
+        if want != devices.len() {
             return Err(Error::invalid(
                 OP,
-                format!("a mesh needs at least one axis and no empty axis, got shape {shape:?}"),
+                format!("a mesh of shape {shape:?} needs {want} devices, {} were given", devices.len()),
             ));
         }
-        if names.len() != shape.len() {
-            return Err(Error::invalid(
-                OP,
-                format!("{} axis names {names:?} for a mesh of shape {shape:?}", names.len()),
-            ));
-        }
-        for (i, n) in names.iter().enumerate() {
-            if !valid_name(n) {
-                return Err(Error::invalid(OP, format!("mesh axis name {n:?} is not an identifier")));
-            }
-            if names[..i].contains(n) {
-                return Err(Error::invalid(OP, format!("mesh axis name {n:?} appears twice in {names:?}")));
-            }
-        }
-        let want = shape.iter().try_fold(1usize, |a, &s| a.checked_mul(s));
-        if want != Some(devices.len()) {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "a mesh of shape {shape:?} needs {} devices, {} were given",
-                    shape.iter().product::<usize>(),
-                    devices.len()
-                ),
-            ));
-        }
-        let backend = crate::backend_for(kind).ok_or_else(|| {
-            Error::device(
-                OP,
-                format!("no backend is registered for {kind:?} devices; register it before making a mesh"),
-            )
-        })?;
         let have = backend.device_count();
         if let Some(d) = devices.iter().find(|&&d| d >= have) {
             return Err(Error::device(
                 OP,
                 format!(
-                    "a mesh of shape {shape:?} needs device {d} of kind {kind:?}, but the {} backend has {have} device(s){}",
-                    backend.name(),
-                    if kind == DeviceKind::Tpu { " (KILN_PJRT_CPU_DEVICES sets the number of XLA:CPU devices)" } else { "" }
+                    "device {d} of kind {kind:?} does not exist: the {} backend has {have} device(s)",
+                    backend.name()
                 ),
             ));
         }
@@ -163,9 +175,6 @@ impl DeviceMesh {
             if devices[..i].contains(d) {
                 return Err(Error::invalid(OP, format!("device {d} appears twice in the mesh's devices {devices:?}")));
             }
-        }
-        if !backend.supports_meshes() {
-            return Err(Error::device(OP, format!("the {} backend has no device meshes", backend.name())));
         }
         let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
         let mut reg = MESHES.write().unwrap_or_else(|e| e.into_inner());
