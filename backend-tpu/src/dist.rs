@@ -100,10 +100,6 @@ impl MeshProgram {
         };
         Ok(flat_value(&mut self.b, &arg, s))
     }
-
-    fn padded(&mut self, v: &Val, shape: &[usize], s: &Sharding) -> Val {
-        padded(&mut self.b, v, shape, s)
-    }
 }
 
 /// A new argument holding `s`'s shards: its padded global type and sharding.
@@ -340,9 +336,9 @@ impl PjrtBackend {
             .collect()
     }
 
-    fn mesh_storage(&self, shards: Shards, dtype: DType, device: Device) -> Arc<Storage> {
+    fn mesh_storage(&self, shards: Arc<Shards>, dtype: DType, device: Device) -> Arc<Storage> {
         let len = shards.shape.iter().product();
-        Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer::Sharded(Arc::new(shards)))), dtype, len, device))
+        Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer::Sharded(shards))), dtype, len, device))
     }
 
     /// `Backend::exec` for inputs on a mesh device (Note [Distributed storages]).
@@ -353,9 +349,6 @@ impl PjrtBackend {
         outs: &[Meta],
         device: Device,
     ) -> Result<Vec<Arc<Storage>>> {
-        if crate::graph::is_tracing() {
-            return Err(unsupported_mode(device));
-        }
         let mesh = DeviceMesh::of_device(device)?;
         let mut p = MeshProgram::new();
         let mut in_shardings = vec![];
@@ -384,7 +377,7 @@ impl PjrtBackend {
         let mut meta = vec![];
         for (i, (r, m)) in results.iter().zip(outs).enumerate() {
             let s = shard::out_sharding(op, &in_shardings, i, &m.shape, &mesh);
-            values.push(p.padded(r, &m.shape, &s));
+            values.push(padded(&mut p.b, r, &m.shape, &s));
             meta.push((m.dtype, s.shard_shape(&m.shape)));
             shardings.push(s);
         }
@@ -406,18 +399,18 @@ impl PjrtBackend {
             .zip(shardings)
             .map(|((bufs, m), sharding)| {
                 let shards = Shards { bufs, sharding, shape: m.shape.to_vec(), view: mesh.clone() };
-                self.mesh_storage(shards, m.dtype, device)
+                self.mesh_storage(Arc::new(shards), m.dtype, device)
             })
             .collect())
     }
 
-    /// `bytes` (a row-major value of `shape`) copied to every device of `mesh`.
     /// A creation op's value (one element) on every device of the mesh `device`.
     pub(crate) fn upload_mesh_value(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Arg> {
         let mesh = DeviceMesh::of_device(device)?;
         Ok(Arg::Mesh(self.replicated_shards(bytes, dtype, &[1], &mesh)?))
     }
 
+    /// `bytes` (a row-major value of `shape`) copied to every device of `mesh`.
     fn replicated_shards(&self, bytes: &[u8], dtype: DType, shape: &[usize], mesh: &DeviceMesh) -> Result<Arc<Shards>> {
         let sharding = Sharding::replicated(mesh, shape.len());
         self.sharded_from_bytes(bytes, dtype, shape, sharding, mesh.root())
@@ -472,7 +465,7 @@ impl PjrtBackend {
         let mut p = MeshProgram::new();
         let flat = p.storage_value(&s, t.dtype())?;
         let v = lower::read_view(&mut p.b, &flat, t.layout())?;
-        let out = p.padded(&v, t.shape(), &sharding);
+        let out = padded(&mut p.b, &v, t.shape(), &sharding);
         let MeshProgram { b, args, .. } = p;
         let text = b.finish_sharded(&[out], std::slice::from_ref(&sharding))?;
         let meta = [(t.dtype(), sharding.shard_shape(t.shape()))];
@@ -495,9 +488,6 @@ impl PjrtBackend {
     /// `Backend::assign` on a mesh device: the write's program returns the
     /// destination storage's new value with its sharding.
     pub(crate) fn assign_mesh(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
-        if crate::graph::is_tracing() {
-            return Err(unsupported_mode(dst.device()));
-        }
         let mesh = DeviceMesh::of_device(dst.device())?;
         let src_shards = self.shards(src)?;
         // The destination's lock is held from reading its shards to swapping in
@@ -515,7 +505,7 @@ impl PjrtBackend {
         let s = lower::read_view(&mut p.b, &sflat, src.layout())?;
         let new = lower::write_view(&mut p.b, &flat, dst.layout(), &s)?;
         let sharding = d.sharding.reduced();
-        let out = p.padded(&new, &d.shape, &sharding);
+        let out = padded(&mut p.b, &new, &d.shape, &sharding);
         let MeshProgram { b, args, .. } = p;
         let text = b.finish_sharded(&[out], std::slice::from_ref(&sharding))?;
         let meta = [(dst.dtype(), sharding.shard_shape(&d.shape))];
@@ -536,7 +526,7 @@ impl PjrtBackend {
         let sharding = Sharding::from_placements(mesh, placements, t.ndim())?;
         let host = t.to_host()?;
         let s = self.sharded_from_bytes(&host.to_le_bytes(), t.dtype(), t.shape(), sharding, mesh.clone())?;
-        let st = self.mesh_storage(Arc::try_unwrap(s).map_err(|_| err("shards shared"))?, t.dtype(), mesh.device());
+        let st = self.mesh_storage(s, t.dtype(), mesh.device());
         Tensor::from_storage(st, Layout::contiguous(t.shape()))
     }
 
@@ -589,7 +579,7 @@ impl PjrtBackend {
             return Tensor::from_storage(st, Layout::contiguous(t.shape()));
         }
         let shards = self.materialize(t, target, mesh.clone())?;
-        let st = self.mesh_storage(Arc::try_unwrap(shards).map_err(|_| err("shards shared"))?, t.dtype(), t.device());
+        let st = self.mesh_storage(shards, t.dtype(), t.device());
         Tensor::from_storage(st, Layout::contiguous(t.shape()))
     }
 
@@ -664,7 +654,7 @@ impl PjrtBackend {
             bufs.push(self.buffer_of(&full)?);
         }
         let shards = Shards { bufs, sharding, shape: shape.to_vec(), view: mesh.clone() };
-        let st = self.mesh_storage(shards, dtype, mesh.device());
+        let st = self.mesh_storage(Arc::new(shards), dtype, mesh.device());
         Tensor::from_storage(st, Layout::contiguous(shape))
     }
 }

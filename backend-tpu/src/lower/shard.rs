@@ -331,7 +331,8 @@ fn batch_inputs(op: &kiln_tensor::Op) -> Option<&'static [usize]> {
 }
 
 /// The sharding kiln gives output `out` (of `out_shape`) of `op`, from its inputs'
-/// shapes and (view) shardings (Note [Placements of results]).
+/// shapes and the shardings `in_sharding` gave them (reduced: no partial sums),
+/// per Note [Placements of results].
 pub fn out_sharding(
     op: &kiln_tensor::Op,
     ins: &[(Vec<usize>, Sharding)],
@@ -353,14 +354,13 @@ pub fn out_sharding(
         Sharding { mesh: mesh.root(), dims, unreduced }
     };
     match op {
-        Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_) | Op::Copy => ins
-            .iter()
-            .find(|(shape, s)| shape == out_shape && !s.reduced().is_replicated())
-            .map_or(rep, |(_, s)| s.reduced()),
+        Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_) | Op::Copy => {
+            ins.iter().find(|(shape, s)| shape == out_shape && !s.is_replicated()).map_or(rep, |(_, s)| s.clone())
+        }
         Op::Reduce { op: r, dims, keepdim } if out == 0 => {
             let Some((shape, s)) = ins.first() else { return rep };
             let mut kept = vec![];
-            let mut partial = s.unreduced.clone();
+            let mut partial = vec![];
             for d in 0..shape.len() {
                 if dims.contains(&d) {
                     if *r == ReduceOp::Sum {
@@ -372,9 +372,6 @@ pub fn out_sharding(
                 } else {
                     kept.push(s.dims[d].clone());
                 }
-            }
-            if *r != ReduceOp::Sum && !s.unreduced.is_empty() {
-                partial.clear();
             }
             if kept.len() != out_shape.len() {
                 return rep;

@@ -12,6 +12,8 @@ pub struct Executable {
     client: Arc<Client>,
     raw: *mut ffi::PJRT_LoadedExecutable,
     num_outputs: usize,
+    /// `addressable_devices`, asked of the plugin once (every launch over a mesh reads it).
+    devices: std::sync::OnceLock<Vec<usize>>,
 }
 
 // SAFETY: PJRT loaded executables may be executed concurrently from several threads.
@@ -29,7 +31,7 @@ impl Executable {
     /// Takes ownership of a loaded executable the plugin just made for `client`
     /// (destroyed on drop) and reads its number of outputs.
     pub(super) fn own(client: &Arc<Client>, raw: *mut ffi::PJRT_LoadedExecutable) -> Result<Executable> {
-        let mut exe = Executable { client: client.clone(), raw, num_outputs: 0 };
+        let mut exe = Executable { client: client.clone(), raw, num_outputs: 0, devices: Default::default() };
         exe.num_outputs = exe.query_num_outputs()?;
         Ok(exe)
     }
@@ -116,6 +118,14 @@ impl Executable {
     /// `PJRT_LoadedExecutable_AddressableDevices` reports (not necessarily the
     /// device assignment's).
     pub fn addressable_devices(&self) -> Result<Vec<usize>> {
+        if let Some(d) = self.devices.get() {
+            return Ok(d.clone());
+        }
+        let d = self.query_addressable_devices()?;
+        Ok(self.devices.get_or_init(|| d).clone())
+    }
+
+    fn query_addressable_devices(&self) -> Result<Vec<usize>> {
         let api = &self.client.api;
         let mut a = ffi::PJRT_LoadedExecutable_AddressableDevices_Args::new();
         a.executable = self.raw;
@@ -233,7 +243,7 @@ impl Executable {
         a.options = &mut opts;
         a.argument_lists = arg_lists.as_ptr();
         a.num_devices = n;
-        a.num_args = args[0].len();
+        a.num_args = args.first().map_or(0, |a| a.len());
         a.output_lists = out_lists.as_ptr();
         a.device_complete_events = events.as_mut_ptr();
         a.execute_device = device.unwrap_or(ptr::null_mut());
