@@ -38,6 +38,9 @@ pub const CONFIG_FILE: &str = "config.json";
 /// file. A directory without it, or whose files do not match it, is not a checkpoint.
 pub const MANIFEST_FILE: &str = "checkpoint_manifest.json";
 const MANIFEST_FORMAT: &str = "kiln-checkpoint-1";
+/// The largest model file of a distributed model's checkpoint (Hugging Face's
+/// default `max_shard_size`, 5 GB); larger tensors get a file of their own.
+pub const SHARDED_FILE_BYTES: usize = 5_000_000_000;
 
 const FORMAT: &str = "kiln-trainer-state-2";
 
@@ -276,7 +279,10 @@ pub fn write_dir_atomic(dir: impl AsRef<Path>, fill: impl FnOnce(&Path) -> Resul
 }
 
 /// Saves a training checkpoint into `dir` (atomically, replacing an older one):
-/// `model.safetensors` (the model's `state_dict()`, Hugging Face names),
+/// `model.safetensors` (the model's `state_dict()`, Hugging Face names; for a
+/// model on a device mesh, written shard by shard without gathering it, as
+/// `model-0000k-of-0000n.safetensors` files and their index
+/// `model.safetensors.index.json`, see Note [Sharded checkpoints]),
 /// `config.json` when `model_config` (its JSON text) is given, so that the
 /// directory loads as a pretrained model, `optimizer.safetensors` (the
 /// optimizer's `state_dict()`), `trainer_state.json`, and last the manifest
@@ -298,7 +304,10 @@ pub fn save_checkpoint(
         remove_leftovers(parent)?;
     }
     write_dir_atomic(dir, |tmp| {
-        save_checkpoint_dir(tmp, &weights, None)?;
+        // A distributed model is written shard by shard into the index layout
+        // (Note [Sharded checkpoints]); its files can then be written per host.
+        let files = weights.values().any(Tensor::is_distributed).then_some(SHARDED_FILE_BYTES);
+        save_checkpoint_dir(tmp, &weights, files)?;
         if let Some(cfg) = model_config {
             write_atomic(&tmp.join(CONFIG_FILE), |w| w.write_all(cfg.as_bytes()))?;
         }
@@ -346,6 +355,10 @@ impl Checkpoint {
     /// every name must match; the parameters keep their identity, so `optimizer`
     /// still holds them), loads `optimizer`'s state, and restores the default
     /// generators. The data loader position is in `self.state.loader`.
+    ///
+    /// The model may be placed differently from the one saved (another mesh,
+    /// other parallelism, one device): weights and optimizer state take the
+    /// placements of the parameters they go into (resharding on load).
     pub fn restore(&self, model: &mut dyn Module, optimizer: &mut dyn Optimizer) -> Result<()> {
         model.load_state_dict(&self.model_state()?, true)?;
         optimizer.load_state_dict(self.optimizer_state()?)?;

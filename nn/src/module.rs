@@ -248,11 +248,14 @@ fn load_impl<M: Module + ?Sized>(
         let Some(src) = state.get(name) else { return Ok(()) };
         if assign {
             let rg = p.requires_grad();
-            let t = src.to_device(p.device())?;
+            // A parameter on a mesh keeps its placements: the source is cut into its shards.
+            let t = src.placed_like(p)?;
             let t = if p.dtype().is_float() && t.dtype().is_float() { t.to_dtype(p.dtype())? } else { t };
             *p = fresh_leaf(t, rg)?;
         } else {
-            p.copy_(src).map_err(|e| Error::invalid("load_state_dict", format!("copying {name}: {e}")))?;
+            // Into a parameter on a mesh, the source goes shard by shard.
+            let src = if p.is_distributed() && src.device() != p.device() { src.placed_like(p)? } else { src.clone() };
+            p.copy_(&src).map_err(|e| Error::invalid("load_state_dict", format!("copying {name}: {e}")))?;
         }
         Ok(())
     })?;

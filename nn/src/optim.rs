@@ -343,7 +343,8 @@ pub(crate) fn take_like(
             ),
         ));
     }
-    let t = t.detach().to_device(param.device())?.to_dtype(param.dtype())?;
+    // On a mesh, the state takes the parameter's placements (see `Tensor::placed_like`).
+    let t = t.detach().placed_like(param)?.to_dtype(param.dtype())?;
     Ok(Some(if t.is_contiguous() { t.deep_clone()?.detach() } else { t.contiguous()?.detach() }))
 }
 

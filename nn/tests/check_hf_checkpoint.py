@@ -8,6 +8,7 @@ the parameter names transformers' Llama has, with the shapes the config implies.
 Prints {"ok": true, "sums": {name: float64 sum}} or exits non-zero naming the problem.
 """
 import json
+import os
 import sys
 
 import numpy as np
@@ -27,12 +28,25 @@ if cfg.get("architectures") != ["LlamaForCausalLM"] or cfg.get("model_type") != 
 h, v, i = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
 nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
 hd = cfg.get("head_dim") or h // nh
-path = f"{d}/model.safetensors"
-with safe_open(path, framework="numpy") as f:
-    meta = f.metadata() or {}
-if meta.get("format") not in ("pt", "tf", "flax", "mlx"):
-    fail(f"metadata {meta}: transformers refuses a file without format=pt")
-tensors = load_file(path)
+# One model.safetensors, or the files model.safetensors.index.json maps each name to.
+if os.path.exists(f"{d}/model.safetensors"):
+    files = {"model.safetensors": None}
+else:
+    index = json.load(open(f"{d}/model.safetensors.index.json"))
+    files = {}
+    for name, file in index["weight_map"].items():
+        files.setdefault(file, set()).add(name)
+tensors = {}
+for file, names in files.items():
+    path = f"{d}/{file}"
+    with safe_open(path, framework="numpy") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") not in ("pt", "tf", "flax", "mlx"):
+        fail(f"{file}: metadata {meta}: transformers refuses a file without format=pt")
+    held = load_file(path)
+    if names is not None and set(held) != names:
+        fail(f"{file} holds {sorted(held)}, the index maps {sorted(names)} to it")
+    tensors.update(held)
 want = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
 for l in range(cfg["num_hidden_layers"]):
     p = f"model.layers.{l}."

@@ -17,7 +17,7 @@ use kiln::nn::optim::{decay_groups, AdamW, AdamWConfig, Optimizer};
 use kiln::nn::schedule::LrSchedule;
 use kiln::prelude::*;
 use std::path::{Path, PathBuf};
-use support::{rng_lock, temp_dir};
+use support::{python_with_safetensors, rng_lock, temp_dir};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
@@ -274,15 +274,6 @@ fn trainer_state_round_trips_through_json() {
 }
 
 // ---- interoperability ------------------------------------------------------------------------------
-
-/// The python of a virtual environment with `safetensors` and `numpy`
-/// (`scripts/setup-py-venv` creates it on first use; PyPI must be reachable).
-fn python_with_safetensors() -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/setup-py-venv");
-    let out = std::process::Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
-}
 
 #[test]
 fn a_trained_checkpoint_loads_back_into_kiln_and_reads_as_a_transformers_llama() {

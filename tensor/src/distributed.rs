@@ -88,6 +88,23 @@ impl Tensor {
         Ok(shards.swap_remove(0))
     }
 
+    /// The same values on `like`'s device, laid out as `like` is: with its mesh
+    /// and placements when `like` is distributed. A tensor that is not yet on
+    /// that mesh is cut into shards from its data (no device holds it whole);
+    /// one on the mesh is redistributed. This is how loaded checkpoints and
+    /// optimizer state take the placements of the parameters they belong to.
+    pub fn placed_like(&self, like: &Tensor) -> Result<Tensor> {
+        if !like.is_distributed() {
+            return self.to_device(like.device());
+        }
+        let (mesh, placements) = (like.device_mesh()?, like.placements()?);
+        if self.device() == like.device() {
+            return self.redistribute(&mesh, &placements);
+        }
+        let t = if self.is_distributed() { self.to_device(Device::Cpu)? } else { self.clone() };
+        distribute_tensor(&t, &mesh, &placements)
+    }
+
     fn mesh_op(&self, op: &'static str) -> Result<DeviceMesh> {
         if !self.is_distributed() {
             return Err(Error::device(op, format!("the tensor is on {}, not on a device mesh", self.device())));

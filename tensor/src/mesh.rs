@@ -314,6 +314,58 @@ impl DeviceMesh {
         self.root.id == other.root.id
     }
 
+    /// The part of a tensor of `shape`, placed on this mesh with `placements`,
+    /// that the mesh's `pos`-th device (row-major, as [`DeviceMesh::devices`])
+    /// holds: a range per dimension (PyTorch's
+    /// `compute_local_shape_and_global_offset`). A dimension split over
+    /// several axes is cut into the product of their sizes, the earlier axis
+    /// outer; pieces have `ceil(n / pieces)` elements, so the last ones are
+    /// shorter or empty. This is the shard [`Tensor::to_local`] gives.
+    ///
+    /// [`Tensor::to_local`]: crate::Tensor::to_local
+    pub fn local_region(
+        &self,
+        shape: &[usize],
+        placements: &[Placement],
+        pos: usize,
+    ) -> Result<Vec<std::ops::Range<usize>>> {
+        self.check_placements(placements, shape.len())?;
+        if pos >= self.root.devices.len() {
+            return Err(Error::index(
+                "local_region",
+                format!("device position {pos} on a mesh of {} devices", self.root.devices.len()),
+            ));
+        }
+        let c = self.coordinates(pos);
+        Ok((0..shape.len())
+            .map(|d| {
+                let (mut pieces, mut idx) = (1, 0);
+                for (i, p) in placements.iter().enumerate() {
+                    if *p == Placement::Shard(d) {
+                        let a = self.axes[i];
+                        pieces *= self.root.shape[a];
+                        idx = idx * self.root.shape[a] + c[a];
+                    }
+                }
+                let len = shape[d].div_ceil(pieces);
+                let start = (idx * len).min(shape[d]);
+                start..(start + len).min(shape[d])
+            })
+            .collect())
+    }
+
+    /// Whether the mesh's `pos`-th device holds the first copy of its shard of
+    /// a tensor placed with `placements`: its coordinate is 0 on every root axis
+    /// the tensor is not split over. Exactly one device per shard does, which
+    /// is how shard-wise writers (sharded checkpoints) skip the replicas.
+    pub fn is_first_replica(&self, placements: &[Placement], pos: usize) -> bool {
+        let c = self.coordinates(pos);
+        (0..self.root.shape.len()).all(|a| {
+            c[a] == 0
+                || placements.iter().enumerate().any(|(i, p)| self.axes[i] == a && matches!(p, Placement::Shard(_)))
+        })
+    }
+
     /// Checks `placements` (one per axis of this mesh) for a tensor of `ndim` dimensions.
     pub fn check_placements(&self, placements: &[Placement], ndim: usize) -> Result<()> {
         if placements.len() != self.ndim() {

@@ -111,8 +111,27 @@ pub fn save_checkpoint_dir(
             weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
         }
     }
-    let index = serde_json::json!({ "metadata": { "total_size": total_size }, "weight_map": weight_map });
+    let mut metadata = serde_json::json!({ "total_size": total_size });
+    // Where each distributed tensor was placed, for the reader's information
+    // (a loader takes the placements of its own parameters).
+    let placed: serde_json::Map<String, serde_json::Value> = tensors
+        .iter()
+        .filter(|(_, t)| t.is_distributed())
+        .map(|(name, t)| Ok((name.clone(), serde_json::Value::String(placement_text(t)?))))
+        .collect::<Result<_>>()?;
+    if !placed.is_empty() {
+        metadata["kiln_placements"] = serde_json::Value::Object(placed);
+    }
+    let index = serde_json::json!({ "metadata": metadata, "weight_map": weight_map });
     let text = serde_json::to_string_pretty(&index).map_err(|e| dir_err(dir, e))?;
     write_atomic(&dir.join(INDEX_FILE), |w| w.write_all(text.as_bytes()))?;
     remove(SINGLE_FILE)
+}
+
+/// `"dp=2,tp=2 [Shard(dim=0), Replicate()]"`: a distributed tensor's mesh and placements.
+fn placement_text(t: &Tensor) -> Result<String> {
+    let mesh = t.device_mesh()?;
+    let axes: Vec<String> = mesh.axis_names().iter().zip(mesh.shape()).map(|(n, s)| format!("{n}={s}")).collect();
+    let p: Vec<String> = t.placements()?.iter().map(|p| p.to_string()).collect();
+    Ok(format!("{} [{}]", axes.join(","), p.join(", ")))
 }

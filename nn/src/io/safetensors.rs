@@ -2,12 +2,12 @@
 //! the `safetensors` crate's header parser; [`save_safetensors`] writes one
 //! atomically (a temporary file in the same directory, then a rename).
 use kiln_tensor::half::f16;
-use kiln_tensor::{DType, Device, Error, HostBuffer, Result, Tensor};
+use kiln_tensor::{DType, Device, Error, HostBuffer, Placement, Result, Tensor};
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Write;
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 /// An open, memory-mapped safetensors file whose header has been parsed and
@@ -204,30 +204,141 @@ fn st_dtype(dt: DType) -> Dtype {
 /// directory (synced to disk), then renamed over `path`. A crash leaves
 /// either the old file or the new one, never a partial one.
 pub fn write_atomic(path: &Path, write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
+    atomic_file(path, |w| write(&mut w.w).map_err(|e| file_err(path, format!("cannot write: {e}"))))
+}
+
+/// [`write_atomic`] with a writer that can also write at an offset.
+fn atomic_file(path: &Path, write: impl FnOnce(&mut OffsetWriter) -> Result<()>) -> Result<()> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
     let file_name = path.file_name().ok_or_else(|| file_err(path, "not a file path"))?.to_string_lossy().to_string();
     let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
-    let result = (|| -> std::io::Result<()> {
-        let f = File::create(&tmp)?;
-        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+    let io = |e: std::io::Error| file_err(path, format!("cannot write: {e}"));
+    let result = (|| -> Result<()> {
+        let f = File::create(&tmp).map_err(io)?;
+        let mut w = OffsetWriter { w: std::io::BufWriter::with_capacity(1 << 20, f), pos: 0 };
         write(&mut w)?;
-        let f = w.into_inner().map_err(|e| e.into_error())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
+        let f = w.w.into_inner().map_err(|e| io(e.into_error()))?;
+        f.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
     })();
-    if let Err(e) = result {
+    if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        return Err(file_err(path, format!("cannot write: {e}")));
+    }
+    result
+}
+
+/// A buffered file writer that writes at given offsets, seeking only when a
+/// write does not continue the previous one.
+struct OffsetWriter {
+    w: std::io::BufWriter<File>,
+    pos: u64,
+}
+
+impl OffsetWriter {
+    fn write_at(&mut self, at: u64, bytes: &[u8]) -> std::io::Result<()> {
+        if at != self.pos {
+            self.w.seek(SeekFrom::Start(at))?;
+        }
+        self.w.write_all(bytes)?;
+        self.pos = at + bytes.len() as u64;
+        Ok(())
+    }
+}
+
+// Note [Sharded checkpoints]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A tensor on a device mesh is saved without ever being whole on a device or
+// on the host: each shard is read from its device and written into its place
+// in the file (the runs of its rows inside the row-major tensor), and of the
+// devices holding copies of one shard only the first writes it
+// (`DeviceMesh::is_first_replica`). Partial sums are reduced on the devices
+// first. The file is an ordinary safetensors file holding the whole tensor,
+// so transformers, or kiln on any other mesh, reads it as written by a
+// single device; a loader takes each tensor with the placements of the
+// parameter it goes into (`Tensor::placed_like`), cutting it into that mesh's
+// shards, which is resharding on load. Model files of a distributed model use
+// the Hugging Face index layout (`model.safetensors.index.json`, whose
+// metadata also records each tensor's mesh and placements), so that a process
+// per host can write its own files; every file is written atomically and the
+// checkpoint directory is renamed into place complete.
+
+/// Writes `t`'s data at byte `at` of the file: an ordinary tensor whole, a
+/// distributed one shard by shard (Note [Sharded checkpoints]).
+fn write_tensor(w: &mut OffsetWriter, at: u64, t: &Tensor) -> Result<()> {
+    let io = |e: std::io::Error| Error::invalid("safetensors", format!("cannot write: {e}"));
+    if !t.is_distributed() {
+        return w.write_at(at, &t.to_host()?.to_le_bytes()).map_err(io);
+    }
+    let (mesh, mut placements) = (t.device_mesh()?, t.placements()?);
+    let partial = placements.iter().any(|p| matches!(p, Placement::Partial(_)));
+    for p in placements.iter_mut().filter(|p| matches!(p, Placement::Partial(_))) {
+        *p = Placement::Replicate;
+    }
+    let t = if partial { t.redistribute(&mesh, &placements)? } else { t.clone() };
+    let elem = t.dtype().size_in_bytes() as u64;
+    for (pos, local) in t.to_local()?.iter().enumerate() {
+        if local.numel() == 0 || !mesh.is_first_replica(&placements, pos) {
+            continue;
+        }
+        let region = mesh.local_region(t.shape(), &placements, pos)?;
+        let bytes = local.to_host()?.to_le_bytes();
+        let mut local_at = 0;
+        for (global, n) in region_runs(t.shape(), &region) {
+            let (a, b) = (local_at as usize * elem as usize, (local_at + n) as usize * elem as usize);
+            w.write_at(at + global * elem, &bytes[a..b]).map_err(io)?;
+            local_at += n;
+        }
     }
     Ok(())
 }
 
+/// The contiguous runs (element offset in the row-major tensor of `shape`,
+/// length) of the box `region`, in order: as few as the box allows (a box of
+/// whole rows is one run).
+fn region_runs(shape: &[usize], region: &[std::ops::Range<usize>]) -> Vec<(u64, u64)> {
+    if region.iter().any(|r| r.is_empty()) {
+        return vec![];
+    }
+    let nd = shape.len();
+    // Dimensions k.. are covered whole after the first partial one: one run spans them.
+    let mut k = nd;
+    while k > 0 && region[k - 1] == (0..shape[k - 1]) {
+        k -= 1;
+    }
+    if nd == 0 {
+        return vec![(0, 1)];
+    }
+    let k = k.saturating_sub(1);
+    let strides = kiln_tensor::contiguous_strides(shape);
+    let run = region[k].len() * strides[k];
+    let mut out = vec![];
+    let mut idx: Vec<usize> = region[..k].iter().map(|r| r.start).collect();
+    loop {
+        let start: usize = idx.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>() + region[k].start * strides[k];
+        out.push((start as u64, run as u64));
+        // The next index of dimensions ..k, row-major.
+        let mut d = k;
+        loop {
+            if d == 0 {
+                return out;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < region[d].end {
+                break;
+            }
+            idx[d] = region[d].start;
+        }
+    }
+}
+
 /// Writes `tensors` to a safetensors file at `path` (atomically, see
 /// [`write_atomic`]), with optional `__metadata__` strings (Hugging Face
-/// writes `{"format": "pt"}`). Tensors are copied to the host one at a time.
+/// writes `{"format": "pt"}`). Tensors are copied to the host one at a time;
+/// distributed ones shard by shard (Note [Sharded checkpoints]).
 ///
 /// ```no_run
 /// use kiln::prelude::*;
@@ -251,6 +362,7 @@ pub fn save_safetensors(
         header.insert("__metadata__".into(), serde_json::Value::Object(m));
     }
     let mut offset = 0usize;
+    let mut offsets = vec![];
     for (name, t) in tensors {
         let n = t.numel() * t.dtype().size_in_bytes();
         let dtype = serde_json::to_value(st_dtype(t.dtype())).map_err(|e| file_err(path, e))?;
@@ -258,26 +370,21 @@ pub fn save_safetensors(
             name.clone(),
             serde_json::json!({ "dtype": dtype, "shape": t.shape(), "data_offsets": [offset, offset + n] }),
         );
+        offsets.push(offset as u64);
         offset += n;
     }
     let mut header = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| file_err(path, e))?;
     header.resize(header.len().next_multiple_of(8), b' ');
-    let mut err = None;
-    write_atomic(path, |w| {
-        w.write_all(&(header.len() as u64).to_le_bytes())?;
-        w.write_all(&header)?;
-        for (name, t) in tensors {
-            match t.to_host() {
-                Ok(h) => w.write_all(&h.to_le_bytes())?,
-                Err(e) => {
-                    err = Some(file_err(path, format!("tensor {name:?}: {e}")));
-                    return Err(std::io::Error::other("reading a tensor failed"));
-                }
-            }
+    let data = 8 + header.len() as u64;
+    atomic_file(path, |w| {
+        let io = |e: std::io::Error| file_err(path, format!("cannot write: {e}"));
+        w.write_at(0, &(header.len() as u64).to_le_bytes()).map_err(io)?;
+        w.write_at(8, &header).map_err(io)?;
+        for ((name, t), at) in tensors.iter().zip(offsets) {
+            write_tensor(w, data + at, t).map_err(|e| file_err(path, format!("tensor {name:?}: {e}")))?;
         }
         Ok(())
     })
-    .map_err(|e| err.take().unwrap_or(e))
 }
 
 /// The `__metadata__` Hugging Face writes into model files.

@@ -111,3 +111,12 @@ pub fn check_params(
     }
     worst
 }
+
+/// The python of a virtual environment with `safetensors` and `numpy`
+/// (`scripts/setup-py-venv` creates it on first use; PyPI must be reachable).
+pub fn python_with_safetensors() -> String {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/setup-py-venv");
+    let out = std::process::Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
