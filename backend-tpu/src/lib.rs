@@ -19,12 +19,15 @@ mod host_values;
 pub mod lower;
 mod mode;
 pub mod pjrt;
+mod process_group;
+pub mod store;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
 pub use capture::{compile, CaptureStats, Compiled};
 pub use graph::is_tracing;
 pub use host_values::HostValues;
 pub use mode::{mode, nan_trap, set_mode, set_nan_trap, with_mode, Mode};
+pub use process_group::{init_process_group, process_group, ProcessGroup, ProcessGroupOptions};
 
 use kiln_tensor::{DeviceKind, Error, Result};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -39,8 +42,20 @@ static INIT: Mutex<()> = Mutex::new(());
 /// `KILN_PJRT_CPU_DEVICES=N` sets the number of devices of the XLA:CPU plugin
 /// (its `cpu_device_count` option; other plugins ignore the variable).
 pub fn register() -> Result<()> {
+    start(None)
+}
+
+/// Loads the plugin and registers the backend (once), as one process of a
+/// process group when `group` is given (see `process_group.rs`).
+fn start(group: Option<&process_group::Joined>) -> Result<()> {
     if BACKEND.get().is_some() {
-        return Ok(());
+        return match group {
+            None => Ok(()),
+            Some(_) => Err(Error::invalid(
+                "init_process_group",
+                "the PJRT backend has already started: call init_process_group before kiln_tpu::register and before any tensor is made on a Tpu device",
+            )),
+        };
     }
     let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
     if BACKEND.get().is_some() {
@@ -48,16 +63,21 @@ pub fn register() -> Result<()> {
     }
     let path = pjrt::find_plugin()?;
     let api = pjrt::Api::load(&path)?;
+    let xla_cpu = path.to_string_lossy().contains("cpu");
     let mut opts = vec![];
     if let Ok(n) = std::env::var("KILN_PJRT_CPU_DEVICES") {
         let n: i64 = n
             .parse()
             .map_err(|_| Error::invalid("register", format!("KILN_PJRT_CPU_DEVICES={n:?} is not a number")))?;
-        if path.to_string_lossy().contains("cpu") {
+        if xla_cpu {
             opts.push(("cpu_device_count", pjrt::OptionValue::Int(n)));
         }
     }
-    let client = Arc::new(pjrt::Client::new(api, &opts)?);
+    let store = group.map(|g| {
+        opts.extend(process_group::client_options(g, xla_cpu));
+        g.store
+    });
+    let client = Arc::new(pjrt::Client::new(api, &opts, store)?);
     let b: &'static PjrtBackend = Box::leak(Box::new(PjrtBackend::new(client)));
     kiln_tensor::register_backend(DeviceKind::Tpu, Box::new(Registered(b)));
     let _ = BACKEND.set(b);

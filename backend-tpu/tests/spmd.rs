@@ -349,3 +349,65 @@ fn meshes_have_named_axes_and_sub_meshes_keep_every_device() {
     let panic = std::panic::catch_unwind(|| mesh["pp"].size()).unwrap_err();
     assert!(panic.downcast_ref::<String>().is_some_and(|m| m.contains("no axis \"pp\"")));
 }
+
+#[test]
+fn each_device_can_launch_its_own_part_with_a_shared_launch_id() {
+    // The multi-controller pattern: one thread per device (as one process per
+    // device would) makes its own execute call; the all-reduce the partitioner
+    // inserted finds its peers through the shared launch id.
+    let mesh = tpu_mesh(&[4], &["x"]);
+    let b = kiln_tpu::backend().unwrap();
+    let client = b.client();
+    let (x, w) = (data(128, 0.3), data(64, 0.9));
+    let want = matmul(&x, &w, 8, 16, 4);
+    let sx = Sharding::from_placements(&mesh, &[Placement::Shard(1)], 2).unwrap();
+    let sw = Sharding::from_placements(&mesh, &[Placement::Shard(0)], 2).unwrap();
+    let rep = Sharding::replicated(&mesh, 2);
+    let text = matmul_program(&sx, &sw, &rep);
+    let ids: Vec<i64> = mesh.devices().iter().map(|&d| client.device_id(d).unwrap()).collect();
+    let exe = b.executable_with(&text, &CompileOptions::spmd(&ids)).unwrap();
+    let meta = [(DType::F32, vec![8, 4])];
+    let args: Vec<Vec<Buffer>> = (0..4)
+        .map(|pos| {
+            let xs = sx.shard_bytes(&f32_bytes(&x), 4, &[8, 16], pos);
+            let ws = sw.shard_bytes(&f32_bytes(&w), 4, &[16, 4], pos);
+            let d = mesh.devices()[pos];
+            vec![
+                client.buffer_from_host(&xs, DType::F32, &sx.shard_shape(&[8, 16]), d).unwrap(),
+                client.buffer_from_host(&ws, DType::F32, &sw.shard_shape(&[16, 4]), d).unwrap(),
+            ]
+        })
+        .collect();
+    for launch in 0..3u64 {
+        let id = kiln_tpu::pjrt::launch_id(text.as_bytes(), launch);
+        assert_ne!(id, 0);
+        let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|pos| {
+                    let (exe, args, meta, d) = (&exe, &args[pos], &meta, mesh.devices()[pos]);
+                    s.spawn(move || {
+                        let refs: Vec<&Buffer> = args.iter().collect();
+                        let (out, event) = exe.execute_sharded(d, &refs, meta, id).unwrap();
+                        event.wait("one device's part").unwrap();
+                        let mut bytes = vec![0u8; 32 * 4];
+                        out[0].copy_to_host(&mut bytes).unwrap();
+                        from_bytes(&bytes)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (pos, y) in outs.iter().enumerate() {
+            assert!(close(y, &want), "launch {launch}, device {pos}: {y:?} vs {want:?}");
+        }
+    }
+    // Launch id 0 would leave the devices waiting for each other: refused.
+    let refs: Vec<&Buffer> = args[0].iter().collect();
+    let e = exe.execute_sharded(mesh.devices()[0], &refs, &meta, 0).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("non-zero launch id"), "{e}");
+    // The ids differ per launch and per program, and are the same in every process.
+    let a = kiln_tpu::pjrt::launch_id(b"program", 1);
+    assert_eq!(a, kiln_tpu::pjrt::launch_id(b"program", 1));
+    assert_ne!(a, kiln_tpu::pjrt::launch_id(b"program", 2));
+    assert_ne!(a, kiln_tpu::pjrt::launch_id(b"other", 1));
+}

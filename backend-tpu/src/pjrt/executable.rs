@@ -209,6 +209,37 @@ impl Executable {
         Ok((outs, events))
     }
 
+    /// Runs one device's part of a program compiled for several devices (the
+    /// multi-controller pattern: every device, or every process, makes its own
+    /// call). `device` is a client device index among
+    /// [`Executable::addressable_devices`]; every call of one launch must pass
+    /// the same non-zero `launch_id` (see [`launch_id`]), which is how the
+    /// devices' collectives find each other. Returns the device's outputs and
+    /// completion event; the call returns before the program finishes, which
+    /// only happens once every device's part has been launched.
+    pub fn execute_sharded(
+        &self,
+        device: usize,
+        args: &[&Buffer],
+        out_meta: &[(DType, Vec<usize>)],
+        launch_id: i32,
+    ) -> Result<(Vec<Buffer>, Event)> {
+        let devices = self.addressable_devices()?;
+        if !devices.contains(&device) {
+            return Err(err(format!(
+                "execute_sharded: device {device} is not one of the program's devices {devices:?}"
+            )));
+        }
+        if launch_id == 0 && devices.len() > 1 {
+            return Err(err(
+                "execute_sharded: a launch over several devices needs a non-zero launch id shared by every call (with 0 the devices wait for each other forever)",
+            ));
+        }
+        let d = self.client.device(device)?;
+        let (mut bufs, mut events) = self.launch(&[args.to_vec()], Some(d), out_meta, &[], launch_id)?;
+        Ok((bufs.remove(0), events.remove(0)))
+    }
+
     /// `PJRT_LoadedExecutable_Execute` over `args.len()` devices (or on
     /// `device` for a portable program).
     fn launch(
@@ -279,5 +310,23 @@ impl Drop for Executable {
         let mut a = ffi::PJRT_LoadedExecutable_Destroy_Args::new();
         a.executable = self.raw;
         let _ = self.client.api.call("LoadedExecutable_Destroy", self.client.api.t().loaded_executable_destroy, &mut a);
+    }
+}
+
+/// The launch id of the `n`-th launch of the program `fingerprint` (its text
+/// or any bytes every process derives alike): the same in every process, and
+/// never 0 (JAX derives its launch ids the same way).
+pub fn launch_id(fingerprint: &[u8], n: u64) -> i32 {
+    // FNV-1a over the fingerprint and the count.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in fingerprint.iter().chain(&n.to_le_bytes()) {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let id = ((h >> 33) ^ h) as i32 & i32::MAX;
+    if id == 0 {
+        1
+    } else {
+        id
     }
 }

@@ -248,6 +248,59 @@ pub struct PJRT_Client_Create_Args {
     pub kv_try_get_user_arg: *mut c_void,
 }
 
+/// `PJRT_CallbackError`: makes the `PJRT_Error` a key-value callback returns.
+pub type PJRT_CallbackError =
+    Option<unsafe extern "C" fn(code: c_int, message: *const c_char, message_size: usize) -> *mut PJRT_Error>;
+/// Frees a value a key-value get callback returned.
+pub type PJRT_KeyValueGetCallback_ValueDeleter = Option<unsafe extern "C" fn(value: *mut c_char)>;
+
+/// The argument of the blocking get callback (`PJRT_KeyValueGetCallback_Args`).
+#[repr(C)]
+pub struct PJRT_KeyValueGetCallback_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub key: *const c_char,
+    pub key_size: usize,
+    pub timeout_in_ms: c_int,
+    pub callback_error: *mut PJRT_CallbackError,
+    pub user_arg: *mut c_void,
+    pub value: *mut c_char,
+    pub value_size: usize,
+    pub value_deleter_callback: PJRT_KeyValueGetCallback_ValueDeleter,
+}
+
+/// The argument of the non-blocking get callback (`PJRT_KeyValueTryGetCallback_Args`).
+#[repr(C)]
+pub struct PJRT_KeyValueTryGetCallback_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub key: *const c_char,
+    pub key_size: usize,
+    pub callback_error: *mut PJRT_CallbackError,
+    pub user_arg: *mut c_void,
+    pub value: *mut c_char,
+    pub value_size: usize,
+    pub value_deleter_callback: PJRT_KeyValueGetCallback_ValueDeleter,
+}
+
+/// The argument of the put callback (`PJRT_KeyValuePutCallback_Args`).
+#[repr(C)]
+pub struct PJRT_KeyValuePutCallback_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub key: *const c_char,
+    pub key_size: usize,
+    pub value: *const c_char,
+    pub value_size: usize,
+    pub callback_error: *mut PJRT_CallbackError,
+    pub user_arg: *mut c_void,
+}
+
+/// `PJRT_Error_Code` values the key-value callbacks return.
+pub const ERROR_DEADLINE_EXCEEDED: c_int = 4;
+pub const ERROR_NOT_FOUND: c_int = 5;
+pub const ERROR_INTERNAL: c_int = 13;
+
 #[repr(C)]
 pub struct PJRT_Client_Destroy_Args {
     pub struct_size: usize,
@@ -521,6 +574,9 @@ args!(
     PJRT_Event_Args,
     PJRT_Event_IsReady_Args,
     PJRT_Client_Create_Args,
+    PJRT_KeyValueGetCallback_Args,
+    PJRT_KeyValueTryGetCallback_Args,
+    PJRT_KeyValuePutCallback_Args,
     PJRT_Client_Destroy_Args,
     PJRT_Client_String_Args,
     PJRT_Client_Devices_Args,

@@ -6,9 +6,10 @@
 //! into a [`kiln_tensor::Error::Backend`] carrying the plugin's message and code.
 mod executable;
 pub mod ffi;
+pub mod kv;
 mod options;
 
-pub use executable::Executable;
+pub use executable::{launch_id, Executable};
 pub use options::CompileOptions;
 
 use ffi::Args;
@@ -223,8 +224,14 @@ impl std::fmt::Debug for Client {
 }
 
 impl Client {
-    /// Creates a client with the given options (e.g. `cpu_device_count` for XLA:CPU).
-    pub fn new(api: Arc<Api>, options: &[(&str, OptionValue)]) -> Result<Client> {
+    /// Creates a client with the given options (e.g. `cpu_device_count` for
+    /// XLA:CPU) and, for a process of a multi-process group, the key-value
+    /// store the plugin may use (see [`kv`]).
+    pub fn new(
+        api: Arc<Api>,
+        options: &[(&str, OptionValue)],
+        store: Option<&'static crate::store::TcpStore>,
+    ) -> Result<Client> {
         let strings: Vec<Vec<u8>> = options
             .iter()
             .map(|(_, v)| match v {
@@ -262,6 +269,9 @@ impl Client {
         let mut a = ffi::PJRT_Client_Create_Args::new();
         a.create_options = named.as_ptr();
         a.num_options = named.len();
+        if let Some(store) = store {
+            kv::install(&mut a, store);
+        }
         api.call("Client_Create", api.t().client_create, &mut a)?;
         let raw = a.client;
         let mut client = Client { api, raw, devices: vec![], platform: String::new(), platform_version: String::new() };
