@@ -17,6 +17,7 @@
 //! request: [`tpu::register`].
 
 pub use kiln_autograd as autograd;
+pub use kiln_autograd::local_map;
 pub use kiln_cpu as cpu;
 pub use kiln_nn as nn;
 pub use kiln_tensor as tensor;

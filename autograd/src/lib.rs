@@ -18,10 +18,12 @@
 mod checkpoint;
 mod engine;
 pub mod gradcheck;
+mod local;
 mod rules;
 
 pub use checkpoint::checkpoint;
 pub use gradcheck::{gradcheck, GradcheckOptions};
+pub use local::local_map;
 
 use engine::Sink;
 use kiln_tensor::{is_grad_enabled, Error, Result, Tensor};

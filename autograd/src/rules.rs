@@ -549,6 +549,12 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                 out[0] = Some(prim(ctx.op.clone(), &[&g, &z])?);
             }
         }
+        // A collective's adjoint carries the gradient back (Note [Local regions]).
+        Op::Collective(c) => {
+            if ctx.needs(0) {
+                out[0] = Some(prim(Op::Collective(c.adjoint()), &[&g])?);
+            }
+        }
     }
     Ok(out)
 }

@@ -617,6 +617,17 @@ impl Backend for PjrtBackend {
         self.placements_of(t)
     }
 
+    fn local_map(
+        &self,
+        mesh: &DeviceMesh,
+        f: &kiln_tensor::LocalFn<'_>,
+        inputs: &[Tensor],
+        in_placements: &[Vec<Placement>],
+        out_placements: &[Vec<Placement>],
+    ) -> Result<Vec<Tensor>> {
+        self.run_local_map(mesh, f, inputs, in_placements, out_placements)
+    }
+
     fn redistribute(&self, t: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> Result<Tensor> {
         self.redistribute_tensor(t, mesh, placements)
     }

@@ -279,7 +279,7 @@ impl PjrtBackend {
 
     /// Compiles `text` for `mesh` and runs it over every mesh device with
     /// `args` (each storage's shards); returns each output's buffers in mesh order.
-    fn run_mesh(
+    pub(crate) fn run_mesh(
         &self,
         name: &'static str,
         text: &str,
@@ -336,7 +336,7 @@ impl PjrtBackend {
             .collect()
     }
 
-    fn mesh_storage(&self, shards: Arc<Shards>, dtype: DType, device: Device) -> Arc<Storage> {
+    pub(crate) fn mesh_storage(&self, shards: Arc<Shards>, dtype: DType, device: Device) -> Arc<Storage> {
         let len = shards.shape.iter().product();
         Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer::Sharded(shards))), dtype, len, device))
     }
@@ -411,7 +411,13 @@ impl PjrtBackend {
     }
 
     /// `bytes` (a row-major value of `shape`) copied to every device of `mesh`.
-    fn replicated_shards(&self, bytes: &[u8], dtype: DType, shape: &[usize], mesh: &DeviceMesh) -> Result<Arc<Shards>> {
+    pub(crate) fn replicated_shards(
+        &self,
+        bytes: &[u8],
+        dtype: DType,
+        shape: &[usize],
+        mesh: &DeviceMesh,
+    ) -> Result<Arc<Shards>> {
         let sharding = Sharding::replicated(mesh, shape.len());
         self.sharded_from_bytes(bytes, dtype, shape, sharding, mesh.root())
     }
@@ -456,7 +462,7 @@ impl PjrtBackend {
 
     /// The view of `t` as a fresh storage of its shape with `sharding` (a
     /// program whose result carries it): redistribution, and the gather reads use.
-    fn materialize(&self, t: &Tensor, sharding: Sharding, view: DeviceMesh) -> Result<Arc<Shards>> {
+    pub(crate) fn materialize(&self, t: &Tensor, sharding: Sharding, view: DeviceMesh) -> Result<Arc<Shards>> {
         if crate::graph::is_tracing() {
             return Err(unsupported_mode(t.device()));
         }

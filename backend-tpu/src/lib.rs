@@ -16,6 +16,7 @@ mod capture;
 mod dist;
 mod graph;
 mod host_values;
+mod local;
 pub mod lower;
 mod mode;
 pub mod pjrt;
@@ -157,6 +158,16 @@ impl kiln_tensor::Backend for Registered {
     }
     fn placements(&self, t: &kiln_tensor::Tensor) -> Result<(kiln_tensor::DeviceMesh, Vec<kiln_tensor::Placement>)> {
         self.0.placements(t)
+    }
+    fn local_map(
+        &self,
+        mesh: &kiln_tensor::DeviceMesh,
+        f: &kiln_tensor::LocalFn<'_>,
+        inputs: &[kiln_tensor::Tensor],
+        in_placements: &[Vec<kiln_tensor::Placement>],
+        out_placements: &[Vec<kiln_tensor::Placement>],
+    ) -> Result<Vec<kiln_tensor::Tensor>> {
+        self.0.local_map(mesh, f, inputs, in_placements, out_placements)
     }
     fn redistribute(
         &self,

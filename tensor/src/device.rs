@@ -142,6 +142,20 @@ pub trait Backend: Send + Sync + 'static {
     fn distribute(&self, _t: &Tensor, mesh: &DeviceMesh, _placements: &[Placement]) -> Result<Tensor> {
         Err(no_meshes(self.name(), mesh))
     }
+    /// Runs `f` on every device of `mesh` as SPMD code on the device's block of
+    /// each input (placed with `in_placements`), the results carrying
+    /// `out_placements` (Note [Local regions] in `collective.rs`). Not differentiable
+    /// itself: `kiln::local_map` adds the gradient.
+    fn local_map(
+        &self,
+        mesh: &DeviceMesh,
+        _f: &LocalFn<'_>,
+        _inputs: &[Tensor],
+        _in_placements: &[Vec<Placement>],
+        _out_placements: &[Vec<Placement>],
+    ) -> Result<Vec<Tensor>> {
+        Err(no_meshes(self.name(), mesh))
+    }
     /// The mesh and placements of a tensor on a mesh device.
     fn placements(&self, t: &Tensor) -> Result<(DeviceMesh, Vec<Placement>)> {
         Err(Error::device("placements", format!("{} is not a device mesh", t.device())))
@@ -166,6 +180,9 @@ pub trait Backend: Send + Sync + 'static {
         Err(no_meshes(self.name(), mesh))
     }
 }
+
+/// The function of a local region: each device's blocks in, its blocks out.
+pub type LocalFn<'a> = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'a;
 
 fn no_meshes(backend: &str, mesh: &DeviceMesh) -> Error {
     Error::device("distribute_tensor", format!("the {backend} backend has no device meshes ({mesh})"))

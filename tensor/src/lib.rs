@@ -14,6 +14,7 @@ pub use half;
 
 pub mod alloc;
 mod attention;
+pub mod collective;
 mod composite;
 mod convert;
 mod create;
@@ -45,7 +46,8 @@ pub use composite::{rms_norm_grads, CrossEntropy, Reduction};
 pub use convert::{reading_via, TensorData};
 pub use create::TensorOptions;
 pub use device::{
-    backend_for, check_assign, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind, Meta,
+    backend_for, check_assign, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind,
+    LocalFn, Meta,
 };
 pub use distributed::distribute_tensor;
 pub use dtype::{Category, DType, Element};

@@ -470,6 +470,9 @@ pub enum Op {
         strides: Shape,
         offset: usize,
     },
+    /// A collective between the devices of a mesh axis, inside a local region
+    /// (see Note [Local regions] in `collective.rs`).
+    Collective(crate::collective::CollectiveOp),
 }
 
 /// Checks the `q, k, v` inputs of the attention primitives (see [`Op::Attention`]).
@@ -596,6 +599,7 @@ impl Op {
             Op::Sort { .. } => "sort",
             Op::TopK { .. } => "topk",
             Op::Assign { .. } => "copy_",
+            Op::Collective(c) => c.name(),
         }
     }
 
@@ -604,7 +608,7 @@ impl Op {
         Some(match self {
             Op::Full { .. } | Op::Arange { .. } => 0,
             Op::Unary(_) | Op::Cast(_) | Op::Copy | Op::Reduce { .. } | Op::ArgReduce { .. } | Op::Cumsum { .. } => 1,
-            Op::RandomBits { .. } => 1,
+            Op::RandomBits { .. } | Op::Collective(_) => 1,
             Op::View(_) | Op::Sort { .. } | Op::TopK { .. } | Op::Softmax { .. } | Op::LogSumExp { .. } => 1,
             Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
             Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } => 3,
@@ -1125,6 +1129,7 @@ impl Op {
                 l.check_bounds(name, base.shape.iter().product())?;
                 smallvec![base.clone()]
             }
+            Op::Collective(c) => c.infer(&inputs[0])?,
         })
     }
 }

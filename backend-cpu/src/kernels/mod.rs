@@ -106,6 +106,12 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
             let view = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
             vec![copy::assign_out_of_place(&ins[0], &view, &ins[1])?]
         }
+        Op::Collective(c) => {
+            return Err(Error::device(
+                c.name(),
+                "collectives run inside kiln::local_map over a device mesh; the CPU backend has no meshes",
+            ))
+        }
         Op::View(v) => {
             return Err(Error::backend(
                 "cpu",

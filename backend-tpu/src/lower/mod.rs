@@ -4,11 +4,13 @@
 //! and writes of strided views of flat buffers; [`exec_module`],
 //! [`read_module`] and [`assign_module`] assemble whole programs. Nothing here
 //! needs a device, so every lowering has golden-text tests.
+mod collective;
 mod ops;
 mod random;
 pub mod shard;
 mod view;
 
+pub use collective::manual_computation;
 pub use ops::{lower_op, Check};
 pub use shard::{mesh_decl, Sharding};
 pub use view::{read_view, write_view};

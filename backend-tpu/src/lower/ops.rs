@@ -273,6 +273,7 @@ pub fn lower_op(b: &mut Builder, op: &Op, x: &[Val], outs: &[Meta]) -> Result<Lo
             let w = super::write_view(b, &flat, &layout, &x[1])?;
             one(b.reshape(&w, &outs[0].shape))
         }
+        Op::Collective(c) => one(super::collective::lower(b, c, &x[0], &outs[0])),
         Op::Rotary => one(rotary(b, &x[0], &x[1], &x[2])),
         Op::Attention { scale, causal } => {
             let (o, lse) = attention(b, &x[0], &x[1], &x[2], *scale, *causal, outs);
