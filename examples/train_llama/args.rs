@@ -1,6 +1,8 @@
 //! train_llama's command line: the options, their defaults, and the run
 //! settings a checkpoint keeps.
+use kiln::nn::parallel::{parse_mesh, Recipe};
 use kiln::prelude::*;
+use kiln::DeviceMesh;
 use serde_json::Value;
 use std::path::PathBuf;
 
@@ -33,6 +35,10 @@ RUN
   --device DEV         cpu, or tpu / tpu:N (the PJRT backend) [default: cpu]
   --mode M             the PJRT backend's mode: strict, debug or defer, or compiled (each training step
                        captured by kiln::compile into one program) [default: strict, or KILN_TPU_MODE]
+  --mesh SPEC          train on a mesh of PJRT devices, e.g. dp=4 or dp=2,tp=2 (KILN_PJRT_CPU_DEVICES
+                       sets the number of XLA:CPU devices); needs --device tpu and --parallel
+  --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp (a resumed run may
+                       use another mesh or recipe: its checkpoint is resharded on load)
   --out DIR            checkpoints, final model, loss.csv, loss.png [default: runs/train_llama]
   --resume             continue from the latest checkpoint in --out (with its settings)
   --eval-every N       validation loss (and accuracy) every N steps [default: 100]
@@ -64,6 +70,9 @@ pub struct Args {
     pub device: Device,
     /// The whole training step captured by kiln::compile (`--mode compiled`).
     pub compiled: bool,
+    /// The device mesh (`--mesh`) and parallelism recipe (`--parallel`).
+    pub mesh: Option<String>,
+    pub parallel: Option<Recipe>,
     pub out: PathBuf,
     pub resume: bool,
     pub eval_every: u64,
@@ -94,6 +103,8 @@ impl Default for Args {
             intermediate: 192,
             device: Device::Cpu,
             compiled: false,
+            mesh: None,
+            parallel: None,
             out: PathBuf::from("runs/train_llama"),
             resume: false,
             eval_every: 100,
@@ -198,6 +209,8 @@ impl Args {
                     .ok_or_else(|| arg_err(format!("--mode {v}: expected strict, debug, defer or compiled")))?;
                 kiln::tpu::set_mode(m);
             }
+            "mesh" => self.mesh = Some(v.to_string()),
+            "parallel" => self.parallel = Some(Recipe::parse(v)?),
             "out" => self.out = PathBuf::from(v),
             "eval-every" => self.eval_every = parse_num(&flag, v)?,
             "save-every" => self.save_every = parse_num(&flag, v)?,
@@ -266,5 +279,21 @@ impl Args {
             }
         }
         Ok(())
+    }
+}
+
+impl Args {
+    /// The mesh and recipe of `--mesh` / `--parallel`, checked against each other and `--device`.
+    pub fn parallelism(&self) -> Result<Option<(DeviceMesh, Recipe)>> {
+        match (&self.mesh, self.parallel) {
+            (None, None) => Ok(None),
+            (Some(spec), Some(r)) => {
+                if self.device.kind() != kiln::DeviceKind::Tpu {
+                    return Err(arg_err("--mesh needs --device tpu"));
+                }
+                Ok(Some((parse_mesh(spec, kiln::DeviceKind::Tpu)?, r)))
+            }
+            _ => Err(arg_err("--mesh and --parallel go together")),
+        }
     }
 }

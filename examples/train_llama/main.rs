@@ -10,6 +10,8 @@
 //! cargo run --release --example train_llama
 //! cargo run --release --example train_llama -- --data ../shared/data/tinyshakespeare.txt --steps 1000
 //! cargo run --release --example train_llama -- --resume          # continue the run in --out
+//! KILN_PJRT_CPU_DEVICES=4 cargo run --release --example train_llama -- \
+//!     --device tpu --mesh dp=2,tp=2 --parallel fsdp+tp             # on a mesh of 4 PJRT devices
 //! cargo run --release --example train_llama -- --help
 //! ```
 //!
@@ -17,7 +19,8 @@
 //! `loss.png`, saves checkpoints (`checkpoint-{step}/`: `config.json` +
 //! `model.safetensors` in the Hugging Face layout, plus optimizer and training
 //! state) and the final model (`config.json` + `model.safetensors`) into `--out`.
-//! A resumed run continues bit for bit where the interrupted one stopped.
+//! A resumed run continues bit for bit where the interrupted one stopped, on
+//! the same mesh or another one (its sharded checkpoint is resharded on load).
 mod args;
 mod log;
 
@@ -189,12 +192,27 @@ fn run(mut args: Args) -> Result<()> {
         }
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!("kiln train_llama on {} ({threads} threads)", args.device);
+    let parallel = args.parallelism()?;
+    // Where the step's tensors live: the mesh, or the one device.
+    let device = parallel.as_ref().map_or(args.device, |(m, _)| m.device());
+    match &parallel {
+        Some((mesh, recipe)) => println!("kiln train_llama on {mesh} ({recipe:?}; {threads} host threads)"),
+        None => println!("kiln train_llama on {} ({threads} threads)", args.device),
+    }
     kiln::manual_seed(args.seed);
     let mut data = load_data(&args)?;
     println!("data: {}", data.description);
     let cfg = model_config(&args, data.tokenizer.vocab_size())?;
     let mut model = LlamaForCausalLM::new(&cfg, (DType::F32, args.device))?;
+    if let Some((mesh, recipe)) = &parallel {
+        // Initialised on one device (the same weights as a one-device run), then placed.
+        recipe.apply(&mut model, mesh)?;
+        for (n, p) in model.named_parameters().iter().filter(|(n, _)| n.contains("layers.0.") || !n.contains("layers"))
+        {
+            let placements: Vec<String> = p.placements()?.iter().map(|x| x.to_string()).collect();
+            println!("  {n}: {:?} on {} as [{}]", p.shape(), p.device_mesh()?, placements.join(", "));
+        }
+    }
     model.train(true);
     println!(
         "model: Llama, {} layers, hidden {}, {} heads ({} KV), MLP {}, vocab {}: {} parameters",
@@ -284,12 +302,14 @@ fn run(mut args: Args) -> Result<()> {
         opt.zero_grad();
         Ok(vec![loss, grad_norm])
     };
-    let mut compiled = args.compiled.then(|| kiln::compile(args.device, train_step));
+    let mut compiled = args.compiled.then(|| kiln::compile(device, train_step));
+    let place = |batch: Tensor| match &parallel {
+        Some((mesh, recipe)) => recipe.place_batch(&batch, mesh),
+        None => batch.to_device(args.device),
+    };
     while step < args.steps {
         let lr = args.lr * schedule.apply(&mut *opt.borrow_mut(), step);
-        let batches = (0..args.grad_accum)
-            .map(|_| data.train.next_batch()?.to_device(args.device))
-            .collect::<Result<Vec<_>>>()?;
+        let batches = (0..args.grad_accum).map(|_| place(data.train.next_batch()?)).collect::<Result<Vec<_>>>()?;
         let out = match &mut compiled {
             Some(c) => c.call(&batches)?,
             None => train_step(&batches)?,
@@ -387,12 +407,8 @@ fn run(mut args: Args) -> Result<()> {
     } else {
         let prompt = data.tokenizer.encode("\n")?;
         let ids = Tensor::from_vec(prompt.iter().map(|&t| t as i64).collect::<Vec<_>>(), &[1, prompt.len()])?;
-        let out = generate(
-            &model,
-            &ids.to_device(args.device)?,
-            300,
-            &Sampling::sample(0.8).with_top_k(40).with_seed(args.seed),
-        )?;
+        let out =
+            generate(&model, &ids.to_device(device)?, 300, &Sampling::sample(0.8).with_top_k(40).with_seed(args.seed))?;
         let new: Vec<u32> = out.to_vec::<i64>()?[prompt.len()..].iter().map(|&t| t as u32).collect();
         println!("sample (temperature 0.8, top-k 40):\n{}", data.tokenizer.decode(&new)?);
     }
