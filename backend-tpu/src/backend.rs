@@ -19,14 +19,22 @@ use std::sync::{Arc, Mutex};
 /// Work dispatched in Strict mode that nobody has waited for yet: a program
 /// and its completion event, or a host-to-device copy and the bytes it reads.
 enum Pending {
-    Program { op: &'static str, event: Event },
+    Program {
+        op: &'static str,
+        event: Event,
+    },
+    /// A program over several devices: waited for at most `collective_timeout`.
+    Collective {
+        op: &'static str,
+        event: Event,
+    },
     Upload(Upload),
 }
 
 impl Pending {
     fn is_ready(&self) -> bool {
         match self {
-            Pending::Program { event, .. } => event.is_ready().unwrap_or(false),
+            Pending::Program { event, .. } | Pending::Collective { event, .. } => event.is_ready().unwrap_or(false),
             Pending::Upload(u) => u.is_done(),
         }
     }
@@ -139,6 +147,11 @@ impl PjrtBackend {
 
     pub(crate) fn queue_event(&self, op: &'static str, event: Event) -> Result<()> {
         self.queue(Pending::Program { op, event })
+    }
+
+    /// Queues the completion event of one device of a program over a mesh.
+    pub(crate) fn queue_collective(&self, op: &'static str, event: Event) -> Result<()> {
+        self.queue(Pending::Collective { op, event })
     }
 
     pub(crate) fn ready_data(&self, data: PjrtBuffer) -> Result<Arc<Buffer>> {
@@ -439,6 +452,9 @@ fn settle(p: Pending) -> Result<()> {
         Pending::Program { op, event } => {
             event.wait(op).map_err(|e| err(format!("{op} (dispatched asynchronously) failed: {e}")))
         }
+        Pending::Collective { op, event } => event
+            .wait_within(op, crate::pjrt::collective_timeout())
+            .map_err(|e| err(format!("{op} (dispatched asynchronously over a mesh) failed: {e}"))),
         Pending::Upload(u) => u.wait(),
     }
 }

@@ -123,6 +123,45 @@ pub(crate) fn flat_value(b: &mut Builder, arg: &Val, s: &Shards) -> Val {
     b.reshape(&v, &[n])
 }
 
+/// The sharding of result `i` (`r`, of `shape`) of `op` in a program over
+/// `mesh`: kiln's rule (Note [Placements of results]), except that a partial
+/// sum is kept only where Shardy keeps it. Shardy carries unreduced values
+/// out of the op that makes them (a reduction, a dot) but reduces them before
+/// anything that follows (a convert back to a 16-bit type, the padding of an
+/// uneven dimension); declaring such a value unreduced afterwards would leave
+/// every device holding the whole sum, and reading it would add them all up.
+/// Those results are reduced instead.
+pub(crate) fn result_sharding(
+    b: &Builder,
+    op: &Op,
+    ins: &[(Vec<usize>, Sharding)],
+    i: usize,
+    r: &Val,
+    shape: &[usize],
+    mesh: &DeviceMesh,
+) -> Sharding {
+    let s = shard::out_sharding(op, ins, i, shape, mesh);
+    let direct = matches!(b.defining_op(r), Some("stablehlo.reduce" | "stablehlo.dot_general"));
+    if s.unreduced.is_empty() || (direct && s.padded_shape(shape) == shape) {
+        s
+    } else {
+        s.reduced()
+    }
+}
+
+/// `lower::write_view` in a program over `mesh`. A write through a strided
+/// view is a scatter whose combiner replaces, which the partitioner cannot
+/// split (XLA aborts the process on it), so its operands are gathered first;
+/// the program's result annotation splits the written value again.
+pub(crate) fn write_view(b: &mut Builder, base: &Val, layout: &Layout, src: &Val, mesh: &DeviceMesh) -> Result<Val> {
+    if layout.is_contiguous() {
+        return lower::write_view(b, base, layout, src);
+    }
+    let base = b.reshard(base, &Sharding::replicated(mesh, base.ty.rank()));
+    let src = b.reshard(src, &Sharding::replicated(mesh, src.ty.rank()));
+    lower::write_view(b, &base, layout, &src)
+}
+
 /// `v` (any value of `shape`'s element count) as `shape`, padded to `s`'s
 /// padded shape: what a program over a mesh returns for a storage.
 pub(crate) fn padded(b: &mut Builder, v: &Val, shape: &[usize], s: &Sharding) -> Val {
@@ -157,7 +196,13 @@ pub(crate) fn constrain(
 ) -> (Val, Sharding) {
     let view = shard::view_sharding(sharding, shape, t.layout()).reduced();
     let need = shard::in_sharding(op, input, &view, t.shape());
-    if need == view {
+    // The whole storage carries its sharding exactly; a view of part of it
+    // carries whatever the partitioner propagates through the slicing, which
+    // may differ from `view` (a split row sliced out stays split), so it is
+    // always constrained.
+    let l = t.layout();
+    let whole = l.is_contiguous() && l.offset() == 0 && t.shape() == shape;
+    if need == view && whole {
         (v, need)
     } else {
         (b.reshard(&v, &need), need)
@@ -320,8 +365,10 @@ impl PjrtBackend {
         self.count_execution();
         for e in events {
             match mode() {
-                Mode::Debug => e.wait(name).map_err(|e| err(format!("{name} failed on {mesh}: {e}")))?,
-                _ => self.queue_event(name, e)?,
+                Mode::Debug => e
+                    .wait_within(name, crate::pjrt::collective_timeout())
+                    .map_err(|e| err(format!("{name} failed on {mesh}: {e}")))?,
+                _ => self.queue_collective(name, e)?,
             }
         }
         let mut by_out: Vec<Vec<Option<Arc<Buffer>>>> = vec![vec![None; pos.len()]; out_meta.len()];
@@ -376,7 +423,7 @@ impl PjrtBackend {
         let mut shardings = vec![];
         let mut meta = vec![];
         for (i, (r, m)) in results.iter().zip(outs).enumerate() {
-            let s = shard::out_sharding(op, &in_shardings, i, &m.shape, &mesh);
+            let s = result_sharding(&p.b, op, &in_shardings, i, r, &m.shape, &mesh);
             values.push(padded(&mut p.b, r, &m.shape, &s));
             meta.push((m.dtype, s.shard_shape(&m.shape)));
             shardings.push(s);
@@ -509,7 +556,7 @@ impl PjrtBackend {
         let flat = p.storage_value(&d, dst.dtype())?;
         let sflat = p.storage_value(&src_shards, src.dtype())?;
         let s = lower::read_view(&mut p.b, &sflat, src.layout())?;
-        let new = lower::write_view(&mut p.b, &flat, dst.layout(), &s)?;
+        let new = write_view(&mut p.b, &flat, dst.layout(), &s, &mesh)?;
         let sharding = d.sharding.reduced();
         let out = padded(&mut p.b, &new, &d.shape, &sharding);
         let MeshProgram { b, args, .. } = p;

@@ -285,7 +285,8 @@ impl Graph {
             let sharding = match device {
                 Device::Mesh(_) => {
                     let mesh = kiln_tensor::DeviceMesh::of_device(device)?;
-                    Some((lower::shard::out_sharding(op, &in_shardings, i, &m.shape, &mesh), m.shape.to_vec()))
+                    let s = crate::dist::result_sharding(&self.builder, op, &in_shardings, i, r, &m.shape, &mesh);
+                    Some((s, m.shape.to_vec()))
                 }
                 _ => None,
             };
@@ -323,7 +324,13 @@ impl Graph {
         if self.host.is_some() && !own && !self.saved.iter().any(|(s, _)| Weak::ptr_eq(s, &target)) {
             self.saved.push((target, before));
         }
-        let new = lower::write_view(&mut self.builder, &dst_flat, dst.layout(), &s)?;
+        let new = match device {
+            Device::Mesh(_) => {
+                let mesh = kiln_tensor::DeviceMesh::of_device(device)?;
+                crate::dist::write_view(&mut self.builder, &dst_flat, dst.layout(), &s, &mesh)?
+            }
+            _ => lower::write_view(&mut self.builder, &dst_flat, dst.layout(), &s)?,
+        };
         let slot = self.output(new, sharding);
         self.sinks[slot.index] = Arc::downgrade(dst.storage());
         *w = StorageData::Device(Box::new(PjrtBuffer::Deferred(slot)));

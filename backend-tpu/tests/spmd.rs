@@ -411,3 +411,45 @@ fn each_device_can_launch_its_own_part_with_a_shared_launch_id() {
     assert_ne!(a, kiln_tpu::pjrt::launch_id(b"program", 2));
     assert_ne!(a, kiln_tpu::pjrt::launch_id(b"other", 1));
 }
+
+#[test]
+fn a_device_that_never_launches_is_an_error_after_a_bounded_wait() {
+    // Three of four devices launch their part; the fourth is late. Waiting on
+    // the others gives up with an error instead of hanging; once the fourth
+    // launches, the program completes.
+    let mesh = tpu_mesh(&[4], &["x"]);
+    let b = kiln_tpu::backend().unwrap();
+    let client = b.client();
+    let sx = Sharding::from_placements(&mesh, &[Placement::Shard(1)], 2).unwrap();
+    let sw = Sharding::from_placements(&mesh, &[Placement::Shard(0)], 2).unwrap();
+    let text = matmul_program(&sx, &sw, &Sharding::replicated(&mesh, 2));
+    let ids: Vec<i64> = mesh.devices().iter().map(|&d| client.device_id(d).unwrap()).collect();
+    let exe = b.executable_with(&text, &CompileOptions::spmd(&ids)).unwrap();
+    let meta = [(DType::F32, vec![8, 4])];
+    let args: Vec<Vec<Buffer>> = (0..4)
+        .map(|pos| {
+            let d = mesh.devices()[pos];
+            vec![
+                client.buffer_from_host(&f32_bytes(&data(32, 0.2)), DType::F32, &[8, 4], d).unwrap(),
+                client.buffer_from_host(&f32_bytes(&data(16, 0.4)), DType::F32, &[4, 4], d).unwrap(),
+            ]
+        })
+        .collect();
+    let id = kiln_tpu::pjrt::launch_id(b"a late device", 1);
+    let launch = |pos: usize| {
+        let refs: Vec<&Buffer> = args[pos].iter().collect();
+        exe.execute_sharded(mesh.devices()[pos], &refs, &meta, id).unwrap()
+    };
+    std::thread::scope(|s| {
+        let early: Vec<_> = (0..3).map(|pos| s.spawn(move || launch(pos))).collect();
+        let early: Vec<_> = early.into_iter().map(|h| h.join().unwrap()).collect();
+        let t = std::time::Instant::now();
+        let e = early[0].1.wait_within("device 0's part", std::time::Duration::from_millis(500)).unwrap_err();
+        assert!(e.to_string().contains("did not complete within"), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+        let late = launch(3);
+        for (_, ev) in early.iter().chain(std::iter::once(&late)) {
+            ev.wait_within("every part", std::time::Duration::from_secs(60)).unwrap();
+        }
+    });
+}

@@ -310,6 +310,14 @@ impl Builder {
         std::mem::replace(&mut self.body, saved)
     }
 
+    /// The name of the op that defines `v` in this function (`stablehlo.reduce`),
+    /// if `v` is the single result of an op of it.
+    pub fn defining_op(&self, v: &Val) -> Option<&str> {
+        let key = format!("    {} = \"", v.name);
+        let start = self.body.find(&key)? + key.len();
+        self.body[start..].split('"').next()
+    }
+
     /// `x` moved to the sharding `s` (`sdy.reshard`): the partitioner inserts
     /// the collectives (a partial sum resharded without its unreduced axes is all-reduced).
     pub fn reshard(&mut self, x: &Val, s: &Sharding) -> Val {

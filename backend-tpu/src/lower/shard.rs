@@ -253,6 +253,12 @@ impl Sharding {
 //   RMSNorm's weight gradient (a sum over the batch) is replicated;
 // - anything else (indexing, sorting, attention, creation ops, ...) is
 //   replicated, which is always correct and costs memory and gathers.
+// A partial sum is kept only where Shardy keeps it: straight out of the
+// reduction or dot that makes it. A result whose lowering does more after
+// the reduction (a convert back to a 16-bit type) or that kiln pads (an
+// uneven dimension) is reduced instead (`dist::result_sharding`): Shardy
+// reduces an unreduced value before such ops, and declaring the result
+// unreduced afterwards would make every device's copy count as a partial.
 // Inputs keep their split where the partitioner can compute on it, and are
 // gathered where it cannot: XLA partitions a reduction over a split dimension
 // only when its body is a plain sum, so kiln's NaN-propagating max and min,

@@ -191,7 +191,11 @@ impl Executable {
         static IN_FLIGHT: std::sync::Mutex<Vec<Event>> = std::sync::Mutex::new(Vec::new());
         let mut previous = IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner());
         for e in previous.drain(..) {
-            let _ = e.wait("the previous program over several devices");
+            // Its own failure surfaces to its owner; a hang is this launch's error too.
+            match e.wait_within("the previous program over several devices", super::collective_timeout()) {
+                Err(x) if x.to_string().contains("did not complete within") => return Err(x),
+                _ => {}
+            }
         }
         let (outs, events) = self.launch(args, None, out_meta, non_donatable, launch_id)?;
         for o in &outs {
@@ -200,7 +204,7 @@ impl Executable {
                 None => {
                     // No output to watch: wait for this launch before letting another start.
                     for e in &events {
-                        let _ = e.wait("a program over several devices");
+                        e.wait_within("a program over several devices", super::collective_timeout())?;
                     }
                     break;
                 }

@@ -496,6 +496,24 @@ impl Event {
         a.event = self.raw;
         self.api.call(what, self.api.t().event_await, &mut a)
     }
+    /// [`Event::wait`], giving up after `timeout`: for programs over several
+    /// devices, whose collectives wait for every device, so that a device that
+    /// failed or never started is an error rather than a hang (the program
+    /// itself stays stuck in the plugin: XLA cannot cancel a collective).
+    pub fn wait_within(&self, what: &str, timeout: std::time::Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut pause = std::time::Duration::from_micros(50);
+        while !self.is_ready()? {
+            if std::time::Instant::now() >= deadline {
+                return Err(err(format!(
+                    "{what} did not complete within {timeout:?}: a device of the launch failed or never started, and the others wait for it in their collectives (KILN_COLLECTIVE_TIMEOUT_S sets the wait)"
+                )));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(20));
+        }
+        self.wait(what)
+    }
     /// Whether the event has fired (without blocking).
     pub fn is_ready(&self) -> Result<bool> {
         let mut a = ffi::PJRT_Event_IsReady_Args::new();
@@ -511,6 +529,16 @@ impl Drop for Event {
         a.event = self.raw;
         let _ = self.api.call("Event_Destroy", self.api.t().event_destroy, &mut a);
     }
+}
+
+/// How long a wait for a program over several devices may last
+/// (`KILN_COLLECTIVE_TIMEOUT_S`, default 600 s, PyTorch's collective timeout).
+pub fn collective_timeout() -> std::time::Duration {
+    static T: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *T.get_or_init(|| {
+        let secs = std::env::var("KILN_COLLECTIVE_TIMEOUT_S").ok().and_then(|v| v.parse::<f64>().ok());
+        std::time::Duration::from_secs_f64(secs.filter(|s| *s > 0.0).unwrap_or(600.0))
+    })
 }
 
 /// Host bytes being copied to a device: kept alive until the plugin is done
