@@ -72,11 +72,7 @@ pub fn on_devices(f: impl Fn(Device) -> Result<()>) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => panic!("on {mesh} ({mode:?}): unexpected error: {e}"),
                 Err(p) => {
-                    let msg = p
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
+                    let msg = common::panic_text(&*p);
                     panic!("on {mesh} ({mode:?}): {msg}");
                 }
             }

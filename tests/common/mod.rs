@@ -95,6 +95,15 @@ pub fn assert_err<T: std::fmt::Debug>(r: kiln::Result<T>, parts: &[&str]) -> Str
     msg
 }
 
+/// The message of a caught panic.
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
 /// Runs `f`, expecting a panic whose message contains every one of `parts`.
 #[track_caller]
 pub fn assert_panics<R>(f: impl FnOnce() -> R, parts: &[&str]) {
@@ -103,11 +112,7 @@ pub fn assert_panics<R>(f: impl FnOnce() -> R, parts: &[&str]) {
         Ok(_) => panic!("expected a panic containing {parts:?}"),
         Err(p) => p,
     };
-    let msg = payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default();
+    let msg = panic_text(&*payload);
     for p in parts {
         assert!(msg.contains(p), "panic message {msg:?} does not contain {p:?}");
     }

@@ -73,6 +73,32 @@ unsafe extern "C" fn free_value(value: *mut c_char) {
     }
 }
 
+/// Fills a get callback's answer from the store's `lookup`: the value (with
+/// its deleter), or the plugin's error with `missing` for an absent key.
+///
+/// # Safety
+/// `make` must be the `callback_error` pointer the plugin passed.
+unsafe fn answer(
+    lookup: impl FnOnce() -> kiln_tensor::Result<Option<Vec<u8>>>,
+    out: (&mut *mut c_char, &mut usize, &mut ffi::PJRT_KeyValueGetCallback_ValueDeleter),
+    make: *mut ffi::PJRT_CallbackError,
+    missing: (std::ffi::c_int, String),
+) -> *mut ffi::PJRT_Error {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(lookup)) {
+        Ok(Ok(Some(v))) => {
+            (*out.0, *out.1) = give(v);
+            *out.2 = Some(free_value);
+            std::ptr::null_mut()
+        }
+        // SAFETY: the plugin's error constructor (the caller's promise).
+        Ok(Ok(None)) => unsafe { fail(make, missing.0, &missing.1) },
+        // SAFETY: as above.
+        Ok(Err(e)) => unsafe { fail(make, ffi::ERROR_INTERNAL, &e.to_string()) },
+        // SAFETY: as above.
+        Err(_) => unsafe { fail(make, ffi::ERROR_INTERNAL, "the key-value store panicked") },
+    }
+}
+
 unsafe extern "C" fn kv_get(args: *mut ffi::PJRT_KeyValueGetCallback_Args) -> *mut ffi::PJRT_Error {
     // SAFETY: the plugin passes a valid, exclusive argument struct.
     let a = unsafe { &mut *args };
@@ -81,22 +107,10 @@ unsafe extern "C" fn kv_get(args: *mut ffi::PJRT_KeyValueGetCallback_Args) -> *m
     // SAFETY: the plugin's key pointer and length.
     let key = unsafe { key_of(a.key, a.key_size) };
     let timeout = Duration::from_millis(a.timeout_in_ms.max(0) as u64);
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.wait_for(&key, timeout)));
-    match r {
-        Ok(Ok(Some(v))) => {
-            (a.value, a.value_size) = give(v);
-            a.value_deleter_callback = Some(free_value);
-            std::ptr::null_mut()
-        }
-        // SAFETY: the plugin's error constructor.
-        Ok(Ok(None)) => unsafe {
-            fail(a.callback_error, ffi::ERROR_DEADLINE_EXCEEDED, &format!("no value for {key:?} after {timeout:?}"))
-        },
-        // SAFETY: as above.
-        Ok(Err(e)) => unsafe { fail(a.callback_error, ffi::ERROR_INTERNAL, &e.to_string()) },
-        // SAFETY: as above.
-        Err(_) => unsafe { fail(a.callback_error, ffi::ERROR_INTERNAL, "the key-value store panicked") },
-    }
+    let missing = (ffi::ERROR_DEADLINE_EXCEEDED, format!("no value for {key:?} after {timeout:?}"));
+    let out = (&mut a.value, &mut a.value_size, &mut a.value_deleter_callback);
+    // SAFETY: `callback_error` is the plugin's.
+    unsafe { answer(|| store.wait_for(&key, timeout), out, a.callback_error, missing) }
 }
 
 unsafe extern "C" fn kv_try_get(args: *mut ffi::PJRT_KeyValueTryGetCallback_Args) -> *mut ffi::PJRT_Error {
@@ -106,20 +120,10 @@ unsafe extern "C" fn kv_try_get(args: *mut ffi::PJRT_KeyValueTryGetCallback_Args
     let store = unsafe { &*(a.user_arg as *const TcpStore) };
     // SAFETY: as in `kv_get`.
     let key = unsafe { key_of(a.key, a.key_size) };
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.try_get(&key)));
-    match r {
-        Ok(Ok(Some(v))) => {
-            (a.value, a.value_size) = give(v);
-            a.value_deleter_callback = Some(free_value);
-            std::ptr::null_mut()
-        }
-        // SAFETY: the plugin's error constructor.
-        Ok(Ok(None)) => unsafe { fail(a.callback_error, ffi::ERROR_NOT_FOUND, &format!("no value for {key:?}")) },
-        // SAFETY: as above.
-        Ok(Err(e)) => unsafe { fail(a.callback_error, ffi::ERROR_INTERNAL, &e.to_string()) },
-        // SAFETY: as above.
-        Err(_) => unsafe { fail(a.callback_error, ffi::ERROR_INTERNAL, "the key-value store panicked") },
-    }
+    let missing = (ffi::ERROR_NOT_FOUND, format!("no value for {key:?}"));
+    let out = (&mut a.value, &mut a.value_size, &mut a.value_deleter_callback);
+    // SAFETY: `callback_error` is the plugin's.
+    unsafe { answer(|| store.try_get(&key), out, a.callback_error, missing) }
 }
 
 unsafe extern "C" fn kv_put(args: *mut ffi::PJRT_KeyValuePutCallback_Args) -> *mut ffi::PJRT_Error {
