@@ -244,8 +244,9 @@ impl Sharding {
 // - a matmul keeps the rows' split of its left operand and the columns' split
 //   of its right one, and a contraction split over the same axes on both
 //   sides leaves a partial sum over them;
-// - softmax, log-softmax and RMSNorm keep the split of every dimension but
-//   the normalised one;
+// - softmax, log-softmax, RMSNorm and logsumexp keep the split of every
+//   dimension but the normalised one, and gather the split of its index off
+//   the gathered dimension (cross-entropy reads the logits in place);
 // - the fused primitives that work row by row (attention and its gradient,
 //   rotary embedding, the cross-entropy gradient, RMSNorm's gradient) keep
 //   the split of their inputs' first (batch) dimension and read the rest of
@@ -312,7 +313,7 @@ pub fn in_sharding(op: &kiln_tensor::Op, input: usize, s: &Sharding, shape: &[us
         Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_) | Op::Copy | Op::MatMul => s.reduced(),
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean, .. } => s.reduced(),
         Op::Reduce { dims, .. } => gather(dims),
-        Op::Softmax { dim, .. } => gather(&[*dim]),
+        Op::Softmax { dim, .. } | Op::LogSumExp { dim } | Op::Gather { dim } => gather(&[*dim]),
         Op::RmsNorm { .. } if !shape.is_empty() => gather(&[shape.len() - 1]),
         _ if batch_inputs(op).is_some_and(|b| b.contains(&input)) && !shape.is_empty() => {
             gather(&(1..shape.len()).collect::<Vec<_>>())
@@ -400,6 +401,25 @@ pub fn out_sharding(
             let (lk, rk) = (&l.dims[ls.len() - 1], &r.dims[rs.len() - 2]);
             let partial = if lk == rk { lk.clone() } else { vec![] };
             split(dims, partial)
+        }
+        Op::LogSumExp { dim } => {
+            let Some((_, s)) = ins.first() else { return rep };
+            let mut dims = s.dims.clone();
+            if *dim >= dims.len() || dims.len() != out_shape.len() + 1 {
+                return rep;
+            }
+            dims.remove(*dim);
+            split(dims, vec![])
+        }
+        // Gather's result has the index's shape: it keeps the index's split off `dim`.
+        Op::Gather { dim } => {
+            let Some((shape, s)) = ins.get(1) else { return rep };
+            if shape != out_shape || *dim >= shape.len() {
+                return rep;
+            }
+            let mut dims = s.dims.clone();
+            dims[*dim] = vec![];
+            split(dims, vec![])
         }
         Op::Softmax { dim, .. } if out == 0 => {
             let Some((shape, s)) = ins.first() else { return rep };
