@@ -2,9 +2,11 @@
 //! XLA:CPU plugin's devices (`kiln::nn::parallel`): data parallelism, FSDP,
 //! tensor parallelism and 2-D FSDP x TP reproduce the single-device golden
 //! values (logits, loss, every gradient, the global gradient norm clipping
-//! uses, AdamW steps 1 and 10, the loss curve) eagerly and with the AdamW
-//! steps captured by `kiln::compile`, on four devices and on eight
-//! (`KILN_PJRT_CPU_DEVICES=8`, set by this binary before the backend starts).
+//! uses, AdamW steps 1 and 10, the loss curve) eagerly (Strict, Debug and
+//! DeferAndFuse mode) and with the AdamW steps captured by `kiln::compile`,
+//! on four devices and on eight (`KILN_PJRT_CPU_DEVICES=8`, set by this
+//! binary before the backend starts); and sharded checkpoints, saved shard by
+//! shard and resumed on other meshes, other recipes and one device.
 mod support;
 
 use kiln::nn::checkpoint::{load_checkpoint, save_checkpoint, TrainerState, OPTIMIZER_FILE};
@@ -201,6 +203,16 @@ fn eight_devices_reproduce_the_fixture() {
     for compiled in [false, true] {
         check("llama", Recipe::FsdpTp, &[4, 2], compiled);
         check("qwen3", Recipe::Fsdp, &[8], compiled);
+    }
+}
+
+#[test]
+fn debug_and_defer_modes_reproduce_the_fixtures() {
+    use kiln::tpu::{with_mode, Mode};
+    for mode in [Mode::Debug, Mode::Defer] {
+        with_mode(mode, || check("llama", Recipe::FsdpTp, &[2, 2], false));
+        with_mode(mode, || check("qwen3", Recipe::Ddp, &[4], false));
+        kiln::tpu::sync().unwrap();
     }
 }
 
