@@ -196,13 +196,25 @@ pub(crate) fn constrain(
 ) -> (Val, Sharding) {
     let view = shard::view_sharding(sharding, shape, t.layout()).reduced();
     let need = shard::in_sharding(op, input, &view, t.shape());
-    // The whole storage carries its sharding exactly; a view of part of it
-    // carries whatever the partitioner propagates through the slicing, which
-    // may differ from `view` (a split row sliced out stays split), so it is
-    // always constrained.
+    // Some lowerings cannot be partitioned along the dimensions they work on:
+    // a scatter that replaces (XLA aborts on it) and the NaN-aware max and
+    // min (an "unsupported reduction computation"). Their inputs get the
+    // sharding they need spelled out even when `view` says they already have
+    // it: a view of part of a split storage carries whatever sharding the
+    // partitioner propagates through the slicing (a split row sliced out
+    // stays split), not `view`. Other ops take a view as it comes.
     let l = t.layout();
     let whole = l.is_contiguous() && l.offset() == 0 && t.shape() == shape;
-    if need == view && whole {
+    let unsplittable = matches!(
+        op,
+        Op::Scatter { reduce: kiln_tensor::ScatterReduce::Replace, .. }
+            | Op::Assign { .. }
+            | Op::Reduce { op: kiln_tensor::ReduceOp::Max | kiln_tensor::ReduceOp::Min, .. }
+            | Op::ArgReduce { .. }
+            | Op::LogSumExp { .. }
+            | Op::Softmax { .. }
+    );
+    if need == view && (whole || !unsplittable) {
         (v, need)
     } else {
         (b.reshard(&v, &need), need)
