@@ -219,6 +219,13 @@ fn local_regions_refuse_what_they_cannot_do() {
     assert!(e.contains("wrote in place"), "{e}");
     // The inputs are untouched by the refused region.
     assert_eq!(x.to_vec::<f32>().unwrap(), tensor(&[8, 4], 0.1).to_vec::<f32>().unwrap());
+    // A function that panics leaves nothing behind: ops afterwards run as usual.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        region(|_| panic!("inside the region"), &m4, &x, &[Shard(0)], &[Shard(0)])
+    }));
+    assert!(r.is_err());
+    let y = x.to_device(Device::Tpu(0)).unwrap().add(1.0).unwrap();
+    assert_eq!(y.to_vec::<f32>().unwrap()[0], x.to_vec::<f32>().unwrap()[0] + 1.0);
     // The CPU has no meshes.
     let e = kiln::tensor::collective::all_gather(&x, 0, "x").unwrap_err().to_string();
     assert!(e.contains("inside the function given to kiln::local_map"), "{e}");

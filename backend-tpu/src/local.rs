@@ -93,12 +93,25 @@ impl PjrtBackend {
             })
             .collect::<Result<_>>()?;
         self.flush(first)?;
+        // Ends the trace if `f` panics, putting back what it wrote.
+        struct Trace;
+        impl Drop for Trace {
+            fn drop(&mut self) {
+                for (w, data) in graph::end_capture().map(|g| g.saved).unwrap_or_default() {
+                    if let Some(st) = w.upgrade() {
+                        st.replace(StorageData::Device(Box::new(data)));
+                    }
+                }
+            }
+        }
         graph::begin_capture(Graph::new_capture(first, HostValues::Constant));
+        let trace = Trace;
         let returned = {
             let _region = kiln_tensor::collective::enter_local_region(mesh);
             f(&stand_ins)
         };
         let mut g = graph::end_capture().ok_or_else(|| local_err("the trace's graph was taken while tracing"))?;
+        drop(trace);
         // Writes into tensors made outside are undone (the trace never runs as such), and refused.
         let wrote_outside = !g.saved.is_empty();
         for (w, data) in std::mem::take(&mut g.saved) {
