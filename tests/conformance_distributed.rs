@@ -10,6 +10,8 @@ mod common;
 
 #[path = "conformance/composite.rs"]
 mod composite;
+#[path = "conformance/creation.rs"]
+mod creation;
 #[path = "conformance/elementwise.rs"]
 mod elementwise;
 #[path = "conformance/indexing.rs"]
@@ -18,6 +20,10 @@ mod indexing;
 mod inplace;
 #[path = "conformance/linalg.rs"]
 mod linalg;
+#[path = "conformance/operators.rs"]
+mod operators;
+#[path = "conformance/random.rs"]
+mod random;
 #[path = "conformance/reductions.rs"]
 mod reductions;
 #[path = "conformance/views.rs"]
