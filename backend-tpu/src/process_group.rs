@@ -195,6 +195,9 @@ pub fn init_process_group(opts: ProcessGroupOptions) -> Result<&'static ProcessG
         let v = store
             .wait_for(&format!("kiln/devices/{r}"), opts.timeout)?
             .ok_or_else(|| bad(format!("rank {r} did not publish its devices within {:?}", opts.timeout)))?;
+        if v.len() % 8 != 0 {
+            return Err(bad(format!("rank {r}'s device list has {} bytes, not a list of int64 ids", v.len())));
+        }
         devices.push(v.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect());
     }
     let group = ProcessGroup { rank: opts.rank, world_size: opts.world_size, store, devices, _server: server };

@@ -41,6 +41,12 @@ pub const MAX_VALUE_BYTES: usize = 1 << 30;
 /// How much longer than a `get`'s own timeout a client waits for the server's answer.
 const REPLY_MARGIN: Duration = Duration::from_secs(5);
 
+/// `timeout` from now, or `None` when that is past what an `Instant` can hold
+/// (an unbounded wait, as `Duration::MAX` asks).
+pub(crate) fn deadline_after(timeout: Duration) -> Option<Instant> {
+    Instant::now().checked_add(timeout)
+}
+
 fn store_err(msg: impl std::fmt::Display) -> Error {
     Error::invalid("TcpStore", msg.to_string())
 }
@@ -110,9 +116,7 @@ impl TcpStore {
                                 .name("kiln-store-conn".into())
                                 .spawn(move || serve_connection(conn, &t));
                         }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                            std::thread::sleep(Duration::from_millis(5))
-                        }
+                        // Nothing to accept yet (or a failed accept): poll again.
                         Err(_) => std::thread::sleep(Duration::from_millis(5)),
                     }
                 }
@@ -124,11 +128,11 @@ impl TcpStore {
     /// Connects to the server at `addr`, retrying until `timeout` (the server
     /// may start after its clients).
     pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStore> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         loop {
             match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
                 Ok(c) => return Ok(TcpStore { addr, idle: Mutex::new(vec![c]) }),
-                Err(e) if Instant::now() >= deadline => {
+                Err(e) if deadline.is_some_and(|d| Instant::now() >= d) => {
                     return Err(store_err(format!("cannot reach the store at {addr} within {timeout:?}: {e}")))
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
@@ -188,7 +192,7 @@ impl TcpStore {
                     .map_err(|e| store_err(format!("cannot reach the store at {}: {e}", self.addr)))?,
             };
             // A bounded wait for the answer: a dead server is an error, never a hang.
-            let _ = conn.set_read_timeout(Some(wait.unwrap_or(Duration::ZERO) + REPLY_MARGIN));
+            let _ = conn.set_read_timeout(wait.unwrap_or(Duration::ZERO).checked_add(REPLY_MARGIN));
             match exchange(&mut conn, &req) {
                 Ok((status, body)) => {
                     self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(conn);
@@ -273,17 +277,22 @@ fn serve_connection(mut c: TcpStream, table: &Table) {
             }
             GET => {
                 let Ok(ms) = read_u64(&mut c) else { return };
-                let deadline = Instant::now() + Duration::from_millis(ms);
+                let deadline = deadline_after(Duration::from_millis(ms));
                 let mut m = map.lock().unwrap_or_else(|e| e.into_inner());
                 let found = loop {
                     if let Some(v) = m.get(&key) {
                         break Some(v.clone());
                     }
-                    let now = Instant::now();
-                    if now >= deadline {
-                        break None;
-                    }
-                    m = changed.wait_timeout(m, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+                    m = match deadline {
+                        None => changed.wait(m).unwrap_or_else(|e| e.into_inner()),
+                        Some(d) => {
+                            let now = Instant::now();
+                            if now >= d {
+                                break None;
+                            }
+                            changed.wait_timeout(m, d - now).unwrap_or_else(|e| e.into_inner()).0
+                        }
+                    };
                 };
                 drop(m);
                 match found {

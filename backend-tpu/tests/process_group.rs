@@ -58,6 +58,9 @@ fn the_store_blocks_until_a_key_is_put_and_keeps_binary_values() {
         std::thread::sleep(Duration::from_millis(50));
         b.put("k0", &[0]).unwrap();
     });
+    // Timeouts past what an Instant holds wait without a deadline, not panic.
+    assert_eq!(a.get("big", Duration::MAX).unwrap(), big);
+    assert!(TcpStore::connect(server.addr(), Duration::MAX).is_ok());
     // A store nobody serves: an error after the deadline, not a hang.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let t = Instant::now();

@@ -363,6 +363,10 @@ fn distributed_tensors_save_shard_by_shard_as_whole_tensors() {
         assert_eq!(back[n].to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap(), "{n}");
     }
     assert_eq!(back["partial"].to_vec::<f32>().unwrap(), vec![4.0; 6]);
+    // Positions off the mesh: an error for the region, no replica.
+    let e = m22.local_region(&[5, 7], &[Shard(1), Shard(0)], 4).unwrap_err().to_string();
+    assert!(e.contains("device position 4 on a mesh of 4 devices"), "{e}");
+    assert!(!m22.is_first_replica(&[Replicate, Replicate], 4));
     // What `to_local` holds is the region `local_region` names.
     let t = &tensors["both"];
     for (pos, local) in t.to_local().unwrap().iter().enumerate() {

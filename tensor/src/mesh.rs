@@ -357,8 +357,12 @@ impl DeviceMesh {
     /// Whether the mesh's `pos`-th device holds the first copy of its shard of
     /// a tensor placed with `placements`: its coordinate is 0 on every root axis
     /// the tensor is not split over. Exactly one device per shard does, which
-    /// is how shard-wise writers (sharded checkpoints) skip the replicas.
+    /// is how shard-wise writers (sharded checkpoints) skip the replicas. A
+    /// position off the mesh holds nothing: `false`.
     pub fn is_first_replica(&self, placements: &[Placement], pos: usize) -> bool {
+        if pos >= self.root.devices.len() {
+            return false;
+        }
         let c = self.coordinates(pos);
         (0..self.root.shape.len()).all(|a| {
             c[a] == 0

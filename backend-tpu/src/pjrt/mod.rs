@@ -501,10 +501,10 @@ impl Event {
     /// failed or never started is an error rather than a hang (the program
     /// itself stays stuck in the plugin: XLA cannot cancel a collective).
     pub fn wait_within(&self, what: &str, timeout: std::time::Duration) -> Result<()> {
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = crate::store::deadline_after(timeout);
         let mut pause = std::time::Duration::from_micros(50);
         while !self.is_ready()? {
-            if std::time::Instant::now() >= deadline {
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
                 return Err(err(format!(
                     "{what} did not complete within {timeout:?}: a device of the launch failed or never started, and the others wait for it in their collectives (KILN_COLLECTIVE_TIMEOUT_S sets the wait)"
                 )));
@@ -537,7 +537,10 @@ pub fn collective_timeout() -> std::time::Duration {
     static T: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
     *T.get_or_init(|| {
         let secs = std::env::var("KILN_COLLECTIVE_TIMEOUT_S").ok().and_then(|v| v.parse::<f64>().ok());
-        std::time::Duration::from_secs_f64(secs.filter(|s| *s > 0.0).unwrap_or(600.0))
+        // NaN, zero, negative or past what a Duration holds: the default.
+        secs.filter(|s| *s > 0.0)
+            .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
+            .unwrap_or(std::time::Duration::from_secs(600))
     })
 }
 
