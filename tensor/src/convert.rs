@@ -44,7 +44,7 @@ macro_rules! tensor_data {
         }
     )*};
 }
-tensor_data!(bool, u8, i8, i16, i32, i64, f32, f64, half::f16, half::bf16);
+tensor_data!(bool, u8, i8, i16, i32, i64, f32, f64, half::f16, half::bf16, crate::f8e4m3fn, crate::f8e5m2);
 
 impl Tensor {
     /// Casts to `dtype` (PyTorch's `.to(dtype)`); returns the same tensor when the dtype matches.

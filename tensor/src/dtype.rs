@@ -12,6 +12,12 @@ pub enum DType {
     I16,
     I32,
     I64,
+    /// `float8_e5m2` (Note [float8 conversions]); storage, casts and data
+    /// movement only, as in PyTorch.
+    F8E5M2,
+    /// `float8_e4m3fn` (Note [float8 conversions]); storage, casts and data
+    /// movement only, as in PyTorch.
+    F8E4M3FN,
     F16,
     BF16,
     F32,
@@ -28,13 +34,15 @@ pub enum Category {
 
 impl DType {
     /// Every dtype, in promotion-lattice order.
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 12] = [
         DType::Bool,
         DType::U8,
         DType::I8,
         DType::I16,
         DType::I32,
         DType::I64,
+        DType::F8E5M2,
+        DType::F8E4M3FN,
         DType::F16,
         DType::BF16,
         DType::F32,
@@ -44,14 +52,20 @@ impl DType {
     /// Size of one element in bytes.
     pub fn size_in_bytes(self) -> usize {
         match self {
-            DType::Bool | DType::U8 | DType::I8 => 1,
+            DType::Bool | DType::U8 | DType::I8 | DType::F8E5M2 | DType::F8E4M3FN => 1,
             DType::I16 | DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,
         }
     }
+    /// Floating point (PyTorch's `is_floating_point`), float8 included.
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+        matches!(self, DType::F8E5M2 | DType::F8E4M3FN | DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+    }
+    /// The float8 types, which (as in PyTorch) support casts and data movement
+    /// but no arithmetic: convert them first.
+    pub fn is_float8(self) -> bool {
+        matches!(self, DType::F8E5M2 | DType::F8E4M3FN)
     }
     pub fn is_int(self) -> bool {
         matches!(self, DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64)
@@ -77,6 +91,8 @@ impl DType {
             DType::I16 => "int16",
             DType::I32 => "int32",
             DType::I64 => "int64",
+            DType::F8E5M2 => "float8_e5m2",
+            DType::F8E4M3FN => "float8_e4m3fn",
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
             DType::F32 => "float32",
@@ -93,6 +109,8 @@ impl DType {
             DType::I16 => "Short",
             DType::I32 => "Int",
             DType::I64 => "Long",
+            DType::F8E5M2 => "Float8_e5m2",
+            DType::F8E4M3FN => "Float8_e4m3fn",
             DType::F16 => "Half",
             DType::BF16 => "BFloat16",
             DType::F32 => "Float",
@@ -108,6 +126,8 @@ impl DType {
             "int16" | "i16" => DType::I16,
             "int32" | "i32" => DType::I32,
             "int64" | "i64" | "long" => DType::I64,
+            "float8_e5m2" | "f8_e5m2" | "f8e5m2" => DType::F8E5M2,
+            "float8_e4m3fn" | "f8_e4m3" | "f8_e4m3fn" | "f8e4m3fn" => DType::F8E4M3FN,
             "float16" | "f16" | "half" => DType::F16,
             "bfloat16" | "bf16" => DType::BF16,
             "float32" | "f32" | "float" => DType::F32,

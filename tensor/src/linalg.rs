@@ -217,6 +217,73 @@ impl Tensor {
         self.unsqueeze(1)?.mul(other)
     }
 
+    /// A matrix product of float8 operands with float32 scales, the role of
+    /// PyTorch's `torch._scaled_mm`: `(self @ other) * (scale_a * scale_b)`,
+    /// with `self [m, k]` and `other [k, n]` float8 (`float8_e4m3fn` or
+    /// `float8_e5m2`, not both e5m2), products accumulated in float32 and the
+    /// result rounded once to `out_dtype` (float32, bfloat16 or float16).
+    /// Scales are float32 and either both tensor-wise (one element each) or
+    /// row-wise (`scale_a [m, 1]`, `scale_b [1, n]`). On PJRT the conversions
+    /// fuse into the product.
+    ///
+    /// ```
+    /// use kiln::prelude::*;
+    /// let a = Tensor::new([[1.0f32, 2.0]])?.to_dtype(DType::F8E4M3FN)?;
+    /// let b = Tensor::new([[3.0f32], [0.5]])?.to_dtype(DType::F8E4M3FN)?;
+    /// let s = Tensor::new([2.0f32])?;
+    /// let y = a.scaled_mm(&b, &s, &s, DType::F32)?;
+    /// assert_eq!(y.to_vec::<f32>()?, vec![16.0]); // (3 + 1) * 2 * 2
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn scaled_mm(&self, other: &Tensor, scale_a: &Tensor, scale_b: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        const OP: &str = "scaled_mm";
+        for (what, t) in [("self", self), ("mat2", other)] {
+            if !t.dtype().is_float8() {
+                return Err(Error::dtype(OP, format!("expected {what} to be a float8 tensor, got {}", t.dtype())));
+            }
+            if t.ndim() != 2 {
+                return Err(Error::shape(OP, format!("expected {what} to be 2-D, got {}-D", t.ndim())));
+            }
+        }
+        if self.dtype() == DType::F8E5M2 && other.dtype() == DType::F8E5M2 {
+            return Err(Error::dtype(OP, "multiplication of two float8_e5m2 matrices is not supported"));
+        }
+        let (m, k, n) = (self.shape()[0], self.shape()[1], other.shape()[1]);
+        if other.shape()[0] != k {
+            return Err(Error::shape(
+                OP,
+                format!("mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {}x{n})", other.shape()[0]),
+            ));
+        }
+        if !matches!(out_dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::dtype(OP, format!("out_dtype must be float32, bfloat16 or float16, got {out_dtype}")));
+        }
+        for (what, s) in [("scale_a", scale_a), ("scale_b", scale_b)] {
+            if s.dtype() != DType::F32 {
+                return Err(Error::dtype(OP, format!("expected {what} to be float32, got {}", s.dtype())));
+            }
+        }
+        let tensorwise = scale_a.numel() == 1 && scale_b.numel() == 1;
+        let rowwise = scale_a.shape() == [m, 1] && scale_b.shape() == [1, n];
+        if !tensorwise && !rowwise {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "scales must be tensor-wise (one element each) or row-wise ([{m}, 1] and [1, {n}]), got {:?} and {:?}",
+                    scale_a.shape(),
+                    scale_b.shape()
+                ),
+            ));
+        }
+        let (sa, sb) = if tensorwise {
+            (scale_a.reshape(&[1, 1])?, scale_b.reshape(&[1, 1])?)
+        } else {
+            (scale_a.clone(), scale_b.clone())
+        };
+        let acc = self.to_dtype(DType::F32)?.matmul(&other.to_dtype(DType::F32)?)?;
+        acc.mul(&sa.mul(&sb)?)?.to_dtype(out_dtype)
+    }
+
     /// `torch.nn.functional.linear`: `self @ weight.T + bias`, with `weight` of
     /// shape `[out_features, in_features]` (or 1-D) and `bias` broadcast over the
     /// last dim.

@@ -620,6 +620,22 @@ impl Op {
         })
     }
 
+    /// Whether the op accepts float8 inputs: casts and pure data movement
+    /// (copies, views, concatenation, selection, writes). Anything that
+    /// computes with the values refuses them, as PyTorch's float8 does.
+    pub fn moves_float8(&self) -> bool {
+        matches!(
+            self,
+            Op::Cast(_)
+                | Op::Copy
+                | Op::View(_)
+                | Op::Cat { .. }
+                | Op::Assign { .. }
+                | Op::IndexSelect { .. }
+                | Op::Gather { .. }
+        )
+    }
+
     /// Shapes and dtypes of the outputs for inputs of the given shapes and dtypes.
     /// This is the single place where primitives' typing rules live. Every
     /// output's size is checked to fit the address space (`alloc::bytes`).
@@ -668,8 +684,21 @@ impl Op {
             }
             Ok(())
         };
+        if let Some(m) = inputs.iter().find(|m| m.dtype.is_float8()) {
+            if !self.moves_float8() {
+                return Err(Error::dtype(
+                    name,
+                    format!(
+                        "not implemented for dtype {}: float8 tensors support casts and data movement only, \
+                         as in PyTorch; convert with to_dtype first",
+                        m.dtype
+                    ),
+                ));
+            }
+        }
         Ok(match self {
             Op::Full { shape, dtype, .. } => smallvec![meta(shape, *dtype)],
+            Op::Arange { dtype, .. } if dtype.is_float8() => return Err(Error::unsupported_dtype(name, *dtype)),
             Op::Arange { len, dtype, .. } => smallvec![meta(&[*len], *dtype)],
             Op::RandomBits { shape } => {
                 let st = &inputs[0];

@@ -1,5 +1,6 @@
 //! `Storage`: the memory shared by a base tensor and all its views, with the
 //! version counter that in-place writes bump; `HostBuffer`: typed host memory.
+use crate::float8::{f8e4m3fn, f8e5m2};
 use crate::{DType, Device, Element, Error, Result};
 use half::{bf16, f16};
 use std::any::Any;
@@ -15,6 +16,8 @@ pub enum HostBuffer {
     I16(Vec<i16>),
     I32(Vec<i32>),
     I64(Vec<i64>),
+    F8E5M2(Vec<f8e5m2>),
+    F8E4M3FN(Vec<f8e4m3fn>),
     F16(Vec<f16>),
     BF16(Vec<bf16>),
     F32(Vec<f32>),
@@ -33,6 +36,8 @@ macro_rules! with_host_buffer {
             $crate::HostBuffer::I16($v) => $body,
             $crate::HostBuffer::I32($v) => $body,
             $crate::HostBuffer::I64($v) => $body,
+            $crate::HostBuffer::F8E5M2($v) => $body,
+            $crate::HostBuffer::F8E4M3FN($v) => $body,
             $crate::HostBuffer::F16($v) => $body,
             $crate::HostBuffer::BF16($v) => $body,
             $crate::HostBuffer::F32($v) => $body,
@@ -68,6 +73,14 @@ macro_rules! with_dtype {
             }
             $crate::DType::I64 => {
                 type $T = i64;
+                $body
+            }
+            $crate::DType::F8E5M2 => {
+                type $T = $crate::float8::f8e5m2;
+                $body
+            }
+            $crate::DType::F8E4M3FN => {
+                type $T = $crate::float8::f8e4m3fn;
                 $body
             }
             $crate::DType::F16 => {
@@ -130,6 +143,8 @@ host_element!(i8, I8);
 host_element!(i16, I16);
 host_element!(i32, I32);
 host_element!(i64, I64);
+host_element!(f8e5m2, F8E5M2);
+host_element!(f8e4m3fn, F8E4M3FN);
 host_element!(f16, F16);
 host_element!(bf16, BF16);
 host_element!(f32, F32);
@@ -144,6 +159,8 @@ impl HostBuffer {
             HostBuffer::I16(_) => DType::I16,
             HostBuffer::I32(_) => DType::I32,
             HostBuffer::I64(_) => DType::I64,
+            HostBuffer::F8E5M2(_) => DType::F8E5M2,
+            HostBuffer::F8E4M3FN(_) => DType::F8E4M3FN,
             HostBuffer::F16(_) => DType::F16,
             HostBuffer::BF16(_) => DType::BF16,
             HostBuffer::F32(_) => DType::F32,
@@ -186,6 +203,8 @@ impl HostBuffer {
             HostBuffer::I16(v) => bytes(v, |x| x.to_le_bytes()),
             HostBuffer::I32(v) => bytes(v, |x| x.to_le_bytes()),
             HostBuffer::I64(v) => bytes(v, |x| x.to_le_bytes()),
+            HostBuffer::F8E5M2(v) => v.iter().map(|x| x.to_bits()).collect(),
+            HostBuffer::F8E4M3FN(v) => v.iter().map(|x| x.to_bits()).collect(),
             HostBuffer::F16(v) => bytes(v, |x| x.to_le_bytes()),
             HostBuffer::BF16(v) => bytes(v, |x| x.to_le_bytes()),
             HostBuffer::F32(v) => bytes(v, |x| x.to_le_bytes()),
@@ -213,6 +232,8 @@ impl HostBuffer {
             DType::I16 => dec!(i16, I16, 2),
             DType::I32 => dec!(i32, I32, 4),
             DType::I64 => dec!(i64, I64, 8),
+            DType::F8E5M2 => HostBuffer::F8E5M2(b.iter().map(|&x| f8e5m2::from_bits(x)).collect()),
+            DType::F8E4M3FN => HostBuffer::F8E4M3FN(b.iter().map(|&x| f8e4m3fn::from_bits(x)).collect()),
             DType::F16 => dec!(f16, F16, 2),
             DType::BF16 => dec!(bf16, BF16, 2),
             DType::F32 => dec!(f32, F32, 4),

@@ -553,6 +553,75 @@ impl Elem for f16 {
     }
 }
 
+/// The float8 types: stored in a byte, converted through f32 (Note [float8
+/// conversions] in kiln-tensor). Only casts and data movement reach the
+/// kernels with them (the op typing rules refuse arithmetic, as PyTorch does).
+macro_rules! f8_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            const KIND: Kind = Kind::Half;
+            type Acc = f32;
+            #[inline(always)]
+            fn to_acc(self) -> f32 {
+                self.to_f32()
+            }
+            fn zeros(n: usize) -> Vec<Self> {
+                zeroed(n, <$t>::ZERO)
+            }
+            #[inline(always)]
+            fn truthy(self) -> bool {
+                self.to_bits() & 0x7F != 0
+            }
+            #[inline(always)]
+            fn is_nan_(self) -> bool {
+                self.is_nan()
+            }
+            #[inline(always)]
+            fn cast_f32(self) -> f32 {
+                self.to_f32()
+            }
+            #[inline(always)]
+            fn cast_f64(self) -> f64 {
+                self.to_f64()
+            }
+            #[inline(always)]
+            fn cast_i64(self) -> i64 {
+                self.to_f32() as i64
+            }
+            #[inline(always)]
+            fn of_f32(v: f32) -> Self {
+                <$t>::from_f32(v)
+            }
+            #[inline(always)]
+            fn of_f64(v: f64) -> Self {
+                <$t>::from_f32(v as f32)
+            }
+            #[inline(always)]
+            fn of_i64(v: i64) -> Self {
+                <$t>::from_f32(v as f32)
+            }
+            #[inline(always)]
+            fn of_bool(b: bool) -> Self {
+                if b {
+                    <$t>::ONE
+                } else {
+                    <$t>::ZERO
+                }
+            }
+            #[inline(always)]
+            fn add_(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() + o.to_f32())
+            }
+            #[inline(always)]
+            fn mul_(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() * o.to_f32())
+            }
+        }
+    };
+}
+f8_elem!(kiln_tensor::f8e4m3fn);
+f8_elem!(kiln_tensor::f8e5m2);
+
 /// The native float types math is computed in (f32, f64), with the
 /// transcendental functions the kernels use: vectorisable versions for f32,
 /// the platform's libm for f64.

@@ -446,6 +446,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Input<'_>, dims: &[usize], out: &Meta) ->
         (DType::F64, _) => float_reduce::<f64>(op, x, dims)?,
         (DType::BF16, _) => float_reduce::<bf16>(op, x, dims)?,
         (DType::F16, _) => float_reduce::<f16>(op, x, dims)?,
+        (DType::F8E5M2 | DType::F8E4M3FN, _) => return Err(Error::unsupported_dtype("sum", dt)),
         (_, ReduceOp::Mean) => return Err(mean_of_int()),
         (DType::Bool, _) => int_reduce::<bool>(op, x, dims)?,
         (DType::U8, _) => int_reduce::<u8>(op, x, dims)?,

@@ -358,6 +358,8 @@ pub const BUFFER_TYPE_F16: c_int = 10;
 pub const BUFFER_TYPE_F32: c_int = 11;
 pub const BUFFER_TYPE_F64: c_int = 12;
 pub const BUFFER_TYPE_BF16: c_int = 13;
+pub const BUFFER_TYPE_F8E5M2: c_int = 16;
+pub const BUFFER_TYPE_F8E4M3FN: c_int = 17;
 
 /// `PJRT_HostBufferSemantics_kImmutableOnlyDuringCall`: the plugin copies the
 /// host data before `BufferFromHostBuffer` returns.

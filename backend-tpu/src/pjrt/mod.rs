@@ -471,6 +471,8 @@ pub fn buffer_type(d: DType) -> std::ffi::c_int {
         DType::I16 => ffi::BUFFER_TYPE_S16,
         DType::I32 => ffi::BUFFER_TYPE_S32,
         DType::I64 => ffi::BUFFER_TYPE_S64,
+        DType::F8E5M2 => ffi::BUFFER_TYPE_F8E5M2,
+        DType::F8E4M3FN => ffi::BUFFER_TYPE_F8E4M3FN,
         DType::F16 => ffi::BUFFER_TYPE_F16,
         DType::BF16 => ffi::BUFFER_TYPE_BF16,
         DType::F32 => ffi::BUFFER_TYPE_F32,

@@ -1,7 +1,6 @@
 //! safetensors files: [`SafetensorsFile`] reads a memory-mapped file through
 //! the `safetensors` crate's header parser; [`save_safetensors`] writes one
 //! atomically (a temporary file in the same directory, then a rename).
-use kiln_tensor::half::f16;
 use kiln_tensor::{DType, Device, Error, HostBuffer, Placement, Result, Tensor};
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
@@ -94,7 +93,10 @@ impl SafetensorsFile {
 
     /// Reads tensor `name` onto `device`. With `dtype`, floating-point tensors
     /// are converted to it (integer tensors keep an integer dtype); without,
-    /// the stored dtype is kept (8-bit floats are decoded to float32).
+    /// the stored dtype is kept. Unsigned 16/32/64-bit integers, which kiln
+    /// has no dtype for, widen to int32 / int64 (an unsigned 64-bit value past
+    /// int64 is an error); the packed and scale-only formats of quantized
+    /// checkpoints (`F4`, `F6_*`, `F8_E8M0`) are read through [`SafetensorsFile::raw`].
     pub fn tensor(&self, name: &str, dtype: Option<DType>, device: Device) -> Result<Tensor> {
         let info = self.metadata.info(name).ok_or_else(|| file_err(&self.path, format!("no tensor named {name:?}")))?;
         let t = self.decode(name, info)?;
@@ -105,6 +107,21 @@ impl SafetensorsFile {
         t.to_device(device)
     }
 
+    /// The stored dtype, shape and bytes of `name`, as they are in the file
+    /// (little-endian; sub-byte types packed as the format packs them).
+    pub fn raw(&self, name: &str) -> Result<(Dtype, &[usize], &[u8])> {
+        let info = self.metadata.info(name).ok_or_else(|| file_err(&self.path, format!("no tensor named {name:?}")))?;
+        Ok((info.dtype, &info.shape, self.bytes_of(name, info)?))
+    }
+
+    fn bytes_of(&self, name: &str, info: &TensorInfo) -> Result<&[u8]> {
+        let start = 8 + self.header_len;
+        let (a, b) = info.data_offsets;
+        self.mmap
+            .get(start + a..start + b)
+            .ok_or_else(|| file_err(&self.path, format!("tensor {name:?}: data offsets {a}..{b} outside the file")))
+    }
+
     /// Reads every tensor (see [`SafetensorsFile::tensor`]).
     pub fn tensors(&self, dtype: Option<DType>, device: Device) -> Result<BTreeMap<String, Tensor>> {
         self.names().into_iter().map(|n| Ok((n.clone(), self.tensor(&n, dtype, device)?))).collect()
@@ -112,12 +129,7 @@ impl SafetensorsFile {
 
     /// The bytes of one tensor, as a CPU tensor of its (decoded) dtype.
     fn decode(&self, name: &str, info: &TensorInfo) -> Result<Tensor> {
-        let start = 8 + self.header_len;
-        let (a, b) = info.data_offsets;
-        let bytes = self
-            .mmap
-            .get(start + a..start + b)
-            .ok_or_else(|| file_err(&self.path, format!("tensor {name:?}: data offsets {a}..{b} outside the file")))?;
+        let bytes = self.bytes_of(name, info)?;
         let bad = |e: Error| file_err(&self.path, format!("tensor {name:?}: {e}"));
         let buf = match info.dtype {
             Dtype::BOOL => HostBuffer::from_le_bytes(DType::Bool, bytes).map_err(bad)?,
@@ -147,30 +159,19 @@ impl SafetensorsFile {
                     })
                     .collect::<Result<Vec<i64>>>()?,
             ),
-            Dtype::F8_E5M2 => {
-                HostBuffer::F32(bytes.iter().map(|&x| f16::from_bits((x as u16) << 8).to_f32()).collect())
-            }
-            Dtype::F8_E4M3 => HostBuffer::F32(bytes.iter().map(|&x| f8_e4m3fn_to_f32(x)).collect()),
+            Dtype::F8_E5M2 => HostBuffer::from_le_bytes(DType::F8E5M2, bytes).map_err(bad)?,
+            Dtype::F8_E4M3 => HostBuffer::from_le_bytes(DType::F8E4M3FN, bytes).map_err(bad)?,
             other => {
-                return Err(file_err(&self.path, format!("tensor {name:?}: dtype {other:?} is not supported")));
+                return Err(file_err(
+                    &self.path,
+                    format!(
+                        "tensor {name:?}: dtype {other:?} has no kiln dtype (a quantized checkpoint's packed or scale \
+                         tensor loads through `from_pretrained`, which reads its quantization_config)"
+                    ),
+                ));
             }
         };
         Tensor::from_host(buf, &info.shape, Device::Cpu).map_err(bad)
-    }
-}
-
-/// Decodes an OCP FP8 E4M3 (`float8_e4m3fn`: bias 7, no infinities, `S.1111.111` NaN).
-fn f8_e4m3fn_to_f32(x: u8) -> f32 {
-    let sign = if x & 0x80 != 0 { -1.0 } else { 1.0 };
-    let e = ((x >> 3) & 0x0f) as i32;
-    let m = (x & 0x07) as f32;
-    if e == 0x0f && (x & 0x07) == 0x07 {
-        return f32::NAN;
-    }
-    if e == 0 {
-        sign * m / 8.0 * 2f32.powi(-6)
-    } else {
-        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
     }
 }
 
@@ -193,6 +194,8 @@ fn st_dtype(dt: DType) -> Dtype {
         DType::I16 => Dtype::I16,
         DType::I32 => Dtype::I32,
         DType::I64 => Dtype::I64,
+        DType::F8E5M2 => Dtype::F8_E5M2,
+        DType::F8E4M3FN => Dtype::F8_E4M3,
         DType::F16 => Dtype::F16,
         DType::BF16 => Dtype::BF16,
         DType::F32 => Dtype::F32,
