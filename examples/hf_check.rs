@@ -7,7 +7,7 @@
 //! cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors \
 //!     [--dtype f32|bf16] [--steps N] [--lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1] \
 //!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled] \
-//!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp]
+//!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp] [--quantized dequant|dequant-bf16|keep]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -20,7 +20,7 @@
 //! `[B, P+N]`, greedy with the KV cache, from the loaded weights).
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::io::{load_safetensors, save_safetensors};
-use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM};
+use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
 use kiln::nn::module::Module;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::nn::parallel::{parse_mesh, Recipe};
@@ -48,6 +48,9 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
   --mesh SPEC          run on a mesh of PJRT devices, e.g. dp=4 or dp=2,tp=2 (KILN_PJRT_CPU_DEVICES
                        sets the number of XLA:CPU devices); needs --device tpu and --parallel
   --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp
+  --quantized Q        a quantized checkpoint (FP8, MXFP4, NVFP4): dequant (exactly, in float32), dequant-bf16
+                       (rounded to bf16 first, as compressed-tensors decompresses) or keep (codes and scales
+                       resident, a dequantizing matmul; those weights get no gradient) [default: dequant]
 ";
 
 struct Args {
@@ -63,6 +66,7 @@ struct Args {
     compiled: bool,
     /// The mesh and the recipe (`--mesh`, `--parallel`).
     parallel: Option<(kiln::DeviceMesh, Recipe)>,
+    quantized: QuantizedLoad,
 }
 
 fn fail(msg: &str) -> ! {
@@ -83,6 +87,7 @@ fn parse_args() -> Args {
     let mut compiled = false;
     let mut mesh_spec = None;
     let mut recipe = None;
+    let mut quantized = QuantizedLoad::Dequantize { round_to: None };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
@@ -120,6 +125,14 @@ fn parse_args() -> Args {
             }
             "--mesh" => mesh_spec = Some(value),
             "--parallel" => recipe = Some(Recipe::parse(&value).unwrap_or_else(|e| fail(&e.to_string()))),
+            "--quantized" => {
+                quantized = match value.as_str() {
+                    "dequant" => QuantizedLoad::Dequantize { round_to: None },
+                    "dequant-bf16" => QuantizedLoad::Dequantize { round_to: Some(DType::BF16) },
+                    "keep" => QuantizedLoad::Keep,
+                    v => fail(&format!("--quantized {v}: expected dequant, dequant-bf16 or keep")),
+                }
+            }
             other => fail(&format!("unknown option {other}")),
         }
     }
@@ -148,6 +161,7 @@ fn parse_args() -> Args {
         device: parallel.as_ref().map_or(device, |(m, _)| m.device()),
         compiled,
         parallel,
+        quantized,
     }
 }
 
@@ -170,7 +184,8 @@ fn main() {
 
 fn run(a: Args) -> Result<()> {
     let t0 = Instant::now();
-    let mut model = LlamaForCausalLM::from_pretrained(&a.model, a.dtype, a.device)?;
+    let opts = PretrainedOptions { dtype: a.dtype, device: a.device, quantized: a.quantized };
+    let mut model = LlamaForCausalLM::from_pretrained_with(&a.model, &opts)?;
     if let Some((mesh, recipe)) = &a.parallel {
         recipe.apply(&mut model, mesh)?;
         eprintln!("parallel: {recipe:?} on {mesh}");

@@ -549,6 +549,17 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                 out[0] = Some(prim(ctx.op.clone(), &[&g, &z])?);
             }
         }
+        // Codes and scales are integer / float8 data, never differentiable: only
+        // the input of a quantized product gets a gradient, `g @ W` with `W`
+        // dequantized (a frozen quantized layer under a trainable adapter).
+        Op::Dequantize(_) => {}
+        Op::QuantMatMul(spec) => {
+            if ctx.needs(0) {
+                let w = prim(Op::Dequantize(spec.clone()), &[ctx.saved(1)?, ctx.saved(2)?])?;
+                let dx = g.to_dtype(DType::F32)?.matmul(&w)?;
+                out[0] = Some(dx.to_dtype(ctx.dtype(0))?);
+            }
+        }
         // A collective's adjoint carries the gradient back (Note [Local regions]).
         Op::Collective(c) => {
             if ctx.needs(0) {

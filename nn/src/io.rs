@@ -3,7 +3,9 @@
 //! (`model.safetensors`, or shards listed in `model.safetensors.index.json`).
 
 mod hf;
+pub mod quant;
 mod safetensors;
 
 pub use self::hf::{load_checkpoint_dir, save_checkpoint_dir, INDEX_FILE, SINGLE_FILE};
+pub use self::quant::{load_quantized, QuantMethod, QuantizationConfig, QuantizedCheckpoint, QuantizedWeight};
 pub use self::safetensors::{load_safetensors, save_safetensors, write_atomic, SafetensorsFile};

@@ -5,4 +5,6 @@ mod config;
 mod llama;
 
 pub use config::{LlamaConfig, ModelType};
-pub use llama::{causal_lm_loss, DecoderLayer, KvCache, LlamaForCausalLM, LlamaModel};
+pub use llama::{
+    causal_lm_loss, DecoderLayer, KvCache, LlamaForCausalLM, LlamaModel, PretrainedOptions, QuantizedLoad,
+};

@@ -35,6 +35,7 @@ pub mod mesh;
 mod movement;
 pub mod op;
 pub mod profile;
+pub mod quant;
 pub mod random;
 mod reduce;
 pub mod scalar;

@@ -473,6 +473,18 @@ pub enum Op {
     /// A collective between the devices of a mesh axis, inside a local region
     /// (see Note [Local regions] in `collective.rs`).
     Collective(crate::collective::CollectiveOp),
+    /// The float32 weight `[out, in]` of a block-quantized one: inputs
+    /// `codes`, `scales` (Note [Quantized weights] in `quant.rs`), each
+    /// element `code * scale` exactly as the note orders it.
+    Dequantize(crate::quant::QuantSpec),
+    /// `x @ W.T` for a block-quantized `W [out, in]` (weight-only
+    /// quantization): inputs `x [..., in]` (float32, bfloat16 or float16),
+    /// `codes`, `scales`; output `[..., out]` in `x`'s dtype, accumulated in
+    /// float32 and rounded once. A primitive so that `W` is never
+    /// materialised: the CPU kernel dequantizes a few rows at a time inside
+    /// the product, the lowering dequantizes inside the program, where XLA
+    /// fuses it into the dot.
+    QuantMatMul(crate::quant::QuantSpec),
 }
 
 /// Checks the `q, k, v` inputs of the attention primitives (see [`Op::Attention`]).
@@ -600,6 +612,8 @@ impl Op {
             Op::TopK { .. } => "topk",
             Op::Assign { .. } => "copy_",
             Op::Collective(c) => c.name(),
+            Op::Dequantize(_) => "dequantize",
+            Op::QuantMatMul(_) => "quant_matmul",
         }
     }
 
@@ -609,6 +623,8 @@ impl Op {
             Op::Full { .. } | Op::Arange { .. } => 0,
             Op::Unary(_) | Op::Cast(_) | Op::Copy | Op::Reduce { .. } | Op::ArgReduce { .. } | Op::Cumsum { .. } => 1,
             Op::RandomBits { .. } | Op::Collective(_) => 1,
+            Op::Dequantize(_) => 2,
+            Op::QuantMatMul(_) => 3,
             Op::View(_) | Op::Sort { .. } | Op::TopK { .. } | Op::Softmax { .. } | Op::LogSumExp { .. } => 1,
             Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
             Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } => 3,
@@ -620,8 +636,9 @@ impl Op {
         })
     }
 
-    /// Whether the op accepts float8 inputs: casts and pure data movement
-    /// (copies, views, concatenation, selection, writes). Anything that
+    /// Whether the op accepts float8 inputs: casts, pure data movement
+    /// (copies, views, concatenation, selection, writes) and the quantized
+    /// weight ops, which decode float8 codes and scales. Anything else that
     /// computes with the values refuses them, as PyTorch's float8 does.
     pub fn moves_float8(&self) -> bool {
         matches!(
@@ -633,6 +650,8 @@ impl Op {
                 | Op::Assign { .. }
                 | Op::IndexSelect { .. }
                 | Op::Gather { .. }
+                | Op::Dequantize(_)
+                | Op::QuantMatMul(_)
         )
     }
 
@@ -988,6 +1007,34 @@ impl Op {
                 check_dim(*dim, x.shape.len())?;
                 let dt = if x.dtype.is_float() { x.dtype } else { DType::I64 };
                 smallvec![meta(&x.shape, dt)]
+            }
+            Op::Dequantize(spec) => {
+                let [out, inp] =
+                    spec.check(name, (inputs[0].dtype, &inputs[0].shape), (inputs[1].dtype, &inputs[1].shape))?;
+                smallvec![meta(&[out, inp], DType::F32)]
+            }
+            Op::QuantMatMul(spec) => {
+                let x = &inputs[0];
+                let [out, inp] =
+                    spec.check(name, (inputs[1].dtype, &inputs[1].shape), (inputs[2].dtype, &inputs[2].shape))?;
+                if !matches!(x.dtype, DType::F32 | DType::BF16 | DType::F16) {
+                    return Err(Error::dtype(
+                        name,
+                        format!("expected a float32, bfloat16 or float16 input, got {}", x.dtype),
+                    ));
+                }
+                if x.shape.last() != Some(&inp) {
+                    return Err(Error::shape(
+                        name,
+                        format!(
+                            "mat1 and mat2 shapes cannot be multiplied ({} and [{inp}, {out}])",
+                            fmt_shape(&x.shape)
+                        ),
+                    ));
+                }
+                let mut s: Shape = x.shape.clone();
+                *s.last_mut().expect("checked above") = out;
+                smallvec![Meta { shape: s, dtype: x.dtype }]
             }
             Op::MatMul => {
                 let (a, b) = (&inputs[0], &inputs[1]);

@@ -20,6 +20,7 @@ mod iter;
 mod map;
 mod matmul;
 mod norm;
+mod quant;
 mod random;
 mod reduce;
 mod rotary;
@@ -80,6 +81,8 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
         Op::Softmax { dim, log } => vec![softmax::softmax(&ins[0], *dim, *log)?],
         Op::LogSumExp { dim } => vec![softmax::logsumexp(&ins[0], *dim)?],
         Op::MatMul => vec![matmul::matmul(&ins[0], &ins[1], out(0)?)?],
+        Op::Dequantize(spec) => vec![quant::dequantize(spec, &ins[0], &ins[1])?],
+        Op::QuantMatMul(spec) => vec![quant::quant_matmul(spec, &ins[0], &ins[1], &ins[2])?],
         Op::Rotary => vec![rotary::rotary(&ins[0], &ins[1], &ins[2])?],
         Op::RmsNorm { eps } => norm::rms_norm(&ins[0], &ins[1], *eps)?,
         Op::RmsNormBackward { .. } => norm::rms_norm_backward(ins)?,

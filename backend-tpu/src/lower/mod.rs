@@ -6,6 +6,7 @@
 //! needs a device, so every lowering has golden-text tests.
 mod collective;
 mod ops;
+mod quant;
 mod random;
 pub mod shard;
 mod view;
@@ -527,7 +528,10 @@ impl Builder {
             let t = self.convert_raw(x, DType::I64);
             return self.convert_raw(&t, to);
         }
-        if matches!(to, DType::BF16 | DType::F16) && from != DType::F32 && !matches!(from, DType::BF16 | DType::F16) {
+        // Into bf16/f16/float8 from a wider type goes through float32, as c10's
+        // constructors take a float (one rounding to f32, then one to the target).
+        let narrow = matches!(to, DType::BF16 | DType::F16) || to.is_float8();
+        if narrow && from != DType::F32 && !matches!(from, DType::BF16 | DType::F16) {
             let t = self.convert_raw(x, DType::F32);
             return self.convert_raw(&t, to);
         }

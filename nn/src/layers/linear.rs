@@ -1,8 +1,9 @@
 //! `Linear`: `y = x @ W.T + b` with the weight stored `[out, in]`, as in PyTorch.
 use super::{parameter, uniform_param};
 use crate::module::{join_name, Module};
+use kiln_tensor::quant::QuantSpec;
 use kiln_tensor::trace::ConstantScope;
-use kiln_tensor::{Error, Result, Tensor, TensorOptions};
+use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
 
 /// A fully connected layer (`torch.nn.Linear`): weight `[out_features, in_features]`,
 /// optional bias `[out_features]`.
@@ -24,6 +25,17 @@ pub struct Linear {
     pub weight: Tensor,
     /// `[out_features]`, when the layer has a bias.
     pub bias: Option<Tensor>,
+    /// The weight's codes and scales when it is kept quantized (then `weight`
+    /// is a placeholder of its shape that holds one element).
+    quantized: Option<QuantizedParts>,
+}
+
+/// A kept-quantized weight on its device (Note [Quantized weights] in kiln-tensor).
+#[derive(Debug, Clone)]
+struct QuantizedParts {
+    spec: QuantSpec,
+    codes: Tensor,
+    scales: Tensor,
 }
 
 impl Linear {
@@ -35,7 +47,7 @@ impl Linear {
         let bound = if in_features > 0 { 1.0 / (in_features as f64).sqrt() } else { 0.0 };
         let weight = uniform_param(&[out_features, in_features], bound, opts)?;
         let bias = if bias { Some(uniform_param(&[out_features], bound, opts)?) } else { None };
-        Ok(Linear { weight, bias })
+        Ok(Linear { weight, bias, quantized: None })
     }
 
     /// A layer with weights drawn from `N(0, std²)` and a zero bias (Hugging
@@ -50,7 +62,7 @@ impl Linear {
         let opts = opts.into();
         let weight = super::normal_param(&[out_features, in_features], std, opts)?;
         let bias = if bias { Some(parameter(Tensor::zeros(&[out_features], opts.dtype)?, opts)?) } else { None };
-        Ok(Linear { weight, bias })
+        Ok(Linear { weight, bias, quantized: None })
     }
 
     /// A layer around existing tensors (checked: the weight 2-D, the bias `[out]`).
@@ -74,7 +86,7 @@ impl Linear {
                 ));
             }
         }
-        Ok(Linear { weight, bias })
+        Ok(Linear { weight, bias, quantized: None })
     }
 
     /// `in_features`.
@@ -87,23 +99,79 @@ impl Linear {
         self.weight.shape()[0]
     }
 
+    /// Replaces the weight by its quantized form (codes and block scales, laid
+    /// out as `spec` says), moved to `device`: only those stay resident, and
+    /// [`Linear::forward`] multiplies through the dequantizing product
+    /// ([`Tensor::quant_matmul`]). The weight is frozen: it is no longer a
+    /// parameter (the input still gets its gradient, so adapters on top of
+    /// the layer train). The bias stays as it is.
+    pub fn quantize_weight(&mut self, spec: QuantSpec, codes: Tensor, scales: Tensor, device: Device) -> Result<()> {
+        let shape = spec.check("Linear", (codes.dtype(), codes.shape()), (scales.dtype(), scales.shape()))?;
+        if shape != [self.out_features(), self.in_features()] {
+            return Err(Error::shape(
+                "Linear",
+                format!("a quantized weight of shape {shape:?} cannot replace one of shape {:?}", self.weight.shape()),
+            ));
+        }
+        let (codes, scales) = (codes.to_device(device)?, scales.to_device(device)?);
+        let dims: Vec<isize> = shape.iter().map(|&d| d as isize).collect();
+        self.weight = Tensor::zeros(&[], (DType::F32, device))?.expand(&dims)?;
+        self.quantized = Some(QuantizedParts { spec, codes, scales });
+        Ok(())
+    }
+
+    /// Whether the weight is kept quantized.
+    pub fn is_quantized(&self) -> bool {
+        self.quantized.is_some()
+    }
+
+    /// The quantized weight's layout, codes and scales, when kept quantized.
+    pub fn quantized_weight(&self) -> Option<(&QuantSpec, &Tensor, &Tensor)> {
+        self.quantized.as_ref().map(|q| (&q.spec, &q.codes, &q.scales))
+    }
+
+    /// Resident bytes of the weight (codes and scales when quantized) and bias.
+    pub fn weight_nbytes(&self) -> usize {
+        let n = |t: &Tensor| t.numel() * t.dtype().size_in_bytes();
+        let w = match &self.quantized {
+            Some(q) => n(&q.codes) + n(&q.scales),
+            None => n(&self.weight),
+        };
+        w + self.bias.as_ref().map_or(0, n)
+    }
+
     /// `x @ W.T (+ b)` over the last dim of `x` (`[..., in]` to `[..., out]`).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _c = ConstantScope::enter();
-        x.linear(&self.weight, self.bias.as_ref())
+        match &self.quantized {
+            None => x.linear(&self.weight, self.bias.as_ref()),
+            Some(q) => {
+                let y = x.quant_matmul(&q.codes, &q.scales, &q.spec)?;
+                match &self.bias {
+                    Some(b) => y.add(b),
+                    None => Ok(y),
+                }
+            }
+        }
     }
 }
 
 impl Module for Linear {
+    // A kept-quantized weight is frozen data, not a parameter (see
+    // `quantize_weight`): parameter walks skip it.
     fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        f(&join_name(prefix, "weight"), &self.weight);
+        if self.quantized.is_none() {
+            f(&join_name(prefix, "weight"), &self.weight);
+        }
         if let Some(b) = &self.bias {
             f(&join_name(prefix, "bias"), b);
         }
     }
 
     fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        f(&join_name(prefix, "weight"), &mut self.weight)?;
+        if self.quantized.is_none() {
+            f(&join_name(prefix, "weight"), &mut self.weight)?;
+        }
         if let Some(b) = &mut self.bias {
             f(&join_name(prefix, "bias"), b)?;
         }

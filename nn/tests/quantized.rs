@@ -1,0 +1,253 @@
+//! Quantized checkpoints (FP8 block / channel / tensor, MXFP4, NVFP4 from
+//! transformers, compressed-tensors and ModelOpt; `shared/fixtures/quant`)
+//! against transformers' logits, dequantized on load and kept quantized, on the
+//! CPU and PJRT; the quantized product against the dequantized weight; and
+//! malformed checkpoints, each a clear error naming the tensor.
+mod support;
+
+use kiln::nn::io::{load_quantized, load_safetensors, QuantizationConfig};
+use kiln::nn::models::{LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
+use kiln::nn::module::Module;
+use kiln::prelude::*;
+use kiln::tensor::quant::{Codes, Global, QuantSpec};
+use std::collections::BTreeMap;
+use std::path::Path;
+use support::{assert_close, fixture_dir, temp_dir};
+
+const FOLDERS: [&str; 8] = [
+    "fp8_block",
+    "fp8_block_bf16scale",
+    "ct_fp8_channel",
+    "ct_fp8_tensor",
+    "ct_mxfp4",
+    "ct_nvfp4",
+    "ct_nvfp4_w4a4",
+    "modelopt_nvfp4",
+];
+
+fn golden(dir: &Path) -> BTreeMap<String, Tensor> {
+    load_safetensors(dir.join("golden.safetensors")).expect("golden.safetensors")
+}
+
+/// `(atol, rtol)` golden.json suggests for `key`.
+fn tol(dir: &Path, key: &str) -> (f64, f64) {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let t = &v["suggested_tolerance"][key];
+    (t["atol"].as_f64().unwrap(), t["rtol"].as_f64().unwrap())
+}
+
+fn logits(dir: &Path, quantized: QuantizedLoad, dev: Device) -> Tensor {
+    let opts = PretrainedOptions { dtype: DType::F32, device: dev, quantized };
+    let model = LlamaForCausalLM::from_pretrained_with(dir, &opts).expect("from_pretrained_with");
+    let ids = golden(dir)["input_ids"].to_device(dev).unwrap();
+    let _g = kiln::autograd::no_grad();
+    model.forward(&ids, None).unwrap().to_device(Device::Cpu).unwrap()
+}
+
+#[test]
+fn every_fixture_reproduces_transformers_dequantized_on_load_and_kept_quantized() {
+    for name in FOLDERS {
+        let dir = fixture_dir("quant").join(name);
+        let g = golden(&dir);
+        let (a, r) = tol(&dir, "logits_dequant_f32_exact");
+        let exact = &g["logits_dequant_f32_exact"];
+        let dq = logits(&dir, QuantizedLoad::Dequantize { round_to: None }, Device::Cpu);
+        assert_close(&format!("{name} dequantized"), &dq, exact, a, r);
+        let kept = logits(&dir, QuantizedLoad::Keep, Device::Cpu);
+        assert_close(&format!("{name} kept quantized"), &kept, exact, a, r);
+        // compressed-tensors and ModelOpt decompress to bf16; transformers' fp8 keeps f32.
+        let (a, r) = tol(&dir, "logits_dequant_f32");
+        let round_to = if name.starts_with("fp8_block") { None } else { Some(DType::BF16) };
+        let bf = logits(&dir, QuantizedLoad::Dequantize { round_to }, Device::Cpu);
+        assert_close(&format!("{name} dequantized as transformers does"), &bf, &g["logits_dequant_f32"], a, r);
+    }
+}
+
+#[test]
+fn dequantized_weights_are_bit_exact() {
+    for name in FOLDERS {
+        let dir = fixture_dir("quant").join(name);
+        let q = QuantizationConfig::from_dir(&dir).unwrap().expect("a quantized checkpoint");
+        let ck = load_quantized(&dir, &q, None).unwrap();
+        assert_eq!(ck.quantized.len(), 14, "{name}: 7 Linear layers in each of 2 decoder layers");
+        assert!(ck.plain.contains_key("lm_head.weight") && ck.plain.contains_key("model.embed_tokens.weight"));
+        let w = ck.dequantized(None).unwrap();
+        for (k, want) in golden(&dir).iter().filter_map(|(k, v)| Some((k.strip_prefix("ref_weights.")?, v))) {
+            let got: Vec<u32> = w[k].to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+            let want: Vec<u32> = want.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+            assert!(got == want, "{name}: {k} differs from the reference bits");
+        }
+        // Resident size of the kept form: 8 bits per weight (+ scales) for FP8, about 4.5 for FP4.
+        let (bytes, n): (usize, usize) =
+            ck.quantized.values().fold((0, 0), |(b, n), q| (b + q.nbytes(), n + q.shape[0] * q.shape[1]));
+        let bits = 8.0 * bytes as f64 / n as f64;
+        let want = if name.contains("fp4") { 4.25..=4.5 } else { 8.0..=8.25 };
+        assert!(want.contains(&bits), "{name}: {bits} bits per weight");
+    }
+}
+
+#[test]
+fn kept_quantized_runs_on_pjrt_in_every_mode() {
+    support::register_tpu();
+    for name in ["fp8_block", "ct_mxfp4", "ct_nvfp4", "modelopt_nvfp4"] {
+        let dir = fixture_dir("quant").join(name);
+        let (a, r) = tol(&dir, "logits_dequant_f32_exact");
+        let exact = &golden(&dir)["logits_dequant_f32_exact"];
+        for mode in [kiln::tpu::Mode::Strict, kiln::tpu::Mode::Debug, kiln::tpu::Mode::Defer] {
+            kiln::tpu::set_mode(mode);
+            let got = logits(&dir, QuantizedLoad::Keep, Device::Tpu(0));
+            assert_close(&format!("{name} on tpu:0 {}", mode.name()), &got, exact, a, r);
+        }
+        kiln::tpu::set_mode(kiln::tpu::Mode::Strict);
+        // Captured: one program, replayed.
+        let opts = PretrainedOptions { dtype: DType::F32, device: Device::Tpu(0), quantized: QuantizedLoad::Keep };
+        let model = LlamaForCausalLM::from_pretrained_with(&dir, &opts).unwrap();
+        let ids = golden(&dir)["input_ids"].to_device(Device::Tpu(0)).unwrap();
+        let mut f = kiln::compile(Device::Tpu(0), |x: &[Tensor]| {
+            let _g = kiln::autograd::no_grad();
+            Ok(vec![model.forward(&x[0], None)?])
+        });
+        for call in 0..2 {
+            let out = f.call(std::slice::from_ref(&ids)).unwrap();
+            assert_close(
+                &format!("{name} compiled, call {call}"),
+                &out[0].to_device(Device::Cpu).unwrap(),
+                exact,
+                a,
+                r,
+            );
+        }
+    }
+}
+
+/// A random quantized weight in each layout, with partial blocks.
+fn random_weights(dev: Device) -> Vec<(QuantSpec, Tensor, Tensor, [usize; 2])> {
+    kiln::manual_seed(3);
+    let (out, inp) = (37usize, 48usize);
+    let codes8 =
+        || Tensor::randn(&[out, inp], DType::F32).unwrap().mul(40.0).unwrap().to_dtype(DType::F8E4M3FN).unwrap();
+    let packed = || Tensor::randint(0, 256, &[out, inp / 2], DType::U8).unwrap();
+    let pos = |shape: &[usize]| Tensor::rand(shape, DType::F32).unwrap().add(0.25).unwrap();
+    let fp8 = |block: [usize; 2]| {
+        let spec = QuantSpec { codes: Codes::E4M3, block, global: None };
+        let s = spec.scales_shape(out, inp);
+        (spec, codes8(), pos(&s), [out, inp])
+    };
+    let nv = QuantSpec { codes: Codes::E2M1, block: [1, 16], global: Some(Global::Div(3.0)) };
+    let nv_scales = pos(&nv.scales_shape(out, inp)).mul(100.0).unwrap().to_dtype(DType::F8E4M3FN).unwrap();
+    let mo = QuantSpec { codes: Codes::E2M1, block: [1, 16], global: Some(Global::Mul(0.01)) };
+    let mo_scales = pos(&mo.scales_shape(out, inp)).mul(100.0).unwrap().to_dtype(DType::F8E4M3FN).unwrap();
+    let mx = QuantSpec { codes: Codes::E2M1, block: [1, 32], global: None };
+    let mx_scales = Tensor::randint(110, 140, &mx.scales_shape(out, inp), DType::U8).unwrap();
+    let all = vec![
+        fp8([16, 32]),
+        fp8([1, inp]),
+        fp8([out, inp]),
+        (nv.clone(), packed(), nv_scales, [out, inp]),
+        (mo.clone(), packed(), mo_scales, [out, inp]),
+        (mx.clone(), packed(), mx_scales, [out, inp]),
+    ];
+    all.into_iter().map(|(s, c, sc, sh)| (s, c.to_device(dev).unwrap(), sc.to_device(dev).unwrap(), sh)).collect()
+}
+
+#[test]
+fn the_quantized_product_equals_the_dequantized_one_with_its_gradient() {
+    support::register_tpu();
+    let cpu_w: Vec<Tensor> =
+        random_weights(Device::Cpu).iter().map(|(spec, c, s, _)| Tensor::dequantize(c, s, spec).unwrap()).collect();
+    for dev in [Device::Cpu, Device::Tpu(0)] {
+        for (i, (spec, codes, scales, [_, inp])) in random_weights(dev).into_iter().enumerate() {
+            let w = Tensor::dequantize(&codes, &scales, &spec).unwrap();
+            let same: Vec<u32> = w.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+            let cpu: Vec<u32> = cpu_w[i].to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+            assert!(same == cpu, "{dev}: layout {i}: the dequantized weight differs from the CPU's");
+            for rows in [1usize, 3, 20] {
+                let x = Tensor::randn(&[2, rows, inp], DType::F32).unwrap().to_device(dev).unwrap();
+                x.requires_grad_(true).unwrap();
+                let y = x.quant_matmul(&codes, &scales, &spec).unwrap();
+                let want = x.detach().matmul(&w.t().unwrap()).unwrap();
+                assert_close(&format!("{dev} layout {i}, {rows} rows"), &y, &want, 1e-4, 1e-5);
+                y.sum().unwrap().backward().unwrap();
+                let gx = x.grad().expect("the input's gradient");
+                let want = Tensor::ones(y.shape(), (DType::F32, dev)).unwrap().matmul(&w).unwrap();
+                assert_close(&format!("{dev} layout {i} gradient"), &gx, &want, 1e-4, 1e-5);
+                let yb = x.detach().to_dtype(DType::BF16).unwrap().quant_matmul(&codes, &scales, &spec).unwrap();
+                assert_eq!(yb.dtype(), DType::BF16);
+            }
+        }
+    }
+    let (spec, codes, scales, _) = &random_weights(Device::Cpu)[0];
+    let x = Tensor::ones(&[2, 47], DType::F32).unwrap();
+    let e = x.quant_matmul(codes, scales, spec).unwrap_err().to_string();
+    assert!(e.contains("cannot be multiplied"), "{e}");
+    let e = x.to_dtype(DType::I64).unwrap().quant_matmul(codes, scales, spec).unwrap_err().to_string();
+    assert!(e.contains("float32, bfloat16 or float16"), "{e}");
+    let wrong = QuantSpec { block: [16, 16], ..spec.clone() };
+    let e = Tensor::ones(&[2, 48], DType::F32).unwrap().quant_matmul(codes, scales, &wrong).unwrap_err().to_string();
+    assert!(e.contains("needs scales of shape [3, 3]"), "{e}");
+}
+
+/// Copies a fixture folder, then lets `edit` rewrite its config and tensors.
+fn altered(
+    name: &str,
+    tag: &str,
+    edit: impl FnOnce(&mut serde_json::Value, &mut BTreeMap<String, Tensor>),
+) -> std::path::PathBuf {
+    let src = fixture_dir("quant").join(name);
+    let dir = temp_dir(tag);
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut t = load_safetensors(src.join("model.safetensors")).unwrap();
+    edit(&mut cfg, &mut t);
+    std::fs::write(dir.join("config.json"), serde_json::to_string(&cfg).unwrap()).unwrap();
+    kiln::nn::io::save_safetensors(dir.join("model.safetensors"), &t, None).unwrap();
+    dir
+}
+
+#[test]
+fn malformed_quantized_checkpoints_are_clear_errors() {
+    let load = |dir: &Path| {
+        LlamaForCausalLM::from_pretrained(dir, DType::F32, Device::Cpu).map(|_| ()).unwrap_err().to_string()
+    };
+    let dir = altered("ct_nvfp4", "q-method", |c, _| c["quantization_config"]["quant_method"] = "awq".into());
+    let e = load(&dir);
+    assert!(e.contains("\"awq\" is not supported") && e.contains("compressed-tensors"), "{e}");
+    let dir = altered("ct_nvfp4", "q-format", |c, _| {
+        c["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized".into()
+    });
+    assert!(load(&dir).contains("format \"pack-quantized\""), "{}", load(&dir));
+    let k = "model.layers.1.mlp.up_proj";
+    let dir = altered("ct_nvfp4", "q-scale", |_, t| {
+        let s = t[&format!("{k}.weight_scale")].narrow(1, 0, 7).unwrap().contiguous().unwrap();
+        t.insert(format!("{k}.weight_scale"), s);
+    });
+    let e = load(&dir);
+    assert!(e.contains(k) && e.contains("[256, 7]") && e.contains("groups of 16"), "{e}");
+    let dir = altered("ct_nvfp4", "q-global", |_, t| {
+        t.remove(&format!("{k}.weight_global_scale"));
+    });
+    let e = load(&dir);
+    assert!(e.contains(&format!("missing {k}.weight_global_scale")), "{e}");
+    let dir = altered("fp8_block", "q-block", |_, t| {
+        let s = Tensor::ones(&[3, 1], DType::F32).unwrap();
+        t.insert(format!("{k}.weight_scale_inv"), s);
+    });
+    let e = load(&dir);
+    assert!(e.contains(&format!("{k}.weight_scale_inv")) && e.contains("[3, 1]") && e.contains("[2, 1]"), "{e}");
+    let dir = altered("modelopt_nvfp4", "q-scale2", |_, t| {
+        t.insert(format!("{k}.weight_scale_2"), Tensor::zeros(&[], DType::F32).unwrap());
+    });
+    assert!(load(&dir).contains("not a finite nonzero scale"), "{}", load(&dir));
+    let dir = altered("fp8_block", "q-noscale", |_, t| {
+        t.remove(&format!("{k}.weight_scale_inv"));
+    });
+    let e = load(&dir);
+    assert!(e.contains(&format!("{k}.weight")) && e.contains("no scale"), "{e}");
+    // A kept-quantized model refuses to save as a dense checkpoint.
+    let opts = PretrainedOptions { dtype: DType::F32, device: Device::Cpu, quantized: QuantizedLoad::Keep };
+    let m = LlamaForCausalLM::from_pretrained_with(fixture_dir("quant").join("ct_mxfp4"), &opts).unwrap();
+    assert_eq!(m.named_parameters().len(), 3 + 2 * 2, "only embeddings, lm_head and norms stay parameters");
+    let e = m.save_pretrained(temp_dir("q-save")).unwrap_err().to_string();
+    assert!(e.contains("keeps some weights quantized"), "{e}");
+}

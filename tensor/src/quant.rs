@@ -1,0 +1,291 @@
+//! Block-quantized weights: the formats of quantized checkpoints (FP8 with
+//! block, channel or tensor scales; MXFP4; NVFP4), described by [`QuantSpec`],
+//! and their exact dequantization. The CPU kernel, the StableHLO lowering and
+//! the checkpoint loader all use these definitions.
+//!
+// Note [Quantized weights]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A quantized weight `W [out, in]` (`y = x @ W.T`, as `Linear` stores it) is
+// two tensors:
+//
+// * `codes`: the elements. FP8 (`Codes::E4M3`): a float8_e4m3fn tensor
+//   `[out, in]`. FP4 (`Codes::E2M1`): a uint8 tensor `[out, in / 2]`, two
+//   E2M1 codes per byte, element `2j` in the low nibble and `2j + 1` in the
+//   high one (compressed-tensors' and ModelOpt's order). An E2M1 code is a
+//   sign bit (bit 3) and an index into `[0, 0.5, 1, 1.5, 2, 3, 4, 6]`.
+// * `scales [ceil(out / block[0]), ceil(in / block[1])]`, one per block of
+//   `block[0]` rows by `block[1]` columns (the last blocks may be partial):
+//   float32, float8_e4m3fn (NVFP4's group scales) or uint8 holding E8M0
+//   exponents, `2^(b - 127)` (MXFP4; 255 is NaN).
+//
+// plus an optional per-tensor float32 `global` that combines with every block
+// scale before it multiplies: `Global::Mul` (ModelOpt's `weight_scale_2`) or
+// `Global::Div` (compressed-tensors' `weight_global_scale`). So
+//
+//     W[i, j] = code(i, j) * (scale(i / b0, j / b1) ⊙ global)
+//
+// evaluated in float32 in exactly this order, which is the order the
+// reference implementations use: FP8 and MXFP4 products are exact, NVFP4's
+// round once in the scale and once in the product, and any other order could
+// differ by an ulp. Tensor-wise FP8 is `block = [out, in]`, channel-wise
+// `[1, in]`, DeepSeek-style `[128, 128]`, NVFP4 `[1, 16]`, MXFP4 `[1, 32]`.
+//
+// Resident size per weight: 8 bits (+ one scale per block) for FP8, 4 + 8/16
+// = 4.5 bits for NVFP4, 4 + 8/32 = 4.25 for MXFP4.
+use crate::{f8e4m3fn, DType, Error, Result};
+
+/// How the element codes are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Codes {
+    /// float8_e4m3fn, one per byte, `[out, in]`.
+    E4M3,
+    /// FP4 E2M1, two per byte (low nibble first), `[out, in / 2]`.
+    E2M1,
+}
+
+/// How the per-tensor global scale combines with each block scale.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Global {
+    /// `scale * g` (ModelOpt's `weight_scale_2`).
+    Mul(f32),
+    /// `scale / g` (compressed-tensors' `weight_global_scale`).
+    Div(f32),
+}
+
+/// The layout of a quantized weight (Note [Quantized weights]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantSpec {
+    pub codes: Codes,
+    /// Rows and columns of `W` that one scale covers.
+    pub block: [usize; 2],
+    pub global: Option<Global>,
+}
+
+/// The values of the 8 non-negative E2M1 codes.
+pub const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+/// An E2M1 code's value (code 8 is -0.0).
+#[inline(always)]
+pub fn e2m1(code: u8) -> f32 {
+    let v = E2M1_VALUES[(code & 7) as usize];
+    if code & 8 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// An E8M0 exponent's value, `2^(b - 127)` (255 is NaN).
+#[inline(always)]
+pub fn e8m0(b: u8) -> f32 {
+    match b {
+        255 => f32::NAN,
+        // 2^-127 is an f32 subnormal: 0x0040_0000.
+        0 => f32::from_bits(0x0040_0000),
+        _ => f32::from_bits((b as u32) << 23),
+    }
+}
+
+impl QuantSpec {
+    /// `[out, in]` → the shape of the codes tensor.
+    pub fn codes_shape(&self, out: usize, inp: usize) -> [usize; 2] {
+        match self.codes {
+            Codes::E4M3 => [out, inp],
+            Codes::E2M1 => [out, inp / 2],
+        }
+    }
+
+    /// `[out, in]` → the shape of the scales tensor.
+    pub fn scales_shape(&self, out: usize, inp: usize) -> [usize; 2] {
+        [out.div_ceil(self.block[0]), inp.div_ceil(self.block[1])]
+    }
+
+    /// The logical `[out, in]` of codes of shape `codes`.
+    pub fn weight_shape(&self, codes: &[usize]) -> [usize; 2] {
+        match self.codes {
+            Codes::E4M3 => [codes[0], codes[1]],
+            Codes::E2M1 => [codes[0], codes[1] * 2],
+        }
+    }
+
+    /// The dtype of the codes tensor.
+    pub fn codes_dtype(&self) -> DType {
+        match self.codes {
+            Codes::E4M3 => DType::F8E4M3FN,
+            Codes::E2M1 => DType::U8,
+        }
+    }
+
+    /// Checks codes and scales of a weight `[out, in]` against this layout:
+    /// dtypes, shapes, block sizes (`op` names the caller in errors).
+    pub fn check(&self, op: &'static str, codes: (DType, &[usize]), scales: (DType, &[usize])) -> Result<[usize; 2]> {
+        if self.block[0] == 0 || self.block[1] == 0 {
+            return Err(Error::invalid(op, format!("block sizes must be positive, got {:?}", self.block)));
+        }
+        if codes.0 != self.codes_dtype() || codes.1.len() != 2 {
+            return Err(Error::dtype(
+                op,
+                format!(
+                    "{:?} codes must be a 2-D {} tensor, got {} {:?}",
+                    self.codes,
+                    self.codes_dtype(),
+                    codes.0,
+                    codes.1
+                ),
+            ));
+        }
+        let [out, inp] = self.weight_shape(codes.1);
+        if self.codes == Codes::E2M1 && self.block[1] % 2 != 0 {
+            return Err(Error::invalid(op, format!("FP4 groups must hold whole bytes, got {:?}", self.block)));
+        }
+        if !matches!(scales.0, DType::F32 | DType::F8E4M3FN | DType::U8) {
+            return Err(Error::dtype(
+                op,
+                format!("scales must be float32, float8_e4m3fn or uint8 (E8M0), got {}", scales.0),
+            ));
+        }
+        let want = self.scales_shape(out, inp);
+        if scales.1 != want {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "a weight [{out}, {inp}] in blocks of {:?} needs scales of shape {want:?}, got {:?}",
+                    self.block, scales.1
+                ),
+            ));
+        }
+        Ok([out, inp])
+    }
+}
+
+/// The stored block scales: float32 values, or the bytes of float8_e4m3fn or
+/// E8M0 ones.
+#[derive(Debug, Clone, Copy)]
+pub enum ScaleData<'a> {
+    F32(&'a [f32]),
+    E4M3(&'a [u8]),
+    E8M0(&'a [u8]),
+}
+
+impl ScaleData<'_> {
+    /// The dtype a tensor of these scales has (E8M0 is stored as uint8).
+    pub fn dtype(&self) -> DType {
+        match self {
+            ScaleData::F32(_) => DType::F32,
+            ScaleData::E4M3(_) => DType::F8E4M3FN,
+            ScaleData::E8M0(_) => DType::U8,
+        }
+    }
+}
+
+/// Block scales decoded to float32 and combined with the global scale, in the
+/// order of Note [Quantized weights].
+pub fn effective_scales(spec: &QuantSpec, scales: ScaleData<'_>) -> Vec<f32> {
+    let raw: Vec<f32> = match scales {
+        ScaleData::F32(v) => v.to_vec(),
+        ScaleData::E4M3(b) => b.iter().map(|&c| f8e4m3fn::from_bits(c).to_f32()).collect(),
+        ScaleData::E8M0(b) => b.iter().map(|&c| e8m0(c)).collect(),
+    };
+    match spec.global {
+        None => raw,
+        Some(Global::Mul(g)) => raw.into_iter().map(|s| s * g).collect(),
+        Some(Global::Div(g)) => raw.into_iter().map(|s| s / g).collect(),
+    }
+}
+
+/// Dequantizes rows `rows` of a weight `[out, in]` into `dst` (`rows.len() *
+/// in` floats, row-major), from the codes (one byte per element for E4M3,
+/// packed for E2M1) and the effective scales of [`effective_scales`].
+pub fn dequantize_rows(
+    spec: &QuantSpec,
+    inp: usize,
+    codes: &[u8],
+    scales: &[f32],
+    rows: std::ops::Range<usize>,
+    dst: &mut [f32],
+) {
+    let cols = inp.div_ceil(spec.block[1]);
+    let bc = spec.block[1];
+    for (r, i) in rows.enumerate() {
+        let srow = &scales[(i / spec.block[0]) * cols..][..cols];
+        let out = &mut dst[r * inp..][..inp];
+        match spec.codes {
+            Codes::E4M3 => {
+                let crow = &codes[i * inp..][..inp];
+                for (g, (o, c)) in out.chunks_mut(bc).zip(crow.chunks(bc)).enumerate() {
+                    let s = srow[g];
+                    for (o, &c) in o.iter_mut().zip(c) {
+                        *o = f8e4m3fn::from_bits(c).to_f32() * s;
+                    }
+                }
+            }
+            Codes::E2M1 => {
+                let crow = &codes[i * (inp / 2)..][..inp / 2];
+                for (g, (o, c)) in out.chunks_mut(bc).zip(crow.chunks(bc / 2)).enumerate() {
+                    let s = srow[g];
+                    for (o, &b) in o.chunks_exact_mut(2).zip(c) {
+                        o[0] = e2m1(b & 0xF) * s;
+                        o[1] = e2m1(b >> 4) * s;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl crate::Tensor {
+    /// The float32 weight `[out, in]` of a block-quantized one (`codes`,
+    /// `scales` laid out as `spec` says, Note [Quantized weights]).
+    pub fn dequantize(codes: &crate::Tensor, scales: &crate::Tensor, spec: &QuantSpec) -> Result<crate::Tensor> {
+        crate::Tensor::apply1(crate::Op::Dequantize(spec.clone()), &[codes, scales])
+    }
+
+    /// `self @ W.T` for a block-quantized weight `W [out, in]` given as
+    /// `codes` and `scales` (weight-only quantization): `self [..., in]`
+    /// float32, bfloat16 or float16; the result `[..., out]` in `self`'s
+    /// dtype, accumulated in float32. `W` is never materialised (see
+    /// `Op::QuantMatMul`).
+    pub fn quant_matmul(
+        &self,
+        codes: &crate::Tensor,
+        scales: &crate::Tensor,
+        spec: &QuantSpec,
+    ) -> Result<crate::Tensor> {
+        crate::Tensor::apply1(crate::Op::QuantMatMul(spec.clone()), &[self, codes, scales])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_decode() {
+        assert_eq!(e2m1(7), 6.0);
+        assert_eq!(e2m1(0xB), -1.5);
+        assert!(e2m1(8) == 0.0 && e2m1(8).is_sign_negative());
+        assert_eq!(e8m0(127), 1.0);
+        assert_eq!(e8m0(120), 2f32.powi(-7));
+        assert_eq!(e8m0(0), 2f32.powi(-127));
+        assert_eq!(e8m0(254), 2f32.powi(127));
+        assert!(e8m0(255).is_nan());
+    }
+
+    #[test]
+    fn partial_blocks_and_groups_dequantize() {
+        // FP8 [3, 5] in blocks of [2, 4]: scales [2, 2], the last row and column blocks partial.
+        let spec = QuantSpec { codes: Codes::E4M3, block: [2, 4], global: None };
+        let codes: Vec<u8> = (0..15).map(|i| f8e4m3fn::from_f32(i as f32).to_bits()).collect();
+        let scales = [1.0, 10.0, 100.0, 1000.0];
+        let mut w = vec![0.0; 15];
+        dequantize_rows(&spec, 5, &codes, &scales, 0..3, &mut w);
+        assert_eq!(w, [0.0, 1.0, 2.0, 3.0, 40.0, 5.0, 6.0, 7.0, 8.0, 90.0, 1000.0, 1100.0, 1200.0, 1300.0, 14000.0]);
+        // NVFP4 [1, 4] in groups of 2, the global dividing.
+        let spec = QuantSpec { codes: Codes::E2M1, block: [1, 2], global: Some(Global::Div(4.0)) };
+        let s = effective_scales(&spec, ScaleData::F32(&[8.0, 2.0]));
+        assert_eq!(s, [2.0, 0.5]);
+        let mut w = vec![0.0; 4];
+        dequantize_rows(&spec, 4, &[0x72, 0xA1], &s, 0..1, &mut w);
+        assert_eq!(w, [2.0, 12.0, 0.25, -0.5]);
+    }
+}
