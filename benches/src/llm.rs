@@ -27,6 +27,8 @@ pub struct LlmArgs {
     pub warmup: usize,
     pub prompt: usize,
     pub new_tokens: usize,
+    /// `decode` only: `f32`, `bf16`, or a kept-quantized scheme (`fp8`, `nvfp4`, ...).
+    pub weights: String,
     /// `train` only: the step captured by `kiln::compile` (capturable AdamW).
     pub compiled: bool,
     /// `train` only: a mesh spec (`dp=4`) and a recipe (`fsdp`), see `kiln::nn::parallel`.
@@ -265,7 +267,24 @@ pub fn infer(a: &LlmArgs) -> Result<Line> {
 /// prefill of the prompt is not timed.
 pub fn decode(a: &LlmArgs) -> Result<Line> {
     let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
-    let model = LlamaForCausalLM::new(&cfg, (DType::F32, a.device))?;
+    let dtype = if a.weights == "bf16" { DType::BF16 } else { DType::F32 };
+    let mut model = LlamaForCausalLM::new(&cfg, (dtype, a.device))?;
+    if !matches!(a.weights.as_str(), "f32" | "bf16") {
+        let scheme = kiln::nn::quantize::QuantScheme::parse(&a.weights)?;
+        kiln::nn::quantize::quantize_model(&mut model, scheme)?;
+    }
+    // Resident bytes of the weights per parameter (quantized weights count their elements).
+    let (mut bytes, mut params) = (0usize, 0usize);
+    for (_, p) in model.named_parameters() {
+        bytes += p.numel() * p.dtype().size_in_bytes();
+        params += p.numel();
+    }
+    for (_, lin) in model.linears_mut() {
+        if let Some((_, codes, scales)) = lin.quantized_weight() {
+            bytes += codes.numel() * codes.dtype().size_in_bytes() + scales.numel() * scales.dtype().size_in_bytes();
+            params += lin.weight.numel();
+        }
+    }
     let prompt = random_ids(1, a.prompt, cfg.vocab_size, a.device)?;
     let _g = no_grad();
     let mut times = Vec::new();
@@ -288,6 +307,8 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
     times.sort_by(f64::total_cmp);
     let t = median(&times);
     Ok(line("decode", a)
+        .set("weights", a.weights.clone())
+        .set("weight_bytes_per_param", sig4(bytes as f64 / params as f64))
         .set("batch", 1)
         .set("prompt", a.prompt)
         .set("new_tokens", a.new_tokens)
@@ -351,6 +372,7 @@ mod tests {
             warmup: 0,
             prompt: 4,
             new_tokens: 3,
+            weights: "f32".into(),
             compiled: false,
             parallel: None,
         }
@@ -369,6 +391,9 @@ mod tests {
         assert!(num(&t, "tokens_per_s") > 0.0);
         assert!(num(&infer(&tiny())?, "tokens_per_s") > 0.0);
         assert!(num(&decode(&tiny())?, "tokens_per_s") > 0.0);
+        let nv = decode(&LlmArgs { weights: "nvfp4".into(), ..tiny() })?;
+        let bpp = num(&nv, "weight_bytes_per_param");
+        assert!(bpp > 0.5 && bpp < 4.0, "NVFP4 decoder weights beside f32 embeddings: {bpp}");
         assert!(preset("llama-16m").is_ok() && preset("gpt").is_err());
         Ok(())
     }

@@ -25,7 +25,7 @@ USAGE:
     kiln-bench serve  [--device DEV]      (timed calls on request, see below)
     kiln-bench train  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench infer  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
-    kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W]
+    kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W] [--weights W]
     kiln-bench autograd [--steps N] [--warmup W]
 
 BENCHMARKS:
@@ -77,6 +77,9 @@ OPTIONS:
     --warmup W         untimed steps before them (default 2; decode 1)
     --prompt P         decode: prompt length (default 64)
     --new-tokens N     decode: tokens generated (default 64)
+    --weights W        decode: the decoder Linear weights as f32 (default), bf16 (the whole model in
+                       bf16), or kept quantized: fp8 (128x128 blocks), fp8-channel, nvfp4, mxfp4
+                       (activations f32); the line has weight_bytes_per_param
     -h, --help         this text
 
 METHOD:
@@ -110,6 +113,7 @@ struct Args {
     warmup: Option<usize>,
     prompt: usize,
     new_tokens: usize,
+    weights: String,
     /// `train --mesh SPEC --parallel R`.
     mesh: Option<String>,
     parallel: Option<String>,
@@ -149,6 +153,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         warmup: None,
         prompt: 64,
         new_tokens: 64,
+        weights: "f32".into(),
         mesh: None,
         parallel: None,
     };
@@ -191,6 +196,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--warmup" => a.warmup = Some(value()?.parse().map_err(|_| "--warmup needs an integer".to_string())?),
             "--prompt" => a.prompt = int("--prompt", &value()?)?,
             "--new-tokens" => a.new_tokens = int("--new-tokens", &value()?)?,
+            "--weights" => a.weights = value()?,
             "--mesh" => a.mesh = Some(value()?),
             "--parallel" => a.parallel = Some(value()?),
             c if !c.starts_with('-') && a.cmd.is_empty() => a.cmd = c.to_string(),
@@ -258,6 +264,7 @@ fn main() -> ExitCode {
                 warmup: args.warmup.unwrap_or(if decode { 1 } else { 2 }),
                 prompt: args.prompt,
                 new_tokens: args.new_tokens,
+                weights: args.weights.clone(),
                 compiled: args.compiled,
                 parallel: match (&args.mesh, &args.parallel) {
                     (Some(m), Some(p)) => Some((m.clone(), p.clone())),

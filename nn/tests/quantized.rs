@@ -251,3 +251,67 @@ fn malformed_quantized_checkpoints_are_clear_errors() {
     let e = m.save_pretrained(temp_dir("q-save")).unwrap_err().to_string();
     assert!(e.contains("keeps some weights quantized"), "{e}");
 }
+
+fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+    let num: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}
+
+/// kiln writes compressed-tensors checkpoints of other architectures and
+/// dims (Qwen3, blocks that do not divide the dims); an independent numpy
+/// dequantization reads the same weights bit for bit, kiln reads them back
+/// dequantized and kept quantized with the logits of the dense model holding
+/// those weights, and the in-memory quantized model computes the same.
+#[test]
+fn checkpoints_kiln_quantizes_read_back_everywhere() {
+    use kiln::nn::quantize::{quantize_model, save_quantized, QuantScheme};
+    let python = support::python_with_safetensors();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_quantized_checkpoint.py");
+    for fixture in ["qwen3", "llama"] {
+        let src = fixture_dir(fixture);
+        let dense = LlamaForCausalLM::from_pretrained(&src, DType::F32, Device::Cpu).unwrap();
+        let ids = golden(&src)["input_ids"].clone();
+        let state = dense.state_dict();
+        let schemes =
+            [QuantScheme::Fp8Block([48, 20]), QuantScheme::Fp8Channel, QuantScheme::Nvfp4, QuantScheme::Mxfp4];
+        for scheme in schemes {
+            let what = format!("{fixture} {scheme:?}");
+            let dir = temp_dir(&format!("q-out-{fixture}-{scheme:?}").replace([' ', '[', ']', ','], ""));
+            save_quantized(&dense, &dir, scheme).unwrap();
+            let py_out = dir.join("numpy_dequantized.safetensors");
+            let out = std::process::Command::new(&python).arg(&script).arg(&dir).arg(&py_out).output().unwrap();
+            assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+            let numpy = load_safetensors(&py_out).unwrap();
+            let q = QuantizationConfig::from_dir(&dir).unwrap().expect("quantized");
+            let ck = load_quantized(&dir, &q, None).unwrap();
+            assert_eq!(numpy.len(), ck.quantized.len(), "{what}");
+            let mine = ck.dequantized(None).unwrap();
+            let mut weights = state.clone();
+            for (k, w) in &numpy {
+                let a: Vec<u32> = w.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+                let b: Vec<u32> = mine[k].to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+                assert!(a == b, "{what}: {k}: numpy and kiln dequantize differently");
+                let err = rel_l2(w, &state[k]);
+                let bound = if matches!(scheme, QuantScheme::Nvfp4 | QuantScheme::Mxfp4) { 0.2 } else { 0.04 };
+                assert!(err < bound, "{what}: {k}: quantization error {err}");
+                weights.insert(k.clone(), w.clone());
+            }
+            let cfg = dense.config().clone();
+            let reference = LlamaForCausalLM::from_weights(&cfg, &weights, DType::F32, Device::Cpu).unwrap();
+            let _g = kiln::autograd::no_grad();
+            let want = reference.forward(&ids, None).unwrap();
+            let dq = LlamaForCausalLM::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
+            assert_close(&format!("{what} dequantized"), &dq.forward(&ids, None).unwrap(), &want, 1e-5, 1e-5);
+            let opts = PretrainedOptions { dtype: DType::F32, device: Device::Cpu, quantized: QuantizedLoad::Keep };
+            let kept = LlamaForCausalLM::from_pretrained_with(&dir, &opts).unwrap();
+            let got = kept.forward(&ids, None).unwrap();
+            assert_close(&format!("{what} kept quantized"), &got, &want, 1e-4, 1e-5);
+            let mut in_memory = dense.clone();
+            quantize_model(&mut in_memory, scheme).unwrap();
+            let same = in_memory.forward(&ids, None).unwrap();
+            assert_close(&format!("{what} quantized in memory"), &same, &got, 0.0, 0.0);
+        }
+    }
+}

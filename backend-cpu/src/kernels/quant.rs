@@ -9,111 +9,153 @@
 // rows: it stays in cache) and multiplies the input with it, then moves to the
 // next tile. So the weight streams from memory in its packed form, 4.5 or 8
 // bits per element instead of 16 or 32, and only `TILE x in` floats per
-// thread ever exist. Decoding goes through 256-entry tables: one float per
-// FP8 byte, a pair of floats per FP4 byte. With a few input rows (decoding a
+// thread ever exist. Codes decode from their bits without branches or
+// tables, so the decoding loops vectorise (the tile work is compiled for the
+// CPU's best instruction set). With a few input rows (decoding a
 // token) each tile row is one dot product per input row; with more (a
 // prompt) the tile is a `gemm` call. Sums run in float32, and the result is
 // rounded once to the input's dtype.
-use super::copy::materialize_vec;
+use super::copy::{contiguous, materialize_vec};
 use super::elem::Elem;
+use super::simd::{dispatch, fmadd, Kernel};
 use super::{buf, Input};
 use gemm::Parallelism;
 use half::{bf16, f16};
-use kiln_tensor::quant::{e2m1, effective_scales, Codes, QuantSpec, ScaleData};
+use kiln_tensor::quant::{e8m0, Codes, Global, QuantSpec};
 use kiln_tensor::{f8e4m3fn, DType, Error, HostBuffer, Result};
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// Rows of W dequantized at once by one task.
 const TILE: usize = 16;
 /// At least this many input rows multiply a tile through `gemm`.
 const GEMM_ROWS: usize = 8;
 
-/// The codes as bytes and the effective float32 scales of a quantized weight.
-fn parts(spec: &QuantSpec, codes: &Input<'_>, scales: &Input<'_>) -> Result<(Vec<u8>, Vec<f32>)> {
-    let codes = match codes.dtype() {
-        DType::U8 => materialize_vec::<u8>(codes)?,
-        DType::F8E4M3FN => materialize_vec::<f8e4m3fn>(codes)?.iter().map(|c| c.to_bits()).collect(),
-        d => return Err(Error::dtype("dequantize", format!("codes of dtype {d}"))),
-    };
-    let scales = match scales.dtype() {
-        DType::F32 => effective_scales(spec, ScaleData::F32(&materialize_vec::<f32>(scales)?)),
-        DType::F8E4M3FN => {
-            let b: Vec<u8> = materialize_vec::<f8e4m3fn>(scales)?.iter().map(|c| c.to_bits()).collect();
-            effective_scales(spec, ScaleData::E4M3(&b))
-        }
-        DType::U8 => effective_scales(spec, ScaleData::E8M0(&materialize_vec::<u8>(scales)?)),
-        d => return Err(Error::dtype("dequantize", format!("scales of dtype {d}"))),
-    };
-    Ok((codes, scales))
+/// The bytes of a uint8 or float8 input, borrowed when it is contiguous.
+fn bytes<'a>(x: &Input<'a>) -> Result<Cow<'a, [u8]>> {
+    Ok(match x.dtype() {
+        DType::U8 => contiguous::<u8>(x)?,
+        DType::F8E4M3FN => match contiguous::<f8e4m3fn>(x)? {
+            // SAFETY: `f8e4m3fn` is `#[repr(transparent)]` over `u8`: the same size,
+            // alignment and bits, so the slice reinterpreted has the same length
+            // and lifetime and every byte is a valid `u8`.
+            Cow::Borrowed(v) => Cow::Borrowed(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len()) }),
+            Cow::Owned(v) => Cow::Owned(v.iter().map(|c| c.to_bits()).collect()),
+        },
+        d => return Err(Error::dtype("dequantize", format!("expected uint8 or float8_e4m3fn data, got {d}"))),
+    })
 }
 
-/// Decoding tables: a float per FP8 byte, two per FP4 byte (low nibble first).
-struct Tables {
-    e4m3: [f32; 256],
-    e2m1: [[f32; 2]; 256],
+/// The block scales with the global one applied. One-byte scales (E4M3,
+/// E8M0) take one of 256 values, so those are computed once per call into a
+/// table (the division by a global scale included) and looked up per block.
+enum Scales<'a> {
+    F32(Cow<'a, [f32]>, Option<Global>),
+    Table(Cow<'a, [u8]>, Box<[f32; 256]>),
 }
 
-static TABLES: std::sync::LazyLock<Tables> = std::sync::LazyLock::new(|| {
-    let mut t = Tables { e4m3: [0.0; 256], e2m1: [[0.0; 2]; 256] };
-    for b in 0..256usize {
-        t.e4m3[b] = f8e4m3fn::from_bits(b as u8).to_f32();
-        t.e2m1[b] = [e2m1(b as u8 & 0xF), e2m1(b as u8 >> 4)];
+/// `s` combined with the global scale, as `effective_scales` computes it.
+#[inline(always)]
+fn with_global(s: f32, global: Option<Global>) -> f32 {
+    match global {
+        None => s,
+        Some(Global::Mul(g)) => s * g,
+        Some(Global::Div(g)) => s / g,
     }
-    t
-});
+}
+
+impl<'a> Scales<'a> {
+    fn new(x: &Input<'a>, global: Option<Global>) -> Result<Scales<'a>> {
+        let table = |decode: fn(u8) -> f32| {
+            let mut t = Box::new([0f32; 256]);
+            for (b, v) in t.iter_mut().enumerate() {
+                *v = with_global(decode(b as u8), global);
+            }
+            t
+        };
+        Ok(match x.dtype() {
+            DType::F32 => Scales::F32(contiguous::<f32>(x)?, global),
+            DType::F8E4M3FN => Scales::Table(bytes(x)?, table(e4m3)),
+            DType::U8 => Scales::Table(bytes(x)?, table(e8m0)),
+            d => return Err(Error::dtype("dequantize", format!("scales of dtype {d}"))),
+        })
+    }
+
+    /// Block scale `i`, effective.
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Scales::F32(v, g) => with_global(v[i], *g),
+            Scales::Table(v, t) => t[v[i] as usize],
+        }
+    }
+}
+
+/// An E4M3 code's value from its bits, branch-free so that loops of it
+/// vectorise: the exponent rebiased into an f32 for normal numbers, `m * 2^-9`
+/// for subnormals, NaN for 0x7F / 0xFF.
+#[inline(always)]
+fn e4m3(c: u8) -> f32 {
+    let c = c as u32;
+    let (e, m) = ((c >> 3) & 15, c & 7);
+    let normal = f32::from_bits(((e + 120) << 23) | (m << 20));
+    let v = if e == 0 { m as f32 * (1.0 / 512.0) } else { normal };
+    let v = if c & 0x7F == 0x7F { f32::NAN } else { v };
+    f32::from_bits(v.to_bits() | ((c & 0x80) << 24))
+}
+
+/// An E2M1 code's value (low 4 bits of `n`) from its bits, branch-free: index
+/// `2e + m` is `2^(e-1) * (1 + m/2)`, or `m / 2` when `e` is 0; bit 3 is the sign.
+#[inline(always)]
+fn e2m1_fast(n: u8) -> f32 {
+    let n = n as u32;
+    let (e, m) = ((n >> 1) & 3, n & 1);
+    let bits = if e == 0 { m * 0x3F00_0000 } else { ((e + 126) << 23) | (m << 22) };
+    f32::from_bits(bits | ((n & 8) << 28))
+}
 
 /// Dequantizes rows `r0 .. r0 + dst.len() / inp` of W into `dst` (the
 /// products exactly as `kiln_tensor::quant::dequantize_rows` forms them).
-fn dequant_tile(spec: &QuantSpec, inp: usize, codes: &[u8], scales: &[f32], r0: usize, dst: &mut [f32]) {
-    let t = &*TABLES;
+#[inline(always)]
+fn dequant_tile(spec: &QuantSpec, inp: usize, codes: &[u8], scales: &Scales<'_>, r0: usize, dst: &mut [f32]) {
     let cols = inp.div_ceil(spec.block[1]);
     let bc = spec.block[1];
     for (r, out) in dst.chunks_exact_mut(inp).enumerate() {
         let i = r0 + r;
-        let srow = &scales[(i / spec.block[0]) * cols..][..cols];
+        // Two passes, each a plain loop that vectorises: the codes' values, then
+        // each block times its scale.
         match spec.codes {
             Codes::E4M3 => {
-                let crow = &codes[i * inp..][..inp];
-                for ((o, c), &s) in out.chunks_mut(bc).zip(crow.chunks(bc)).zip(srow) {
-                    for (o, &c) in o.iter_mut().zip(c) {
-                        *o = t.e4m3[c as usize] * s;
-                    }
+                for (o, &c) in out.iter_mut().zip(&codes[i * inp..][..inp]) {
+                    *o = e4m3(c);
                 }
             }
             Codes::E2M1 => {
-                let crow = &codes[i * (inp / 2)..][..inp / 2];
-                for ((o, c), &s) in out.chunks_mut(bc).zip(crow.chunks(bc / 2)).zip(srow) {
-                    for (o, &b) in o.chunks_exact_mut(2).zip(c) {
-                        let [lo, hi] = t.e2m1[b as usize];
-                        o[0] = lo * s;
-                        o[1] = hi * s;
-                    }
+                for (o, &b) in out.chunks_exact_mut(2).zip(&codes[i * (inp / 2)..][..inp / 2]) {
+                    o[0] = e2m1_fast(b & 0xF);
+                    o[1] = e2m1_fast(b >> 4);
                 }
+            }
+        }
+        let s0 = (i / spec.block[0]) * cols;
+        for (g, o) in out.chunks_mut(bc).enumerate() {
+            let s = scales.get(s0 + g);
+            for v in o {
+                *v *= s;
             }
         }
     }
 }
 
-/// `Op::Dequantize`: the float32 weight `[out, in]`.
-pub(crate) fn dequantize(spec: &QuantSpec, codes: &Input<'_>, scales: &Input<'_>) -> Result<HostBuffer> {
-    let [out, inp] = spec.weight_shape(codes.layout.shape());
-    let (c, s) = parts(spec, codes, scales)?;
-    let mut w = vec![0f32; out * inp];
-    if inp > 0 {
-        w.par_chunks_mut(TILE * inp).enumerate().for_each(|(t, dst)| dequant_tile(spec, inp, &c, &s, t * TILE, dst));
-    }
-    Ok(buf(w))
-}
-
 /// A dot product in float32 with independent partial sums, so it vectorises.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+#[inline(always)]
+fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for l in 0..16 {
-            acc[l] += x[l] * y[l];
+            acc[l] = fmadd::<FMA>(x[l], y[l], acc[l]);
         }
     }
     let mut s: f32 = acc.iter().sum();
@@ -121,6 +163,101 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += x * y;
     }
     s
+}
+
+/// One tile of the product (Note [Dequantizing inside the product]), compiled
+/// for the CPU's best instruction set.
+struct Tile<'a> {
+    spec: &'a QuantSpec,
+    k: usize,
+    m: usize,
+    codes: &'a [u8],
+    scales: &'a Scales<'a>,
+    xs: &'a [f32],
+    r0: usize,
+    rows: usize,
+}
+
+impl Kernel for Tile<'_> {
+    type Out = Vec<f32>;
+    #[inline(always)]
+    fn run<const FMA: bool>(self) -> Vec<f32> {
+        let Tile { spec, k, m, codes, scales, xs, r0, rows } = self;
+        let mut y = vec![0f32; m * rows];
+        if k == 0 {
+            return y;
+        }
+        let mut w = vec![0f32; rows * k];
+        dequant_tile(spec, k, codes, scales, r0, &mut w);
+        if m < GEMM_ROWS {
+            for (i, yr) in y.chunks_exact_mut(rows).enumerate() {
+                let xr = &xs[i * k..][..k];
+                for (j, o) in yr.iter_mut().enumerate() {
+                    *o = dot::<FMA>(xr, &w[j * k..][..k]);
+                }
+            }
+        } else {
+            // SAFETY: y is m x rows (row stride `rows`), xs is m x k (row stride k),
+            // w is rows x k read as its transpose k x rows (row stride 1, column
+            // stride k); every index gemm forms lies inside those buffers, which
+            // do not overlap, and gemm runs on this thread only.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    rows,
+                    k,
+                    y.as_mut_ptr(),
+                    1,
+                    rows as isize,
+                    false,
+                    xs.as_ptr(),
+                    1,
+                    k as isize,
+                    w.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                )
+            }
+        }
+        y
+    }
+}
+
+/// Dequantizing a tile, compiled for the CPU's best instruction set.
+struct Dequant<'a> {
+    spec: &'a QuantSpec,
+    inp: usize,
+    codes: &'a [u8],
+    scales: &'a Scales<'a>,
+    r0: usize,
+    dst: &'a mut [f32],
+}
+
+impl Kernel for Dequant<'_> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        dequant_tile(self.spec, self.inp, self.codes, self.scales, self.r0, self.dst)
+    }
+}
+
+/// `Op::Dequantize`: the float32 weight `[out, in]`.
+pub(crate) fn dequantize(spec: &QuantSpec, codes: &Input<'_>, scales: &Input<'_>) -> Result<HostBuffer> {
+    let [out, inp] = spec.weight_shape(codes.layout.shape());
+    let (c, s) = (bytes(codes)?, Scales::new(scales, spec.global)?);
+    let mut w = vec![0f32; out * inp];
+    if inp > 0 {
+        w.par_chunks_mut(TILE * inp)
+            .enumerate()
+            .for_each(|(t, dst)| dispatch(Dequant { spec, inp, codes: &c, scales: &s, r0: t * TILE, dst }));
+    }
+    Ok(buf(w))
 }
 
 /// `Op::QuantMatMul`: `x [..., in] @ W.T` (Note [Dequantizing inside the product]).
@@ -141,55 +278,13 @@ pub(crate) fn quant_matmul(
     };
     let xshape = x.layout.shape();
     let m: usize = xshape[..xshape.len() - 1].iter().product();
-    let (c, s) = parts(spec, codes, scales)?;
+    let (c, s) = (bytes(codes)?, Scales::new(scales, spec.global)?);
     // Each task: one tile of W's rows, giving the output columns [t * TILE, ...).
     let tiles: Vec<Vec<f32>> = (0..n.div_ceil(TILE))
         .into_par_iter()
         .map(|t| {
-            let (r0, rows) = (t * TILE, TILE.min(n - t * TILE));
-            let mut w = vec![0f32; rows * k];
-            let mut y = vec![0f32; m * rows];
-            if k == 0 {
-                return y;
-            }
-            dequant_tile(spec, k, &c, &s, r0, &mut w);
-            if m < GEMM_ROWS {
-                for (i, yr) in y.chunks_exact_mut(rows).enumerate() {
-                    let xr = &xs[i * k..][..k];
-                    for (j, o) in yr.iter_mut().enumerate() {
-                        *o = dot(xr, &w[j * k..][..k]);
-                    }
-                }
-            } else {
-                // SAFETY: y is m x rows (row stride `rows`), xs is m x k (row stride k),
-                // w is rows x k read as its transpose k x rows (row stride 1, column
-                // stride k); every index gemm forms lies inside those buffers, which
-                // do not overlap, and gemm runs on this thread only.
-                unsafe {
-                    gemm::gemm(
-                        m,
-                        rows,
-                        k,
-                        y.as_mut_ptr(),
-                        1,
-                        rows as isize,
-                        false,
-                        xs.as_ptr(),
-                        1,
-                        k as isize,
-                        w.as_ptr(),
-                        k as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
-                    )
-                }
-            }
-            y
+            let r0 = t * TILE;
+            dispatch(Tile { spec, k, m, codes: &c, scales: &s, xs: &xs, r0, rows: TILE.min(n - r0) })
         })
         .collect();
     let mut out = vec![0f32; m * n];

@@ -130,16 +130,6 @@ impl Linear {
         self.quantized.as_ref().map(|q| (&q.spec, &q.codes, &q.scales))
     }
 
-    /// Resident bytes of the weight (codes and scales when quantized) and bias.
-    pub fn weight_nbytes(&self) -> usize {
-        let n = |t: &Tensor| t.numel() * t.dtype().size_in_bytes();
-        let w = match &self.quantized {
-            Some(q) => n(&q.codes) + n(&q.scales),
-            None => n(&self.weight),
-        };
-        w + self.bias.as_ref().map_or(0, n)
-    }
-
     /// `x @ W.T (+ b)` over the last dim of `x` (`[..., in]` to `[..., out]`).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _c = ConstantScope::enter();

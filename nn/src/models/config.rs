@@ -361,7 +361,12 @@ impl LlamaConfig {
     /// `rope_theta` / `rope_scaling`).
     pub fn to_json(&self, dtype: DType) -> Value {
         let mut v = match &self.raw {
-            Some(Value::Object(o)) => Value::Object(o.clone()),
+            Some(Value::Object(o)) => {
+                let mut o = o.clone();
+                // What this writes describes dense weights, whatever was read.
+                o.remove("quantization_config");
+                Value::Object(o)
+            }
             _ => json!({}),
         };
         let arch = match self.model_type {
