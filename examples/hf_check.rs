@@ -24,6 +24,7 @@ use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM, PretrainedOptions, Quan
 use kiln::nn::module::Module;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::nn::parallel::{parse_mesh, Recipe};
+use kiln::nn::precision::MixedPrecisionPolicy;
 use kiln::prelude::*;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -48,6 +49,8 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
   --mesh SPEC          run on a mesh of PJRT devices, e.g. dp=4 or dp=2,tp=2 (KILN_PJRT_CPU_DEVICES
                        sets the number of XLA:CPU devices); needs --device tpu and --parallel
   --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp
+  --precision P        f32, or bf16-mixed / f16-mixed: the forward under autocast, parameters, gradients
+                       and AdamW state float32 (with --dtype f32) [default: f32]
   --quantized Q        a quantized checkpoint (FP8, MXFP4, NVFP4): dequant (exactly, in float32), dequant-bf16
                        (rounded to bf16 first, as compressed-tensors decompresses) or keep (codes and scales
                        resident, a dequantizing matmul; those weights get no gradient) [default: dequant]
@@ -67,6 +70,7 @@ struct Args {
     /// The mesh and the recipe (`--mesh`, `--parallel`).
     parallel: Option<(kiln::DeviceMesh, Recipe)>,
     quantized: QuantizedLoad,
+    precision: Option<MixedPrecisionPolicy>,
 }
 
 fn fail(msg: &str) -> ! {
@@ -88,6 +92,7 @@ fn parse_args() -> Args {
     let mut mesh_spec = None;
     let mut recipe = None;
     let mut quantized = QuantizedLoad::Dequantize { round_to: None };
+    let mut precision = None;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
@@ -125,6 +130,7 @@ fn parse_args() -> Args {
             }
             "--mesh" => mesh_spec = Some(value),
             "--parallel" => recipe = Some(Recipe::parse(&value).unwrap_or_else(|e| fail(&e.to_string()))),
+            "--precision" => precision = MixedPrecisionPolicy::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
             "--quantized" => {
                 quantized = match value.as_str() {
                     "dequant" => QuantizedLoad::Dequantize { round_to: None },
@@ -162,6 +168,7 @@ fn parse_args() -> Args {
         compiled,
         parallel,
         quantized,
+        precision,
     }
 }
 
@@ -186,6 +193,7 @@ fn run(a: Args) -> Result<()> {
     let t0 = Instant::now();
     let opts = PretrainedOptions { dtype: a.dtype, device: a.device, quantized: a.quantized };
     let mut model = LlamaForCausalLM::from_pretrained_with(&a.model, &opts)?;
+    model.set_mixed_precision(a.precision)?;
     if let Some((mesh, recipe)) = &a.parallel {
         recipe.apply(&mut model, mesh)?;
         eprintln!("parallel: {recipe:?} on {mesh}");

@@ -139,6 +139,8 @@ pub(crate) fn run(
     // The gradient rules' scalars follow from the recorded forward, whose own host
     // values were classified when it ran (Note [Host values]).
     let _constants = kiln_tensor::trace::ConstantScope::enter();
+    // Gradient ops take the dtypes the forward recorded (Note [Autocast]).
+    let _no_autocast = kiln_tensor::autocast::suspend_autocast();
     let mut grads: HashMap<u64, SmallVec<[Option<Tensor>; 2]>> = HashMap::new();
     let mut heap: BinaryHeap<Pending> = BinaryHeap::new();
     let push = |heap: &mut BinaryHeap<Pending>,

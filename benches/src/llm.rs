@@ -29,6 +29,8 @@ pub struct LlmArgs {
     pub new_tokens: usize,
     /// `decode` only: `f32`, `bf16`, or a kept-quantized scheme (`fp8`, `nvfp4`, ...).
     pub weights: String,
+    /// `train` only: `f32`, or `bf16-mixed` / `f16-mixed` (see `MixedPrecisionPolicy`).
+    pub precision: String,
     /// `train` only: the step captured by `kiln::compile` (capturable AdamW).
     pub compiled: bool,
     /// `train` only: a mesh spec (`dp=4`) and a recipe (`fsdp`), see `kiln::nn::parallel`.
@@ -104,6 +106,7 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
     };
     let device = recipe.as_ref().map_or(a.device, |(m, _)| m.device());
     let mut model = LlamaForCausalLM::new(&cfg, (DType::F32, device))?;
+    model.set_mixed_precision(kiln::nn::precision::MixedPrecisionPolicy::parse(&a.precision)?)?;
     if let Some((mesh, r)) = &recipe {
         r.apply(&mut model, mesh)?;
     }
@@ -195,6 +198,7 @@ fn memory_line(l: Line, model: &LlamaForCausalLM, opt: &AdamW, mesh: &kiln::Devi
 fn train_line(a: &LlmArgs, times: &[f64], losses: &[f64]) -> Line {
     let step = median(times);
     line("train", a)
+        .set("precision", a.precision.clone())
         .set("batch", a.batch)
         .set("seq", a.seq)
         .set("steps", a.steps)
@@ -373,6 +377,7 @@ mod tests {
             prompt: 4,
             new_tokens: 3,
             weights: "f32".into(),
+            precision: "f32".into(),
             compiled: false,
             parallel: None,
         }

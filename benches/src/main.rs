@@ -77,6 +77,8 @@ OPTIONS:
     --warmup W         untimed steps before them (default 2; decode 1)
     --prompt P         decode: prompt length (default 64)
     --new-tokens N     decode: tokens generated (default 64)
+    --precision P      train: f32 (default), or bf16-mixed / f16-mixed (autocast forward, float32
+                       master weights, gradients and AdamW state)
     --weights W        decode: the decoder Linear weights as f32 (default), bf16 (the whole model in
                        bf16), or kept quantized: fp8 (128x128 blocks), fp8-channel, nvfp4, mxfp4
                        (activations f32); the line has weight_bytes_per_param
@@ -114,6 +116,7 @@ struct Args {
     prompt: usize,
     new_tokens: usize,
     weights: String,
+    precision: String,
     /// `train --mesh SPEC --parallel R`.
     mesh: Option<String>,
     parallel: Option<String>,
@@ -154,6 +157,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         prompt: 64,
         new_tokens: 64,
         weights: "f32".into(),
+        precision: "f32".into(),
         mesh: None,
         parallel: None,
     };
@@ -197,6 +201,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--prompt" => a.prompt = int("--prompt", &value()?)?,
             "--new-tokens" => a.new_tokens = int("--new-tokens", &value()?)?,
             "--weights" => a.weights = value()?,
+            "--precision" => a.precision = value()?,
             "--mesh" => a.mesh = Some(value()?),
             "--parallel" => a.parallel = Some(value()?),
             c if !c.starts_with('-') && a.cmd.is_empty() => a.cmd = c.to_string(),
@@ -265,6 +270,7 @@ fn main() -> ExitCode {
                 prompt: args.prompt,
                 new_tokens: args.new_tokens,
                 weights: args.weights.clone(),
+                precision: args.precision.clone(),
                 compiled: args.compiled,
                 parallel: match (&args.mesh, &args.parallel) {
                     (Some(m), Some(p)) => Some((m.clone(), p.clone())),

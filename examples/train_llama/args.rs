@@ -1,6 +1,7 @@
 //! train_llama's command line: the options, their defaults, and the run
 //! settings a checkpoint keeps.
 use kiln::nn::parallel::{parse_mesh, Recipe};
+use kiln::nn::precision::MixedPrecisionPolicy;
 use kiln::prelude::*;
 use kiln::DeviceMesh;
 use serde_json::Value;
@@ -39,6 +40,9 @@ RUN
                        sets the number of XLA:CPU devices); needs --device tpu and --parallel
   --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp (a resumed run may
                        use another mesh or recipe: its checkpoint is resharded on load)
+  --precision P        f32, or bf16-mixed / f16-mixed: the forward under autocast (matmuls and attention in
+                       bf16, softmax, norms and the loss in f32), master weights, gradients and AdamW
+                       state in f32 [default: f32]
   --out DIR            checkpoints, final model, loss.csv, loss.png [default: runs/train_llama]
   --resume             continue from the latest checkpoint in --out (with its settings)
   --eval-every N       validation loss (and accuracy) every N steps [default: 100]
@@ -73,6 +77,8 @@ pub struct Args {
     /// The device mesh (`--mesh`) and parallelism recipe (`--parallel`).
     pub mesh: Option<String>,
     pub parallel: Option<Recipe>,
+    /// `--precision`: the model's mixed-precision policy (`None`: float32).
+    pub precision: Option<MixedPrecisionPolicy>,
     pub out: PathBuf,
     pub resume: bool,
     pub eval_every: u64,
@@ -105,6 +111,7 @@ impl Default for Args {
             compiled: false,
             mesh: None,
             parallel: None,
+            precision: None,
             out: PathBuf::from("runs/train_llama"),
             resume: false,
             eval_every: 100,
@@ -211,6 +218,7 @@ impl Args {
             }
             "mesh" => self.mesh = Some(v.to_string()),
             "parallel" => self.parallel = Some(Recipe::parse(v)?),
+            "precision" => self.precision = MixedPrecisionPolicy::parse(v)?,
             "out" => self.out = PathBuf::from(v),
             "eval-every" => self.eval_every = parse_num(&flag, v)?,
             "save-every" => self.save_every = parse_num(&flag, v)?,

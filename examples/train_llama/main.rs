@@ -204,6 +204,13 @@ fn run(mut args: Args) -> Result<()> {
     println!("data: {}", data.description);
     let cfg = model_config(&args, data.tokenizer.vocab_size())?;
     let mut model = LlamaForCausalLM::new(&cfg, (DType::F32, args.device))?;
+    model.set_mixed_precision(args.precision)?;
+    if let Some(p) = &args.precision {
+        println!(
+            "precision: forward under autocast to {} (master weights and gradients float32)",
+            p.param_dtype.map_or("float32".into(), |d| d.to_string())
+        );
+    }
     if let Some((mesh, recipe)) = &parallel {
         // Initialised on one device (the same weights as a one-device run), then placed.
         recipe.apply(&mut model, mesh)?;

@@ -96,6 +96,19 @@ pub trait Module {
         self.train(false)
     }
 
+    /// Sets the module's mixed-precision policy (see
+    /// [`crate::precision::MixedPrecisionPolicy`]). Modules whose forward
+    /// takes no policy refuse one.
+    fn set_mixed_precision_policy(&mut self, policy: Option<crate::precision::MixedPrecisionPolicy>) -> Result<()> {
+        match policy {
+            None => Ok(()),
+            Some(_) => Err(kiln_tensor::Error::invalid(
+                "set_mixed_precision_policy",
+                "this module's forward takes no mixed-precision policy; run it under kiln::tensor::autocast",
+            )),
+        }
+    }
+
     /// `(name, parameter)` for every parameter, in visiting order. The tensors
     /// are the parameters themselves (cheap handles), so an optimizer holding
     /// them sees in-place updates.

@@ -94,6 +94,19 @@ pub fn replicate<M: Module + ?Sized>(module: &mut M, mesh: &DeviceMesh) -> Resul
     distribute_module(module, mesh, |_, _| vec![Placement::Replicate; n])
 }
 
+/// [`fully_shard`] with FSDP2's `mp_policy`: the parameters sharded and the
+/// module's forward run under `policy` (parameters, gradients and optimizer
+/// state stay in their dtype, float32; see [`crate::precision::MixedPrecisionPolicy`]).
+pub fn fully_shard_with<M: Module + ?Sized>(
+    module: &mut M,
+    mesh: &DeviceMesh,
+    policy: crate::precision::MixedPrecisionPolicy,
+) -> Result<()> {
+    policy.validate()?;
+    fully_shard(module, mesh)?;
+    module.set_mixed_precision_policy(Some(policy))
+}
+
 /// FSDP2's `fully_shard`: every parameter split along its first dimension
 /// over every axis of `mesh` (usually the data axis, `mesh["dp"]`).
 pub fn fully_shard<M: Module + ?Sized>(module: &mut M, mesh: &DeviceMesh) -> Result<()> {

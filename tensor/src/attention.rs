@@ -46,6 +46,13 @@ impl Tensor {
         causal: bool,
         scale: Option<f64>,
     ) -> Result<Tensor> {
+        if crate::autocast::autocast_dtype().is_some() {
+            let (q, k, v) =
+                (crate::autocast::lower(self)?, crate::autocast::lower(key)?, crate::autocast::lower(value)?);
+            if q.dtype() != self.dtype() || k.dtype() != key.dtype() || v.dtype() != value.dtype() {
+                return q.scaled_dot_product_attention(&k, &v, causal, scale);
+            }
+        }
         let n = self.ndim();
         if n == 3 && key.ndim() == 3 && value.ndim() == 3 {
             let out = self.unsqueeze(0)?.scaled_dot_product_attention(

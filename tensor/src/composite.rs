@@ -87,6 +87,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.softmax(dim);
+        }
         float_only("softmax", self)?;
         let d = wrap_dim("softmax", dim, self.ndim())?;
         Tensor::apply1(Op::Softmax { dim: d, log: false }, &[self])
@@ -103,6 +106,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.log_softmax(dim);
+        }
         float_only("log_softmax", self)?;
         let d = wrap_dim("log_softmax", dim, self.ndim())?;
         Tensor::apply1(Op::Softmax { dim: d, log: true }, &[self])
@@ -121,6 +127,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn cumsum(&self, dim: isize) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.cumsum(dim);
+        }
         let d = wrap_dim("cumsum", dim, self.ndim())?;
         if self.ndim() == 0 {
             return reshape_result(Tensor::apply1(Op::Cumsum { dim: 0 }, &[&self.reshape(&[1])?])?, &[]);
@@ -293,6 +302,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.rms_norm(weight, eps);
+        }
         float_only("rms_norm", self)?;
         let k = weight.map_or(1, |w| w.ndim().max(1));
         let dims = self.trailing_dims("rms_norm", k, weight, "weight")?;
@@ -366,6 +378,9 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.layer_norm(normalized_shape, weight, bias, eps);
+        }
         float_only("layer_norm", self)?;
         let k = normalized_shape.len();
         let n = self.ndim();
@@ -481,6 +496,12 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn rotary_embedding(&self, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        // Mixed dtypes promote, as the unfused `x * cos + rotate_half(x) * sin` does
+        // (a bfloat16 query from an autocast projection with float32 tables).
+        let dt = DType::promote(DType::promote(self.dtype(), cos.dtype()), sin.dtype());
+        if dt != self.dtype() || dt != cos.dtype() || dt != sin.dtype() {
+            return self.to_dtype(dt)?.rotary_embedding(&cos.to_dtype(dt)?, &sin.to_dtype(dt)?);
+        }
         Tensor::apply1(Op::Rotary, &[self, cos, sin])
     }
 
@@ -508,6 +529,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn cross_entropy_with(&self, target: &Tensor, opts: CrossEntropy) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.cross_entropy_with(target, opts);
+        }
         const OP: &str = "cross_entropy";
         float_only(OP, self)?;
         if !target.dtype().is_int() {

@@ -14,6 +14,7 @@ pub use half;
 
 pub mod alloc;
 mod attention;
+pub mod autocast;
 pub mod collective;
 mod composite;
 mod convert;
@@ -44,6 +45,7 @@ mod tensor;
 pub mod trace;
 
 pub use attention::attention_grads;
+pub use autocast::{autocast, autocast_dtype, AutocastGuard};
 pub use composite::{rms_norm_grads, CrossEntropy, Reduction};
 pub use convert::{reading_via, TensorData};
 pub use create::TensorOptions;

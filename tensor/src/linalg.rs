@@ -51,6 +51,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some((a, b)) = crate::autocast::lowered(self, other)? {
+            return a.matmul(&b);
+        }
         let (a, b) = (self, other);
         if a.ndim() == 0 || b.ndim() == 0 {
             return Err(Error::shape(
@@ -125,6 +128,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn mm(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some((a, b)) = crate::autocast::lowered(self, other)? {
+            return a.mm(&b);
+        }
         if self.ndim() != 2 {
             return Err(Error::shape("mm", format!("self must be a matrix, got {}-D tensor", self.ndim())));
         }
@@ -143,6 +149,9 @@ impl Tensor {
 
     /// Strict batched matrix product (`torch.bmm`): `[b, n, m] @ [b, m, p] -> [b, n, p]`.
     pub fn bmm(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some((a, b)) = crate::autocast::lowered(self, other)? {
+            return a.bmm(&b);
+        }
         if self.ndim() != 3 {
             return Err(Error::shape("bmm", "batch1 must be a 3D tensor"));
         }
@@ -305,6 +314,8 @@ impl Tensor {
         }
         let y = self.matmul(&weight.t()?)?;
         match bias {
+            // Under autocast the bias joins the product's dtype (Note [Autocast]).
+            Some(b) if crate::autocast::autocast_dtype().is_some() => y.add(&crate::autocast::lower(b)?),
             Some(b) => y.add(b),
             None => Ok(y),
         }

@@ -167,6 +167,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn sum(&self) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.sum();
+        }
         self.reduce_all(ReduceOp::Sum, "sum")
     }
 
@@ -181,6 +184,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn sum_dim(&self, dims: impl Dims, keepdim: bool) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.sum_dim(dims, keepdim);
+        }
         self.reduce_op(ReduceOp::Sum, "sum", &dims, keepdim)
     }
 
@@ -194,11 +200,17 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn mean(&self) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.mean();
+        }
         self.reduce_all(ReduceOp::Mean, "mean")
     }
 
     /// Mean over `dims` (see [`Tensor::sum_dim`] for the dims rules).
     pub fn mean_dim(&self, dims: impl Dims, keepdim: bool) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.mean_dim(dims, keepdim);
+        }
         self.reduce_op(ReduceOp::Mean, "mean", &dims, keepdim)
     }
 
@@ -385,6 +397,9 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn logsumexp(&self, dims: impl Dims, keepdim: bool) -> Result<Tensor> {
+        if let Some(x) = crate::autocast::widened(self)? {
+            return x.logsumexp(dims, keepdim);
+        }
         let out_dtype = self.dtype().to_float();
         let r = resolve(self, "logsumexp", &dims, keepdim)?;
         let x = upcast(&r.x.to_dtype(out_dtype)?)?;

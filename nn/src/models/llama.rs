@@ -10,6 +10,7 @@ use crate::layers::{
     RmsNorm, RotaryEmbedding, SwiGluMlp,
 };
 use crate::module::{join_name, Module};
+use crate::precision::MixedPrecisionPolicy;
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
 use std::collections::{BTreeMap, BTreeSet};
@@ -424,6 +425,8 @@ pub struct LlamaForCausalLM {
     /// The output projection `[vocab, hidden]`; `None` when tied to the embeddings.
     pub lm_head: Option<Linear>,
     config: LlamaConfig,
+    /// How `forward` mixes precisions (`None`: everything in the parameters' dtype).
+    mixed_precision: Option<MixedPrecisionPolicy>,
 }
 
 impl LlamaForCausalLM {
@@ -435,7 +438,7 @@ impl LlamaForCausalLM {
         } else {
             Some(linear(src, "lm_head", cfg.vocab_size, cfg.hidden_size, false)?)
         };
-        Ok(LlamaForCausalLM { model, lm_head, config: cfg.clone() })
+        Ok(LlamaForCausalLM { model, lm_head, config: cfg.clone(), mixed_precision: None })
     }
 
     /// A randomly initialised model for training from scratch, drawn from the
@@ -660,8 +663,35 @@ impl LlamaForCausalLM {
     /// Logits `[B, T, vocab]` for token ids `[B, T]` (int64 or another integer
     /// dtype), with an optional `[B, T]` attention mask (1 = token, 0 = padding).
     pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
-        let h = self.model.forward(input_ids, attention_mask, None, None)?;
-        self.logits(&h)
+        self.with_policy(|| {
+            let h = self.model.forward(input_ids, attention_mask, None, None)?;
+            self.logits(&h)
+        })
+    }
+
+    /// Sets how [`LlamaForCausalLM::forward`] and
+    /// [`LlamaForCausalLM::forward_with_activations`] mix precisions (see
+    /// [`MixedPrecisionPolicy`]); parameters keep their dtype. `None` turns
+    /// it off. Cached decoding (`forward_cached`, `generate`) computes in the
+    /// parameters' dtype.
+    pub fn set_mixed_precision(&mut self, policy: Option<MixedPrecisionPolicy>) -> Result<()> {
+        if let Some(p) = &policy {
+            p.validate()?;
+        }
+        self.mixed_precision = policy;
+        Ok(())
+    }
+
+    /// The mixed-precision policy, if one is set.
+    pub fn mixed_precision(&self) -> Option<MixedPrecisionPolicy> {
+        self.mixed_precision
+    }
+
+    fn with_policy(&self, f: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
+        match &self.mixed_precision {
+            Some(p) => p.run(f),
+            None => f(),
+        }
     }
 
     /// [`LlamaForCausalLM::forward`], also returning the intermediate
@@ -674,8 +704,11 @@ impl LlamaForCausalLM {
         attention_mask: Option<&Tensor>,
     ) -> Result<(Tensor, BTreeMap<String, Tensor>)> {
         let mut acts = BTreeMap::new();
-        let h = self.model.forward(input_ids, attention_mask, None, Some(&mut acts))?;
-        Ok((self.logits(&h)?, acts))
+        let logits = self.with_policy(|| {
+            let h = self.model.forward(input_ids, attention_mask, None, Some(&mut acts))?;
+            self.logits(&h)
+        })?;
+        Ok((logits, acts))
     }
 
     /// Logits for new tokens `[B, T]` that follow the ones held in `cache`
@@ -734,6 +767,10 @@ impl LlamaForCausalLM {
 }
 
 impl Module for LlamaForCausalLM {
+    fn set_mixed_precision_policy(&mut self, policy: Option<MixedPrecisionPolicy>) -> Result<()> {
+        self.set_mixed_precision(policy)
+    }
+
     fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
         self.model.visit_params(&join_name(prefix, "model"), f);
         if let Some(l) = &self.lm_head {
