@@ -489,75 +489,13 @@ impl Elem for bf16 {
     }
 }
 
-impl Elem for f16 {
-    const KIND: Kind = Kind::Half;
-    type Acc = f32;
-    #[inline(always)]
-    fn to_acc(self) -> f32 {
-        self.to_f32()
-    }
-    fn zeros(n: usize) -> Vec<Self> {
-        let mut v = std::mem::ManuallyDrop::new(zeroed(n, 0u16));
-        let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
-        // SAFETY: `f16` is `#[repr(transparent)]` over `u16` (same size and alignment) and
-        // all-zero bits are +0.0; `v` is not dropped, so the allocation has one owner.
-        unsafe { Vec::from_raw_parts(ptr as *mut f16, len, cap) }
-    }
-    #[inline(always)]
-    fn truthy(self) -> bool {
-        self.to_bits() & 0x7FFF != 0
-    }
-    #[inline(always)]
-    fn is_nan_(self) -> bool {
-        self.to_bits() & 0x7FFF > 0x7C00
-    }
-    #[inline(always)]
-    fn cast_f32(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn cast_f64(self) -> f64 {
-        self.to_f64()
-    }
-    #[inline(always)]
-    fn cast_i64(self) -> i64 {
-        self.to_f32() as i64
-    }
-    #[inline(always)]
-    fn of_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-    #[inline(always)]
-    fn of_f64(v: f64) -> Self {
-        f16::from_f32(v as f32)
-    }
-    #[inline(always)]
-    fn of_i64(v: i64) -> Self {
-        f16::from_f32(v as f32)
-    }
-    #[inline(always)]
-    fn of_bool(b: bool) -> Self {
-        if b {
-            f16::ONE
-        } else {
-            f16::ZERO
-        }
-    }
-    #[inline(always)]
-    fn add_(self, o: Self) -> Self {
-        f16::from_f32(self.to_f32() + o.to_f32())
-    }
-    #[inline(always)]
-    fn mul_(self, o: Self) -> Self {
-        f16::from_f32(self.to_f32() * o.to_f32())
-    }
-}
-
-/// The float8 types: stored in a byte, converted through f32 (Note [float8
-/// conversions] in kiln-tensor). Only casts and data movement reach the
-/// kernels with them (the op typing rules refuse arithmetic, as PyTorch does).
-macro_rules! f8_elem {
-    ($t:ty) => {
+/// f16 and the float8 types: stored narrow, converted through f32 by their
+/// own `to_f32` / `from_f32` (for float8, Note [float8 conversions] in
+/// kiln-tensor; only casts and data movement reach the kernels with them, the
+/// op typing rules refuse arithmetic as PyTorch does). `$truthy` and `$nan`
+/// test the bits, `$zeros` allocates `n` zeros.
+macro_rules! narrow_float_elem {
+    ($t:ty, truthy: $truthy:expr, nan: $nan:expr, zeros: $zeros:expr) => {
         impl Elem for $t {
             const KIND: Kind = Kind::Half;
             type Acc = f32;
@@ -566,15 +504,15 @@ macro_rules! f8_elem {
                 self.to_f32()
             }
             fn zeros(n: usize) -> Vec<Self> {
-                zeroed(n, <$t>::ZERO)
+                $zeros(n)
             }
             #[inline(always)]
             fn truthy(self) -> bool {
-                self.to_bits() & 0x7F != 0
+                $truthy(self)
             }
             #[inline(always)]
             fn is_nan_(self) -> bool {
-                self.is_nan()
+                $nan(self)
             }
             #[inline(always)]
             fn cast_f32(self) -> f32 {
@@ -619,8 +557,29 @@ macro_rules! f8_elem {
         }
     };
 }
-f8_elem!(kiln_tensor::f8e4m3fn);
-f8_elem!(kiln_tensor::f8e5m2);
+
+/// `n` f16 zeros from a zeroed `u16` allocation.
+fn f16_zeros(n: usize) -> Vec<f16> {
+    let mut v = std::mem::ManuallyDrop::new(zeroed(n, 0u16));
+    let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
+    // SAFETY: `f16` is `#[repr(transparent)]` over `u16` (same size and alignment) and
+    // all-zero bits are +0.0; `v` is not dropped, so the allocation has one owner.
+    unsafe { Vec::from_raw_parts(ptr as *mut f16, len, cap) }
+}
+
+narrow_float_elem!(f16, truthy: |x: f16| x.to_bits() & 0x7FFF != 0, nan: |x: f16| x.to_bits() & 0x7FFF > 0x7C00, zeros: f16_zeros);
+narrow_float_elem!(
+    kiln_tensor::f8e4m3fn,
+    truthy: |x: kiln_tensor::f8e4m3fn| x.to_bits() & 0x7F != 0,
+    nan: |x: kiln_tensor::f8e4m3fn| x.is_nan(),
+    zeros: |n| zeroed(n, kiln_tensor::f8e4m3fn::ZERO)
+);
+narrow_float_elem!(
+    kiln_tensor::f8e5m2,
+    truthy: |x: kiln_tensor::f8e5m2| x.to_bits() & 0x7F != 0,
+    nan: |x: kiln_tensor::f8e5m2| x.is_nan(),
+    zeros: |n| zeroed(n, kiln_tensor::f8e5m2::ZERO)
+);
 
 /// The native float types math is computed in (f32, f64), with the
 /// transcendental functions the kernels use: vectorisable versions for f32,
