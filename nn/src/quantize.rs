@@ -129,7 +129,8 @@ pub fn quantize_weight(w: &Tensor, scheme: QuantScheme) -> Result<QuantizedWeigh
         QuantScheme::Fp8Channel => ([1, inp.max(1)], None),
         QuantScheme::Nvfp4 => {
             let a = amax(v.iter().copied());
-            ([1, 16], Some(Global::Div(if a > 0.0 { 448.0 * 6.0 / a } else { 1.0 })))
+            // A weight so small that the global overflows gets the largest finite one.
+            ([1, 16], Some(Global::Div(if a > 0.0 { (448.0 * 6.0 / a).min(f32::MAX) } else { 1.0 })))
         }
         QuantScheme::Mxfp4 => ([1, 32], None),
     };

@@ -239,6 +239,13 @@ fn malformed_quantized_checkpoints_are_clear_errors() {
         t.insert(format!("{k}.weight_scale_2"), Tensor::zeros(&[], DType::F32).unwrap());
     });
     assert!(load(&dir).contains("not a finite nonzero scale"), "{}", load(&dir));
+    let dir = altered("ct_mxfp4", "q-nan-scale", |_, t| {
+        let mut s: Vec<u8> = t[&format!("{k}.weight_scale")].to_vec().unwrap();
+        s[5] = 255; // E8M0's NaN
+        t.insert(format!("{k}.weight_scale"), Tensor::from_vec(s, &[256, 4]).unwrap());
+    });
+    let e = load(&dir);
+    assert!(e.contains(k) && e.contains("block scale [1, 1] is NaN"), "{e}");
     let dir = altered("fp8_block", "q-noscale", |_, t| {
         t.remove(&format!("{k}.weight_scale_inv"));
     });

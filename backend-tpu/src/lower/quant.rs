@@ -97,7 +97,8 @@ pub fn dequantize(b: &mut Builder, spec: &QuantSpec, codes: &Val, scales: &Val) 
     let (n, k) = (w.shape()[0], w.shape()[1]);
     let s = scales_f32(b, spec, scales);
     let (r, c) = (s.shape()[0], s.shape()[1]);
-    let [b0, b1] = spec.block;
+    // A block larger than the weight covers all of it (one partial block).
+    let (b0, b1) = (spec.block[0].min(n.max(1)), spec.block[1].min(k.max(1)));
     // Each scale covers a b0 x b1 block: broadcast, flatten, cut the partial blocks off.
     let s = b.broadcast(&s, &[r, b0, c, b1], &[0, 2]);
     let s = b.reshape(&s, &[r * b0, c * b1]);

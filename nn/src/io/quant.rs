@@ -314,6 +314,20 @@ pub fn load_quantized(dir: &Path, config: &QuantizationConfig, dtype: Option<DTy
         {
             consumed.insert(format!("{module}.{s}"));
         }
+        // A scale that is NaN, infinite or (E8M0) 255 would make whole blocks NaN.
+        let scales = q.effective_scales()?;
+        if let Some(i) = scales.iter().position(|s| !s.is_finite()) {
+            let cols = q.spec.scales_shape(q.shape[0], q.shape[1])[1];
+            return Err(Error::invalid(
+                "quantized checkpoint",
+                format!(
+                    "module {module:?}: block scale [{}, {}] is {} (from {module}.weight_scale*): a malformed scale tensor",
+                    i / cols,
+                    i % cols,
+                    scales[i]
+                ),
+            ));
+        }
         ck.quantized.insert(module.to_string(), q);
     }
     for (name, &i) in &where_ {
