@@ -2,7 +2,8 @@
 //! transformers, compressed-tensors and ModelOpt; `shared/fixtures/quant`)
 //! against transformers' logits, dequantized on load and kept quantized, on the
 //! CPU and PJRT; the quantized product against the dequantized weight; and
-//! malformed checkpoints, each a clear error naming the tensor.
+//! malformed checkpoints, each a clear error naming the tensor; and what
+//! kiln quantizes, as numpy and as transformers + compressed-tensors read it.
 mod support;
 
 use kiln::nn::io::{load_quantized, load_safetensors, QuantizationConfig};
@@ -319,6 +320,44 @@ fn checkpoints_kiln_quantizes_read_back_everywhere() {
             quantize_model(&mut in_memory, scheme).unwrap();
             let same = in_memory.forward(&ids, None).unwrap();
             assert_close(&format!("{what} quantized in memory"), &same, &got, 0.0, 0.0);
+        }
+    }
+}
+
+/// transformers with compressed-tensors loads what kiln writes: every
+/// quantized weight it decompresses (to bf16) is kiln's exact dequantization
+/// rounded to bf16, within one bf16 ulp; the dense tensors come back as kiln
+/// saved them.
+#[test]
+fn transformers_loads_what_kiln_quantizes() {
+    use kiln::nn::quantize::{save_quantized, QuantScheme};
+    let python = support::python_with_transformers();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_quantized_with_transformers.py");
+    for fixture in ["qwen3", "llama"] {
+        let dense = LlamaForCausalLM::from_pretrained(fixture_dir(fixture), DType::F32, Device::Cpu).unwrap();
+        let state = dense.state_dict();
+        let schemes =
+            [QuantScheme::Fp8Block([48, 20]), QuantScheme::Fp8Channel, QuantScheme::Nvfp4, QuantScheme::Mxfp4];
+        for scheme in schemes {
+            let what = format!("{fixture} {scheme:?}");
+            let dir = temp_dir(&format!("q-tf-{fixture}-{scheme:?}").replace([' ', '[', ']', ','], ""));
+            save_quantized(&dense, &dir, scheme).unwrap();
+            let out_file = dir.join("transformers_weights.safetensors");
+            let out = std::process::Command::new(&python).arg(&script).arg(&dir).arg(&out_file).output().unwrap();
+            assert!(out.status.success(), "{what}: transformers refused it:\n{}", String::from_utf8_lossy(&out.stderr));
+            let theirs = load_safetensors(&out_file).unwrap();
+            let q = QuantizationConfig::from_dir(&dir).unwrap().expect("quantized");
+            let ck = load_quantized(&dir, &q, None).unwrap();
+            let mine = ck.dequantized(None).unwrap();
+            assert_eq!(mine.len(), state.len(), "{what}: kiln's weights");
+            for (k, want) in &mine {
+                let t = theirs.get(k).unwrap_or_else(|| panic!("{what}: transformers has no {k}"));
+                let want: Vec<f32> =
+                    want.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap().to_vec().unwrap();
+                let got: Vec<f32> = t.to_vec().unwrap();
+                let bad = got.iter().zip(&want).filter(|(g, w)| (*g - *w).abs() > w.abs() * 2f32.powi(-7)).count();
+                assert_eq!(bad, 0, "{what}: {k}: {bad} elements beyond one bf16 ulp of kiln's");
+            }
         }
     }
 }

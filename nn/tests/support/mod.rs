@@ -120,3 +120,13 @@ pub fn python_with_safetensors() -> String {
     assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
+
+/// The python of a virtual environment with torch, transformers and
+/// compressed-tensors (`scripts/setup-transformers-venv` creates it on first
+/// use, about 3 GB from PyPI).
+pub fn python_with_transformers() -> String {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/setup-transformers-venv");
+    let out = std::process::Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
