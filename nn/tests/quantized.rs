@@ -252,6 +252,11 @@ fn malformed_quantized_checkpoints_are_clear_errors() {
     });
     let e = load(&dir);
     assert!(e.contains(&format!("{k}.weight")) && e.contains("no scale"), "{e}");
+    let e = LlamaForCausalLM::from_pretrained(fixture_dir("quant").join("fp8_block"), DType::F8E4M3FN, Device::Cpu)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not float8_e4m3fn"), "{e}");
     // A kept-quantized model refuses to save as a dense checkpoint.
     let opts = PretrainedOptions { dtype: DType::F32, device: Device::Cpu, quantized: QuantizedLoad::Keep };
     let m = LlamaForCausalLM::from_pretrained_with(fixture_dir("quant").join("ct_mxfp4"), &opts).unwrap();

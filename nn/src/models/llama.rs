@@ -479,6 +479,12 @@ impl LlamaForCausalLM {
     pub fn from_pretrained_with(dir: impl AsRef<Path>, opts: &PretrainedOptions) -> Result<LlamaForCausalLM> {
         let dir = dir.as_ref();
         let (dtype, device) = (opts.dtype, opts.device);
+        if !dtype.is_float() || dtype.is_float8() {
+            return Err(Error::dtype(
+                "from_pretrained",
+                format!("a model computes in float16, bfloat16, float32 or float64, not {dtype} (float8 weights load through a quantized checkpoint)"),
+            ));
+        }
         let config = LlamaConfig::from_file(dir.join("config.json"))?;
         let at = |e: Error| Error::invalid("from_pretrained", format!("{}: {e}", dir.display()));
         let mut model = match QuantizationConfig::from_dir(dir)? {
