@@ -22,10 +22,26 @@ pub fn load_checkpoint_dir(
     dtype: Option<DType>,
     device: Device,
 ) -> Result<BTreeMap<String, Tensor>> {
-    let dir = dir.as_ref();
+    let mut out = BTreeMap::new();
+    for (f, names) in open_checkpoint(dir.as_ref())? {
+        for name in names {
+            let t = f.tensor(&name, dtype, device)?;
+            out.insert(name, t);
+        }
+    }
+    Ok(out)
+}
+
+/// The files of the checkpoint in `dir`, opened, each with the names of the
+/// tensors it holds: `model.safetensors` with all of its own, or the shards
+/// of `model.safetensors.index.json` with the names the index maps to them
+/// (checked to be there; a file name that is not in `dir` is an error).
+pub(crate) fn open_checkpoint(dir: &Path) -> Result<Vec<(SafetensorsFile, Vec<String>)>> {
     let single = dir.join(SINGLE_FILE);
     if single.is_file() {
-        return SafetensorsFile::open(&single)?.tensors(dtype, device);
+        let f = SafetensorsFile::open(&single)?;
+        let names = f.names();
+        return Ok(vec![(f, names)]);
     }
     let index = dir.join(INDEX_FILE);
     if !index.is_file() {
@@ -50,17 +66,16 @@ pub fn load_checkpoint_dir(
         }
         files.entry(file.to_string()).or_default().push(name.clone());
     }
-    let mut out = BTreeMap::new();
-    for (file, names) in files {
-        let f = SafetensorsFile::open(dir.join(&file))?;
-        for name in names {
-            if f.info(&name).is_none() {
+    files
+        .into_iter()
+        .map(|(file, names)| {
+            let f = SafetensorsFile::open(dir.join(&file))?;
+            if let Some(name) = names.iter().find(|n| f.info(n).is_none()) {
                 return Err(dir_err(&index, format!("{name:?} is mapped to {file}, which does not hold it")));
             }
-            out.insert(name.clone(), f.tensor(&name, dtype, device)?);
-        }
-    }
-    Ok(out)
+            Ok((f, names))
+        })
+        .collect()
 }
 
 /// Writes `tensors` as a Hugging Face checkpoint into `dir` (created if
