@@ -27,7 +27,7 @@
 use crate::io::{save_safetensors, write_atomic, QuantizedWeight};
 use crate::models::LlamaForCausalLM;
 use crate::module::Module;
-use kiln_tensor::quant::{effective_scales, Codes, Global, QuantSpec, ScaleData};
+use kiln_tensor::quant::{Codes, Global, QuantSpec};
 use kiln_tensor::{f8e4m3fn, DType, Device, Error, HostBuffer, Result, Tensor};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -179,14 +179,7 @@ pub fn quantize_weight(w: &Tensor, scheme: QuantScheme) -> Result<QuantizedWeigh
         }
     };
     // The effective scales the loader will multiply by, to divide by here.
-    let eff = match scales.to_host()? {
-        HostBuffer::F32(s) => effective_scales(&spec, ScaleData::F32(&s)),
-        HostBuffer::F8E4M3FN(s) => {
-            effective_scales(&spec, ScaleData::E4M3(&s.iter().map(|x| x.to_bits()).collect::<Vec<_>>()))
-        }
-        HostBuffer::U8(s) => effective_scales(&spec, ScaleData::E8M0(&s)),
-        _ => unreachable!("made above"),
-    };
+    let eff = crate::io::quant::scale_values(&spec, &scales)?;
     let scaled = |i: usize, j: usize| {
         let s = eff[(i / block[0]) * cols + j / block[1]];
         if s > 0.0 {

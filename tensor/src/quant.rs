@@ -52,6 +52,18 @@ pub enum Global {
     Div(f32),
 }
 
+impl Global {
+    /// A block scale combined with the (optional) global one: `s * g` or `s / g`.
+    #[inline(always)]
+    pub fn apply(global: Option<Global>, s: f32) -> f32 {
+        match global {
+            None => s,
+            Some(Global::Mul(g)) => s * g,
+            Some(Global::Div(g)) => s / g,
+        }
+    }
+}
+
 /// The layout of a quantized weight (Note [Quantized weights]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantSpec {
@@ -61,19 +73,9 @@ pub struct QuantSpec {
     pub global: Option<Global>,
 }
 
-/// The values of the 8 non-negative E2M1 codes.
+/// The values of the 8 non-negative E2M1 codes (bit 3 of a code is the sign;
+/// code 8 is -0.0).
 pub const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
-
-/// An E2M1 code's value (code 8 is -0.0).
-#[inline(always)]
-pub fn e2m1(code: u8) -> f32 {
-    let v = E2M1_VALUES[(code & 7) as usize];
-    if code & 8 != 0 {
-        -v
-    } else {
-        v
-    }
-}
 
 /// An E8M0 exponent's value, `2^(b - 127)` (255 is NaN).
 #[inline(always)]
@@ -87,14 +89,6 @@ pub fn e8m0(b: u8) -> f32 {
 }
 
 impl QuantSpec {
-    /// `[out, in]` → the shape of the codes tensor.
-    pub fn codes_shape(&self, out: usize, inp: usize) -> [usize; 2] {
-        match self.codes {
-            Codes::E4M3 => [out, inp],
-            Codes::E2M1 => [out, inp / 2],
-        }
-    }
-
     /// `[out, in]` → the shape of the scales tensor.
     pub fn scales_shape(&self, out: usize, inp: usize) -> [usize; 2] {
         [out.div_ceil(self.block[0]), inp.div_ceil(self.block[1])]
@@ -167,17 +161,6 @@ pub enum ScaleData<'a> {
     E8M0(&'a [u8]),
 }
 
-impl ScaleData<'_> {
-    /// The dtype a tensor of these scales has (E8M0 is stored as uint8).
-    pub fn dtype(&self) -> DType {
-        match self {
-            ScaleData::F32(_) => DType::F32,
-            ScaleData::E4M3(_) => DType::F8E4M3FN,
-            ScaleData::E8M0(_) => DType::U8,
-        }
-    }
-}
-
 /// Block scales decoded to float32 and combined with the global scale, in the
 /// order of Note [Quantized weights].
 pub fn effective_scales(spec: &QuantSpec, scales: ScaleData<'_>) -> Vec<f32> {
@@ -186,51 +169,7 @@ pub fn effective_scales(spec: &QuantSpec, scales: ScaleData<'_>) -> Vec<f32> {
         ScaleData::E4M3(b) => b.iter().map(|&c| f8e4m3fn::from_bits(c).to_f32()).collect(),
         ScaleData::E8M0(b) => b.iter().map(|&c| e8m0(c)).collect(),
     };
-    match spec.global {
-        None => raw,
-        Some(Global::Mul(g)) => raw.into_iter().map(|s| s * g).collect(),
-        Some(Global::Div(g)) => raw.into_iter().map(|s| s / g).collect(),
-    }
-}
-
-/// Dequantizes rows `rows` of a weight `[out, in]` into `dst` (`rows.len() *
-/// in` floats, row-major), from the codes (one byte per element for E4M3,
-/// packed for E2M1) and the effective scales of [`effective_scales`].
-pub fn dequantize_rows(
-    spec: &QuantSpec,
-    inp: usize,
-    codes: &[u8],
-    scales: &[f32],
-    rows: std::ops::Range<usize>,
-    dst: &mut [f32],
-) {
-    let cols = inp.div_ceil(spec.block[1]);
-    let bc = spec.block[1];
-    for (r, i) in rows.enumerate() {
-        let srow = &scales[(i / spec.block[0]) * cols..][..cols];
-        let out = &mut dst[r * inp..][..inp];
-        match spec.codes {
-            Codes::E4M3 => {
-                let crow = &codes[i * inp..][..inp];
-                for (g, (o, c)) in out.chunks_mut(bc).zip(crow.chunks(bc)).enumerate() {
-                    let s = srow[g];
-                    for (o, &c) in o.iter_mut().zip(c) {
-                        *o = f8e4m3fn::from_bits(c).to_f32() * s;
-                    }
-                }
-            }
-            Codes::E2M1 => {
-                let crow = &codes[i * (inp / 2)..][..inp / 2];
-                for (g, (o, c)) in out.chunks_mut(bc).zip(crow.chunks(bc / 2)).enumerate() {
-                    let s = srow[g];
-                    for (o, &b) in o.chunks_exact_mut(2).zip(c) {
-                        o[0] = e2m1(b & 0xF) * s;
-                        o[1] = e2m1(b >> 4) * s;
-                    }
-                }
-            }
-        }
-    }
+    raw.into_iter().map(|s| Global::apply(spec.global, s)).collect()
 }
 
 impl crate::Tensor {
@@ -260,32 +199,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn codes_decode() {
-        assert_eq!(e2m1(7), 6.0);
-        assert_eq!(e2m1(0xB), -1.5);
-        assert!(e2m1(8) == 0.0 && e2m1(8).is_sign_negative());
+    fn e8m0_decodes() {
         assert_eq!(e8m0(127), 1.0);
         assert_eq!(e8m0(120), 2f32.powi(-7));
         assert_eq!(e8m0(0), 2f32.powi(-127));
         assert_eq!(e8m0(254), 2f32.powi(127));
         assert!(e8m0(255).is_nan());
-    }
-
-    #[test]
-    fn partial_blocks_and_groups_dequantize() {
-        // FP8 [3, 5] in blocks of [2, 4]: scales [2, 2], the last row and column blocks partial.
-        let spec = QuantSpec { codes: Codes::E4M3, block: [2, 4], global: None };
-        let codes: Vec<u8> = (0..15).map(|i| f8e4m3fn::from_f32(i as f32).to_bits()).collect();
-        let scales = [1.0, 10.0, 100.0, 1000.0];
-        let mut w = vec![0.0; 15];
-        dequantize_rows(&spec, 5, &codes, &scales, 0..3, &mut w);
-        assert_eq!(w, [0.0, 1.0, 2.0, 3.0, 40.0, 5.0, 6.0, 7.0, 8.0, 90.0, 1000.0, 1100.0, 1200.0, 1300.0, 14000.0]);
-        // NVFP4 [1, 4] in groups of 2, the global dividing.
-        let spec = QuantSpec { codes: Codes::E2M1, block: [1, 2], global: Some(Global::Div(4.0)) };
-        let s = effective_scales(&spec, ScaleData::F32(&[8.0, 2.0]));
-        assert_eq!(s, [2.0, 0.5]);
-        let mut w = vec![0.0; 4];
-        dequantize_rows(&spec, 4, &[0x72, 0xA1], &s, 0..1, &mut w);
-        assert_eq!(w, [2.0, 12.0, 0.25, -0.5]);
     }
 }

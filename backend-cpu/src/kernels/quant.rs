@@ -15,8 +15,7 @@
 // token) each tile row is one dot product per input row; with more (a
 // prompt) the tile is a `gemm` call. Sums run in float32, and the result is
 // rounded once to the input's dtype.
-use super::copy::{contiguous, materialize_vec};
-use super::elem::Elem;
+use super::copy::{contiguous, narrow_f32, widen_f32};
 use super::simd::{dispatch, fmadd, Kernel};
 use super::{buf, Input};
 use gemm::Parallelism;
@@ -54,22 +53,12 @@ enum Scales<'a> {
     Table(Cow<'a, [u8]>, Box<[f32; 256]>),
 }
 
-/// `s` combined with the global scale, as `effective_scales` computes it.
-#[inline(always)]
-fn with_global(s: f32, global: Option<Global>) -> f32 {
-    match global {
-        None => s,
-        Some(Global::Mul(g)) => s * g,
-        Some(Global::Div(g)) => s / g,
-    }
-}
-
 impl<'a> Scales<'a> {
     fn new(x: &Input<'a>, global: Option<Global>) -> Result<Scales<'a>> {
         let table = |decode: fn(u8) -> f32| {
             let mut t = Box::new([0f32; 256]);
             for (b, v) in t.iter_mut().enumerate() {
-                *v = with_global(decode(b as u8), global);
+                *v = Global::apply(global, decode(b as u8));
             }
             t
         };
@@ -85,7 +74,7 @@ impl<'a> Scales<'a> {
     #[inline(always)]
     fn get(&self, i: usize) -> f32 {
         match self {
-            Scales::F32(v, g) => with_global(v[i], *g),
+            Scales::F32(v, g) => Global::apply(*g, v[i]),
             Scales::Table(v, t) => t[v[i] as usize],
         }
     }
@@ -115,7 +104,7 @@ fn e2m1_fast(n: u8) -> f32 {
 }
 
 /// Dequantizes rows `r0 .. r0 + dst.len() / inp` of W into `dst` (the
-/// products exactly as `kiln_tensor::quant::dequantize_rows` forms them).
+/// products in the order of Note [Quantized weights]).
 #[inline(always)]
 fn dequant_tile(spec: &QuantSpec, inp: usize, codes: &[u8], scales: &Scales<'_>, r0: usize, dst: &mut [f32]) {
     let cols = inp.div_ceil(spec.block[1]);
@@ -268,10 +257,10 @@ pub(crate) fn quant_matmul(
     scales: &Input<'_>,
 ) -> Result<HostBuffer> {
     let [n, k] = spec.weight_shape(codes.layout.shape());
-    let xs: Vec<f32> = match x.dtype() {
-        DType::F32 => materialize_vec::<f32>(x)?,
-        DType::BF16 => materialize_vec::<bf16>(x)?.iter().map(|v| v.cast_f32()).collect(),
-        DType::F16 => materialize_vec::<f16>(x)?.iter().map(|v| v.cast_f32()).collect(),
+    let xs: Cow<'_, [f32]> = match x.dtype() {
+        DType::F32 => contiguous::<f32>(x)?,
+        DType::BF16 => Cow::Owned(widen_f32::<bf16>(x)?),
+        DType::F16 => Cow::Owned(widen_f32::<f16>(x)?),
         d => {
             return Err(Error::dtype("quant_matmul", format!("expected a float32, bfloat16 or float16 input, got {d}")))
         }
@@ -295,8 +284,8 @@ pub(crate) fn quant_matmul(
         }
     }
     Ok(match x.dtype() {
-        DType::BF16 => buf(out.into_iter().map(bf16::of_f32).collect::<Vec<_>>()),
-        DType::F16 => buf(out.into_iter().map(f16::of_f32).collect::<Vec<_>>()),
+        DType::BF16 => buf(narrow_f32::<bf16>(out)),
+        DType::F16 => buf(narrow_f32::<f16>(out)),
         _ => buf(out),
     })
 }

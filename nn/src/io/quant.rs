@@ -31,12 +31,12 @@
 // Modules the config leaves unquantized (`ignore`, `exclude_modules`,
 // embeddings, norms, `lm_head`) are plain tensors and load as stored.
 use super::safetensors::SafetensorsFile;
-use kiln_tensor::quant::{dequantize_rows, effective_scales, Codes, Global, QuantSpec, ScaleData};
+use kiln_tensor::quant::{effective_scales, Codes, Global, QuantSpec, ScaleData};
 use kiln_tensor::{DType, Device, Error, HostBuffer, Result, Tensor};
 use safetensors::Dtype;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The quantization method of a checkpoint directory.
 #[derive(Debug, Clone, PartialEq)]
@@ -187,36 +187,13 @@ impl QuantizedWeight {
 
     /// The block scales with the global one applied, float32.
     pub fn effective_scales(&self) -> Result<Vec<f32>> {
-        let host = self.scales.to_host()?;
-        Ok(match &host {
-            HostBuffer::F32(v) => effective_scales(&self.spec, ScaleData::F32(v)),
-            HostBuffer::F8E4M3FN(v) => {
-                let b: Vec<u8> = v.iter().map(|x| x.to_bits()).collect();
-                effective_scales(&self.spec, ScaleData::E4M3(&b))
-            }
-            HostBuffer::U8(v) => effective_scales(&self.spec, ScaleData::E8M0(v)),
-            other => return Err(Error::dtype("QuantizedWeight", format!("scales of dtype {}", other.dtype()))),
-        })
-    }
-
-    /// The code bytes, row-major.
-    pub fn code_bytes(&self) -> Result<Vec<u8>> {
-        Ok(match self.codes.to_host()? {
-            HostBuffer::U8(v) => v,
-            HostBuffer::F8E4M3FN(v) => v.iter().map(|x| x.to_bits()).collect(),
-            other => return Err(Error::dtype("QuantizedWeight", format!("codes of dtype {}", other.dtype()))),
-        })
+        scale_values(&self.spec, &self.scales)
     }
 
     /// The exact float32 weight `[out, in]` (each element `code * scale`, in
-    /// the order of Note [Quantized weights]).
+    /// the order of Note [Quantized weights]), on the CPU.
     pub fn dequantize(&self) -> Result<Tensor> {
-        let [out, inp] = self.shape;
-        let scales = self.effective_scales()?;
-        let codes = self.code_bytes()?;
-        let mut w = vec![0f32; out * inp];
-        dequantize_rows(&self.spec, inp, &codes, &scales, 0..out, &mut w);
-        Tensor::from_vec(w, &[out, inp])
+        Tensor::dequantize(&self.codes, &self.scales, &self.spec)
     }
 
     /// Resident bytes of codes and scales.
@@ -224,6 +201,19 @@ impl QuantizedWeight {
         self.codes.numel() * self.codes.dtype().size_in_bytes()
             + self.scales.numel() * self.scales.dtype().size_in_bytes()
     }
+}
+
+/// Block scales (a float32, float8_e4m3fn or uint8 E8M0 tensor) decoded and
+/// combined with `spec`'s global scale, on the host.
+pub(crate) fn scale_values(spec: &QuantSpec, scales: &Tensor) -> Result<Vec<f32>> {
+    Ok(match scales.to_host()? {
+        HostBuffer::F32(v) => effective_scales(spec, ScaleData::F32(&v)),
+        HostBuffer::F8E4M3FN(v) => {
+            effective_scales(spec, ScaleData::E4M3(&v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()))
+        }
+        HostBuffer::U8(v) => effective_scales(spec, ScaleData::E8M0(&v)),
+        other => return Err(Error::dtype("QuantizedWeight", format!("scales of dtype {}", other.dtype()))),
+    })
 }
 
 /// A quantized checkpoint's weights: quantized Linear weights by module name
@@ -251,33 +241,6 @@ impl QuantizedCheckpoint {
     }
 }
 
-/// The checkpoint files of `dir`: `model.safetensors`, or the shards of
-/// `model.safetensors.index.json`.
-fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let single = dir.join(super::SINGLE_FILE);
-    if single.is_file() {
-        return Ok(vec![single]);
-    }
-    let index = dir.join(super::INDEX_FILE);
-    let text = std::fs::read_to_string(&index)
-        .map_err(|e| qerr(dir, format!("no {} and no readable {}: {e}", super::SINGLE_FILE, super::INDEX_FILE)))?;
-    let json: Value = serde_json::from_str(&text).map_err(|e| qerr(&index, format!("invalid JSON: {e}")))?;
-    let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| qerr(&index, "no weight_map"))?;
-    let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
-    files.sort();
-    files.dedup();
-    files
-        .into_iter()
-        .map(|f| {
-            if f.contains('/') || f.contains('\\') || f == ".." {
-                Err(qerr(&index, format!("{f:?} is not a file name in this directory")))
-            } else {
-                Ok(dir.join(f))
-            }
-        })
-        .collect()
-}
-
 /// Tensors that belong to activation / KV-cache quantization.
 const READ_PAST: [&str; 6] =
     [".input_scale", ".input_global_scale", ".weight_shape", ".k_scale", ".v_scale", ".output_scale"];
@@ -286,14 +249,14 @@ const READ_PAST: [&str; 6] =
 /// quantized checkpoints]). Plain tensors are read as stored (floats
 /// converted to `dtype` when given); quantized weights stay codes and scales.
 pub fn load_quantized(dir: &Path, config: &QuantizationConfig, dtype: Option<DType>) -> Result<QuantizedCheckpoint> {
-    let files: Vec<SafetensorsFile> =
-        checkpoint_files(dir)?.iter().map(SafetensorsFile::open).collect::<Result<_>>()?;
+    let opened = super::hf::open_checkpoint(dir)?;
     let mut where_: BTreeMap<String, usize> = BTreeMap::new();
-    for (i, f) in files.iter().enumerate() {
-        for n in f.names() {
-            where_.insert(n, i);
+    for (i, (_, names)) in opened.iter().enumerate() {
+        for n in names {
+            where_.insert(n.clone(), i);
         }
     }
+    let files: Vec<SafetensorsFile> = opened.into_iter().map(|(f, _)| f).collect();
     let get = |name: &str| where_.get(name).map(|&i| &files[i]);
     let mut ck = QuantizedCheckpoint::default();
     let mut consumed: std::collections::BTreeSet<String> = Default::default();

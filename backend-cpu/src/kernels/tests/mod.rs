@@ -3,6 +3,7 @@
 mod elementwise;
 mod index;
 mod matmul;
+mod quant;
 mod reduce;
 mod sort;
 
