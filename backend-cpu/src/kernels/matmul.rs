@@ -237,9 +237,9 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
         // are unsigned, so every other index is smaller). It writes dst at `i * n + j`
         // for the part's rows or columns only: disjoint from the other parts' (the
         // ranges handed out never overlap), inside the `m * n` elements the caller
-        // guarantees are ours alone, which cannot alias the shared `a` and `b`. With
-        // `read_dst = false` it never reads dst, so uninitialised memory there is
-        // fine. `T` is f32 or f64, which gemm supports; `a` and `b` are only read
+        // guarantees are ours alone, which cannot alias the shared `a` and `b`. Without
+        // `accumulate` it reads a dst element only after writing it (a later depth
+        // chunk), so uninitialised memory there is fine. `a` and `b` are only read
         // through the pointers made mutable for `OutPtr`.
         unsafe {
             let (a0, b0) = (pa.get().add(oa), pb.get().add(ob));
@@ -248,27 +248,7 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
             } else {
                 (m, e - s, d.get().add(s), a0, b0.add(s * g.b_cs))
             };
-            gemm::gemm(
-                rows,
-                cols,
-                k,
-                dst,
-                1,
-                n as isize,
-                false,
-                a0,
-                g.a_cs as isize,
-                g.a_rs as isize,
-                b0,
-                g.b_cs as isize,
-                g.b_rs as isize,
-                T::ZERO,
-                T::ONE,
-                false,
-                false,
-                false,
-                Parallelism::None,
-            )
+            gemm_rows(rows, cols, k, dst, n, false, a0, g.a_rs, g.a_cs, b0, g.b_rs, g.b_cs, T::ONE)
         }
     };
     if by_rows {
@@ -376,20 +356,211 @@ pub(super) fn gemm_small<T: GemmElem>(
     // with `read_dst` reads) dst at `i * ld + j`, whose largest value is inside `dst`,
     // which we borrow exclusively, so it cannot alias `a` or `b`. T is f32 or f64.
     unsafe {
-        gemm::gemm(
+        gemm_rows(
             m,
             n,
             k,
             dst.as_mut_ptr(),
+            ld,
+            accumulate,
+            a.data.as_ptr().add(a.off),
+            a.rs,
+            a.cs,
+            b.data.as_ptr().add(b.off),
+            b.rs,
+            b.cs,
+            scale,
+        )
+    }
+}
+
+// Note [Row-invariant products]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With batch invariance on (`kiln_tensor::set_batch_invariant`), row i of
+// every product `a @ b` (matmul, and the products inside attention) is
+// computed from row i of `a` and from `b` alone: the same bits whatever the
+// number of other rows, their values and the row's position among them. So a
+// token's logits do not depend on what else is in its batch, a prompt fed in
+// chunks gives the bits it gives in one piece, and a decoded token's keys are
+// those a prefill of the same text computes. The serving engine relies on it:
+// a request's tokens are what `generate()` gives it alone, whatever else runs
+// beside it (Note [Batch invariance] in kiln-nn's `serve`).
+//
+// `gemm` chooses its algorithm from the shape, and each algorithm sums the k
+// terms of an element in its own order: a vector-vector kernel for depth 1 or
+// 2, matrix-vector kernels for a single row or column, a dot-product ("horizontal") kernel when m * n <= 256 with a row-major
+// `a` and a column-major `b`, and otherwise its microkernels over depth blocks
+// of `kc` terms, where `kc` is min(k, 512) for products within 64 x 64 and a
+// cache-derived depth (k cut into equal parts) for larger ones. Inside one
+// depth block the microkernels add each element's terms in order (fused
+// multiply-adds into one accumulator) whatever its tile, and blocks add into
+// the output in order. `gemm_rows` therefore only calls gemm with shapes that
+// reach the microkernels with one depth rule: depth in chunks of `ROW_KC`
+// (512) terms, which both `kc` rules leave whole, added in order; and a depth
+// of at least 3, at least two columns, two rows and more than 256 elements,
+// smaller shapes going through a scratch product padded with zeros. Columns are not cut into fixed chunks: a
+// column's bits may depend on the width of the product (weights are fixed, so
+// nothing relies on it). `tests/matmul.rs` checks rows against every row
+// count, offset and thread split the kernels use.
+//
+// It is a switch because of its cost: a product of a few rows by a row-major
+// weight (`x @ W.T`, decoding) takes gemm's matrix-vector kernel when off, and
+// when on goes through the microkernels, which pack the whole weight for every
+// call: decoding one sequence of llama-16m ran at 0.4x.
+
+/// Depth of the chunks `gemm_rows` feeds gemm (Note [Row-invariant products]).
+const ROW_KC: usize = 512;
+
+/// The fewest rows `gemm_rows` hands gemm for an `n`-column product.
+fn min_rows(n: usize) -> usize {
+    (256 / n.max(1) + 1).max(2)
+}
+
+/// `dst = scale * a @ b` (or `dst += scale * a @ b` with `accumulate`), `a`
+/// `m x k`, `b` `k x n`, `dst` row-major with row stride `ld`, on the calling
+/// thread; with batch invariance on, each row's bits independent of the
+/// others (Note [Row-invariant products]). Needs `k > 0`.
+///
+/// # Safety
+/// `a + i * a_rs + p * a_cs` and `b + p * b_rs + j * b_cs` must be readable for
+/// `i < m`, `p < k`, `j < n`, and `dst + i * ld + j` writable (and, with
+/// `accumulate`, readable) for `i < m`, `j < n`, with nothing else accessing those
+/// destination elements during the call; `dst` must not overlap `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm_rows<T: GemmElem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    ld: usize,
+    accumulate: bool,
+    a: *const T,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const T,
+    b_rs: usize,
+    b_cs: usize,
+    scale: T,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if !kiln_tensor::is_batch_invariant() {
+        // SAFETY: the caller's contract is gemm's for this call.
+        unsafe { gemm_call(m, n, k, dst, ld, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, scale) };
+        return;
+    }
+    // Shapes gemm would send elsewhere: depth below 3 (its vector-vector
+    // kernel), one column, or too few rows (see `min_rows`).
+    let (kp, np) = (k.max(3), n.max(2));
+    let mp = m.max(min_rows(np));
+    if (mp, np, kp) != (m, n, k) {
+        // A scratch product padded with zeros (exact: the extra terms are 0 * 0),
+        // the real rows and columns first.
+        let mut pa = vec![T::ZERO; mp * kp];
+        let mut pd = vec![T::ZERO; mp * np];
+        for i in 0..m {
+            for p in 0..k {
+                // SAFETY: i < m and p < k: readable by the caller's contract.
+                pa[i * kp + p] = unsafe { *a.add(i * a_rs + p * a_cs) };
+            }
+            if accumulate {
+                for j in 0..n {
+                    // SAFETY: i < m and j < n: readable with `accumulate`.
+                    pd[i * np + j] = unsafe { *dst.add(i * ld + j) };
+                }
+            }
+        }
+        let pb = if (np, kp) != (n, k) {
+            let mut pb = vec![T::ZERO; kp * np];
+            for p in 0..k {
+                for j in 0..n {
+                    // SAFETY: p < k and j < n: readable by the caller's contract.
+                    pb[p * np + j] = unsafe { *b.add(p * b_rs + j * b_cs) };
+                }
+            }
+            Some(pb)
+        } else {
+            None
+        };
+        let (b, b_rs, b_cs) = match &pb {
+            Some(pb) => (pb.as_ptr(), np, 1),
+            None => (b, b_rs, b_cs),
+        };
+        // SAFETY: the scratch buffers hold `mp x kp`, `kp x np` and `mp x np`
+        // contiguous elements and are ours alone; an unpadded `b` keeps the
+        // caller's contract and cannot overlap them.
+        unsafe { gemm_rows(mp, np, kp, pd.as_mut_ptr(), np, accumulate, pa.as_ptr(), kp, 1, b, b_rs, b_cs, scale) };
+        for i in 0..m {
+            for j in 0..n {
+                // SAFETY: i < m and j < n: writable by the caller's contract.
+                unsafe { *dst.add(i * ld + j) = pd[i * np + j] };
+            }
+        }
+        return;
+    }
+    for p0 in (0..k).step_by(ROW_KC) {
+        let kc = ROW_KC.min(k - p0);
+        // SAFETY: the chunk reads columns p0..p0 + kc < k of `a` and rows p0..p0 + kc
+        // of `b`, inside the caller's bounds, and writes (reads after the first
+        // chunk) exactly the caller's `m x n` destination elements.
+        unsafe {
+            gemm_call(
+                m,
+                n,
+                kc,
+                dst,
+                ld,
+                accumulate || p0 > 0,
+                a.add(p0 * a_cs),
+                a_rs,
+                a_cs,
+                b.add(p0 * b_rs),
+                b_rs,
+                b_cs,
+                scale,
+            )
+        }
+    }
+}
+
+/// One gemm call: `dst = scale * a @ b` (`+=` with `accumulate`) on this thread.
+///
+/// # Safety
+/// As [`gemm_rows`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_call<T: GemmElem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    ld: usize,
+    accumulate: bool,
+    a: *const T,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const T,
+    b_rs: usize,
+    b_cs: usize,
+    scale: T,
+) {
+    // SAFETY: the caller guarantees the reads and writes gemm makes for these
+    // strides and sizes; gemm supports f32 and f64, the only `GemmElem`s.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
             1,
             ld as isize,
             accumulate,
-            a.data.as_ptr().add(a.off),
-            a.cs as isize,
-            a.rs as isize,
-            b.data.as_ptr().add(b.off),
-            b.cs as isize,
-            b.rs as isize,
+            a,
+            a_cs as isize,
+            a_rs as isize,
+            b,
+            b_cs as isize,
+            b_rs as isize,
             T::ONE,
             scale,
             false,

@@ -178,7 +178,9 @@ impl Kernel for Tile<'_> {
         }
         let mut w = vec![0f32; rows * k];
         dequant_tile(spec, k, codes, scales, r0, &mut w);
-        if m < GEMM_ROWS {
+        // Dot products are row-invariant by construction (Note [Row-invariant
+        // products] in matmul.rs): they serve every row count when that is asked for.
+        if m < GEMM_ROWS || kiln_tensor::is_batch_invariant() {
             for (i, yr) in y.chunks_exact_mut(rows).enumerate() {
                 let xr = &xs[i * k..][..k];
                 for (j, o) in yr.iter_mut().enumerate() {

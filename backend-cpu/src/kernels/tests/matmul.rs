@@ -179,3 +179,73 @@ fn column_chunks_shrink_and_cover_every_column_once() {
         }
     }
 }
+
+/// Note [Row-invariant products]: with batch invariance on, a row of `x @ w.T` has the same bits whatever
+/// the number of rows computed with it and its position among them, for the
+/// shapes that make gemm change algorithms (one row, m * n <= 256, depth past
+/// 512 and not a multiple of it, products split across threads).
+#[test]
+fn rows_do_not_depend_on_the_rest_of_the_batch() {
+    // Only ever turned on in this process (tests run in parallel).
+    kiln_tensor::set_batch_invariant(true);
+    for &(k, n) in &[
+        (1usize, 50usize),
+        (2, 1),
+        (384, 1),
+        (3, 8),
+        (64, 64),
+        (100, 128),
+        (384, 1152),
+        (513, 40),
+        (1100, 300),
+        (2048, 96),
+    ] {
+        let big = 300;
+        let x = f32s(&noise(big * k, k as u64), &[big, k]);
+        let w = f32s(&noise(n * k, n as u64 + 7), &[n, k]);
+        let wt = w.t().unwrap();
+        let all = vals::<f32>(&mm(&x, &wt));
+        for m in [1usize, 2, 3, 5, 16, 17, 33, 64, 65, 129] {
+            for off in [0usize, 1, 150] {
+                let part = vals::<f32>(&mm(&x.narrow(0, off as isize, m).unwrap(), &wt));
+                let same = part.iter().zip(&all[off * n..]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "k {k}, n {n}: rows {off}..{} alone differ from the same rows among {big}", off + m);
+            }
+        }
+    }
+}
+
+/// Attention rows do not depend on how many queries run with them either: a
+/// causal prompt in one piece, one query at a time after a cache, or in uneven
+/// chunks, gives the same bits for every query.
+#[test]
+fn attention_rows_do_not_depend_on_the_chunking() {
+    kiln_tensor::set_batch_invariant(true);
+    let (h, hk, t, d) = (4usize, 2usize, 150usize, 32usize);
+    let q = f32s(&noise(h * t * d, 1), &[1, h, t, d]);
+    let k = f32s(&noise(hk * t * d, 2), &[1, hk, t, d]);
+    let v = f32s(&noise(hk * t * d, 3), &[1, hk, t, d]);
+    let attn = |q: &Tensor, s: usize| {
+        let (k, v) = (k.narrow(2, 0, s).unwrap(), v.narrow(2, 0, s).unwrap());
+        run2(Op::Attention { scale: 0.125, causal: true }, &[q, &k, &v]).0
+    };
+    let whole = vals::<f32>(&attn(&q, t));
+    for chunk in [1usize, 7, 64, 65] {
+        let mut start = 0;
+        while start < t {
+            let c = chunk.min(t - start);
+            let part = vals::<f32>(&attn(&q.narrow(2, start as isize, c).unwrap(), start + c));
+            for hi in 0..h {
+                for i in 0..c {
+                    let (got, want) = (&part[(hi * c + i) * d..][..d], &whole[(hi * t + start + i) * d..][..d]);
+                    assert!(
+                        got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "chunks of {chunk}: head {hi}, query {} differs",
+                        start + i
+                    );
+                }
+            }
+            start += c;
+        }
+    }
+}
