@@ -459,3 +459,122 @@ fn the_rms_norm_primitive_differentiates_its_rstd() {
         }
     }
 }
+
+/// A pool holding the keys (or values) `x [L, Hk, D]` of each sequence at the
+/// positions its block table gives, the other rows filled with noise.
+fn paged_pool(seqs: &[Tensor], tables: &[Vec<i64>], blocks: usize, bs: usize, dev: Device) -> Tensor {
+    let (hk, d) = (seqs[0].shape()[1], seqs[0].shape()[2]);
+    let pool = input(&[blocks, bs, hk, d], 99, DType::F32, Device::Cpu);
+    for (x, t) in seqs.iter().zip(tables) {
+        for p in 0..x.shape()[0] {
+            let slot = pool.select(0, t[p / bs] as isize).unwrap().select(0, (p % bs) as isize).unwrap();
+            slot.copy_(&x.select(0, p as isize).unwrap()).unwrap();
+        }
+    }
+    pool.to_device(dev).unwrap()
+}
+
+/// Paged attention (Note [Paged attention]) equals causal attention over each
+/// sequence's contiguous keys, for prefill chunks, single decoded tokens and
+/// sequences with no new rows packed together, grouped-query heads, blocks out
+/// of order and shared between sequences; bit for bit on the CPU with batch
+/// invariance on. Bad metadata is an error naming the value, on every device.
+#[test]
+fn paged_attention_matches_contiguous_attention() {
+    // Before the reference is computed; only ever turned on in this process.
+    kiln::tensor::set_batch_invariant(true);
+    let (h, hk, d, bs, blocks) = (4usize, 2usize, 8usize, 4usize, 12usize);
+    // (context length, new rows, block table)
+    let seqs: Vec<(usize, usize, Vec<i64>)> = vec![
+        (7, 7, vec![3, 0]),
+        (9, 1, vec![5, 1, 7]),
+        (6, 0, vec![2, 4]),
+        (10, 3, vec![5, 1, 8]),
+        (1, 1, vec![11, 0, 0]),
+    ];
+    let mb = 3;
+    let keys: Vec<Tensor> =
+        seqs.iter().enumerate().map(|(i, s)| input(&[s.0, hk, d], 10 + i as u64, DType::F32, Device::Cpu)).collect();
+    let vals: Vec<Tensor> =
+        seqs.iter().enumerate().map(|(i, s)| input(&[s.0, hk, d], 20 + i as u64, DType::F32, Device::Cpu)).collect();
+    // Sequences 1 and 3 share their first two blocks: the same keys there.
+    for p in 0..2 * bs {
+        keys[3].select(0, p as isize).unwrap().copy_(&keys[1].select(0, p as isize).unwrap()).unwrap();
+        vals[3].select(0, p as isize).unwrap().copy_(&vals[1].select(0, p as isize).unwrap()).unwrap();
+    }
+    let n: usize = seqs.iter().map(|s| s.1).sum();
+    let q = input(&[n, h, d], 7, DType::F32, Device::Cpu);
+    let mut starts = vec![0i64];
+    for s in &seqs {
+        starts.push(starts.last().unwrap() + s.1 as i64);
+    }
+    let table: Vec<i64> = seqs.iter().flat_map(|s| (0..mb).map(|j| s.2.get(j).copied().unwrap_or(0))).collect();
+    let lens: Vec<i64> = seqs.iter().map(|s| s.0 as i64).collect();
+    // The reference: each sequence's rows through the fused causal attention.
+    let mut want = vec![];
+    for (i, s) in seqs.iter().enumerate() {
+        if s.1 == 0 {
+            continue;
+        }
+        let qs = q.narrow(0, starts[i] as isize, s.1).unwrap().transpose(0, 1).unwrap().unsqueeze(0).unwrap();
+        let k4 = keys[i].permute(&[1, 0, 2]).unwrap().unsqueeze(0).unwrap();
+        let v4 = vals[i].permute(&[1, 0, 2]).unwrap().unsqueeze(0).unwrap();
+        let o = qs.scaled_dot_product_attention(&k4, &v4, true, None).unwrap();
+        want.push(o.squeeze_dim(0).unwrap().transpose(0, 1).unwrap());
+    }
+    let want = Tensor::cat(&want.iter().collect::<Vec<_>>(), 0).unwrap();
+    let tables: Vec<Vec<i64>> = seqs.iter().map(|s| s.2.clone()).collect();
+    for dev in devices() {
+        let kc = paged_pool(&keys, &tables, blocks, bs, dev);
+        let vc = paged_pool(&vals, &tables, blocks, bs, dev);
+        let meta = |v: &[i64], shape: &[usize]| Tensor::from_vec(v.to_vec(), shape).unwrap().to_device(dev).unwrap();
+        let (tb, ln, st) =
+            (meta(&table, &[seqs.len(), mb]), meta(&lens, &[seqs.len()]), meta(&starts, &[seqs.len() + 1]));
+        let qd = q.to_device(dev).unwrap();
+        let got = qd.paged_attention(&kc, &vc, &tb, &ln, &st, None).unwrap();
+        assert_eq!(got.shape(), &[n, h, d]);
+        let (g, w) = (got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        if dev == Device::Cpu {
+            assert!(
+                g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "cpu: not bit for bit the fused kernel's rows"
+            );
+        } else {
+            let err = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < 1e-5, "{dev:?}: max error {err}");
+        }
+        // Bad metadata: a block past the pool, a context longer than its table,
+        // starts that do not end at N.
+        let mut bad_table = table.clone();
+        bad_table[mb] = blocks as i64;
+        let e = qd
+            .paged_attention(&kc, &vc, &meta(&bad_table, &[seqs.len(), mb]), &ln, &st, None)
+            .and_then(|t| t.to_vec::<f32>());
+        common::assert_err(e, &["block 12", "out of bounds"]);
+        let mut long = lens.clone();
+        long[0] = (mb * bs + 1) as i64;
+        let e =
+            qd.paged_attention(&kc, &vc, &tb, &meta(&long, &[seqs.len()]), &st, None).and_then(|t| t.to_vec::<f32>());
+        common::assert_err(e, &["context length 13"]);
+        let mut short = starts.clone();
+        *short.last_mut().unwrap() -= 1;
+        let e = qd
+            .paged_attention(&kc, &vc, &tb, &ln, &meta(&short, &[seqs.len() + 1]), None)
+            .and_then(|t| t.to_vec::<f32>());
+        common::assert_err(e, &["query_start"]);
+    }
+    // No gradient: a clear error rather than a silent zero.
+    let qg = q.detach();
+    qg.requires_grad_(true).unwrap();
+    let kc = paged_pool(&keys, &tables, blocks, bs, Device::Cpu);
+    let meta = |v: &[i64], shape: &[usize]| Tensor::from_vec(v.to_vec(), shape).unwrap();
+    let e = qg.paged_attention(
+        &kc,
+        &kc,
+        &meta(&table, &[seqs.len(), mb]),
+        &meta(&lens, &[seqs.len()]),
+        &meta(&starts, &[seqs.len() + 1]),
+        None,
+    );
+    common::assert_err(e, &["no gradient"]);
+}

@@ -560,6 +560,14 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                 out[0] = Some(dx.to_dtype(ctx.dtype(0))?);
             }
         }
+        // Inference only (`Tensor::paged_attention` refuses inputs that need a
+        // gradient); a graph holding it differentiates to an error, never zeros.
+        Op::PagedAttention { .. } => {
+            return Err(kiln_tensor::Error::invalid(
+                "paged_attention",
+                "paged attention has no gradient (it serves inference)",
+            ));
+        }
         // A collective's adjoint carries the gradient back (Note [Local regions]).
         Op::Collective(c) => {
             if ctx.needs(0) {

@@ -352,6 +352,23 @@ impl PjrtBackend {
         match c {
             Check::ZeroDivision => Error::invalid(name, "ZeroDivisionError: integer division or modulo by zero"),
             Check::NegativePower => Error::invalid(name, "Integers to negative integer powers are not allowed."),
+            Check::PagedMetadata => {
+                // The CPU backend's message, from the metadata read back.
+                let ints = |i: usize| -> Option<Vec<i64>> {
+                    let h = self.to_host(inputs.get(i)?).ok()?;
+                    Some((0..h.len()).map(|j| h.get_i64(j)).collect())
+                };
+                let (n, k) = (inputs.first().map(|q| q.shape()[0]), inputs.get(1).map(|k| k.shape().to_vec()));
+                match (ints(5), ints(4), ints(3), n, k) {
+                    (Some(st), Some(ls), Some(tb), Some(n), Some(k)) => {
+                        match kiln_tensor::paged::PagedLayout::new(&st, &ls, &tb, n, k[0], k[1]) {
+                            Err(e) => e,
+                            Ok(_) => Error::index(name, "inconsistent paged attention metadata"),
+                        }
+                    }
+                    _ => Error::index(name, "inconsistent paged attention metadata"),
+                }
+            }
             Check::Index { input, dim, size } => {
                 let bad = inputs
                     .get(*input)

@@ -36,6 +36,7 @@ mod linalg;
 pub mod mesh;
 mod movement;
 pub mod op;
+pub mod paged;
 pub mod profile;
 pub mod quant;
 pub mod random;

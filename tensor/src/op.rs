@@ -485,6 +485,16 @@ pub enum Op {
     /// the product, the lowering dequantizes inside the program, where XLA
     /// fuses it into the dot.
     QuantMatMul(crate::quant::QuantSpec),
+    /// Attention of packed queries over a paged KV cache (Note [Paged
+    /// attention] in `paged.rs`): inputs `q [N, H, D]`, `k_cache [blocks,
+    /// block_size, Hk, D]`, `v_cache [blocks, block_size, Hk, Dv]` (one
+    /// floating dtype), `block_tables [S, max_blocks]`, `context_lens [S]`,
+    /// `query_start [S + 1]` (int64); output `[N, H, Dv]`. Each query row is
+    /// computed as `Attention` computes it over its sequence's keys, read
+    /// through the block table. Inference only.
+    PagedAttention {
+        scale: f64,
+    },
 }
 
 /// Checks the `q, k, v` inputs of the attention primitives (see [`Op::Attention`]).
@@ -614,6 +624,7 @@ impl Op {
             Op::Collective(c) => c.name(),
             Op::Dequantize(_) => "dequantize",
             Op::QuantMatMul(_) => "quant_matmul",
+            Op::PagedAttention { .. } => "paged_attention",
         }
     }
 
@@ -631,7 +642,7 @@ impl Op {
             Op::Assign { .. } | Op::RmsNorm { .. } => 2,
             Op::RmsNormBackward { .. } => 4,
             Op::Attention { .. } | Op::Rotary | Op::CrossEntropyBackward { .. } => 3,
-            Op::AttentionBackward { .. } => 6,
+            Op::AttentionBackward { .. } | Op::PagedAttention { .. } => 6,
             Op::Cat { .. } => return None,
         })
     }
@@ -1008,6 +1019,7 @@ impl Op {
                 let dt = if x.dtype.is_float() { x.dtype } else { DType::I64 };
                 smallvec![meta(&x.shape, dt)]
             }
+            Op::PagedAttention { .. } => crate::paged::paged_attention_meta(inputs)?,
             Op::Dequantize(spec) => {
                 let [out, inp] =
                     spec.check(name, (inputs[0].dtype, &inputs[0].shape), (inputs[1].dtype, &inputs[1].shape))?;

@@ -52,16 +52,16 @@ impl<'a, F> Operand<'a, F> {
 
 /// Sizes of one attention problem.
 #[derive(Clone, Copy)]
-struct Dims {
-    b: usize,
-    h: usize,
-    t: usize,
-    d: usize,
-    hk: usize,
-    s: usize,
-    dv: usize,
-    scale: f64,
-    causal: bool,
+pub(super) struct Dims {
+    pub b: usize,
+    pub h: usize,
+    pub t: usize,
+    pub d: usize,
+    pub hk: usize,
+    pub s: usize,
+    pub dv: usize,
+    pub scale: f64,
+    pub causal: bool,
 }
 
 impl Dims {
@@ -93,7 +93,7 @@ impl Dims {
 }
 
 /// Float types the kernels compute in.
-trait AttnFloat: GemmElem + SoftFloat {}
+pub(super) trait AttnFloat: GemmElem + SoftFloat {}
 impl AttnFloat for f32 {}
 impl AttnFloat for f64 {}
 
@@ -163,13 +163,13 @@ fn scores<F: AttnFloat>(
 }
 
 /// Forward of one (batch, head): `out` is its `[T, Dv]` block, `lse` its `[T]`.
-struct HeadForward<'a, F> {
-    dm: Dims,
-    q: MatRef<'a, F>,
-    k: MatRef<'a, F>,
-    v: MatRef<'a, F>,
-    out: &'a mut [F],
-    lse: &'a mut [F],
+pub(super) struct HeadForward<'a, F> {
+    pub dm: Dims,
+    pub q: MatRef<'a, F>,
+    pub k: MatRef<'a, F>,
+    pub v: MatRef<'a, F>,
+    pub out: &'a mut [F],
+    pub lse: &'a mut [F],
 }
 
 impl<F: AttnFloat> Kernel for HeadForward<'_, F> {

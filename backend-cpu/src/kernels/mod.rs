@@ -20,6 +20,7 @@ mod iter;
 mod map;
 mod matmul;
 mod norm;
+mod paged;
 mod quant;
 mod random;
 mod reduce;
@@ -91,6 +92,7 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
         }
         Op::Attention { scale, causal } => attention::forward(ins, *scale, *causal)?,
         Op::AttentionBackward { scale, causal } => attention::backward(ins, *scale, *causal)?,
+        Op::PagedAttention { scale } => vec![paged::paged_attention(ins, *scale)?],
         Op::Cat { dim } => vec![copy::cat(ins, *dim, out(0)?)?],
         Op::Gather { dim } => vec![index::gather(&ins[0], &ins[1], *dim)?],
         Op::Scatter { dim, reduce } => vec![index::scatter(&ins[0], &ins[1], &ins[2], *dim, *reduce)?],

@@ -6,6 +6,7 @@
 //! needs a device, so every lowering has golden-text tests.
 mod collective;
 mod ops;
+mod paged;
 mod quant;
 mod random;
 pub mod shard;
