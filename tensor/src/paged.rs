@@ -152,7 +152,7 @@ impl PagedLayout {
         block_size: usize,
     ) -> Result<PagedLayout> {
         let s = lens.len();
-        let max_blocks = if s == 0 { 0 } else { tables.len() / s };
+        let max_blocks = tables.len().checked_div(s).unwrap_or(0);
         let err = |m: String| Err(Error::index(OP, m));
         if starts.first() != Some(&0) || starts.last() != Some(&(n as i64)) {
             return err(format!("query_start must run from 0 to the {n} query rows, got {starts:?}"));
