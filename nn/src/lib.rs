@@ -15,6 +15,7 @@ pub mod parallel;
 pub mod precision;
 pub mod quantize;
 pub mod schedule;
+pub mod serve;
 
 pub use models::{LlamaConfig, LlamaForCausalLM};
 pub use module::Module;

@@ -117,12 +117,24 @@ impl RotaryEmbedding {
     /// The tables for positions `start .. start + len`, in `dtype` on `device`.
     /// Angles are `pos * inv_freq` in float32 (as transformers computes them).
     pub fn tables(&self, start: usize, len: usize, dtype: DType, device: Device) -> Result<RopeTables> {
-        let (d, h) = (self.head_dim, self.head_dim / 2);
+        self.tables_at(start..start + len, dtype, device)
+    }
+
+    /// The tables for any positions, one row each in order (the packed
+    /// sequences of a serving step): row `i` is the row [`Self::tables`]
+    /// gives position `positions[i]`, bit for bit.
+    pub fn tables_at(
+        &self,
+        positions: impl ExactSizeIterator<Item = usize>,
+        dtype: DType,
+        device: Device,
+    ) -> Result<RopeTables> {
+        let (d, h, len) = (self.head_dim, self.head_dim / 2, positions.len());
         let mut cos = Vec::with_capacity(len * d);
         let mut sin = Vec::with_capacity(len * d);
         let mut c_row = vec![0f32; h];
         let mut s_row = vec![0f32; h];
-        for p in start..start + len {
+        for p in positions {
             for (i, f) in self.inv_freq.iter().enumerate() {
                 let angle = (p as f32 * f) as f64;
                 c_row[i] = angle.cos() as f32;

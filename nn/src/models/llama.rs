@@ -60,6 +60,7 @@ impl KvCache {
     }
 }
 
+mod paged;
 mod pretrained;
 pub use pretrained::{PretrainedOptions, QuantizedLoad};
 

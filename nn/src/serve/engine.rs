@@ -1,0 +1,465 @@
+//! The engine's core: a queue of requests and a scheduler that runs one model
+//! step per iteration over every running sequence (Note [Iteration-level
+//! scheduling]). Single-threaded; `handle.rs` runs it on its own thread.
+use super::blocks::Blocks;
+use super::kv::{PagedBatch, PagedKvCache, SeqChunk};
+use super::request::{Event, FinishReason, Request};
+use crate::generate::choose;
+use crate::models::LlamaForCausalLM;
+use kiln_tensor::{Error, Generator, Result};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+// Note [Iteration-level scheduling]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Each `step` packs, within a budget of `max_batched_tokens` tokens, every
+// running sequence's next piece of work into one forward pass
+// (`LlamaForCausalLM::forward_paged`): one token for a sequence that is
+// decoding, a chunk of the prompt for one that is prefilling (a long prompt
+// takes several steps, so it never stalls the decoding of the others).
+// Running sequences go first, in the order they were admitted; then waiting
+// requests are admitted while there is budget, room (`max_num_seqs`) and KV
+// blocks. A sequence that finishes gives its blocks back at once and its
+// place to the next waiting one (Orca's iteration-level scheduling, vLLM's
+// continuous batching).
+//
+// When a running sequence needs a block and none is left, the sequence
+// admitted last is preempted: its blocks are freed and it goes back to the
+// front of the queue with the tokens it has generated, to be recomputed as a
+// longer prompt when blocks free up (vLLM's recompute preemption). Its
+// sampler's state travels with it, so what it generates next is unchanged.
+// A request that could never fit is refused when it is submitted.
+
+/// A function from token ids to text, for stop strings.
+pub type Detokenizer = Arc<dyn Fn(&[i64]) -> String + Send + Sync>;
+
+/// How the engine is sized.
+#[derive(Clone)]
+pub struct EngineConfig {
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// The KV pool's size in bytes (keys and values of every layer).
+    pub kv_cache_bytes: usize,
+    /// At most this many sequences run at once.
+    pub max_num_seqs: usize,
+    /// At most this many tokens go through the model per step (decoded tokens
+    /// and prompt chunks together).
+    pub max_batched_tokens: usize,
+    /// Share the KV blocks of identical prompt prefixes (Note [Prefix sharing]).
+    pub prefix_sharing: bool,
+    /// At most this many requests wait (the handle refuses more).
+    pub max_queue: usize,
+    /// Turns text back into tokens' text for stop strings.
+    pub detokenizer: Option<Detokenizer>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            kv_cache_bytes: 256 << 20,
+            max_num_seqs: 64,
+            max_batched_tokens: 512,
+            prefix_sharing: true,
+            max_queue: 1024,
+            detokenizer: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for EngineConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineConfig")
+            .field("block_size", &self.block_size)
+            .field("kv_cache_bytes", &self.kv_cache_bytes)
+            .field("max_num_seqs", &self.max_num_seqs)
+            .field("max_batched_tokens", &self.max_batched_tokens)
+            .field("prefix_sharing", &self.prefix_sharing)
+            .field("max_queue", &self.max_queue)
+            .field("detokenizer", &self.detokenizer.is_some())
+            .finish()
+    }
+}
+
+/// A sequence in the engine.
+struct Seq {
+    id: u64,
+    req: Request,
+    /// Prompt and generated tokens.
+    tokens: Vec<i64>,
+    /// Positions whose keys and values are in the cache.
+    computed: usize,
+    blocks: Vec<usize>,
+    /// Hashes of the registered full blocks, in order.
+    hashes: Vec<u64>,
+    generator: Option<Generator>,
+    arrival: Instant,
+    first_token: Option<Instant>,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.req.prompt.len()
+    }
+}
+
+/// What a step produced for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutput {
+    /// The request.
+    pub id: u64,
+    /// A token or the end.
+    pub event: Event,
+}
+
+/// Counters of the engine's work.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    /// Requests waiting.
+    pub waiting: usize,
+    /// Sequences running.
+    pub running: usize,
+    /// KV blocks held by sequences.
+    pub kv_blocks_used: usize,
+    /// KV blocks in the pool.
+    pub kv_blocks_total: usize,
+    /// Tokens generated since the start.
+    pub generated_tokens: u64,
+    /// Prompt tokens computed since the start (recomputation included).
+    pub prefill_tokens: u64,
+    /// Prompt tokens whose keys were found in shared blocks instead.
+    pub prefix_hit_tokens: u64,
+    /// Sequences preempted since the start.
+    pub preemptions: u64,
+    /// Steps run.
+    pub steps: u64,
+    /// Time to first token of each finished request's first token, in order.
+    pub ttft: Vec<Duration>,
+}
+
+/// The serving engine's core (see the module docs).
+pub struct Engine {
+    model: LlamaForCausalLM,
+    cache: PagedKvCache,
+    blocks: Blocks,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    cfg: EngineConfig,
+    next_id: u64,
+    stats: EngineStats,
+    max_context: usize,
+}
+
+impl Engine {
+    /// An engine for `model` with a KV pool of `cfg.kv_cache_bytes`.
+    pub fn new(model: LlamaForCausalLM, cfg: EngineConfig) -> Result<Engine> {
+        if cfg.max_num_seqs == 0 || cfg.max_batched_tokens == 0 || cfg.block_size == 0 {
+            return Err(Error::invalid(
+                "Engine",
+                format!(
+                    "max_num_seqs, max_batched_tokens and block_size must be positive, got {}, {} and {}",
+                    cfg.max_num_seqs, cfg.max_batched_tokens, cfg.block_size
+                ),
+            ));
+        }
+        let cache = PagedKvCache::with_budget(&model, cfg.kv_cache_bytes, cfg.block_size)?;
+        let blocks = Blocks::new(cache.num_blocks(), cfg.prefix_sharing);
+        let max_context = model.config().max_position_embeddings;
+        let stats = EngineStats { kv_blocks_total: cache.num_blocks(), ..Default::default() };
+        Ok(Engine {
+            model,
+            cache,
+            blocks,
+            waiting: VecDeque::new(),
+            running: vec![],
+            cfg,
+            next_id: 0,
+            stats,
+            max_context,
+        })
+    }
+
+    /// The model served.
+    pub fn model(&self) -> &LlamaForCausalLM {
+        &self.model
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The longest prompt + new tokens a request may ask for.
+    pub fn max_context(&self) -> usize {
+        self.max_context.min(self.cache.num_blocks() * self.cache.block_size())
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            kv_blocks_used: self.blocks.used(),
+            ..self.stats.clone()
+        }
+    }
+
+    /// Queues a request (checked first); returns its id.
+    pub fn add_request(&mut self, req: Request) -> Result<u64> {
+        req.check(self.model.config().vocab_size, self.max_context(), self.cfg.detokenizer.is_some())?;
+        let id = self.next_id;
+        self.next_id += 1;
+        let device = self.model.device();
+        let generator = if req.sampling.is_greedy() {
+            None
+        } else {
+            // Seeded as `generate` seeds; without a seed, from the request id and the clock.
+            let seed = req.sampling.seed.unwrap_or_else(|| {
+                let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                (t.as_nanos() as u64) ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            });
+            Some(Generator::new(device)?.manual_seed(seed)?)
+        };
+        let tokens = req.prompt.clone();
+        self.waiting.push_back(Seq {
+            id,
+            req,
+            tokens,
+            computed: 0,
+            blocks: vec![],
+            hashes: vec![],
+            generator,
+            arrival: Instant::now(),
+            first_token: None,
+        });
+        Ok(id)
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Requests waiting.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Drops a request, freeing its blocks; true if it was there.
+    pub fn abort(&mut self, id: u64) -> bool {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let s = self.waiting.remove(i).expect("position found");
+            self.free(s);
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let s = self.running.remove(i);
+            self.free(s);
+            return true;
+        }
+        false
+    }
+
+    fn free(&mut self, s: Seq) {
+        for &b in &s.blocks {
+            self.blocks.release(b);
+        }
+    }
+
+    /// Frees the blocks of running sequence `i` and queues it first.
+    fn preempt(&mut self, i: usize) {
+        let mut s = self.running.remove(i);
+        for &b in &s.blocks {
+            self.blocks.release(b);
+        }
+        s.blocks.clear();
+        s.hashes.clear();
+        s.computed = 0;
+        self.stats.preemptions += 1;
+        self.waiting.push_front(s);
+    }
+
+    /// Gives `s` blocks to hold `upto` positions; false if the pool is out.
+    fn grow(blocks: &mut Blocks, s: &mut Seq, upto: usize, bs: usize) -> bool {
+        let need = upto.div_ceil(bs).saturating_sub(s.blocks.len());
+        if need > blocks.available() {
+            return false;
+        }
+        for _ in 0..need {
+            s.blocks.push(blocks.allocate().expect("availability checked"));
+        }
+        true
+    }
+
+    /// Takes the shared blocks of `s`'s longest registered prefix (never its
+    /// last token, whose logits are needed).
+    fn match_prefix(&mut self, s: &mut Seq) {
+        let bs = self.cache.block_size();
+        while (s.hashes.len() + 1) * bs < s.tokens.len() {
+            let j = s.hashes.len();
+            let parent = s.hashes.last().copied().unwrap_or(0);
+            match self.blocks.lookup(parent, &s.tokens[j * bs..(j + 1) * bs]) {
+                Some((b, h)) => {
+                    s.blocks.push(b);
+                    s.hashes.push(h);
+                }
+                None => break,
+            }
+        }
+        s.computed = s.hashes.len() * bs;
+        self.stats.prefix_hit_tokens += s.computed as u64;
+    }
+
+    /// Plans a step: `(index in running, tokens to run)`, admitting waiting
+    /// requests and preempting where the pool runs out.
+    fn schedule(&mut self, out: &mut Vec<StepOutput>) -> Vec<(usize, usize)> {
+        let bs = self.cache.block_size();
+        let mut budget = self.cfg.max_batched_tokens;
+        let mut plan = vec![];
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let s = &mut self.running[i];
+            let chunk = (s.tokens.len() - s.computed).min(budget);
+            let upto = s.computed + chunk;
+            if Self::grow(&mut self.blocks, s, upto, bs) {
+                plan.push((i, chunk));
+                budget -= chunk;
+                i += 1;
+            } else if self.running.len() > i + 1 {
+                let last = self.running.len() - 1;
+                self.preempt(last);
+            } else if i == 0 {
+                // Alone and still out of blocks: nothing else holds any but idle
+                // prefix blocks, which `available` counts, so it can never fit.
+                let s = self.running.remove(0);
+                let msg = format!("the KV cache ({} blocks of {bs}) cannot hold this sequence", self.blocks.total());
+                out.push(StepOutput { id: s.id, event: Event::Finished(FinishReason::Error(msg)) });
+                self.free(s);
+            } else {
+                break;
+            }
+        }
+        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(mut s) = self.waiting.pop_front() else { break };
+            if s.computed == 0 && s.blocks.is_empty() {
+                self.match_prefix(&mut s);
+            }
+            let chunk = (s.tokens.len() - s.computed).min(budget);
+            let upto = s.computed + chunk;
+            if !Self::grow(&mut self.blocks, &mut s, upto, bs) {
+                // Not now: give the shared blocks back and keep its place.
+                self.stats.prefix_hit_tokens -= s.computed as u64;
+                for &b in &s.blocks {
+                    self.blocks.release(b);
+                }
+                s.blocks.clear();
+                s.hashes.clear();
+                s.computed = 0;
+                self.waiting.push_front(s);
+                break;
+            }
+            plan.push((self.running.len(), chunk));
+            budget -= chunk;
+            self.running.push(s);
+        }
+        plan
+    }
+
+    /// Runs one iteration (Note [Iteration-level scheduling]) and returns the
+    /// tokens and ends it produced. An error of the model step fails every
+    /// sequence of the step (each gets `FinishReason::Error`) and is returned.
+    pub fn step(&mut self) -> Result<Vec<StepOutput>> {
+        let mut out = vec![];
+        let plan = self.schedule(&mut out);
+        if plan.is_empty() {
+            return Ok(out);
+        }
+        self.stats.steps += 1;
+        match self.run(&plan, &mut out) {
+            Ok(()) => Ok(out),
+            Err(e) => {
+                let ids: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
+                for &i in ids.iter().rev() {
+                    let s = self.running.remove(i);
+                    out.push(StepOutput { id: s.id, event: Event::Finished(FinishReason::Error(e.to_string())) });
+                    self.free(s);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn run(&mut self, plan: &[(usize, usize)], out: &mut Vec<StepOutput>) -> Result<()> {
+        let bs = self.cache.block_size();
+        for &(i, chunk) in plan {
+            let s = &self.running[i];
+            for p in (s.computed..s.computed + chunk).step_by(bs) {
+                self.blocks.check_writable(s.blocks[p / bs])?;
+            }
+        }
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .map(|&(i, chunk)| {
+                let s = &self.running[i];
+                SeqChunk {
+                    tokens: &s.tokens[s.computed..s.computed + chunk],
+                    start: s.computed,
+                    blocks: &s.blocks,
+                    logits: s.computed + chunk == s.tokens.len(),
+                }
+            })
+            .collect();
+        let batch = PagedBatch::new(&chunks, bs, self.model.device())?;
+        let logits = self.model.forward_paged(&batch, &self.cache)?;
+        let mut row = 0;
+        let mut done = vec![];
+        for &(i, chunk) in plan {
+            let s = &mut self.running[i];
+            let prefill = chunk.min(s.req.prompt.len().saturating_sub(s.computed));
+            self.stats.prefill_tokens += prefill as u64;
+            s.computed += chunk;
+            while s.hashes.len() < s.computed / bs {
+                let j = s.hashes.len();
+                let parent = s.hashes.last().copied().unwrap_or(0);
+                let h = self.blocks.register(s.blocks[j], parent, &s.tokens[j * bs..(j + 1) * bs]);
+                s.hashes.push(h);
+            }
+            if s.computed < s.tokens.len() {
+                continue;
+            }
+            let l = logits.narrow(0, row as isize, 1)?;
+            row += 1;
+            let gen = match &s.generator {
+                Some(g) => g.clone(),
+                None => kiln_tensor::generator::default_generator(self.model.device())?,
+            };
+            let tok = choose(&l, &s.req.sampling, &gen)?.to_vec::<i64>()?[0];
+            s.tokens.push(tok);
+            self.stats.generated_tokens += 1;
+            if s.first_token.is_none() {
+                let now = Instant::now();
+                s.first_token = Some(now);
+                self.stats.ttft.push(now - s.arrival);
+            }
+            out.push(StepOutput { id: s.id, event: Event::Token(tok) });
+            let stop = s.req.stop_token_ids.contains(&tok)
+                || (!s.req.stop_strings.is_empty()
+                    && self.cfg.detokenizer.as_ref().is_some_and(|d| {
+                        let text = d(&s.tokens[s.req.prompt.len()..]);
+                        s.req.stop_strings.iter().any(|x| text.contains(x.as_str()))
+                    }));
+            if stop {
+                done.push((i, FinishReason::Stop));
+            } else if s.generated() >= s.req.max_new_tokens {
+                done.push((i, FinishReason::Length));
+            }
+        }
+        for (i, why) in done.into_iter().rev() {
+            let s = self.running.remove(i);
+            out.push(StepOutput { id: s.id, event: Event::Finished(why) });
+            self.free(s);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,148 @@
+//! The paged KV cache: one pool of fixed-size blocks per layer for keys and
+//! one for values, preallocated, and the packed batch a step runs.
+use crate::models::LlamaForCausalLM;
+use kiln_tensor::{DType, Device, Error, Result, Tensor};
+
+/// Keys and values of every layer in blocks: `[blocks, block_size, kv_heads,
+/// head_dim]` per layer and kind, in the model's dtype on its device.
+#[derive(Debug)]
+pub struct PagedKvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    num_blocks: usize,
+    block_size: usize,
+}
+
+impl PagedKvCache {
+    /// The bytes one block takes over all layers, keys and values.
+    pub fn bytes_per_block(model: &LlamaForCausalLM, block_size: usize) -> usize {
+        let c = model.config();
+        2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * model.dtype().size_in_bytes()
+    }
+
+    /// A pool of `num_blocks` blocks of `block_size` positions, zeroed.
+    pub fn new(model: &LlamaForCausalLM, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(Error::invalid(
+                "PagedKvCache",
+                format!("needs at least one block of at least one position, got {num_blocks} of {block_size}"),
+            ));
+        }
+        let c = model.config();
+        let shape = [num_blocks, block_size, c.num_key_value_heads, c.head_dim];
+        let (dt, dev): (DType, Device) = (model.dtype(), model.device());
+        let layers = (0..c.num_hidden_layers)
+            .map(|_| Ok((Tensor::zeros(&shape, (dt, dev))?, Tensor::zeros(&shape, (dt, dev))?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PagedKvCache { layers, num_blocks, block_size })
+    }
+
+    /// As many blocks as fit in `bytes`.
+    pub fn with_budget(model: &LlamaForCausalLM, bytes: usize, block_size: usize) -> Result<PagedKvCache> {
+        let per = Self::bytes_per_block(model, block_size).max(1);
+        PagedKvCache::new(model, bytes / per, block_size)
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Positions per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Layers held.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The key and value pools of `layer`.
+    pub fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
+        let (k, v) = &self.layers[layer];
+        (k, v)
+    }
+
+    /// Writes rows `x [N, kv_heads, head_dim]` into `pool` at flat slots
+    /// `slots [N]` (`block * block_size + offset`).
+    pub fn write(&self, pool: &Tensor, slots: &Tensor, x: &Tensor) -> Result<()> {
+        let s = pool.shape();
+        let flat = pool.reshape_to(&[s[0] * s[1], s[2], s[3]])?;
+        flat.index_put_(&[Some(slots)], &x.to_dtype(pool.dtype())?, false)?;
+        Ok(())
+    }
+}
+
+/// One sequence's part of a step: its new tokens, where they start, its
+/// block table (covering them) and whether it is due a next token.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    /// The tokens run this step.
+    pub tokens: &'a [i64],
+    /// The position of the first of them (the tokens before are cached).
+    pub start: usize,
+    /// The blocks of the sequence, in order.
+    pub blocks: &'a [usize],
+    /// Whether the logits of the last token are wanted.
+    pub logits: bool,
+}
+
+/// The packed inputs of one step (Note [Paged attention] in kiln-tensor).
+#[derive(Debug, Clone)]
+pub struct PagedBatch {
+    /// The new tokens of every sequence, `[N]` int64.
+    pub input_ids: Tensor,
+    /// Their positions.
+    pub positions: Vec<usize>,
+    /// Their cache slots, `[N]` int64.
+    pub slots: Tensor,
+    /// `[S, max_blocks]` int64.
+    pub block_tables: Tensor,
+    /// `[S]` int64: positions cached after the step.
+    pub context_lens: Tensor,
+    /// `[S + 1]` int64.
+    pub query_start: Tensor,
+    /// The rows whose logits are returned, `[R]` int64.
+    pub logits_rows: Tensor,
+}
+
+impl PagedBatch {
+    /// Packs `seqs` for a cache of blocks of `block_size`, on `device`.
+    pub fn new(seqs: &[SeqChunk<'_>], block_size: usize, device: Device) -> Result<PagedBatch> {
+        let mb = seqs.iter().map(|s| s.blocks.len()).max().unwrap_or(0).max(1);
+        let (mut ids, mut pos, mut slots, mut tables, mut lens, mut starts, mut rows) =
+            (vec![], vec![], vec![], vec![], vec![], vec![0i64], vec![]);
+        for s in seqs {
+            let end = s.start + s.tokens.len();
+            if end.div_ceil(block_size) > s.blocks.len() {
+                return Err(Error::invalid(
+                    "PagedBatch",
+                    format!("{} blocks of {block_size} cannot hold {end} positions", s.blocks.len()),
+                ));
+            }
+            for (i, &t) in s.tokens.iter().enumerate() {
+                let p = s.start + i;
+                ids.push(t);
+                pos.push(p);
+                slots.push((s.blocks[p / block_size] * block_size + p % block_size) as i64);
+            }
+            tables.extend((0..mb).map(|j| s.blocks.get(j).copied().unwrap_or(0) as i64));
+            lens.push(end as i64);
+            starts.push(ids.len() as i64);
+            if s.logits && !s.tokens.is_empty() {
+                rows.push(ids.len() as i64 - 1);
+            }
+        }
+        let t = |v: Vec<i64>, shape: &[usize]| -> Result<Tensor> { Tensor::from_vec(v, shape)?.to_device(device) };
+        let (n, s, r) = (ids.len(), seqs.len(), rows.len());
+        Ok(PagedBatch {
+            input_ids: t(ids, &[n])?,
+            positions: pos,
+            slots: t(slots, &[n])?,
+            block_tables: t(tables, &[s, mb])?,
+            context_lens: t(lens, &[s])?,
+            query_start: t(starts, &[s + 1])?,
+            logits_rows: t(rows, &[r])?,
+        })
+    }
+}

@@ -1,0 +1,221 @@
+//! The serving engine (`kiln::nn::serve`): continuous batching over a paged
+//! KV cache gives each request exactly what `generate()` gives it alone
+//! (Note [Batch invariance]), whatever else runs beside it, with chunked
+//! prefill, arrivals over time, prefix sharing and preemption; requests that
+//! cannot run are refused with a clear error.
+use kiln::nn::generate::{generate, Sampling};
+use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
+use kiln::nn::serve::{Engine, EngineConfig, Event, FinishReason, PagedKvCache, Request};
+use kiln::prelude::*;
+use std::collections::BTreeMap;
+
+fn model(seed: u64) -> LlamaForCausalLM {
+    let cfg = LlamaConfig::from_json_str(
+        r#"{"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 512}"#,
+    )
+    .unwrap();
+    kiln::manual_seed(seed);
+    LlamaForCausalLM::new(&cfg, DType::F32).unwrap()
+}
+
+/// A prompt of `len` tokens drawn from `seed`.
+fn prompt(len: usize, seed: u64) -> Vec<i64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 96) as i64
+        })
+        .collect()
+}
+
+/// The new tokens `generate()` gives the request alone.
+fn alone(m: &LlamaForCausalLM, r: &Request) -> Vec<i64> {
+    let p = Tensor::from_vec(r.prompt.clone(), &[1, r.prompt.len()]).unwrap();
+    let s = r.sampling.clone().with_eos(&r.stop_token_ids);
+    let out = generate(m, &p, r.max_new_tokens, &s).unwrap().to_vec::<i64>().unwrap();
+    let mut new = out[r.prompt.len()..].to_vec();
+    // generate() pads a finished row with the stop token: the stream ends at the first.
+    if let Some(i) = new.iter().position(|t| r.stop_token_ids.contains(t)) {
+        new.truncate(i + 1);
+    }
+    new
+}
+
+/// Runs the engine, submitting `arrivals[i].1` once `arrivals[i].0` steps have
+/// run; returns each request's tokens and end by submission order.
+fn serve(engine: &mut Engine, arrivals: Vec<(u64, Request)>) -> Vec<(Vec<i64>, FinishReason)> {
+    let mut ids = vec![];
+    let mut got: BTreeMap<u64, (Vec<i64>, Option<FinishReason>)> = BTreeMap::new();
+    let mut pending: std::collections::VecDeque<(u64, Request)> = arrivals.into();
+    let mut step = 0;
+    while !pending.is_empty() || engine.has_work() {
+        while pending.front().is_some_and(|(at, _)| *at <= step) {
+            let (_, r) = pending.pop_front().unwrap();
+            let id = engine.add_request(r).unwrap();
+            ids.push(id);
+            got.insert(id, (vec![], None));
+        }
+        for o in engine.step().unwrap() {
+            let e = got.get_mut(&o.id).unwrap();
+            assert!(e.1.is_none(), "request {} got an event after its end", o.id);
+            match o.event {
+                Event::Token(t) => e.0.push(t),
+                Event::Finished(f) => e.1 = Some(f),
+            }
+        }
+        step += 1;
+        assert!(step < 10_000, "the engine does not make progress");
+    }
+    ids.iter().map(|id| got.remove(id).map(|(t, f)| (t, f.expect("every request ends"))).unwrap()).collect()
+}
+
+fn requests() -> Vec<(u64, Request)> {
+    let sampled = |t: f64, seed: u64| Sampling::sample(t).with_top_k(40).with_top_p(0.9).with_seed(seed);
+    vec![
+        (0, Request::new(prompt(3, 1), 20)),
+        (0, Request::new(prompt(41, 2), 12).with_sampling(sampled(0.8, 7))),
+        (1, Request::new(prompt(70, 3), 25)),
+        (2, Request::new(prompt(1, 4), 30).with_sampling(sampled(1.3, 8))),
+        (5, Request::new(prompt(17, 5), 16)),
+        (9, Request::new(prompt(33, 6), 9).with_sampling(sampled(0.5, 9))),
+        (9, Request::new(prompt(8, 7), 40)),
+    ]
+}
+
+fn check(m: &LlamaForCausalLM, reqs: &[(u64, Request)], got: &[(Vec<i64>, FinishReason)]) {
+    for ((_, r), (tokens, why)) in reqs.iter().zip(got) {
+        let want = alone(m, r);
+        assert_eq!(tokens, &want, "prompt of {} tokens: the engine's tokens differ from generate()'s", r.prompt.len());
+        let stopped = want.last().is_some_and(|t| r.stop_token_ids.contains(t));
+        assert_eq!(*why, if stopped { FinishReason::Stop } else { FinishReason::Length });
+    }
+}
+
+#[test]
+fn batched_requests_equal_generate_alone() {
+    kiln::tensor::set_batch_invariant(true);
+    let m = model(0);
+    // Small steps force chunked prefill; small blocks cross many block edges.
+    let cfg = EngineConfig { block_size: 4, max_batched_tokens: 24, max_num_seqs: 4, ..Default::default() };
+    let mut engine = Engine::new(m.clone(), cfg).unwrap();
+    let reqs = requests();
+    let got = serve(&mut engine, reqs.clone());
+    check(&m, &reqs, &got);
+    let st = engine.stats();
+    assert!(st.steps > 0 && st.kv_blocks_used == 0 && st.running == 0 && st.waiting == 0, "{st:?}");
+    assert_eq!(st.generated_tokens as usize, got.iter().map(|g| g.0.len()).sum::<usize>());
+    assert_eq!(st.ttft.len(), reqs.len());
+}
+
+#[test]
+fn stop_tokens_end_a_request_and_free_its_place() {
+    kiln::tensor::set_batch_invariant(true);
+    let m = model(1);
+    let base = Request::new(prompt(12, 11), 30);
+    let third = alone(&m, &base)[2];
+    let reqs = vec![(0, base.clone().with_stop_tokens(&[third])), (0, Request::new(prompt(5, 12), 10))];
+    let mut engine = Engine::new(m.clone(), EngineConfig { max_num_seqs: 1, ..Default::default() }).unwrap();
+    let got = serve(&mut engine, reqs.clone());
+    check(&m, &reqs, &got);
+    assert_eq!(got[0].1, FinishReason::Stop);
+    assert_eq!(got[0].0.last(), Some(&third));
+}
+
+/// A shared system prompt is computed once: later requests find its blocks,
+/// and their tokens are still generate()'s.
+#[test]
+fn shared_prefixes_are_computed_once() {
+    kiln::tensor::set_batch_invariant(true);
+    let m = model(2);
+    let system = prompt(48, 21);
+    let reqs: Vec<(u64, Request)> = (0..4)
+        .map(|i| {
+            let mut p = system.clone();
+            p.extend(prompt(5 + 3 * i as usize, 30 + i));
+            (i * 3, Request::new(p, 8))
+        })
+        .collect();
+    for sharing in [true, false] {
+        let cfg = EngineConfig { block_size: 8, prefix_sharing: sharing, ..Default::default() };
+        let mut engine = Engine::new(m.clone(), cfg).unwrap();
+        let got = serve(&mut engine, reqs.clone());
+        check(&m, &reqs, &got);
+        let hits = engine.stats().prefix_hit_tokens;
+        if sharing {
+            // The first request computes the 48 shared tokens; each later one finds 6 blocks of 8.
+            assert_eq!(hits, 3 * 48);
+        } else {
+            assert_eq!(hits, 0);
+        }
+    }
+}
+
+/// A pool too small for every request at once: sequences are preempted and
+/// recomputed, never crashed, and their tokens do not change.
+#[test]
+fn preemption_under_a_small_pool_keeps_the_tokens() {
+    kiln::tensor::set_batch_invariant(true);
+    let m = model(3);
+    let per_block = PagedKvCache::bytes_per_block(&m, 4);
+    // 40 blocks of 4 positions: each request needs up to 28 blocks alone.
+    let cfg =
+        EngineConfig { block_size: 4, kv_cache_bytes: 40 * per_block, max_batched_tokens: 32, ..Default::default() };
+    let mut engine = Engine::new(m.clone(), cfg).unwrap();
+    let reqs: Vec<(u64, Request)> =
+        (0..5).map(|i| (i, Request::new(prompt(30 + 7 * i as usize, 40 + i), 40))).collect();
+    let got = serve(&mut engine, reqs.clone());
+    check(&m, &reqs, &got);
+    assert!(engine.stats().preemptions > 0, "{:?}", engine.stats());
+}
+
+#[test]
+fn bad_requests_are_refused() {
+    let m = model(4);
+    let per_block = PagedKvCache::bytes_per_block(&m, 16);
+    let mut engine = Engine::new(m, EngineConfig { kv_cache_bytes: 8 * per_block, ..Default::default() }).unwrap();
+    let mut err = |r: Request| engine.add_request(r).unwrap_err().to_string();
+    assert!(err(Request::new(vec![], 4)).contains("empty"));
+    assert!(err(Request::new(vec![1, 96], 4)).contains("token 96"));
+    assert!(err(Request::new(vec![1, -1], 4)).contains("token -1"));
+    assert!(err(Request::new(vec![1], 0)).contains("at least 1"));
+    // 8 blocks of 16 hold 128 positions, less than the model's 512.
+    assert!(err(Request::new(vec![1; 100], 29)).contains("context of 128"));
+    assert!(err(Request::new(vec![1], usize::MAX)).contains("exceed"));
+    assert!(err(Request::new(vec![1], 4).with_stop_strings(&["x"])).contains("detokenizer"));
+    assert!(err(Request::new(vec![1], 4).with_sampling(Sampling::sample(f64::NAN))).contains("temperature"));
+    assert!(!engine.has_work());
+    assert!(Engine::new(model(4), EngineConfig { max_num_seqs: 0, ..Default::default() }).is_err());
+}
+
+/// The paged forward gives a sequence's logits bit for bit as incremental
+/// decoding of it alone does, with its prompt in chunks and other sequences
+/// packed beside it (Note [Batch invariance]).
+#[test]
+fn paged_logits_are_those_of_incremental_decoding() {
+    use kiln::nn::serve::{PagedBatch, SeqChunk};
+    kiln::tensor::set_batch_invariant(true);
+    let m = model(5);
+    let (a, b) = (prompt(23, 51), prompt(9, 52));
+    let ta = Tensor::from_vec(a.clone(), &[1, a.len()]).unwrap();
+    let mut cache = m.new_cache(64);
+    let want = m.forward_cached(&ta, None, &mut cache, true).unwrap().to_vec::<f32>().unwrap();
+    let pool = PagedKvCache::new(&m, 16, 4).unwrap();
+    let blocks_a: Vec<usize> = vec![7, 2, 9, 0, 11, 3];
+    let blocks_b: Vec<usize> = vec![5, 14, 1];
+    // Step 1: a's first 10 tokens and all of b; step 2: the rest of a.
+    let step1 = [
+        SeqChunk { tokens: &a[..10], start: 0, blocks: &blocks_a, logits: false },
+        SeqChunk { tokens: &b, start: 0, blocks: &blocks_b, logits: true },
+    ];
+    m.forward_paged(&PagedBatch::new(&step1, 4, Device::Cpu).unwrap(), &pool).unwrap();
+    let step2 = [SeqChunk { tokens: &a[10..], start: 10, blocks: &blocks_a, logits: true }];
+    let got = m.forward_paged(&PagedBatch::new(&step2, 4, Device::Cpu).unwrap(), &pool).unwrap();
+    assert_eq!(got.shape(), &[1, 96]);
+    let got = got.to_vec::<f32>().unwrap();
+    assert!(got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "the paged logits differ in their bits");
+}
