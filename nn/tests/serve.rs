@@ -60,7 +60,7 @@ fn serve(engine: &mut Engine, arrivals: Vec<(u64, Request)>) -> Vec<(Vec<i64>, F
             ids.push(id);
             got.insert(id, (vec![], None));
         }
-        for o in engine.step().unwrap() {
+        for o in engine.step() {
             let e = got.get_mut(&o.id).unwrap();
             assert!(e.1.is_none(), "request {} got an event after its end", o.id);
             match o.event {
@@ -109,7 +109,8 @@ fn batched_requests_equal_generate_alone() {
     let st = engine.stats();
     assert!(st.steps > 0 && st.kv_blocks_used == 0 && st.running == 0 && st.waiting == 0, "{st:?}");
     assert_eq!(st.generated_tokens as usize, got.iter().map(|g| g.0.len()).sum::<usize>());
-    assert_eq!(st.ttft.len(), reqs.len());
+    assert_eq!(st.ttft_count as usize, reqs.len());
+    assert!(st.ttft_quantile(0.5).is_some() && st.ttft_quantile(0.5) <= st.ttft_quantile(0.99));
 }
 
 #[test]
@@ -218,4 +219,97 @@ fn paged_logits_are_those_of_incremental_decoding() {
     assert_eq!(got.shape(), &[1, 96]);
     let got = got.to_vec::<f32>().unwrap();
     assert!(got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "the paged logits differ in their bits");
+}
+
+fn wait_for(handle: &kiln::nn::serve::EngineHandle, what: &str, f: impl Fn(&kiln::nn::serve::Metrics) -> bool) {
+    let t0 = std::time::Instant::now();
+    while !f(&handle.metrics()) {
+        assert!(t0.elapsed().as_secs() < 60, "timed out waiting for {what}: {:?}", handle.metrics());
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+fn tokens_of(events: impl IntoIterator<Item = Event>) -> (Vec<i64>, Option<FinishReason>) {
+    let (mut t, mut end) = (vec![], None);
+    for e in events {
+        assert!(end.is_none(), "an event after the end");
+        match e {
+            Event::Token(x) => t.push(x),
+            Event::Finished(f) => end = Some(f),
+        }
+    }
+    (t, end)
+}
+
+/// The handle from several threads at once and from async tasks: every stream
+/// carries generate()'s tokens for its request, then its end.
+#[test]
+fn the_handle_serves_threads_and_async_tasks() {
+    use kiln::nn::serve::EngineHandle;
+    kiln::tensor::set_batch_invariant(true);
+    let m = model(6);
+    let cfg = EngineConfig { block_size: 8, max_batched_tokens: 48, ..Default::default() };
+    let handle = EngineHandle::spawn(Engine::new(m.clone(), cfg).unwrap()).unwrap();
+    let reqs: Vec<Request> = requests().into_iter().map(|(_, r)| r).collect();
+    let threads: Vec<_> = reqs
+        .iter()
+        .cloned()
+        .map(|r| {
+            let h = handle.clone();
+            std::thread::spawn(move || tokens_of(h.submit(r).unwrap()))
+        })
+        .collect();
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let from_async: Vec<(Vec<i64>, Option<FinishReason>)> = rt.block_on(async {
+        let mut streams: Vec<_> = reqs.iter().take(3).map(|r| handle.submit(r.clone()).unwrap()).collect();
+        let mut out = vec![];
+        for s in &mut streams {
+            let mut events = vec![];
+            while let Some(e) = s.next_event().await {
+                events.push(e);
+            }
+            out.push(tokens_of(events));
+        }
+        out
+    });
+    for (r, t) in reqs.iter().zip(threads) {
+        let (tokens, end) = t.join().unwrap();
+        assert_eq!(tokens, alone(&m, r));
+        assert_eq!(end, Some(FinishReason::Length));
+    }
+    for (r, (tokens, _)) in reqs.iter().zip(from_async) {
+        assert_eq!(tokens, alone(&m, r));
+    }
+    wait_for(&handle, "an idle engine", |x| x.engine.running == 0 && x.queue_depth() == 0);
+    let text = handle.metrics().to_prometheus();
+    assert!(
+        text.contains("kiln_generated_tokens_total ") && text.contains("kiln_time_to_first_token_seconds_count 10"),
+        "{text}"
+    );
+}
+
+/// A dropped stream cancels its request and frees its blocks; a full queue
+/// refuses at once; bad requests are refused by the handle too.
+#[test]
+fn cancellation_backpressure_and_refusals() {
+    use kiln::nn::serve::{EngineHandle, SubmitError};
+    let m = model(7);
+    let cfg = EngineConfig { max_num_seqs: 1, max_queue: 1, ..Default::default() };
+    let handle = EngineHandle::spawn(Engine::new(m, cfg).unwrap()).unwrap();
+    let mut long = handle.submit(Request::new(prompt(10, 61), 400)).unwrap();
+    assert!(matches!(long.next(), Some(Event::Token(_))));
+    wait_for(&handle, "a running sequence", |x| x.engine.running == 1);
+    let queued = handle.submit(Request::new(prompt(4, 62), 3)).unwrap();
+    wait_for(&handle, "a waiting request", |x| x.engine.waiting == 1);
+    match handle.submit(Request::new(prompt(4, 63), 3)) {
+        Err(e @ SubmitError::QueueFull(1)) => assert!(e.to_string().contains("queue is full")),
+        other => panic!("expected a full queue, got {other:?}"),
+    }
+    assert!(matches!(handle.submit(Request::new(vec![], 3)), Err(SubmitError::Invalid(_))));
+    // Cancelling the long request lets the queued one run and finish.
+    drop(long);
+    let (tokens, end) = tokens_of(queued);
+    assert_eq!((tokens.len(), end), (3, Some(FinishReason::Length)));
+    wait_for(&handle, "freed blocks", |x| x.engine.running == 0 && x.engine.kv_blocks_used == 0);
+    assert!(handle.metrics().engine.generated_tokens < 400, "the cancelled request ran to its end");
 }

@@ -1,25 +1,25 @@
 //! Attention over a paged KV cache (`Op::PagedAttention`): the serving
 //! engine's attention, where each sequence's keys and values live in
 //! fixed-size blocks of a shared pool and a block table says which.
-//!
-//! Note [Paged attention]
-//! ~~~~~~~~~~~~~~~~~~~~~~
-//! The new tokens of every sequence in a step are packed into one query
-//! tensor `q [N, H, D]`: sequence `s` owns rows `query_start[s] ..
-//! query_start[s + 1]` (`n_s` rows, a prefill chunk or one decoded token).
-//! Its keys and values, the new ones included (they are written to the pool
-//! before attention), are positions `0 .. context_lens[s]` of the sequence:
-//! position `p` is row `p % block_size` of pool block `block_tables[s][p /
-//! block_size]`. Query `i` of the sequence sits at position `context_lens[s] -
-//! n_s + i` and sees keys `0 ..= context_lens[s] - n_s + i` (causal). Rows
-//! are computed as `Op::Attention` computes one query row of a causal
-//! attention over the same keys, so with batch invariance on (see
-//! `invariance.rs`) the CPU result of a row is bit for bit the fused kernel's
-//! for that query, whatever else is in the step.
-//!
-//! The metadata is validated where it is read: the CPU kernel returns an
-//! error naming the bad value, the PJRT lowering computes a check that the
-//! backend turns into the same kind of error. Inference only: no gradient.
+
+// Note [Paged attention]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// The new tokens of every sequence in a step are packed into one query
+// tensor `q [N, H, D]`: sequence `s` owns rows `query_start[s] ..
+// query_start[s + 1]` (`n_s` rows, a prefill chunk or one decoded token).
+// Its keys and values, the new ones included (they are written to the pool
+// before attention), are positions `0 .. context_lens[s]` of the sequence:
+// position `p` is row `p % block_size` of pool block `block_tables[s][p /
+// block_size]`. Query `i` of the sequence sits at position `context_lens[s] -
+// n_s + i` and sees keys `0 ..= context_lens[s] - n_s + i` (causal). Rows
+// are computed as `Op::Attention` computes one query row of a causal
+// attention over the same keys, so with batch invariance on (see
+// `invariance.rs`) the CPU result of a row is bit for bit the fused kernel's
+// for that query, whatever else is in the step.
+//
+// The metadata is validated where it is read: the CPU kernel returns an
+// error naming the bad value, the PJRT lowering computes a check that the
+// backend turns into the same kind of error. Inference only: no gradient.
 use crate::{is_grad_enabled, DType, Error, Meta, Op, Result, Tensor};
 use smallvec::{smallvec, SmallVec};
 

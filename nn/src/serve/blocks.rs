@@ -1,20 +1,20 @@
 //! The block allocator of the paged KV cache, with prefix sharing.
-//!
-//! Note [Prefix sharing]
-//! ~~~~~~~~~~~~~~~~~~~~~
-//! A full block's keys and values depend only on the tokens up to its end
-//! (attention is causal), so two sequences whose first `k * block_size`
-//! tokens agree can share their first `k` blocks. Every full block is
-//! registered under a hash chained over the blocks before it (and keeps its
-//! tokens, compared on every hit, so a hash collision can never hand out the
-//! wrong keys). A new request looks its prompt's full blocks up and starts
-//! computing after the ones found. Shared blocks are full, and a sequence
-//! only ever writes positions past its cached ones, in blocks it allocated
-//! itself: a shared block is never written, so copy-on-write never has to
-//! copy (`Blocks::check_writable` turns a violation into an error rather
-//! than a corrupted neighbour). A block whose last user finished stays
-//! registered and is reused by the next request with that prefix until the
-//! allocator needs it (least recently released first).
+
+// Note [Prefix sharing]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A full block's keys and values depend only on the tokens up to its end
+// (attention is causal), so two sequences whose first `k * block_size`
+// tokens agree can share their first `k` blocks. Every full block is
+// registered under a hash chained over the blocks before it (and keeps its
+// tokens, compared on every hit, so a hash collision can never hand out the
+// wrong keys). A new request looks its prompt's full blocks up and starts
+// computing after the ones found. Shared blocks are full, and a sequence
+// only ever writes positions past its cached ones, in blocks it allocated
+// itself: a shared block is never written, so copy-on-write never has to
+// copy (`Blocks::check_writable` turns a violation into an error rather
+// than a corrupted neighbour). A block whose last user finished stays
+// registered and is reused by the next request with that prefix until the
+// allocator needs it (least recently released first).
 use kiln_tensor::{Error, Result};
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};

@@ -134,8 +134,25 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Steps run.
     pub steps: u64,
-    /// Time to first token of each finished request's first token, in order.
-    pub ttft: Vec<Duration>,
+    /// Requests that produced a first token.
+    pub ttft_count: u64,
+    /// The sum of their times to first token.
+    pub ttft_sum: Duration,
+    /// The latest times to first token (at most [`TTFT_WINDOW`]), oldest first.
+    pub ttft_recent: VecDeque<Duration>,
+}
+
+/// How many recent times to first token [`EngineStats`] keeps.
+pub const TTFT_WINDOW: usize = 1024;
+
+impl EngineStats {
+    /// The `q` quantile (0 to 1) of the recent times to first token.
+    pub fn ttft_quantile(&self, q: f64) -> Option<Duration> {
+        let mut v: Vec<Duration> = self.ttft_recent.iter().copied().collect();
+        v.sort();
+        let i = ((v.len() as f64 - 1.0) * q.clamp(0.0, 1.0)).round() as usize;
+        v.get(i).copied()
+    }
 }
 
 /// The serving engine's core (see the module docs).
@@ -367,27 +384,32 @@ impl Engine {
     }
 
     /// Runs one iteration (Note [Iteration-level scheduling]) and returns the
-    /// tokens and ends it produced. An error of the model step fails every
-    /// sequence of the step (each gets `FinishReason::Error`) and is returned.
-    pub fn step(&mut self) -> Result<Vec<StepOutput>> {
+    /// tokens and ends it produced. A failure of the model step ends every
+    /// sequence of the step with `FinishReason::Error` and its message (the
+    /// other requests go on).
+    pub fn step(&mut self) -> Vec<StepOutput> {
         let mut out = vec![];
         let plan = self.schedule(&mut out);
         if plan.is_empty() {
-            return Ok(out);
+            return out;
         }
         self.stats.steps += 1;
-        match self.run(&plan, &mut out) {
-            Ok(()) => Ok(out),
-            Err(e) => {
-                let ids: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
-                for &i in ids.iter().rev() {
-                    let s = self.running.remove(i);
-                    out.push(StepOutput { id: s.id, event: Event::Finished(FinishReason::Error(e.to_string())) });
-                    self.free(s);
-                }
-                Err(e)
+        let before = out.len();
+        if let Err(e) = self.run(&plan, &mut out) {
+            // `run` removes nothing before it has succeeded: every sequence of
+            // the plan is still running (some may be half updated), and each
+            // ends with the error instead of this step's tokens.
+            out.truncate(before);
+            let mut ids: Vec<usize> = plan.iter().map(|&(i, _)| i).filter(|&i| i < self.running.len()).collect();
+            ids.sort_unstable();
+            ids.dedup();
+            for &i in ids.iter().rev() {
+                let s = self.running.remove(i);
+                out.push(StepOutput { id: s.id, event: Event::Finished(FinishReason::Error(e.to_string())) });
+                self.free(s);
             }
         }
+        out
     }
 
     fn run(&mut self, plan: &[(usize, usize)], out: &mut Vec<StepOutput>) -> Result<()> {
@@ -440,7 +462,13 @@ impl Engine {
             if s.first_token.is_none() {
                 let now = Instant::now();
                 s.first_token = Some(now);
-                self.stats.ttft.push(now - s.arrival);
+                let t = now - s.arrival;
+                self.stats.ttft_count += 1;
+                self.stats.ttft_sum += t;
+                if self.stats.ttft_recent.len() == TTFT_WINDOW {
+                    self.stats.ttft_recent.pop_front();
+                }
+                self.stats.ttft_recent.push_back(t);
             }
             out.push(StepOutput { id: s.id, event: Event::Token(tok) });
             let stop = s.req.stop_token_ids.contains(&tok)
