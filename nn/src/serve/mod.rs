@@ -38,6 +38,8 @@ pub mod blocks;
 pub mod engine;
 pub mod handle;
 pub mod kv;
+#[cfg(feature = "server")]
+pub mod openai;
 pub mod request;
 
 pub use engine::{Detokenizer, Engine, EngineConfig, EngineStats, StepOutput};

@@ -1,0 +1,119 @@
+//! An OpenAI-compatible server for a Llama / Qwen3 directory, on the
+//! continuous-batching engine (`kiln::nn::serve`).
+//!
+//! ```sh
+//! cargo run --release --example train_llama            # writes runs/train_llama
+//! cargo run --release --example serve                  # serves it on 127.0.0.1:8000
+//! cargo run --release --example serve -- --model DIR --port 8080
+//! curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
+//!      -d '{"model": "train_llama", "prompt": "ROMEO:", "max_tokens": 32}'
+//! ```
+//!
+//! It reads `config.json` and the weights, `tokenizer.json` if there is one
+//! (else byte-level tokens, as `train_llama` trains), and the chat template of
+//! `tokenizer_config.json`. It prints `listening on http://ADDR` once it
+//! accepts connections (`--port 0` picks a free port).
+use kiln::nn::serve::openai::{router, ServerState};
+use kiln::nn::serve::EngineConfig;
+use kiln::prelude::*;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+const USAGE: &str = "\
+serve: an OpenAI-compatible HTTP server for a Llama / Qwen3 checkpoint
+
+USAGE: cargo run --release --example serve -- [OPTIONS]
+
+  --model DIR              config.json + weights [default: runs/train_llama]
+  --name NAME              the model name clients use [default: the directory's name]
+  --host ADDR              [default: 127.0.0.1]
+  --port N                 0 picks a free one [default: 8000]
+  --dtype f32|bf16         [default: f32]
+  --kv-cache-mb N          the KV cache's memory [default: 256]
+  --block-size N           positions per KV block [default: 16]
+  --max-num-seqs N         sequences run at once [default: 64]
+  --max-batched-tokens N   tokens per model step [default: 512]
+  --max-queue N            waiting requests before 429s [default: 1024]
+  --no-prefix-sharing      compute shared prompt prefixes again for every request
+  --batch-invariant        every request's tokens are what generate() gives it alone
+                           (kiln::tensor::set_batch_invariant; slower single-sequence decode)
+";
+
+fn fail(msg: &str) -> ! {
+    eprintln!("serve: {msg}\n\n{USAGE}");
+    std::process::exit(2)
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("serve: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let mut dir = PathBuf::from("runs/train_llama");
+    let (mut name, mut host, mut port, mut dtype) = (None, "127.0.0.1".to_string(), 8000u16, DType::F32);
+    let mut cfg = EngineConfig::default();
+    let mut kv_mb = 256usize;
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--help" | "-h" => {
+                print!("{USAGE}");
+                return Ok(());
+            }
+            "--no-prefix-sharing" => {
+                cfg.prefix_sharing = false;
+                continue;
+            }
+            "--batch-invariant" => {
+                kiln::tensor::set_batch_invariant(true);
+                continue;
+            }
+            _ => {}
+        }
+        let v = it.next().unwrap_or_else(|| fail(&format!("{flag} needs a value")));
+        let num = |v: &str| v.parse::<usize>().unwrap_or_else(|_| fail(&format!("{flag}: {v:?} is not a number")));
+        match flag.as_str() {
+            "--model" => dir = PathBuf::from(v),
+            "--name" => name = Some(v),
+            "--host" => host = v,
+            "--port" => port = u16::try_from(num(&v)).unwrap_or_else(|_| fail("--port must be below 65536")),
+            "--dtype" => dtype = DType::from_name(&v).unwrap_or_else(|| fail(&format!("unknown dtype {v:?}"))),
+            "--kv-cache-mb" => kv_mb = num(&v),
+            "--block-size" => cfg.block_size = num(&v),
+            "--max-num-seqs" => cfg.max_num_seqs = num(&v),
+            "--max-batched-tokens" => cfg.max_batched_tokens = num(&v),
+            "--max-queue" => cfg.max_queue = num(&v),
+            other => fail(&format!("unknown option {other}")),
+        }
+    }
+    if !dir.join("config.json").exists() {
+        fail(&format!(
+            "{} has no config.json (train a model first: cargo run --release --example train_llama)",
+            dir.display()
+        ));
+    }
+    cfg.kv_cache_bytes = kv_mb << 20;
+    let state = ServerState::from_dir(&dir, dtype, cfg, name).map_err(|e| e.to_string())?;
+    let stats = state.engine.metrics().engine;
+    eprintln!(
+        "serve: {} from {}; KV cache {} blocks; context {} tokens; chat template {}",
+        state.model_name,
+        dir.display(),
+        stats.kv_blocks_total,
+        state.engine.max_context(),
+        if state.chat.from_model { "from the model" } else { "plain (the model has none)" }
+    );
+    let state = Arc::new(state);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((host.as_str(), port)).await?;
+        println!("listening on http://{}", listener.local_addr()?);
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        axum::serve(listener, router(state)).await
+    })?;
+    Ok(())
+}

@@ -1,0 +1,174 @@
+//! The OpenAI-compatible server (`kiln::nn::serve::openai`, what
+//! `examples/serve.rs` runs) against real clients on 127.0.0.1: the official
+//! `openai` Python package (in a venv `scripts/setup-openai-venv` sets up)
+//! and `curl`. Completions, chat, streaming, concurrent requests, a cancelled
+//! stream, malformed and refused requests, and a bounded load test; every
+//! answer must equal what `generate()` gives the same request alone.
+use kiln::nn::generate::{generate, Sampling};
+use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
+use kiln::nn::serve::openai::{router, ChatTemplate, Message, ServerState};
+use kiln::nn::serve::EngineConfig;
+use kiln::prelude::*;
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+/// ChatML, as Qwen's tokenizer_config.json writes it.
+const TEMPLATE: &str = "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+const MAX_CONTEXT: usize = 192;
+
+/// A small byte-level model (no tokenizer.json) with a chat template, saved as
+/// a Hugging Face directory.
+fn model_dir(dir: &Path) -> LlamaForCausalLM {
+    let cfg = LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": {MAX_CONTEXT}, "eos_token_id": 10}}"#
+    ))
+    .unwrap();
+    kiln::manual_seed(3);
+    let m = LlamaForCausalLM::new(&cfg, DType::F32).unwrap();
+    m.save_pretrained(dir).unwrap();
+    let tc = json!({"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "bos_token": null});
+    std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).unwrap();
+    m
+}
+
+fn bytes(s: &str) -> Vec<i64> {
+    s.bytes().map(i64::from).collect()
+}
+
+/// What the server must answer for `prompt`: generate() alone, the text cut at
+/// the end token and at the first stop string, and the tokens it took.
+fn expect(m: &LlamaForCausalLM, prompt: &[i64], max: usize, s: &Sampling, stop: Option<&str>) -> Value {
+    let p = Tensor::from_vec(prompt.to_vec(), &[1, prompt.len()]).unwrap();
+    let out = generate(m, &p, max, &s.clone().with_eos(&[10])).unwrap().to_vec::<i64>().unwrap();
+    let mut new: Vec<i64> = out[prompt.len()..].to_vec();
+    let mut finish = "length";
+    if let Some(i) = new.iter().position(|&t| t == 10) {
+        new.truncate(i + 1);
+        finish = "stop";
+    }
+    let text_of = |ids: &[i64]| {
+        let b: Vec<u8> = ids.iter().filter(|&&t| t != 10).map(|&t| t as u8).collect();
+        String::from_utf8_lossy(&b).into_owned()
+    };
+    let mut count = new.len();
+    let mut text = text_of(&new);
+    if let Some(stop) = stop {
+        if let Some(n) = (1..=new.len()).find(|&n| text_of(&new[..n]).contains(stop)) {
+            count = n;
+            let t = text_of(&new[..n]);
+            text = t[..t.find(stop).unwrap()].to_string();
+            finish = "stop";
+        }
+    }
+    json!({"text": text, "finish_reason": finish, "completion_tokens": count, "prompt_tokens": prompt.len()})
+}
+
+fn merge(a: Value, b: Value) -> Value {
+    let mut a = a.as_object().unwrap().clone();
+    a.extend(b.as_object().unwrap().clone());
+    Value::Object(a)
+}
+
+#[test]
+fn openai_client_and_curl_against_the_server() {
+    kiln::tensor::set_batch_invariant(true);
+    let dir = std::env::temp_dir().join(format!("kiln-serve-http-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = model_dir(&dir);
+    let greedy = Sampling::greedy();
+    let sampled = |t: f64, p: f64, seed: u64| Sampling::sample(t).with_top_p(p).with_seed(seed);
+    let long_prompt =
+        "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. ".to_string();
+    let mut completions = vec![];
+    for (name, prompt, max, temp, top_p, seed, s) in [
+        ("short", "Hello", 12, 0.0, None, None, greedy.clone()),
+        ("long", long_prompt.as_str(), 30, 0.0, None, None, greedy.clone()),
+        ("sampled", "The ", 20, 0.9, Some(0.95), Some(11u64), sampled(0.9, 0.95, 11)),
+    ] {
+        let e = expect(&m, &bytes(prompt), max, &s, None);
+        completions.push(merge(
+            json!({"name": name, "prompt": prompt, "max_tokens": max, "temperature": temp, "top_p": top_p, "seed": seed}),
+            e,
+        ));
+    }
+    // A stop string: two characters from the middle of a greedy answer.
+    let free = expect(&m, &bytes("abc"), 40, &greedy, None);
+    let t: Vec<char> = free["text"].as_str().unwrap().chars().collect();
+    let stop: String = t[t.len() / 2..(t.len() / 2 + 2).min(t.len())].iter().collect();
+    let e = expect(&m, &bytes("abc"), 40, &greedy, Some(&stop));
+    completions
+        .push(merge(json!({"name": "stop", "prompt": "abc", "max_tokens": 40, "temperature": 0.0, "stop": [stop]}), e));
+    let template = ChatTemplate::for_model(&dir).unwrap();
+    let mut chats = vec![];
+    for (name, msgs, max, temp, seed, s) in [
+        ("chat", vec![("system", "Be brief."), ("user", "Hi there")], 16, 0.0, None, greedy.clone()),
+        ("chat-sampled", vec![("user", "Tell me a story")], 16, 0.7, Some(3u64), sampled(0.7, 1.0, 3)),
+    ] {
+        let msgs: Vec<Message> =
+            msgs.iter().map(|(r, c)| Message { role: r.to_string(), content: c.to_string() }).collect();
+        let prompt = template.render(&msgs).unwrap();
+        let e = expect(&m, &bytes(&prompt), max, &s, None);
+        chats.push(merge(
+            json!({"name": name, "messages": msgs, "max_tokens": max, "temperature": temp, "seed": seed}),
+            e,
+        ));
+    }
+    assert!(template.from_model && template.render(&[]).unwrap().ends_with("<|im_start|>assistant\n"));
+
+    let cfg = EngineConfig { block_size: 8, kv_cache_bytes: 4 << 20, max_batched_tokens: 64, ..Default::default() };
+    let state = Arc::new(ServerState::from_dir(&dir, DType::F32, cfg, Some("tiny".into())).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    rt.spawn(async move { axum::serve(listener, router(state)).await });
+
+    // curl: a completion, a stream, a malformed body.
+    let curl = |args: &[&str]| -> String {
+        let out = Command::new("curl").args(["-sS", "--max-time", "60"]).args(args).output().expect("curl");
+        assert!(out.status.success(), "curl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let c0 = &completions[0];
+    let body =
+        json!({"model": "tiny", "prompt": c0["prompt"], "max_tokens": c0["max_tokens"], "temperature": 0}).to_string();
+    let url = format!("{base}/v1/completions");
+    let r: Value = serde_json::from_str(&curl(&["-H", "content-type: application/json", "-d", &body, &url])).unwrap();
+    assert_eq!(r["choices"][0]["text"], c0["text"]);
+    let body = json!({"model": "tiny", "prompt": c0["prompt"], "max_tokens": c0["max_tokens"], "temperature": 0, "stream": true}).to_string();
+    let sse = curl(&["-N", "-H", "content-type: application/json", "-d", &body, &url]);
+    let mut text = String::new();
+    for line in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line != "[DONE]" {
+            let v: Value = serde_json::from_str(line).unwrap();
+            text += v["choices"][0]["text"].as_str().unwrap();
+        }
+    }
+    assert_eq!(text, c0["text"].as_str().unwrap());
+    assert!(sse.trim_end().ends_with("data: [DONE]"), "{sse}");
+    let bad = curl(&["-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", "{\"model\": ", &url]);
+    assert!(bad.ends_with("\n400") && bad.contains("invalid_request_error"), "{bad}");
+    let metrics = curl(&[&format!("{base}/metrics")]);
+    assert!(metrics.contains("kiln_generated_tokens_total"), "{metrics}");
+
+    // The openai client: everything else, then the load test.
+    let exp = json!({"model": "tiny", "completions": completions, "chats": chats, "long_max_tokens": 150,
+                     "max_context": MAX_CONTEXT, "load_clients": 6});
+    let exp_path = dir.join("expectations.json");
+    std::fs::write(&exp_path, exp.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-openai-venv");
+    let out = Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+    let python = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let client = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve_openai_client.py");
+    let out = Command::new(python).arg(&client).arg(&base).arg(&exp_path).arg("8").output().unwrap();
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the openai client failed:\n{so}\n{se}");
+    assert!(so.contains("\"ok\": true"), "{so}");
+    eprintln!("{so}");
+    std::fs::remove_dir_all(&dir).ok();
+}
