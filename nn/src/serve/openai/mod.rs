@@ -198,27 +198,27 @@ fn job(
     prompt: Vec<i64>,
     kind: Kind,
     default_max: Option<usize>,
-) -> Result<Job, Response> {
+) -> Result<Job, Box<Response>> {
     if p.model != st.model_name {
-        return Err(error(
+        return Err(Box::new(error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             format!("The model `{}` does not exist.", p.model),
             Some("model"),
             Some("model_not_found"),
-        ));
+        )));
     }
     if p.n.is_some_and(|n| n != 1) {
-        return Err(bad_request("only n = 1 is supported", Some("n")));
+        return Err(Box::new(bad_request("only n = 1 is supported", Some("n"))));
     }
     if prompt.is_empty() {
-        return Err(bad_request("the prompt is empty", Some("prompt")));
+        return Err(Box::new(bad_request("the prompt is empty", Some("prompt"))));
     }
     let ctx = st.engine.max_context();
     let max = p.max_completion_tokens.or(p.max_tokens);
     let max = match max {
         Some(m) if m < 1 => {
-            return Err(bad_request(format!("max_tokens must be at least 1, got {m}"), Some("max_tokens")))
+            return Err(Box::new(bad_request(format!("max_tokens must be at least 1, got {m}"), Some("max_tokens"))))
         }
         Some(m) => m as u64,
         None => default_max.unwrap_or(ctx.saturating_sub(prompt.len())).max(1) as u64,
@@ -231,25 +231,28 @@ fn job(
             if kind == Kind::Chat { "messages" } else { "prompt" },
             if kind == Kind::Chat { "messages" } else { "prompt" },
         );
-        return Err(error(
+        return Err(Box::new(error(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             msg,
             Some("max_tokens"),
             Some("context_length_exceeded"),
-        ));
+        )));
     }
     let t = p.temperature.unwrap_or(1.0);
     if !t.is_finite() || !(0.0..=2.0).contains(&t) {
-        return Err(bad_request(format!("temperature must be between 0 and 2, got {t}"), Some("temperature")));
+        return Err(Box::new(bad_request(
+            format!("temperature must be between 0 and 2, got {t}"),
+            Some("temperature"),
+        )));
     }
     let top_p = p.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(bad_request(format!("top_p must be in (0, 1], got {top_p}"), Some("top_p")));
+        return Err(Box::new(bad_request(format!("top_p must be in (0, 1], got {top_p}"), Some("top_p"))));
     }
     let top_k = match p.top_k {
         Some(k) if k < -1 => {
-            return Err(bad_request(format!("top_k must be -1, 0 or positive, got {k}"), Some("top_k")))
+            return Err(Box::new(bad_request(format!("top_k must be -1, 0 or positive, got {k}"), Some("top_k"))))
         }
         Some(k) => k.max(0) as usize,
         None => 0,
@@ -295,7 +298,7 @@ async fn completions(
     };
     match job(&st, &body.params, ids, Kind::Completion, Some(16)) {
         Ok(j) => run(st, j).await,
-        Err(r) => r,
+        Err(r) => *r,
     }
 }
 
@@ -328,7 +331,7 @@ async fn chat_completions(State(st): State<Arc<ServerState>>, body: Result<Json<
     };
     match job(&st, &body.params, ids, Kind::Chat, None) {
         Ok(j) => run(st, j).await,
-        Err(r) => r,
+        Err(r) => *r,
     }
 }
 
