@@ -481,7 +481,7 @@ fn paged_pool(seqs: &[Tensor], tables: &[Vec<i64>], blocks: usize, bs: usize, de
 /// invariance on. Bad metadata is an error naming the value, on every device.
 #[test]
 fn paged_attention_matches_contiguous_attention() {
-    // Before the reference is computed; only ever turned on in this process.
+    // Before the reference is computed (no other test of this process depends on it).
     kiln::tensor::set_batch_invariant(true);
     let (h, hk, d, bs, blocks) = (4usize, 2usize, 8usize, 4usize, 12usize);
     // (context length, new rows, block table)
@@ -563,6 +563,16 @@ fn paged_attention_matches_contiguous_attention() {
             .and_then(|t| t.to_vec::<f32>());
         common::assert_err(e, &["query_start"]);
     }
+    // Batch invariance off: decoding rows read the cache in place (the direct
+    // way of the CPU kernel), within rounding of the fused kernel.
+    kiln::tensor::set_batch_invariant(false);
+    let kc = paged_pool(&keys, &tables, blocks, bs, Device::Cpu);
+    let vc = paged_pool(&vals, &tables, blocks, bs, Device::Cpu);
+    let meta = |v: &[i64], shape: &[usize]| Tensor::from_vec(v.to_vec(), shape).unwrap();
+    let (tb, ln, st) = (meta(&table, &[seqs.len(), mb]), meta(&lens, &[seqs.len()]), meta(&starts, &[seqs.len() + 1]));
+    let got = q.paged_attention(&kc, &vc, &tb, &ln, &st, None).unwrap().to_vec::<f32>().unwrap();
+    let err = got.iter().zip(&want.to_vec::<f32>().unwrap()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(err < 1e-5, "direct decoding rows: max error {err}");
     // No gradient: a clear error rather than a silent zero.
     let qg = q.detach();
     qg.requires_grad_(true).unwrap();

@@ -6,6 +6,7 @@
 //! this binary and the same measurements in PyTorch, and print the ratios.
 mod llm;
 mod report;
+mod serve_load;
 mod suites;
 mod timing;
 
@@ -27,6 +28,7 @@ USAGE:
     kiln-bench infer  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W] [--weights W]
     kiln-bench autograd [--steps N] [--warmup W]
+    kiln-bench serve-load [--preset P] [--requests N] [--gap-ms G] [--seed S] [--kv-mb M] [--only LIST]
 
 BENCHMARKS:
     matmul   square n x n x n float32 matmul of random matrices: gflops (2 n^3 / median time)
@@ -58,6 +60,13 @@ BENCHMARKS:
              prompt: tokens_per_s = new tokens / median decoding time
     autograd 4 x ([512, 1024] @ [1024, 1024] + gelu), summed: forward and forward+backward
              times and backward_forward_ratio = (forward+backward - forward) / forward
+    serve-load the serving engine (continuous batching, paged KV cache) under N requests (default
+             64) of 16-512 prompt and 16-256 new tokens arriving as a Poisson stream (mean gap
+             G ms, default 50), against the same requests through generate() one at a time;
+             then a workload whose prompts share a 256-token system prompt, with and without
+             prefix sharing. Lines: tokens_per_s, ttft_p50_ms, ttft_p99_ms; --only engine,
+             sequential,shared; --write-workload FILE saves the requests for
+             benches/compare_serve_load.py (transformers' continuous batching on them)
              Presets: llama-16m (vocab 8192, hidden 384, 6 layers, 6 heads, MLP 1024, untied
              lm_head, f32; the default) and llama-tiny. Each line has peak_rss_mb.
 
@@ -120,6 +129,12 @@ struct Args {
     /// `train --mesh SPEC --parallel R`.
     mesh: Option<String>,
     parallel: Option<String>,
+    /// `serve-load`.
+    requests: usize,
+    gap_ms: f64,
+    seed: u64,
+    kv_mb: usize,
+    write_workload: Option<String>,
 }
 
 fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> std::result::Result<Vec<T>, String> {
@@ -160,6 +175,11 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         precision: "f32".into(),
         mesh: None,
         parallel: None,
+        requests: 64,
+        gap_ms: 50.0,
+        seed: 0,
+        kv_mb: 1024,
+        write_workload: None,
     };
     let mut it = argv.iter();
     while let Some(arg) = it.next() {
@@ -204,12 +224,20 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--precision" => a.precision = value()?,
             "--mesh" => a.mesh = Some(value()?),
             "--parallel" => a.parallel = Some(value()?),
+            "--requests" => a.requests = int("--requests", &value()?)?,
+            "--gap-ms" => a.gap_ms = value()?.parse().map_err(|_| "--gap-ms needs a number".to_string())?,
+            "--seed" => a.seed = value()?.parse().map_err(|_| "--seed needs an integer".to_string())?,
+            "--kv-mb" => a.kv_mb = int("--kv-mb", &value()?)?,
+            "--write-workload" => a.write_workload = Some(value()?),
             c if !c.starts_with('-') && a.cmd.is_empty() => a.cmd = c.to_string(),
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
     if a.cmd.is_empty() {
-        return Err("missing benchmark name (matmul, ops, all, chain, serve, train, infer, decode or autograd)".into());
+        return Err(
+            "missing benchmark name (matmul, ops, all, chain, serve, serve-load, train, infer, decode or autograd)"
+                .into(),
+        );
     }
     if a.dim == 0 || a.sizes.contains(&0) {
         return Err("sizes must be positive".into());
@@ -253,6 +281,24 @@ fn main() -> ExitCode {
         "ops" => suites::ops(&cfg(2.0), args.dim),
         "chain" => suites::chain(&cfg(2.0), args.dim),
         "serve" => suites::serve(&cfg(3.0)),
+        "serve-load" => {
+            let a = serve_load::ServeLoadArgs {
+                preset: args.preset.clone(),
+                requests: args.requests,
+                gap_ms: args.gap_ms,
+                seed: args.seed,
+                kv_mb: args.kv_mb,
+                only: args.only.clone(),
+                write_workload: args.write_workload.clone(),
+            };
+            match serve_load::serve_load(&a) {
+                Ok(()) => 0,
+                Err(e) => {
+                    report::Line::new("serve-load", "float32", "cpu").set("error", e.to_string()).emit();
+                    1
+                }
+            }
+        }
         "all" => suites::matmul(&cfg(3.0), &args.sizes) + suites::ops(&cfg(2.0), args.dim),
         cmd @ ("train" | "infer" | "decode" | "autograd") => {
             if let Err(e) = llm::preset(&args.preset) {

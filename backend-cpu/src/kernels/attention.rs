@@ -111,7 +111,7 @@ const LANES: usize = 16;
 /// Overwrites `row[..n]` with `exp(row - max) / sum` and zeroes `row[n..]`;
 /// returns the log-sum-exp `max + ln(sum)` (NaN rows give NaN, like softmax).
 #[inline(always)]
-fn softmax_prefix<F: AttnFloat, const FMA: bool>(row: &mut [F], n: usize) -> F {
+pub(super) fn softmax_prefix<F: AttnFloat, const FMA: bool>(row: &mut [F], n: usize) -> F {
     let (vis, rest) = row.split_at_mut(n);
     rest.fill(zero::<F>());
     if vis.is_empty() {

@@ -1,24 +1,37 @@
 //! `Op::PagedAttention` (Note [Paged attention] in kiln-tensor): attention of
 //! packed queries over a paged KV cache.
 //!
-//! One task per (sequence, key/value head): it gathers the sequence's keys and
-//! values of that head from their blocks into two small contiguous buffers,
-//! then runs the fused attention kernel's per-head forward on each query head
-//! of the group, with the sequence's queries as the rows of a causal attention
-//! whose last row is the last cached position. So each row is computed exactly
-//! as `Op::Attention` computes that query (Note [Row-invariant products] makes
-//! it the same bits whatever the rows beside it). bf16 and f16 compute in
-//! float32 and round once.
-use super::attention::{AttnFloat, Dims, HeadForward};
+//! One task per (sequence, key/value head), in one of two ways:
+//!
+//! - Gathered: the sequence's keys and values of that head are copied from
+//!   their blocks into two contiguous buffers, and the fused attention
+//!   kernel's per-head forward runs on each query head of the group, with the
+//!   sequence's queries as the rows of a causal attention whose last row is
+//!   the last cached position. Each row is then computed exactly as
+//!   `Op::Attention` computes that query (Note [Row-invariant products] makes
+//!   it the same bits whatever the rows beside it). Prompt chunks take this
+//!   way (their rows share the products), and every sequence does with batch
+//!   invariance on.
+//! - Direct, for a few rows (decoding) with batch invariance off: each row's
+//!   scores, softmax and weighted sum of values read the keys and values in
+//!   place, block by block, so a decoding step reads the cache once instead of
+//!   copying it first.
+//!
+//! bf16 and f16 compute in float32 and round once (always gathered).
+use super::attention::{softmax_prefix, AttnFloat, Dims, HeadForward};
 use super::copy::contiguous;
 use super::elem::Elem;
 use super::matmul::MatRef;
-use super::simd::dispatch;
+use super::simd::{dispatch, Kernel};
 use super::{buf, Input};
 use half::{bf16, f16};
 use kiln_tensor::paged::PagedLayout;
 use kiln_tensor::{DType, Error, HostBuffer, Result};
 use rayon::prelude::*;
+
+/// The identity from the storage type to the compute type, when they are one
+/// type (the direct way reads the cache as it is).
+type SameType<T, F> = fn(&[T]) -> &[F];
 
 /// The sizes of a call.
 #[derive(Clone, Copy)]
@@ -42,19 +55,26 @@ pub(crate) fn paged_attention(ins: &[Input<'_>], scale: f64) -> Result<HostBuffe
         ins: &[Input<'_>],
         sz: Sizes,
         layout: &PagedLayout,
-        up: fn(T) -> F,
+        up: fn(&[T], &mut [F]),
         down: fn(F) -> T,
+        direct: Option<SameType<T, F>>,
     ) -> Result<HostBuffer> {
         let (q, k, v) = (contiguous::<T>(&ins[0])?, contiguous::<T>(&ins[1])?, contiguous::<T>(&ins[2])?);
-        let q: Vec<F> = q.iter().map(|&x| up(x)).collect();
-        let out = forward::<T, F>(&q, &k, &v, sz, layout, up);
+        let mut qf = vec![<F as Elem>::of_f64(0.0); q.len()];
+        up(&q, &mut qf);
+        let out = forward::<T, F>(&qf, &k, &v, sz, layout, up, direct);
         Ok(buf(out.into_iter().map(down).collect::<Vec<T>>()))
     }
+    fn widen<T: Elem>(src: &[T], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.cast_f32();
+        }
+    }
     match ins[0].dtype() {
-        DType::F32 => typed::<f32, f32>(ins, sz, &layout, |x| x, |x| x),
-        DType::F64 => typed::<f64, f64>(ins, sz, &layout, |x| x, |x| x),
-        DType::BF16 => typed::<bf16, f32>(ins, sz, &layout, |x| x.to_f32(), bf16::from_f32),
-        DType::F16 => typed::<f16, f32>(ins, sz, &layout, |x| x.to_f32(), f16::from_f32),
+        DType::F32 => typed::<f32, f32>(ins, sz, &layout, |s, d| d.copy_from_slice(s), |x| x, Some(|x| x)),
+        DType::F64 => typed::<f64, f64>(ins, sz, &layout, |s, d| d.copy_from_slice(s), |x| x, Some(|x| x)),
+        DType::BF16 => typed::<bf16, f32>(ins, sz, &layout, widen::<bf16>, bf16::from_f32, None),
+        DType::F16 => typed::<f16, f32>(ins, sz, &layout, widen::<f16>, f16::from_f32, None),
         dt => Err(Error::unsupported_dtype("paged_attention", dt)),
     }
 }
@@ -66,8 +86,12 @@ fn forward<T: Elem, F: AttnFloat>(
     vc: &[T],
     sz: Sizes,
     layout: &PagedLayout,
-    up: fn(T) -> F,
+    up: fn(&[T], &mut [F]),
+    direct: Option<SameType<T, F>>,
 ) -> Vec<F> {
+    // Rows per sequence up to which the direct way runs (when it may).
+    const DIRECT_ROWS: usize = 4;
+    let direct = direct.filter(|_| !kiln_tensor::is_batch_invariant());
     let Sizes { n, h, d, bs, hk, dv, scale } = sz;
     let g = h / hk;
     let seqs = layout.lens.len();
@@ -78,13 +102,19 @@ fn forward<T: Elem, F: AttnFloat>(
         .map(|task| {
             let (s, kh) = (task / hk, task % hk);
             let (r0, rows, len) = (layout.starts[s], layout.starts[s + 1] - layout.starts[s], layout.lens[s]);
+            if let Some(same) = direct.filter(|_| rows <= DIRECT_ROWS) {
+                let mut out = vec![<F as Elem>::of_f64(0.0); g * rows * dv];
+                let task = Direct { q, kc: same(kc), vc: same(vc), sz, layout, s, kh, out: &mut out };
+                dispatch(task);
+                return (s, kh, out);
+            }
             // The sequence's keys and values of head kh, position by position.
             let gather = |cache: &[T], width: usize| -> Vec<F> {
-                let mut dst = Vec::with_capacity(len * width);
-                for p in 0..len {
+                let mut dst = vec![<F as Elem>::of_f64(0.0); len * width];
+                for (p, out) in dst.chunks_exact_mut(width.max(1)).enumerate().take(len) {
                     let blk = layout.tables[s * layout.max_blocks + p / bs];
                     let row = ((blk * bs + p % bs) * hk + kh) * width;
-                    dst.extend(cache[row..row + width].iter().map(|&x| up(x)));
+                    up(&cache[row..row + width], out);
                 }
                 dst
             };
@@ -118,4 +148,70 @@ fn forward<T: Elem, F: AttnFloat>(
         }
     }
     out
+}
+
+/// The direct way for one (sequence, key/value head): each query row of each
+/// head of the group against the keys and values read in place.
+struct Direct<'a, F> {
+    q: &'a [F],
+    kc: &'a [F],
+    vc: &'a [F],
+    sz: Sizes,
+    layout: &'a PagedLayout,
+    s: usize,
+    kh: usize,
+    /// `[G, rows, Dv]`.
+    out: &'a mut [F],
+}
+
+impl<F: AttnFloat> Kernel for Direct<'_, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        let Direct { q, kc, vc, sz, layout, s, kh, out } = self;
+        let Sizes { h, d, bs, hk, dv, scale, .. } = sz;
+        let g = h / hk;
+        let (r0, rows, len) = (layout.starts[s], layout.starts[s + 1] - layout.starts[s], layout.lens[s]);
+        let table = &layout.tables[s * layout.max_blocks..];
+        let slot = |p: usize| table[p / bs] * bs + p % bs;
+        let scale = <F as Elem>::of_f64(scale);
+        let mut sc: Vec<F> = Vec::with_capacity(len);
+        for gi in 0..g {
+            let hq = kh * g + gi;
+            for i in 0..rows {
+                let qr = &q[((r0 + i) * h + hq) * d..][..d];
+                let vis = len - rows + i + 1;
+                sc.clear();
+                sc.extend((0..vis).map(|p| dot(qr, &kc[(slot(p) * hk + kh) * d..][..d]) * scale));
+                softmax_prefix::<F, FMA>(&mut sc, vis);
+                let o = &mut out[(gi * rows + i) * dv..][..dv];
+                for (p, &w) in sc.iter().enumerate() {
+                    let vr = &vc[(slot(p) * hk + kh) * dv..][..dv];
+                    for (x, &y) in o.iter_mut().zip(vr) {
+                        *x = *x + w * y;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A dot product with independent partial sums, so it vectorises.
+#[inline(always)]
+fn dot<F: AttnFloat>(a: &[F], b: &[F]) -> F {
+    const L: usize = 16;
+    let zero = <F as Elem>::of_f64(0.0);
+    let mut acc = [zero; L];
+    let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..L {
+            acc[l] = acc[l] + x[l] * y[l];
+        }
+    }
+    let mut s = acc.iter().fold(zero, |a, &b| a + b);
+    for (x, y) in ra.iter().zip(rb) {
+        s = s + *x * *y;
+    }
+    s
 }

@@ -63,12 +63,18 @@ impl PagedKvCache {
         (k, v)
     }
 
-    /// Writes rows `x [N, kv_heads, head_dim]` into `pool` at flat slots
-    /// `slots [N]` (`block * block_size + offset`).
-    pub fn write(&self, pool: &Tensor, slots: &Tensor, x: &Tensor) -> Result<()> {
+    /// Writes rows `x [N, kv_heads, head_dim]` into `pool` at the batch's
+    /// slots, in place: one copy per run of consecutive slots (a decoded
+    /// token, or the part of a prompt chunk within one block), so a step
+    /// touches only the positions it adds (an indexed write would copy the
+    /// whole pool).
+    pub fn write(&self, pool: &Tensor, batch: &PagedBatch, x: &Tensor) -> Result<()> {
         let s = pool.shape();
         let flat = pool.reshape_to(&[s[0] * s[1], s[2], s[3]])?;
-        flat.index_put_(&[Some(slots)], &x.to_dtype(pool.dtype())?, false)?;
+        let x = x.to_dtype(pool.dtype())?;
+        for &(slot, row, len) in &batch.write_runs {
+            flat.narrow(0, slot as isize, len)?.copy_(&x.narrow(0, row as isize, len)?)?;
+        }
         Ok(())
     }
 }
@@ -94,8 +100,9 @@ pub struct PagedBatch {
     pub input_ids: Tensor,
     /// Their positions.
     pub positions: Vec<usize>,
-    /// Their cache slots, `[N]` int64.
-    pub slots: Tensor,
+    /// Their cache slots as runs of consecutive slots: `(first slot, first
+    /// row, length)`.
+    pub write_runs: Vec<(usize, usize, usize)>,
     /// `[S, max_blocks]` int64.
     pub block_tables: Tensor,
     /// `[S]` int64: positions cached after the step.
@@ -110,8 +117,9 @@ impl PagedBatch {
     /// Packs `seqs` for a cache of blocks of `block_size`, on `device`.
     pub fn new(seqs: &[SeqChunk<'_>], block_size: usize, device: Device) -> Result<PagedBatch> {
         let mb = seqs.iter().map(|s| s.blocks.len()).max().unwrap_or(0).max(1);
-        let (mut ids, mut pos, mut slots, mut tables, mut lens, mut starts, mut rows) =
-            (vec![], vec![], vec![], vec![], vec![], vec![0i64], vec![]);
+        let (mut ids, mut pos, mut tables, mut lens, mut starts, mut rows) =
+            (vec![], vec![], vec![], vec![], vec![0i64], vec![]);
+        let mut runs: Vec<(usize, usize, usize)> = vec![];
         for s in seqs {
             let end = s.start + s.tokens.len();
             if end.div_ceil(block_size) > s.blocks.len() {
@@ -122,9 +130,13 @@ impl PagedBatch {
             }
             for (i, &t) in s.tokens.iter().enumerate() {
                 let p = s.start + i;
+                let slot = s.blocks[p / block_size] * block_size + p % block_size;
+                match runs.last_mut() {
+                    Some((first, row, len)) if *first + *len == slot && *row + *len == ids.len() => *len += 1,
+                    _ => runs.push((slot, ids.len(), 1)),
+                }
                 ids.push(t);
                 pos.push(p);
-                slots.push((s.blocks[p / block_size] * block_size + p % block_size) as i64);
             }
             tables.extend((0..mb).map(|j| s.blocks.get(j).copied().unwrap_or(0) as i64));
             lens.push(end as i64);
@@ -138,7 +150,7 @@ impl PagedBatch {
         Ok(PagedBatch {
             input_ids: t(ids, &[n])?,
             positions: pos,
-            slots: t(slots, &[n])?,
+            write_runs: runs,
             block_tables: t(tables, &[s, mb])?,
             context_lens: t(lens, &[s])?,
             query_start: t(starts, &[s + 1])?,

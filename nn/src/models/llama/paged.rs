@@ -75,8 +75,8 @@ fn attention_paged(
     let k = heads(&attn.k_proj, kv, &attn.k_norm)?;
     let v = attn.v_proj.forward(x)?.reshape_to(&[n, kv, d])?;
     let (kc, vc) = cache.layer(layer);
-    cache.write(kc, &batch.slots, &k)?;
-    cache.write(vc, &batch.slots, &v)?;
+    cache.write(kc, batch, &k)?;
+    cache.write(vc, batch, &v)?;
     let scale = 1.0 / (d as f64).sqrt();
     let o = q.paged_attention(kc, vc, &batch.block_tables, &batch.context_lens, &batch.query_start, Some(scale))?;
     attn.o_proj.forward(&o.reshape_to(&[n, h * d])?)

@@ -1,0 +1,220 @@
+//! `serve-load`: the serving engine under a stream of requests, against the
+//! same requests through `generate()` one at a time (Note [Serve load]).
+use crate::llm::preset;
+use crate::report::{sig4, Line};
+use kiln::nn::data::SeededRng;
+use kiln::nn::generate::{generate, Sampling};
+use kiln::nn::models::LlamaForCausalLM;
+use kiln::nn::serve::{Engine, EngineConfig, Event};
+use kiln::prelude::*;
+use serde_json::json;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+// Note [Serve load]
+// ~~~~~~~~~~~~~~~~~
+// A workload is `requests` prompts of 16 to 512 random tokens, each asking
+// for 16 to 256 new tokens (greedy, no end token, so every request runs to
+// its length), arriving with exponential gaps of mean `gap_ms` (a Poisson
+// stream). With `shared_prefix`, every prompt is the same 256-token system
+// prompt followed by 16 to 256 tokens of its own. Throughput is the generated
+// tokens over the makespan (the first arrival to the last token); the time to
+// first token (TTFT) of a request runs from its arrival to its first token.
+// The one-at-a-time baseline serves the requests in arrival order through
+// `generate()`; its TTFT is the request's wait plus its own prefill and first
+// token, measured by a separate `generate()` of one token.
+
+/// One request of a workload.
+#[derive(Debug, Clone)]
+pub struct Req {
+    pub prompt: Vec<i64>,
+    pub max_new: usize,
+    pub arrival: f64,
+}
+
+/// The workload of Note [Serve load].
+pub fn workload(n: usize, vocab: usize, seed: u64, gap_ms: f64, shared_prefix: Option<usize>) -> Vec<Req> {
+    let mut rng = SeededRng::new(seed);
+    let mut uniform = |lo: usize, hi: usize| lo + rng.below((hi - lo + 1) as u64) as usize;
+    let system: Vec<i64> = (0..shared_prefix.unwrap_or(0)).map(|_| uniform(1, vocab - 1) as i64).collect();
+    let mut t = 0.0;
+    (0..n)
+        .map(|i| {
+            let own = if shared_prefix.is_some() { uniform(16, 256) } else { uniform(16, 512) };
+            let mut prompt = system.clone();
+            prompt.extend((0..own).map(|_| uniform(1, vocab - 1) as i64));
+            let max_new = uniform(16, 256);
+            if i > 0 {
+                let u = (uniform(1, 1_000_000) as f64) / 1_000_001.0;
+                t += -(1.0 - u).ln() * gap_ms / 1e3;
+            }
+            Req { prompt, max_new, arrival: t }
+        })
+        .collect()
+}
+
+/// Throughput and TTFT quantiles of one run.
+struct Outcome {
+    tokens: usize,
+    makespan: f64,
+    ttft: Vec<f64>,
+}
+
+impl Outcome {
+    fn line(mut self, name: &str, extra: &[(&str, serde_json::Value)]) -> Line {
+        self.ttft.sort_by(f64::total_cmp);
+        let q = |p: f64| self.ttft[((self.ttft.len() - 1) as f64 * p).round() as usize];
+        let mut l = Line::new("serve-load", "float32", "cpu")
+            .set("system", name)
+            .set("requests", self.ttft.len())
+            .set("generated_tokens", self.tokens)
+            .set("makespan_s", sig4(self.makespan))
+            .set("tokens_per_s", sig4(self.tokens as f64 / self.makespan))
+            .set("ttft_p50_ms", sig4(q(0.5) * 1e3))
+            .set("ttft_p99_ms", sig4(q(0.99) * 1e3));
+        for (k, v) in extra {
+            l = l.set(k, v.clone());
+        }
+        l
+    }
+}
+
+fn sleep_until(t0: Instant, at: f64) {
+    let now = t0.elapsed().as_secs_f64();
+    if at > now {
+        std::thread::sleep(Duration::from_secs_f64(at - now));
+    }
+}
+
+/// The requests through the engine as they arrive.
+fn engine_run(model: &LlamaForCausalLM, reqs: &[Req], cfg: EngineConfig) -> Result<(Outcome, u64)> {
+    let mut engine = Engine::new(model.clone(), cfg)?;
+    // Warm the allocator and kernels with one small request.
+    engine.add_request(kiln::nn::serve::Request::new(vec![1; 32], 4))?;
+    while engine.has_work() {
+        engine.step();
+    }
+    let base_hits = engine.stats().prefix_hit_tokens;
+    let t0 = Instant::now();
+    let (mut next, mut first) = (0, HashMap::new());
+    let mut idx: HashMap<u64, usize> = HashMap::new();
+    let (mut tokens, mut last) = (0, 0.0);
+    while next < reqs.len() || engine.has_work() {
+        if !engine.has_work() {
+            sleep_until(t0, reqs[next].arrival);
+        }
+        let now = t0.elapsed().as_secs_f64();
+        while next < reqs.len() && reqs[next].arrival <= now {
+            let id =
+                engine.add_request(kiln::nn::serve::Request::new(reqs[next].prompt.clone(), reqs[next].max_new))?;
+            idx.insert(id, next);
+            next += 1;
+        }
+        for o in engine.step() {
+            let t = t0.elapsed().as_secs_f64();
+            match o.event {
+                Event::Token(_) => {
+                    tokens += 1;
+                    first.entry(o.id).or_insert(t);
+                    last = t;
+                }
+                Event::Finished(kiln::nn::serve::FinishReason::Length) => {}
+                Event::Finished(f) => return Err(Error::invalid("serve-load", format!("request ended with {f:?}"))),
+            }
+        }
+    }
+    let ttft = idx.iter().map(|(id, &i)| first[id] - reqs[i].arrival).collect();
+    if kiln::tensor::profile::enabled() {
+        // KILN_PROFILE=1: where the engine's time went, by op.
+        eprintln!("engine steps: {}\n{}", engine.stats().steps, kiln::tensor::profile::report(25));
+    }
+    Ok((Outcome { tokens, makespan: last, ttft }, engine.stats().prefix_hit_tokens - base_hits))
+}
+
+/// The requests through `generate()`, one at a time in arrival order.
+fn sequential_run(model: &LlamaForCausalLM, reqs: &[Req]) -> Result<Outcome> {
+    let ids = |r: &Req| Tensor::from_vec(r.prompt.clone(), &[1, r.prompt.len()]);
+    // Each request's own time to its first token.
+    let mut alone = vec![];
+    generate(model, &ids(&reqs[0])?, 1, &Sampling::greedy())?;
+    for r in reqs {
+        let t = Instant::now();
+        generate(model, &ids(r)?, 1, &Sampling::greedy())?.to_vec::<i64>()?;
+        alone.push(t.elapsed().as_secs_f64());
+    }
+    let t0 = Instant::now();
+    let (mut tokens, mut ttft) = (0, vec![]);
+    for (r, a) in reqs.iter().zip(&alone) {
+        sleep_until(t0, r.arrival);
+        let start = t0.elapsed().as_secs_f64();
+        let out = generate(model, &ids(r)?, r.max_new, &Sampling::greedy())?;
+        tokens += out.shape()[1] - r.prompt.len();
+        ttft.push(start - r.arrival + a);
+    }
+    Ok(Outcome { tokens, makespan: t0.elapsed().as_secs_f64(), ttft })
+}
+
+/// Options of `serve-load`.
+pub struct ServeLoadArgs {
+    pub preset: String,
+    pub requests: usize,
+    pub gap_ms: f64,
+    pub seed: u64,
+    pub kv_mb: usize,
+    pub only: Vec<String>,
+    pub write_workload: Option<String>,
+}
+
+/// Runs the workloads and emits one line per system, then the ratios.
+pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
+    let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
+    let model = LlamaForCausalLM::new(&cfg, DType::F32)?;
+    let plain = workload(a.requests, cfg.vocab_size, a.seed, a.gap_ms, None);
+    let shared = workload(a.requests, cfg.vocab_size, a.seed + 1, a.gap_ms, Some(256));
+    if let Some(path) = &a.write_workload {
+        let w = |reqs: &[Req]| -> serde_json::Value {
+            reqs.iter()
+                .map(|r| json!({"prompt": r.prompt, "max_new_tokens": r.max_new, "arrival": r.arrival}))
+                .collect()
+        };
+        let body = json!({"config": cfg.to_json(DType::F32), "plain": w(&plain), "shared": w(&shared)});
+        std::fs::write(path, body.to_string()).map_err(|e| Error::invalid("kiln-bench", format!("{path}: {e}")))?;
+    }
+    let want = |name: &str| a.only.is_empty() || a.only.iter().any(|o| o == name);
+    let ecfg =
+        |sharing: bool| EngineConfig { kv_cache_bytes: a.kv_mb << 20, prefix_sharing: sharing, ..Default::default() };
+    let mut tps = HashMap::new();
+    let mut emit = |name: &str, o: Outcome, extra: &[(&str, serde_json::Value)]| {
+        tps.insert(name.to_string(), o.tokens as f64 / o.makespan);
+        o.line(name, extra).emit();
+    };
+    if want("engine") {
+        let (o, _) = engine_run(&model, &plain, ecfg(true))?;
+        emit("engine", o, &[("workload", json!("plain"))]);
+    }
+    if want("sequential") {
+        emit("sequential", sequential_run(&model, &plain)?, &[("workload", json!("plain"))]);
+    }
+    if want("shared") {
+        for sharing in [true, false] {
+            let (o, hits) = engine_run(&model, &shared, ecfg(sharing))?;
+            let name = if sharing { "engine-prefix-sharing" } else { "engine-no-prefix-sharing" };
+            emit(name, o, &[("workload", json!("shared-256")), ("prefix_hit_tokens", json!(hits))]);
+        }
+    }
+    let ratio = |a: &str, b: &str| match (tps.get(a), tps.get(b)) {
+        (Some(x), Some(y)) => Some(sig4(x / y)),
+        _ => None,
+    };
+    let mut l = Line::new("serve-load-ratios", "float32", "cpu");
+    if let Some(r) = ratio("engine", "sequential") {
+        l = l.set("engine_vs_sequential", r);
+    }
+    if let Some(r) = ratio("engine-prefix-sharing", "engine-no-prefix-sharing") {
+        l = l.set("prefix_sharing_vs_none", r);
+    }
+    if l.has("engine_vs_sequential") || l.has("prefix_sharing_vs_none") {
+        l.emit();
+    }
+    Ok(())
+}
