@@ -248,7 +248,9 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
             } else {
                 (m, e - s, d.get().add(s), a0, b0.add(s * g.b_cs))
             };
-            gemm_rows(rows, cols, k, dst, n, false, a0, g.a_rs, g.a_cs, b0, g.b_rs, g.b_cs, T::ONE)
+            let (a_rs, a_cs, b_rs, b_cs) = (g.a_rs, g.a_cs, g.b_rs, g.b_cs);
+            let (accumulate, scale) = (false, T::ONE);
+            Gemm { m: rows, n: cols, k, dst, ld: n, accumulate, a: a0, a_rs, a_cs, b: b0, b_rs, b_cs, scale }.run()
         }
     };
     if by_rows {
@@ -356,21 +358,9 @@ pub(super) fn gemm_small<T: GemmElem>(
     // with `read_dst` reads) dst at `i * ld + j`, whose largest value is inside `dst`,
     // which we borrow exclusively, so it cannot alias `a` or `b`. T is f32 or f64.
     unsafe {
-        gemm_rows(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            ld,
-            accumulate,
-            a.data.as_ptr().add(a.off),
-            a.rs,
-            a.cs,
-            b.data.as_ptr().add(b.off),
-            b.rs,
-            b.cs,
-            scale,
-        )
+        let (pa, pb) = (a.data.as_ptr().add(a.off), b.data.as_ptr().add(b.off));
+        let (a_rs, a_cs, b_rs, b_cs) = (a.rs, a.cs, b.rs, b.cs);
+        Gemm { m, n, k, dst: dst.as_mut_ptr(), ld, accumulate, a: pa, a_rs, a_cs, b: pb, b_rs, b_cs, scale }.run()
     }
 }
 
@@ -394,7 +384,7 @@ pub(super) fn gemm_small<T: GemmElem>(
 // cache-derived depth (k cut into equal parts) for larger ones. Inside one
 // depth block the microkernels add each element's terms in order (fused
 // multiply-adds into one accumulator) whatever its tile, and blocks add into
-// the output in order. `gemm_rows` therefore only calls gemm with shapes that
+// the output in order. `Gemm::run` therefore only calls gemm with shapes that
 // reach the microkernels with one depth rule: depth in chunks of `ROW_KC`
 // (512) terms, which both `kc` rules leave whole, added in order; and a depth
 // of at least 3, at least two columns, two rows and more than 256 elements,
@@ -408,166 +398,166 @@ pub(super) fn gemm_small<T: GemmElem>(
 // when on goes through the microkernels, which pack the whole weight for every
 // call: decoding one sequence of llama-16m ran at 0.4x.
 
-/// Depth of the chunks `gemm_rows` feeds gemm (Note [Row-invariant products]).
+/// Depth of the chunks `Gemm::run` feeds gemm (Note [Row-invariant products]).
 const ROW_KC: usize = 512;
 
-/// The fewest rows `gemm_rows` hands gemm for an `n`-column product.
+/// The fewest rows `Gemm::run` hands gemm for an `n`-column product.
 fn min_rows(n: usize) -> usize {
     (256 / n.max(1) + 1).max(2)
 }
 
-/// `dst = scale * a @ b` (or `dst += scale * a @ b` with `accumulate`), `a`
-/// `m x k`, `b` `k x n`, `dst` row-major with row stride `ld`, on the calling
-/// thread; with batch invariance on, each row's bits independent of the
-/// others (Note [Row-invariant products]). Needs `k > 0`.
-///
-/// # Safety
-/// `a + i * a_rs + p * a_cs` and `b + p * b_rs + j * b_cs` must be readable for
-/// `i < m`, `p < k`, `j < n`, and `dst + i * ld + j` writable (and, with
-/// `accumulate`, readable) for `i < m`, `j < n`, with nothing else accessing those
-/// destination elements during the call; `dst` must not overlap `a` or `b`.
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn gemm_rows<T: GemmElem>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut T,
-    ld: usize,
-    accumulate: bool,
-    a: *const T,
-    a_rs: usize,
-    a_cs: usize,
-    b: *const T,
-    b_rs: usize,
-    b_cs: usize,
-    scale: T,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if !kiln_tensor::is_batch_invariant() {
-        // SAFETY: the caller's contract is gemm's for this call.
-        unsafe { gemm_call(m, n, k, dst, ld, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, scale) };
-        return;
-    }
-    // Shapes gemm would send elsewhere: depth below 3 (its vector-vector
-    // kernel), one column, or too few rows (see `min_rows`).
-    let (kp, np) = (k.max(3), n.max(2));
-    let mp = m.max(min_rows(np));
-    if (mp, np, kp) != (m, n, k) {
-        // A scratch product padded with zeros (exact: the extra terms are 0 * 0),
-        // the real rows and columns first.
-        let mut pa = vec![T::ZERO; mp * kp];
-        let mut pd = vec![T::ZERO; mp * np];
-        for i in 0..m {
-            for p in 0..k {
-                // SAFETY: i < m and p < k: readable by the caller's contract.
-                pa[i * kp + p] = unsafe { *a.add(i * a_rs + p * a_cs) };
-            }
-            if accumulate {
-                for j in 0..n {
-                    // SAFETY: i < m and j < n: readable with `accumulate`.
-                    pd[i * np + j] = unsafe { *dst.add(i * ld + j) };
-                }
-            }
-        }
-        let pb = if (np, kp) != (n, k) {
-            let mut pb = vec![T::ZERO; kp * np];
-            for p in 0..k {
-                for j in 0..n {
-                    // SAFETY: p < k and j < n: readable by the caller's contract.
-                    pb[p * np + j] = unsafe { *b.add(p * b_rs + j * b_cs) };
-                }
-            }
-            Some(pb)
-        } else {
-            None
-        };
-        let (b, b_rs, b_cs) = match &pb {
-            Some(pb) => (pb.as_ptr(), np, 1),
-            None => (b, b_rs, b_cs),
-        };
-        // SAFETY: the scratch buffers hold `mp x kp`, `kp x np` and `mp x np`
-        // contiguous elements and are ours alone; an unpadded `b` keeps the
-        // caller's contract and cannot overlap them.
-        unsafe { gemm_rows(mp, np, kp, pd.as_mut_ptr(), np, accumulate, pa.as_ptr(), kp, 1, b, b_rs, b_cs, scale) };
-        for i in 0..m {
-            for j in 0..n {
-                // SAFETY: i < m and j < n: writable by the caller's contract.
-                unsafe { *dst.add(i * ld + j) = pd[i * np + j] };
-            }
-        }
-        return;
-    }
-    for p0 in (0..k).step_by(ROW_KC) {
-        let kc = ROW_KC.min(k - p0);
-        // SAFETY: the chunk reads columns p0..p0 + kc < k of `a` and rows p0..p0 + kc
-        // of `b`, inside the caller's bounds, and writes (reads after the first
-        // chunk) exactly the caller's `m x n` destination elements.
-        unsafe {
-            gemm_call(
-                m,
-                n,
-                kc,
-                dst,
-                ld,
-                accumulate || p0 > 0,
-                a.add(p0 * a_cs),
-                a_rs,
-                a_cs,
-                b.add(p0 * b_rs),
-                b_rs,
-                b_cs,
-                scale,
-            )
-        }
-    }
+/// One product for gemm: `dst = scale * a @ b` (or `dst += scale * a @ b`
+/// with `accumulate`), `a` `m x k`, `b` `k x n`, `dst` row-major with row
+/// stride `ld`, each operand by pointer and strides.
+#[derive(Clone, Copy)]
+pub(super) struct Gemm<T> {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub dst: *mut T,
+    pub ld: usize,
+    pub accumulate: bool,
+    pub a: *const T,
+    pub a_rs: usize,
+    pub a_cs: usize,
+    pub b: *const T,
+    pub b_rs: usize,
+    pub b_cs: usize,
+    pub scale: T,
 }
 
-/// One gemm call: `dst = scale * a @ b` (`+=` with `accumulate`) on this thread.
-///
-/// # Safety
-/// As [`gemm_rows`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_call<T: GemmElem>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut T,
-    ld: usize,
-    accumulate: bool,
-    a: *const T,
-    a_rs: usize,
-    a_cs: usize,
-    b: *const T,
-    b_rs: usize,
-    b_cs: usize,
-    scale: T,
-) {
-    // SAFETY: the caller guarantees the reads and writes gemm makes for these
-    // strides and sizes; gemm supports f32 and f64, the only `GemmElem`s.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            ld as isize,
-            accumulate,
-            a,
-            a_cs as isize,
-            a_rs as isize,
-            b,
-            b_cs as isize,
-            b_rs as isize,
-            T::ONE,
-            scale,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        )
+impl<T: GemmElem> Gemm<T> {
+    /// Runs the product on the calling thread; with batch invariance on, each
+    /// row's bits independent of the others (Note [Row-invariant products]).
+    /// Needs `k > 0`.
+    ///
+    /// # Safety
+    /// `a + i * a_rs + p * a_cs` and `b + p * b_rs + j * b_cs` must be readable
+    /// for `i < m`, `p < k`, `j < n`, and `dst + i * ld + j` writable (and,
+    /// with `accumulate`, readable) for `i < m`, `j < n`, with nothing else
+    /// accessing those destination elements during the call; `dst` must not
+    /// overlap `a` or `b`.
+    pub(super) unsafe fn run(self) {
+        let Gemm { m, n, k, dst, ld, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, .. } = self;
+        if m == 0 || n == 0 {
+            return;
+        }
+        if !kiln_tensor::is_batch_invariant() {
+            // SAFETY: the caller's contract is gemm's for this call.
+            unsafe { self.call() };
+            return;
+        }
+        // Shapes gemm would send elsewhere: depth below 3 (its vector-vector
+        // kernel), one column, or too few rows (see `min_rows`).
+        let (kp, np) = (k.max(3), n.max(2));
+        let mp = m.max(min_rows(np));
+        if (mp, np, kp) != (m, n, k) {
+            // A scratch product padded with zeros (exact: the extra terms are 0 * 0),
+            // the real rows and columns first.
+            let mut pa = vec![T::ZERO; mp * kp];
+            let mut pd = vec![T::ZERO; mp * np];
+            for i in 0..m {
+                for p in 0..k {
+                    // SAFETY: i < m and p < k: readable by the caller's contract.
+                    pa[i * kp + p] = unsafe { *a.add(i * a_rs + p * a_cs) };
+                }
+                if accumulate {
+                    for j in 0..n {
+                        // SAFETY: i < m and j < n: readable with `accumulate`.
+                        pd[i * np + j] = unsafe { *dst.add(i * ld + j) };
+                    }
+                }
+            }
+            let pb = if (np, kp) != (n, k) {
+                let mut pb = vec![T::ZERO; kp * np];
+                for p in 0..k {
+                    for j in 0..n {
+                        // SAFETY: p < k and j < n: readable by the caller's contract.
+                        pb[p * np + j] = unsafe { *b.add(p * b_rs + j * b_cs) };
+                    }
+                }
+                Some(pb)
+            } else {
+                None
+            };
+            let (b, b_rs, b_cs) = match &pb {
+                Some(pb) => (pb.as_ptr(), np, 1),
+                None => (b, b_rs, b_cs),
+            };
+            let padded = Gemm {
+                m: mp,
+                n: np,
+                k: kp,
+                dst: pd.as_mut_ptr(),
+                ld: np,
+                a: pa.as_ptr(),
+                a_rs: kp,
+                a_cs: 1,
+                b,
+                b_rs,
+                b_cs,
+                ..self
+            };
+            // SAFETY: the scratch buffers hold `mp x kp`, `kp x np` and `mp x np`
+            // contiguous elements and are ours alone; an unpadded `b` keeps the
+            // caller's contract and cannot overlap them.
+            unsafe { padded.run() };
+            for i in 0..m {
+                for j in 0..n {
+                    // SAFETY: i < m and j < n: writable by the caller's contract.
+                    unsafe { *dst.add(i * ld + j) = pd[i * np + j] };
+                }
+            }
+            return;
+        }
+        for p0 in (0..k).step_by(ROW_KC) {
+            // SAFETY: the chunk reads columns p0..p0 + kc < k of `a` and rows p0..p0 + kc
+            // of `b`, inside the caller's bounds, and writes (reads after the first
+            // chunk) exactly the caller's `m x n` destination elements.
+            unsafe {
+                let chunk = Gemm {
+                    k: ROW_KC.min(k - p0),
+                    accumulate: accumulate || p0 > 0,
+                    a: a.add(p0 * a_cs),
+                    b: b.add(p0 * b_rs),
+                    ..self
+                };
+                chunk.call()
+            }
+        }
+    }
+
+    /// One gemm call on this thread.
+    ///
+    /// # Safety
+    /// As [`Gemm::run`].
+    unsafe fn call(self) {
+        let Gemm { m, n, k, dst, ld, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, scale } = self;
+        // SAFETY: the caller guarantees the reads and writes gemm makes for these
+        // strides and sizes; gemm supports f32 and f64, the only `GemmElem`s.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst,
+                1,
+                ld as isize,
+                accumulate,
+                a,
+                a_cs as isize,
+                a_rs as isize,
+                b,
+                b_cs as isize,
+                b_rs as isize,
+                T::ONE,
+                scale,
+                false,
+                false,
+                false,
+                Parallelism::None,
+            )
+        }
     }
 }
 
