@@ -172,3 +172,72 @@ fn openai_client_and_curl_against_the_server() {
     eprintln!("{so}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Chat templates render as transformers' `apply_chat_template` renders them
+/// with Jinja2 (its `render_jinja_template`, in the transformers venv):
+/// whitespace control, trim/lstrip blocks, namespaces, slicing, Python string
+/// methods, `raise_exception`, and transformers' `tojson` (Python's
+/// `json.dumps`, not Jinja's HTML-escaping filter).
+#[test]
+fn chat_templates_render_as_transformers_does() {
+    let templates = [
+        TEMPLATE.to_string(),
+        concat!(
+            "{{- bos_token }}{%- set ns = namespace(sys='') %}{%- if messages[0]['role'] == 'system' %}",
+            "{%- set ns.sys = messages[0]['content'] | trim %}{%- set rest = messages[1:] %}{%- else %}",
+            "{%- set rest = messages %}{%- endif %}{%- if ns.sys %}<|start_header_id|>system<|end_header_id|>\n\n",
+            "{{ ns.sys }}<|eot_id|>{%- endif %}{%- for m in rest %}{%- if m['role'] not in ['user', 'assistant'] %}",
+            "{{ raise_exception('unknown role ' + m['role']) }}{%- endif %}<|start_header_id|>{{ m['role'] }}",
+            "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{%- endfor %}{%- if add_generation_prompt %}",
+            "<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+        )
+        .to_string(),
+        concat!(
+            "{% for message in messages %}{% if message.content.startswith('/') %}[command]",
+            "{{ message.content.split(' ')[0] | tojson }}{% else %}{{ message.role | upper }}: ",
+            "{{ message.content | tojson }} {{ {'role': message.role, 'n': loop.index, 'ok': true, 'x': none} | tojson }}",
+            "{% endif %}{% if not loop.last %}\n{% endif %}{% endfor %}{% if add_generation_prompt %}\nASSISTANT:",
+            "{% endif %}{{ eos_token }}{{ messages | map(attribute='role') | list | tojson(indent=2) }}"
+        )
+        .to_string(),
+        "{% for m in messages %}\n    {% if m.role == 'user' %}\nUser: {{ m.content }}\n    {% else %}\n{{ m.role }}: {{ m.content }}\n    {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}\nAssistant:\n{% endif %}\n".to_string(),
+    ];
+    let messages = vec![
+        Message { role: "system".into(), content: "  You are terse.  ".into() },
+        Message {
+            role: "user".into(),
+            content: "Hi \"there\" <b> & 'friends' \u{2014} \u{fc}n\u{ef}c\u{f6}d\u{e9}\\\nline2\ttab".into(),
+        },
+        Message { role: "assistant".into(), content: "Hello!".into() },
+        Message { role: "user".into(), content: "/help me".into() },
+    ];
+    let (bos, eos) = ("<s>", "</s>");
+    let ours: Vec<String> = templates
+        .iter()
+        .map(|t| ChatTemplate::new(t, true).unwrap().with_special_tokens(bos, eos).render(&messages).unwrap())
+        .collect();
+    let dir = std::env::temp_dir().join(format!("kiln-chat-templates-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("input.json");
+    std::fs::write(&input, json!({"templates": templates, "messages": messages, "bos": bos, "eos": eos}).to_string())
+        .unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-transformers-venv");
+    let out = Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+    let python = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let code = "import json, sys\nfrom transformers.utils.chat_template_utils import render_jinja_template\n\
+        d = json.load(open(sys.argv[1]))\nout = []\nfor t in d['templates']:\n\
+        \x20   r = render_jinja_template([d['messages']], chat_template=t, add_generation_prompt=True, bos_token=d['bos'], eos_token=d['eos'])\n\
+        \x20   out.append(r[0][0])\nprint(json.dumps(out))\n";
+    let out = Command::new(python).arg("-c").arg(code).arg(&input).output().unwrap();
+    assert!(out.status.success(), "transformers failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let theirs: Vec<String> = serde_json::from_slice(out.stdout.trim_ascii()).unwrap();
+    for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        assert_eq!(a, b, "template {i}: kiln's rendering differs from transformers'");
+    }
+    // An unknown role reaches raise_exception: an error, as in transformers.
+    let bad = vec![Message { role: "tool".into(), content: "x".into() }];
+    let e = ChatTemplate::new(&templates[1], true).unwrap().render(&bad).unwrap_err().to_string();
+    assert!(e.contains("unknown role tool"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}

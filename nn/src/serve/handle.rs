@@ -137,8 +137,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// A handle on an engine running on its own thread (Note [Engine thread]):
-/// `Send + Sync`, cheap to clone; the thread stops when the last handle is
-/// dropped (after finishing nothing: running requests end as cancelled).
+/// `Send + Sync`, cheap to clone. Dropping the last handle stops the thread;
+/// requests still waiting or running then end with `FinishReason::Cancelled`.
 #[derive(Clone)]
 pub struct EngineHandle {
     shared: Arc<Shared>,
@@ -261,8 +261,10 @@ fn run(mut engine: Engine, shared: &Shared) {
         m.tokens_per_s = if secs > 0.0 { stats.generated_tokens as f64 / secs } else { 0.0 };
         m.engine = stats;
     }
-    for (_, tx) in streams {
+    let mut inbox = lock(&shared.inbox);
+    inbox.dead = true;
+    let queued = inbox.new.drain(..).map(|(_, tx)| tx);
+    for tx in streams.into_values().chain(queued) {
         let _ = tx.send(Event::Finished(FinishReason::Cancelled));
     }
-    lock(&shared.inbox).dead = true;
 }

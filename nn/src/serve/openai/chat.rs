@@ -1,8 +1,11 @@
 //! Chat templates: the Jinja template of `tokenizer_config.json`, rendered
 //! with minijinja the way transformers' `apply_chat_template` renders it
-//! (`trim_blocks` and `lstrip_blocks`, loop controls, `raise_exception`,
-//! `tojson`, Python string methods, the special tokens as variables).
+//! with Jinja2 (`trim_blocks` and `lstrip_blocks`, loop controls,
+//! `raise_exception`, Python string methods, the special tokens as
+//! variables, and transformers' own `tojson`: Python's `json.dumps`, not
+//! Jinja's HTML-escaping filter). `strftime_now` is not provided.
 use kiln_tensor::{Error, Result};
+use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{context, Environment, ErrorKind, Value};
 use serde::Serialize;
 use std::path::Path;
@@ -73,9 +76,17 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| Error::invalid("serve", format!("the chat template does not parse: {e}")))?;
         Ok(ChatTemplate { env, bos: String::new(), eos: String::new(), from_model })
+    }
+
+    /// With these special tokens as `bos_token` and `eos_token`.
+    pub fn with_special_tokens(mut self, bos: &str, eos: &str) -> ChatTemplate {
+        self.bos = bos.to_string();
+        self.eos = eos.to_string();
+        self
     }
 
     /// The prompt text of `messages`, ending where the assistant's answer starts.
@@ -88,5 +99,136 @@ impl ChatTemplate {
             eos_token => self.eos,
         })
         .map_err(|e| Error::invalid("serve", format!("cannot render the chat template: {e}")))
+    }
+}
+
+/// transformers' `tojson` filter: Python's `json.dumps(x, ensure_ascii=False,
+/// indent=None, separators=None, sort_keys=False)` with those keyword arguments.
+fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<String, minijinja::Error> {
+    let ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let seps: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.as_i64() {
+            Some(n) => Some(" ".repeat(n.max(0) as usize)),
+            None => Some(v.as_str().unwrap_or_default().to_string()),
+        },
+    };
+    let (item, key) = match seps.as_deref() {
+        Some([i, k]) => (i.clone(), k.clone()),
+        _ => ((if indent.is_some() { "," } else { ", " }).to_string(), ": ".to_string()),
+    };
+    let fmt = JsonFmt { ascii: ascii.unwrap_or(false), indent, item, key, sort: sort.unwrap_or(false) };
+    let mut out = String::new();
+    fmt.value(&value, 0, &mut out)?;
+    Ok(out)
+}
+
+/// Python's `json.dumps` layout.
+struct JsonFmt {
+    ascii: bool,
+    indent: Option<String>,
+    item: String,
+    key: String,
+    sort: bool,
+}
+
+impl JsonFmt {
+    fn newline(&self, depth: usize, out: &mut String) {
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            for _ in 0..depth {
+                out.push_str(ind);
+            }
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ascii && (c as u32) > 0x7e) => {
+                    let mut buf = [0u16; 2];
+                    for u in c.encode_utf16(&mut buf) {
+                        out.push_str(&format!("\\u{:04x}", u));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+
+    fn value(&self, v: &Value, depth: usize, out: &mut String) -> std::result::Result<(), minijinja::Error> {
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number => match v.as_i64() {
+                Some(i) if !v.to_string().contains('.') => out.push_str(&i.to_string()),
+                _ => {
+                    let f = f64::try_from(v.clone()).unwrap_or(f64::NAN);
+                    out.push_str(&if f.is_nan() {
+                        "NaN".into()
+                    } else if f.is_infinite() {
+                        (if f > 0.0 { "Infinity" } else { "-Infinity" }).into()
+                    } else {
+                        format!("{f:?}")
+                    });
+                }
+            },
+            ValueKind::String => self.string(v.as_str().unwrap_or_default(), out),
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = v.try_iter()?.collect();
+                if items.is_empty() {
+                    out.push_str("[]");
+                    return Ok(());
+                }
+                out.push('[');
+                for (i, x) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    self.value(x, depth + 1, out)?;
+                }
+                self.newline(depth, out);
+                out.push(']');
+            }
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = v.try_iter()?.collect();
+                if self.sort {
+                    keys.sort_by_key(|k| k.to_string());
+                }
+                if keys.is_empty() {
+                    out.push_str("{}");
+                    return Ok(());
+                }
+                out.push('{');
+                for (i, k) in keys.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    self.string(&k.to_string(), out);
+                    out.push_str(&self.key);
+                    self.value(&v.get_item(k)?, depth + 1, out)?;
+                }
+                self.newline(depth, out);
+                out.push('}');
+            }
+            _ => self.string(&v.to_string(), out),
+        }
+        Ok(())
     }
 }
