@@ -170,6 +170,31 @@ impl JsonFmt {
         out.push('"');
     }
 
+    /// A list or an object: `open`, the entries (each written by `entry`)
+    /// between separators and line breaks, `close`; empty ones as `[]` / `{}`.
+    fn container(
+        &self,
+        (open, close): (char, char),
+        entries: &[Value],
+        depth: usize,
+        out: &mut String,
+        mut entry: impl FnMut(&Value, &mut String) -> std::result::Result<(), minijinja::Error>,
+    ) -> std::result::Result<(), minijinja::Error> {
+        out.push(open);
+        for (i, x) in entries.iter().enumerate() {
+            if i > 0 {
+                out.push_str(&self.item);
+            }
+            self.newline(depth + 1, out);
+            entry(x, out)?;
+        }
+        if !entries.is_empty() {
+            self.newline(depth, out);
+        }
+        out.push(close);
+        Ok(())
+    }
+
     fn value(&self, v: &Value, depth: usize, out: &mut String) -> std::result::Result<(), minijinja::Error> {
         match v.kind() {
             ValueKind::Undefined | ValueKind::None => out.push_str("null"),
@@ -190,42 +215,18 @@ impl JsonFmt {
             ValueKind::String => self.string(v.as_str().unwrap_or_default(), out),
             ValueKind::Seq | ValueKind::Iterable => {
                 let items: Vec<Value> = v.try_iter()?.collect();
-                if items.is_empty() {
-                    out.push_str("[]");
-                    return Ok(());
-                }
-                out.push('[');
-                for (i, x) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push_str(&self.item);
-                    }
-                    self.newline(depth + 1, out);
-                    self.value(x, depth + 1, out)?;
-                }
-                self.newline(depth, out);
-                out.push(']');
+                self.container(('[', ']'), &items, depth, out, |x, out| self.value(x, depth + 1, out))?;
             }
             ValueKind::Map => {
                 let mut keys: Vec<Value> = v.try_iter()?.collect();
                 if self.sort {
                     keys.sort_by_key(|k| k.to_string());
                 }
-                if keys.is_empty() {
-                    out.push_str("{}");
-                    return Ok(());
-                }
-                out.push('{');
-                for (i, k) in keys.iter().enumerate() {
-                    if i > 0 {
-                        out.push_str(&self.item);
-                    }
-                    self.newline(depth + 1, out);
+                self.container(('{', '}'), &keys, depth, out, |k, out| {
                     self.string(&k.to_string(), out);
                     out.push_str(&self.key);
-                    self.value(&v.get_item(k)?, depth + 1, out)?;
-                }
-                self.newline(depth, out);
-                out.push('}');
+                    self.value(&v.get_item(k)?, depth + 1, out)
+                })?;
             }
             _ => self.string(&v.to_string(), out),
         }
