@@ -89,11 +89,16 @@ impl Sampling {
     }
 
     fn check(&self) -> Result<()> {
+        self.check_for("generate")
+    }
+
+    /// Checks temperature and top-p, errors naming `op`.
+    pub(crate) fn check_for(&self, op: &'static str) -> Result<()> {
         if self.temperature.is_nan() || self.temperature < 0.0 || self.temperature.is_infinite() {
-            return Err(Error::invalid("generate", format!("temperature must be >= 0, got {}", self.temperature)));
+            return Err(Error::invalid(op, format!("temperature must be >= 0, got {}", self.temperature)));
         }
         if self.top_p.is_nan() || self.top_p <= 0.0 || self.top_p > 1.0 {
-            return Err(Error::invalid("generate", format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(Error::invalid(op, format!("top_p must be in (0, 1], got {}", self.top_p)));
         }
         Ok(())
     }

@@ -70,18 +70,7 @@ impl Request {
         if self.stop_strings.iter().any(|s| s.is_empty()) {
             return bad("stop strings must not be empty".into());
         }
-        self.sampling_check()
-    }
-
-    fn sampling_check(&self) -> Result<()> {
-        let s = &self.sampling;
-        if s.temperature.is_nan() || s.temperature < 0.0 || s.temperature.is_infinite() {
-            return Err(Error::invalid("serve", format!("temperature must be >= 0, got {}", s.temperature)));
-        }
-        if s.top_p.is_nan() || s.top_p <= 0.0 || s.top_p > 1.0 {
-            return Err(Error::invalid("serve", format!("top_p must be in (0, 1], got {}", s.top_p)));
-        }
-        Ok(())
+        self.sampling.check_for("serve")
     }
 }
 
