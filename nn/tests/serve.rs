@@ -191,6 +191,13 @@ fn bad_requests_are_refused() {
     assert!(err(Request::new(vec![1], 4).with_sampling(Sampling::sample(f64::NAN))).contains("temperature"));
     assert!(!engine.has_work());
     assert!(Engine::new(model(4), EngineConfig { max_num_seqs: 0, ..Default::default() }).is_err());
+    // Sizes past usize or a zero block size are errors, not panics.
+    assert!(Engine::new(model(4), EngineConfig { block_size: usize::MAX, ..Default::default() }).is_err());
+    use kiln::nn::serve::{PagedBatch, SeqChunk};
+    let chunk = |start: usize| [SeqChunk { tokens: &[1, 2], start, blocks: &[0], logits: true }];
+    assert!(PagedBatch::new(&chunk(0), 0, Device::Cpu).is_err());
+    assert!(PagedBatch::new(&chunk(usize::MAX), 4, Device::Cpu).is_err());
+    assert!(PagedBatch::new(&chunk(0), 4, Device::Cpu).is_ok());
 }
 
 /// The paged forward gives a sequence's logits bit for bit as incremental

@@ -154,6 +154,9 @@ impl PagedLayout {
         let s = lens.len();
         let max_blocks = tables.len().checked_div(s).unwrap_or(0);
         let err = |m: String| Err(Error::index(OP, m));
+        if block_size == 0 {
+            return Err(Error::invalid(OP, "the block size must be positive"));
+        }
         if starts.first() != Some(&0) || starts.last() != Some(&(n as i64)) {
             return err(format!("query_start must run from 0 to the {n} query rows, got {starts:?}"));
         }

@@ -13,10 +13,13 @@ pub struct PagedKvCache {
 }
 
 impl PagedKvCache {
-    /// The bytes one block takes over all layers, keys and values.
+    /// The bytes one block takes over all layers, keys and values
+    /// (`usize::MAX` when that does not fit a `usize`).
     pub fn bytes_per_block(model: &LlamaForCausalLM, block_size: usize) -> usize {
         let c = model.config();
-        2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * model.dtype().size_in_bytes()
+        [c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, model.dtype().size_in_bytes()]
+            .iter()
+            .fold(2usize, |a, &b| a.saturating_mul(b))
     }
 
     /// A pool of `num_blocks` blocks of `block_size` positions, zeroed.
@@ -116,12 +119,20 @@ pub struct PagedBatch {
 impl PagedBatch {
     /// Packs `seqs` for a cache of blocks of `block_size`, on `device`.
     pub fn new(seqs: &[SeqChunk<'_>], block_size: usize, device: Device) -> Result<PagedBatch> {
+        if block_size == 0 {
+            return Err(Error::invalid("PagedBatch", "the block size must be positive"));
+        }
         let mb = seqs.iter().map(|s| s.blocks.len()).max().unwrap_or(0).max(1);
         let (mut ids, mut pos, mut tables, mut lens, mut starts, mut rows) =
             (vec![], vec![], vec![], vec![], vec![0i64], vec![]);
         let mut runs: Vec<(usize, usize, usize)> = vec![];
         for s in seqs {
-            let end = s.start + s.tokens.len();
+            let Some(end) = s.start.checked_add(s.tokens.len()) else {
+                return Err(Error::invalid(
+                    "PagedBatch",
+                    format!("a chunk starting at position {} overflows", s.start),
+                ));
+            };
             if end.div_ceil(block_size) > s.blocks.len() {
                 return Err(Error::invalid(
                     "PagedBatch",
