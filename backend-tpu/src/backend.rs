@@ -638,6 +638,10 @@ impl Backend for PjrtBackend {
         self.drain().and(r)
     }
 
+    fn capture(&self, device: Device, f: kiln_tensor::CaptureFn) -> Option<Box<dyn kiln_tensor::Captured>> {
+        Some(Box::new(crate::capture::compile(device, f)))
+    }
+
     fn supports_meshes(&self) -> bool {
         true
     }

@@ -244,6 +244,16 @@ where
     }
 }
 
+/// [`Backend::capture`](kiln_tensor::Backend::capture) on PJRT: library code's way to [`compile`].
+impl kiln_tensor::Captured for Compiled<kiln_tensor::CaptureFn> {
+    fn call(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        Compiled::call(self, inputs)
+    }
+    fn counts(&self) -> (u64, u64) {
+        (self.stats.traces, self.stats.replays)
+    }
+}
+
 fn log(msg: &str) {
     if std::env::var("KILN_LOG_COMPILES").is_ok_and(|v| v == "1")
         || std::env::var("KILN_LOG_RETRACES").is_ok_and(|v| v == "1")

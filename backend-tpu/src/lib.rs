@@ -145,6 +145,13 @@ impl kiln_tensor::Backend for Registered {
     fn synchronize(&self, device: kiln_tensor::Device) -> Result<()> {
         self.0.synchronize(device)
     }
+    fn capture(
+        &self,
+        device: kiln_tensor::Device,
+        f: kiln_tensor::CaptureFn,
+    ) -> Option<Box<dyn kiln_tensor::Captured>> {
+        self.0.capture(device, f)
+    }
     fn supports_meshes(&self) -> bool {
         self.0.supports_meshes()
     }

@@ -131,6 +131,12 @@ pub trait Backend: Send + Sync + 'static {
     fn synchronize(&self, _device: Device) -> Result<()> {
         Ok(())
     }
+    /// `f` captured into programs of this backend on `device` (`kiln::compile`
+    /// on PJRT), for library code that knows no backend crate, such as the
+    /// serving engine's decode step; `None` where ops run one by one anyway.
+    fn capture(&self, _device: Device, _f: CaptureFn) -> Option<Box<dyn Captured>> {
+        None
+    }
 
     // ---- distributed tensors (see `distributed.rs`); backends without meshes keep the defaults.
 
@@ -179,6 +185,24 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Tensor> {
         Err(no_meshes(self.name(), mesh))
     }
+}
+
+/// A function a backend captures (see [`Backend::capture`]).
+pub type CaptureFn = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send>;
+
+/// A captured function: called like the function, it traces it once per
+/// input signature and replays the program afterwards.
+pub trait Captured: Send {
+    /// Runs the function (its program) on `inputs`.
+    fn call(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>>;
+    /// `(traces, replays)` so far.
+    fn counts(&self) -> (u64, u64);
+}
+
+/// `f` captured on `device` by its backend, or `None` when the backend runs
+/// op by op (the CPU) or `device` has no backend.
+pub fn capture(device: Device, f: CaptureFn) -> Option<Box<dyn Captured>> {
+    device.backend().ok()?.capture(device, f)
 }
 
 /// The function of a local region: each device's blocks in, its blocks out.

@@ -52,8 +52,8 @@ pub use composite::{rms_norm_grads, CrossEntropy, Reduction};
 pub use convert::{reading_via, TensorData};
 pub use create::TensorOptions;
 pub use device::{
-    backend_for, check_assign, is_registered, register_backend, registered_devices, Backend, Device, DeviceKind,
-    LocalFn, Meta,
+    backend_for, capture, check_assign, is_registered, register_backend, registered_devices, Backend, CaptureFn,
+    Captured, Device, DeviceKind, LocalFn, Meta,
 };
 pub use distributed::distribute_tensor;
 pub use dtype::{Category, DType, Element};
