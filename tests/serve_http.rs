@@ -177,7 +177,7 @@ fn openai_client_and_curl_against_the_server() {
 /// with Jinja2 (its `render_jinja_template`, in the transformers venv):
 /// whitespace control, trim/lstrip blocks, namespaces, slicing, Python string
 /// methods, `raise_exception`, and transformers' `tojson` (Python's
-/// `json.dumps`, not Jinja's HTML-escaping filter).
+/// `json.dumps`, not Jinja's HTML-escaping filter), `strftime_now`.
 #[test]
 fn chat_templates_render_as_transformers_does() {
     let templates = [
@@ -200,6 +200,8 @@ fn chat_templates_render_as_transformers_does() {
             "{% endif %}{{ eos_token }}{{ messages | map(attribute='role') | list | tojson(indent=2) }}"
         )
         .to_string(),
+        // Llama 3.1's date line (the local date; Python's `datetime.now().strftime`).
+        "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n' }}{{ strftime_now('%A %B %j %y %m %%') }}".to_string(),
         "{% for m in messages %}\n    {% if m.role == 'user' %}\nUser: {{ m.content }}\n    {% else %}\n{{ m.role }}: {{ m.content }}\n    {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}\nAssistant:\n{% endif %}\n".to_string(),
     ];
     let messages = vec![

@@ -3,7 +3,8 @@
 //! with Jinja2 (`trim_blocks` and `lstrip_blocks`, loop controls,
 //! `raise_exception`, Python string methods, the special tokens as
 //! variables, and transformers' own `tojson`: Python's `json.dumps`, not
-//! Jinja's HTML-escaping filter). `strftime_now` is not provided.
+//! Jinja's HTML-escaping filter), and `strftime_now(format)`: the local time
+//! as Python's `datetime.now().strftime(format)` gives it.
 use kiln_tensor::{Error, Result};
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{context, Environment, ErrorKind, Value};
@@ -77,6 +78,7 @@ impl ChatTemplate {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
         env.add_filter("tojson", tojson);
+        env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| Error::invalid("serve", format!("the chat template does not parse: {e}")))?;
         Ok(ChatTemplate { env, bos: String::new(), eos: String::new(), from_model })
@@ -100,6 +102,25 @@ impl ChatTemplate {
         })
         .map_err(|e| Error::invalid("serve", format!("cannot render the chat template: {e}")))
     }
+}
+
+/// transformers' `strftime_now`: the local time in a strftime `format`; a
+/// directive chrono does not know is a template error, not a panic.
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    strftime(&chrono::Local::now(), &format)
+}
+
+fn strftime<Tz: chrono::TimeZone>(
+    t: &chrono::DateTime<Tz>,
+    format: &str,
+) -> std::result::Result<String, minijinja::Error>
+where
+    Tz::Offset: std::fmt::Display,
+{
+    let items = chrono::format::StrftimeItems::new(format).parse().map_err(|_| {
+        minijinja::Error::new(ErrorKind::InvalidOperation, format!("strftime_now: bad format {format:?}"))
+    })?;
+    Ok(t.format_with_items(items.iter()).to_string())
 }
 
 /// transformers' `tojson` filter: Python's `json.dumps(x, ensure_ascii=False,
@@ -231,5 +252,22 @@ impl JsonFmt {
             _ => self.string(&v.to_string(), out),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    #[test]
+    fn strftime_formats_as_python_and_refuses_unknown_directives() {
+        let t = chrono::Utc.with_ymd_and_hms(2024, 7, 3, 9, 5, 7).unwrap();
+        // Python: datetime(2024, 7, 3, 9, 5, 7).strftime(...)
+        assert_eq!(strftime(&t, "%d %b %Y").unwrap(), "03 Jul 2024");
+        assert_eq!(strftime(&t, "%A %B %-d, %H:%M:%S %j %y %%").unwrap(), "Wednesday July 3, 09:05:07 185 24 %");
+        assert!(strftime(&t, "%Q").is_err());
+        let bad = ChatTemplate::new("{{ strftime_now('%Q') }}", true).unwrap().render(&[]).unwrap_err();
+        assert!(bad.to_string().contains("bad format"), "{bad}");
     }
 }
