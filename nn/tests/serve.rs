@@ -5,9 +5,13 @@
 //! cannot run are refused with a clear error.
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
+use kiln::nn::quantize::{quantize_model, QuantScheme};
 use kiln::nn::serve::{Engine, EngineConfig, Event, FinishReason, PagedKvCache, Request};
+use kiln::nn::Module;
 use kiln::prelude::*;
 use std::collections::BTreeMap;
+
+mod support;
 
 fn model(seed: u64) -> LlamaForCausalLM {
     let cfg = LlamaConfig::from_json_str(
@@ -90,7 +94,12 @@ fn requests() -> Vec<(u64, Request)> {
 fn check(m: &LlamaForCausalLM, reqs: &[(u64, Request)], got: &[(Vec<i64>, FinishReason)]) {
     for ((_, r), (tokens, why)) in reqs.iter().zip(got) {
         let want = alone(m, r);
-        assert_eq!(tokens, &want, "prompt of {} tokens: the engine's tokens differ from generate()'s", r.prompt.len());
+        assert_eq!(
+            tokens,
+            &want,
+            "prompt of {} tokens: the engine's tokens (ended by {why:?}) differ from generate()'s",
+            r.prompt.len()
+        );
         let stopped = want.last().is_some_and(|t| r.stop_token_ids.contains(t));
         assert_eq!(*why, if stopped { FinishReason::Stop } else { FinishReason::Length });
     }
@@ -111,6 +120,40 @@ fn batched_requests_equal_generate_alone() {
     assert_eq!(st.generated_tokens as usize, got.iter().map(|g| g.0.len()).sum::<usize>());
     assert_eq!(st.ttft_count as usize, reqs.len());
     assert!(st.ttft_quantile(0.5).is_some() && st.ttft_quantile(0.5) <= st.ttft_quantile(0.99));
+}
+
+#[test]
+fn kept_quantized_models_serve_what_generate_gives() {
+    kiln::tensor::set_batch_invariant(true);
+    for scheme in [QuantScheme::Nvfp4, QuantScheme::Fp8Block([16, 16])] {
+        let mut m = model(3);
+        quantize_model(&mut m, scheme).unwrap();
+        let cfg = EngineConfig { block_size: 8, max_batched_tokens: 32, max_num_seqs: 3, ..Default::default() };
+        let mut engine = Engine::new(m.clone(), cfg).unwrap();
+        let reqs: Vec<(u64, Request)> = requests().into_iter().take(5).collect();
+        let got = serve(&mut engine, reqs.clone());
+        check(&m, &reqs, &got);
+    }
+}
+
+/// On PJRT, decoding sequences run through one captured program per
+/// batch-size bucket (Note [Decode programs]): traced twice per bucket, then
+/// replayed, with the tokens `generate()` gives on the same device.
+#[test]
+fn pjrt_decodes_through_one_captured_program_per_bucket() {
+    support::register_tpu();
+    let mut m = model(5);
+    m.to_device(Device::Tpu(0)).unwrap();
+    let cfg = EngineConfig { block_size: 8, max_batched_tokens: 32, max_num_seqs: 4, ..Default::default() };
+    let mut engine = Engine::new(m.clone(), cfg).unwrap();
+    let reqs = requests();
+    let got = serve(&mut engine, reqs.clone());
+    check(&m, &reqs, &got);
+    let st = engine.stats();
+    // Buckets 1, 2 and 4: at most two traces each, every other decode step a replay.
+    assert!(st.decode_traces >= 2 && st.decode_traces <= 6, "{st:?}");
+    assert!(st.decode_replays > 20, "{st:?}");
+    assert_eq!(st.kv_blocks_used, 0);
 }
 
 #[test]

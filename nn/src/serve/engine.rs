@@ -2,11 +2,12 @@
 //! step per iteration over every running sequence (Note [Iteration-level
 //! scheduling]). Single-threaded; `handle.rs` runs it on its own thread.
 use super::blocks::Blocks;
+use super::decode::{DecodeProgram, DecodeRow};
 use super::kv::{PagedBatch, PagedKvCache, SeqChunk};
 use super::request::{Event, FinishReason, Request};
 use crate::generate::choose;
 use crate::models::LlamaForCausalLM;
-use kiln_tensor::{Error, Generator, Result};
+use kiln_tensor::{Error, Generator, Result, Tensor};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -140,6 +141,10 @@ pub struct EngineStats {
     pub ttft_sum: Duration,
     /// The latest times to first token (at most [`TTFT_WINDOW`]), oldest first.
     pub ttft_recent: VecDeque<Duration>,
+    /// Traces of the captured decode step (PJRT; Note [Decode programs]).
+    pub decode_traces: u64,
+    /// Replays of the captured decode step.
+    pub decode_replays: u64,
 }
 
 /// How many recent times to first token [`EngineStats`] keeps.
@@ -158,7 +163,9 @@ impl EngineStats {
 /// The serving engine's core (see the module docs).
 pub struct Engine {
     model: LlamaForCausalLM,
-    cache: PagedKvCache,
+    cache: Arc<PagedKvCache>,
+    /// The captured decode step, on backends that capture.
+    decode: Option<DecodeProgram>,
     blocks: Blocks,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
@@ -180,13 +187,24 @@ impl Engine {
                 ),
             ));
         }
-        let cache = PagedKvCache::with_budget(&model, cfg.kv_cache_bytes, cfg.block_size)?;
-        let blocks = Blocks::new(cache.num_blocks(), cfg.prefix_sharing);
-        let max_context = model.config().max_position_embeddings;
-        let stats = EngineStats { kv_blocks_total: cache.num_blocks(), ..Default::default() };
+        let cache = Arc::new(PagedKvCache::with_budget(&model, cfg.kv_cache_bytes, cfg.block_size)?);
+        let bs = cfg.block_size;
+        // With a captured decode step, the pool's last block is the scratch
+        // block of padded rows (Note [Decode programs]).
+        let (n, max_pos) = (cache.num_blocks(), model.config().max_position_embeddings);
+        let width = max_pos.min((n - 1) * bs).div_ceil(bs);
+        let decode = match n {
+            1 => None,
+            _ => DecodeProgram::new(&model, &cache, width, n - 1, cfg.max_num_seqs)?,
+        };
+        let usable = if decode.is_some() { n - 1 } else { n };
+        let blocks = Blocks::new(usable, cfg.prefix_sharing);
+        let max_context = max_pos.min(usable * bs);
+        let stats = EngineStats { kv_blocks_total: usable, ..Default::default() };
         Ok(Engine {
             model,
             cache,
+            decode,
             blocks,
             waiting: VecDeque::new(),
             running: vec![],
@@ -209,15 +227,18 @@ impl Engine {
 
     /// The longest prompt + new tokens a request may ask for.
     pub fn max_context(&self) -> usize {
-        self.max_context.min(self.cache.num_blocks() * self.cache.block_size())
+        self.max_context
     }
 
     /// Counters and gauges.
     pub fn stats(&self) -> EngineStats {
+        let (decode_traces, decode_replays) = self.decode.as_ref().map_or((0, 0), |d| d.counts());
         EngineStats {
             waiting: self.waiting.len(),
             running: self.running.len(),
             kv_blocks_used: self.blocks.used(),
+            decode_traces,
+            decode_replays,
             ..self.stats.clone()
         }
     }
@@ -412,17 +433,40 @@ impl Engine {
         out
     }
 
-    fn run(&mut self, plan: &[(usize, usize)], out: &mut Vec<StepOutput>) -> Result<()> {
+    /// Runs the model over `plan`: the logits `[1, vocab]` of each entry that
+    /// is due a token. Decoding sequences go through the captured decode step
+    /// where there is one (Note [Decode programs]), the rest in one
+    /// `forward_paged`.
+    fn logits(&mut self, plan: &[(usize, usize)]) -> Result<Vec<Option<Tensor>>> {
         let bs = self.cache.block_size();
-        for &(i, chunk) in plan {
-            let s = &self.running[i];
-            for p in (s.computed..s.computed + chunk).step_by(bs) {
-                self.blocks.check_writable(s.blocks[p / bs])?;
+        let mut logits: Vec<Option<Tensor>> = vec![None; plan.len()];
+        let decoding = |s: &Seq, chunk: usize| chunk == 1 && s.computed + 1 == s.tokens.len();
+        let mut eager: Vec<usize> = (0..plan.len()).collect();
+        if let Some(program) = &mut self.decode {
+            let (dec, rest): (Vec<usize>, Vec<usize>) =
+                eager.iter().partition(|&&k| decoding(&self.running[plan[k].0], plan[k].1));
+            if !dec.is_empty() {
+                let rows: Vec<DecodeRow<'_>> = dec
+                    .iter()
+                    .map(|&k| {
+                        let s = &self.running[plan[k].0];
+                        DecodeRow { token: s.tokens[s.computed], position: s.computed, blocks: &s.blocks }
+                    })
+                    .collect();
+                let l = program.run(&rows)?;
+                for (j, &k) in dec.iter().enumerate() {
+                    logits[k] = Some(l.narrow(0, j as isize, 1)?);
+                }
             }
+            eager = rest;
         }
-        let chunks: Vec<SeqChunk<'_>> = plan
+        if eager.is_empty() {
+            return Ok(logits);
+        }
+        let chunks: Vec<SeqChunk<'_>> = eager
             .iter()
-            .map(|&(i, chunk)| {
+            .map(|&k| {
+                let (i, chunk) = plan[k];
                 let s = &self.running[i];
                 SeqChunk {
                     tokens: &s.tokens[s.computed..s.computed + chunk],
@@ -433,10 +477,28 @@ impl Engine {
             })
             .collect();
         let batch = PagedBatch::new(&chunks, bs, self.model.device())?;
-        let logits = self.model.forward_paged(&batch, &self.cache)?;
+        let l = self.model.forward_paged(&batch, &self.cache)?;
         let mut row = 0;
-        let mut done = vec![];
+        for (c, &k) in chunks.iter().zip(&eager) {
+            if c.logits && !c.tokens.is_empty() {
+                logits[k] = Some(l.narrow(0, row as isize, 1)?);
+                row += 1;
+            }
+        }
+        Ok(logits)
+    }
+
+    fn run(&mut self, plan: &[(usize, usize)], out: &mut Vec<StepOutput>) -> Result<()> {
+        let bs = self.cache.block_size();
         for &(i, chunk) in plan {
+            let s = &self.running[i];
+            for p in (s.computed..s.computed + chunk).step_by(bs) {
+                self.blocks.check_writable(s.blocks[p / bs])?;
+            }
+        }
+        let logits = self.logits(plan)?;
+        let mut done = vec![];
+        for (&(i, chunk), l) in plan.iter().zip(logits) {
             let s = &mut self.running[i];
             let prefill = chunk.min(s.req.prompt.len().saturating_sub(s.computed));
             self.stats.prefill_tokens += prefill as u64;
@@ -447,11 +509,7 @@ impl Engine {
                 let h = self.blocks.register(s.blocks[j], parent, &s.tokens[j * bs..(j + 1) * bs]);
                 s.hashes.push(h);
             }
-            if s.computed < s.tokens.len() {
-                continue;
-            }
-            let l = logits.narrow(0, row as isize, 1)?;
-            row += 1;
+            let Some(l) = l.filter(|_| s.computed == s.tokens.len()) else { continue };
             let gen = match &s.generator {
                 Some(g) => g.clone(),
                 None => kiln_tensor::generator::default_generator(self.model.device())?,

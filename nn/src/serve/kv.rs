@@ -66,19 +66,41 @@ impl PagedKvCache {
         (k, v)
     }
 
-    /// Writes rows `x [N, kv_heads, head_dim]` into `pool` at the batch's
-    /// slots, in place: one copy per run of consecutive slots (a decoded
-    /// token, or the part of a prompt chunk within one block), so a step
-    /// touches only the positions it adds (an indexed write would copy the
-    /// whole pool).
-    pub fn write(&self, pool: &Tensor, batch: &PagedBatch, x: &Tensor) -> Result<()> {
-        let s = pool.shape();
-        let flat = pool.reshape_to(&[s[0] * s[1], s[2], s[3]])?;
+    /// Writes rows `x [N, kv_heads, head_dim]` into `pool` at `runs` of
+    /// consecutive slots (`PagedBatch::write_runs`), in place: one copy per
+    /// run (a decoded token, or the part of a prompt chunk within one block),
+    /// so a step touches only the positions it adds (an indexed write copies
+    /// the whole pool on the CPU).
+    pub fn write(&self, pool: &Tensor, runs: &[(usize, usize, usize)], x: &Tensor) -> Result<()> {
+        let flat = Self::flat(pool)?;
         let x = x.to_dtype(pool.dtype())?;
-        for &(slot, row, len) in &batch.write_runs {
+        for &(slot, row, len) in runs {
             flat.narrow(0, slot as isize, len)?.copy_(&x.narrow(0, row as isize, len)?)?;
         }
         Ok(())
+    }
+
+    /// Writes rows `x [N, kv_heads, head_dim]` into `pool` at `slots [N]`
+    /// (int64 on the pool's device) with one scatter: what a captured program
+    /// does (the scatter checks its indices on the device, where advanced
+    /// indexing would read them on the host), writing the donated pool in place.
+    pub fn write_slots(&self, pool: &Tensor, slots: &Tensor, x: &Tensor) -> Result<()> {
+        let s = x.shape();
+        if s.len() != 3 || slots.shape() != [s[0]] {
+            return Err(Error::shape(
+                "PagedKvCache::write_slots",
+                format!("needs rows [N, kv_heads, head_dim] and slots [N], got {s:?} and {:?}", slots.shape()),
+            ));
+        }
+        let idx = slots.reshape_to(&[s[0], 1, 1])?.broadcast_to(s)?;
+        Self::flat(pool)?.scatter_(0, &idx, &x.to_dtype(pool.dtype())?)?;
+        Ok(())
+    }
+
+    /// `pool` as `[blocks * block_size, kv_heads, head_dim]`, aliasing it.
+    fn flat(pool: &Tensor) -> Result<Tensor> {
+        let s = pool.shape();
+        pool.reshape_to(&[s[0] * s[1], s[2], s[3]])
     }
 }
 
@@ -168,4 +190,21 @@ impl PagedBatch {
             logits_rows: t(rows, &[r])?,
         })
     }
+}
+
+/// The inputs of a decoding step with one token per sequence, all tensors
+/// (int64, on the model's device): the form a captured program takes
+/// (`LlamaForCausalLM::forward_decode`).
+#[derive(Debug, Clone)]
+pub struct DecodeBatch {
+    /// The tokens, `[B]`.
+    pub input_ids: Tensor,
+    /// Their positions, `[B]`.
+    pub positions: Tensor,
+    /// Their cache slots (`block * block_size + offset`), `[B]`.
+    pub slots: Tensor,
+    /// `[B, W]`.
+    pub block_tables: Tensor,
+    /// Positions cached after the step (each position + 1), `[B]`.
+    pub context_lens: Tensor,
 }

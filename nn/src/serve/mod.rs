@@ -35,6 +35,7 @@
 // from its own generator, seeded as `generate` seeds it. With the switch
 // off, results agree to rounding and greedy tokens almost always agree.
 pub mod blocks;
+mod decode;
 pub mod engine;
 pub mod handle;
 pub mod kv;
@@ -44,5 +45,5 @@ pub mod request;
 
 pub use engine::{Detokenizer, Engine, EngineConfig, EngineStats, StepOutput};
 pub use handle::{EngineHandle, Metrics, SubmitError, TokenStream};
-pub use kv::{PagedBatch, PagedKvCache, SeqChunk};
+pub use kv::{DecodeBatch, PagedBatch, PagedKvCache, SeqChunk};
 pub use request::{Event, FinishReason, Request};

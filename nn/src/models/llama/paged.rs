@@ -2,12 +2,30 @@
 //! (Note [Paged attention] in kiln-tensor) through the same layers as
 //! [`LlamaForCausalLM::forward_cached`], so a token's logits are the ones
 //! incremental decoding gives it (bit for bit on the CPU with batch
-//! invariance on).
+//! invariance on). [`LlamaForCausalLM::forward_decode`] is the same step with
+//! every input a tensor, the form a captured program takes.
 use super::{DecoderLayer, LlamaForCausalLM};
 use crate::layers::{Attention, RmsNorm, RopeTables};
-use crate::serve::kv::{PagedBatch, PagedKvCache};
+use crate::serve::kv::{DecodeBatch, PagedBatch, PagedKvCache};
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{Error, Result, Tensor};
+
+/// Where a step's new keys and values go.
+enum Writes<'a> {
+    /// Runs of consecutive slots, `(first slot, first row, length)`.
+    Runs(&'a [(usize, usize, usize)]),
+    /// One slot per row, `[N]` int64 on the cache's device.
+    Slots(&'a Tensor),
+}
+
+/// The metadata of a step besides its tokens.
+struct Step<'a> {
+    rope: RopeTables,
+    writes: Writes<'a>,
+    block_tables: &'a Tensor,
+    context_lens: &'a Tensor,
+    query_start: &'a Tensor,
+}
 
 impl LlamaForCausalLM {
     /// Runs the new tokens of `batch` (packed, `[N]`), writing their keys and
@@ -17,35 +35,69 @@ impl LlamaForCausalLM {
     pub fn forward_paged(&self, batch: &PagedBatch, cache: &PagedKvCache) -> Result<Tensor> {
         let _g = kiln_autograd::no_grad();
         let _c = ConstantScope::enter();
+        let rope = self.model.rotary().tables_at(batch.positions.iter().copied(), self.dtype(), self.device())?;
+        let step = Step {
+            rope,
+            writes: Writes::Runs(&batch.write_runs),
+            block_tables: &batch.block_tables,
+            context_lens: &batch.context_lens,
+            query_start: &batch.query_start,
+        };
+        let x = self.paged_layers(&batch.input_ids, &step, cache)?;
+        let last = x.index_select(0, &batch.logits_rows)?;
+        self.logits(&self.model.norm.forward(&last)?)
+    }
+
+    /// One decoding token for each of the `B` sequences of `batch`, every
+    /// input a tensor (Note [Decode programs]). `rope` holds the rotary
+    /// tables of every position (`RotaryEmbedding::tables(0, max, ..)`), read
+    /// at the batch's positions. Returns the logits `[B, vocab]`: those
+    /// [`Self::forward_paged`] gives these tokens, with nothing taken from the
+    /// host, so one captured program of it serves any sequences of `B` rows.
+    pub fn forward_decode(&self, batch: &DecodeBatch, rope: &RopeTables, cache: &PagedKvCache) -> Result<Tensor> {
+        let _g = kiln_autograd::no_grad();
+        let DecodeBatch { input_ids, positions, slots, block_tables, context_lens } = batch;
+        let b = input_ids.shape().first().copied().unwrap_or(0);
+        for (name, t) in [("positions", positions), ("slots", slots), ("context_lens", context_lens)] {
+            if t.shape() != [b] {
+                return Err(Error::shape(
+                    "forward_decode",
+                    format!("{name} must be [{b}] like input_ids, got {:?}", t.shape()),
+                ));
+            }
+        }
+        let rope = RopeTables { cos: rope.cos.index_select(0, positions)?, sin: rope.sin.index_select(0, positions)? };
+        // Each sequence has one row: query starts 0, 1, .., B.
+        let starts = {
+            let _c = ConstantScope::enter();
+            Tensor::arange(0.0, (b + 1) as f64, 1.0, (kiln_tensor::DType::I64, self.device()))?
+        };
+        let step = Step { rope, writes: Writes::Slots(slots), block_tables, context_lens, query_start: &starts };
+        let x = self.paged_layers(input_ids, &step, cache)?;
+        let _c = ConstantScope::enter();
+        self.logits(&self.model.norm.forward(&x)?)
+    }
+
+    /// The embedding and decoder layers over packed tokens `[N]`: `[N, hidden]`.
+    fn paged_layers(&self, ids: &Tensor, step: &Step<'_>, cache: &PagedKvCache) -> Result<Tensor> {
         if cache.num_layers() != self.model.layers.len() {
             return Err(Error::invalid(
                 "forward_paged",
                 format!("the KV cache has {} layers, the model {}", cache.num_layers(), self.model.layers.len()),
             ));
         }
-        let ids = batch.input_ids.unsqueeze(0)?;
-        let x = self.model.embed_tokens.forward(&ids)?.squeeze_dim(0)?; // [N, C]
-        let rope = self.model.rotary().tables_at(batch.positions.iter().copied(), x.dtype(), x.device())?;
-        let mut x = x;
+        let _c = ConstantScope::enter();
+        let mut x = self.model.embed_tokens.forward(&ids.unsqueeze(0)?)?.squeeze_dim(0)?; // [N, C]
         for (i, layer) in self.model.layers.iter().enumerate() {
-            x = layer_paged(layer, &x, &rope, batch, cache, i)?;
+            x = layer_paged(layer, &x, step, cache, i)?;
         }
-        let last = x.index_select(0, &batch.logits_rows)?;
-        let h = self.model.norm.forward(&last)?;
-        self.logits(&h)
+        Ok(x)
     }
 }
 
-fn layer_paged(
-    layer: &DecoderLayer,
-    x: &Tensor,
-    rope: &RopeTables,
-    batch: &PagedBatch,
-    cache: &PagedKvCache,
-    i: usize,
-) -> Result<Tensor> {
+fn layer_paged(layer: &DecoderLayer, x: &Tensor, step: &Step<'_>, cache: &PagedKvCache, i: usize) -> Result<Tensor> {
     let h = layer.input_layernorm.forward(x)?;
-    let a = attention_paged(&layer.self_attn, &h, rope, batch, cache, i)?;
+    let a = attention_paged(&layer.self_attn, &h, step, cache, i)?;
     let x1 = x.add(&a)?;
     let h2 = layer.post_attention_layernorm.forward(&x1)?;
     x1.add(&layer.mlp.forward(&h2)?)
@@ -55,8 +107,7 @@ fn layer_paged(
 fn attention_paged(
     attn: &Attention,
     x: &Tensor,
-    rope: &RopeTables,
-    batch: &PagedBatch,
+    step: &Step<'_>,
     cache: &PagedKvCache,
     layer: usize,
 ) -> Result<Tensor> {
@@ -69,15 +120,19 @@ fn attention_paged(
             Some(nm) => nm.forward(&y)?,
             None => y,
         };
-        rope.apply(&y.transpose(0, 1)?)?.transpose(0, 1)
+        step.rope.apply(&y.transpose(0, 1)?)?.transpose(0, 1)
     };
     let q = heads(&attn.q_proj, h, &attn.q_norm)?;
     let k = heads(&attn.k_proj, kv, &attn.k_norm)?;
     let v = attn.v_proj.forward(x)?.reshape_to(&[n, kv, d])?;
     let (kc, vc) = cache.layer(layer);
-    cache.write(kc, batch, &k)?;
-    cache.write(vc, batch, &v)?;
+    for (pool, x) in [(kc, &k), (vc, &v)] {
+        match step.writes {
+            Writes::Runs(runs) => cache.write(pool, runs, x)?,
+            Writes::Slots(slots) => cache.write_slots(pool, slots, x)?,
+        }
+    }
     let scale = 1.0 / (d as f64).sqrt();
-    let o = q.paged_attention(kc, vc, &batch.block_tables, &batch.context_lens, &batch.query_start, Some(scale))?;
+    let o = q.paged_attention(kc, vc, step.block_tables, step.context_lens, step.query_start, Some(scale))?;
     attn.o_proj.forward(&o.reshape_to(&[n, h * d])?)
 }

@@ -1,0 +1,124 @@
+//! The decode step as captured programs, on backends that capture (PJRT):
+//! one program per batch-size bucket (Note [Decode programs]).
+use super::kv::{DecodeBatch, PagedKvCache};
+use crate::models::LlamaForCausalLM;
+use kiln_tensor::{Captured, Device, Error, Result, Tensor};
+use std::sync::Arc;
+
+// Note [Decode programs]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// On a backend that compiles programs (PJRT), a step whose shapes change
+// every iteration would compile its ops again and again. So the engine runs
+// the sequences that decode one token through a captured program of
+// `LlamaForCausalLM::forward_decode`, whose inputs are all tensors (tokens,
+// positions, cache slots, block tables, context lengths) and whose shapes
+// depend only on the number of rows: the rows are padded up to a bucket
+// (1, 2, 4, .. up to `max_num_seqs`) and every block table to the width the
+// longest context needs, so each bucket is one program, traced on its first
+// two calls (`kiln::compile`'s warm-up) and replayed after. The KV pools are
+// state of the program: read and written in place (donated). A padded row
+// decodes token 0 at position 0 of a scratch block that no sequence owns
+// (the pool's last block, kept out of the allocator), so its writes touch
+// nothing another row reads. Prompt chunks still run eagerly
+// (`forward_paged`), their shapes being as varied as the prompts.
+
+/// One decoding sequence of a step.
+pub(crate) struct DecodeRow<'a> {
+    pub token: i64,
+    pub position: usize,
+    pub blocks: &'a [usize],
+}
+
+/// The captured decode step of one engine.
+pub(crate) struct DecodeProgram {
+    captured: Box<dyn Captured>,
+    device: Device,
+    block_size: usize,
+    width: usize,
+    scratch: usize,
+    max_rows: usize,
+}
+
+impl DecodeProgram {
+    /// The program for `model` over `cache`, reading and writing at most
+    /// `width` blocks per sequence with block `scratch` for padded rows, or
+    /// `None` when the model's backend runs op by op.
+    pub fn new(
+        model: &LlamaForCausalLM,
+        cache: &Arc<PagedKvCache>,
+        width: usize,
+        scratch: usize,
+        max_rows: usize,
+    ) -> Result<Option<DecodeProgram>> {
+        let device = model.device();
+        let positions = width * cache.block_size();
+        let rope = model.model.rotary().tables(0, positions, model.dtype(), device)?;
+        let (m, c) = (model.clone(), Arc::clone(cache));
+        let f = move |x: &[Tensor]| -> Result<Vec<Tensor>> {
+            let [input_ids, positions, slots, block_tables, context_lens] = x else {
+                return Err(Error::invalid("decode", format!("5 inputs expected, got {}", x.len())));
+            };
+            let batch = DecodeBatch {
+                input_ids: input_ids.clone(),
+                positions: positions.clone(),
+                slots: slots.clone(),
+                block_tables: block_tables.clone(),
+                context_lens: context_lens.clone(),
+            };
+            Ok(vec![m.forward_decode(&batch, &rope, &c)?])
+        };
+        let Some(captured) = kiln_tensor::capture(device, Box::new(f)) else { return Ok(None) };
+        let block_size = cache.block_size();
+        Ok(Some(DecodeProgram { captured, device, block_size, width, scratch, max_rows }))
+    }
+
+    /// The rows' bucket: the next power of two, at most `max_rows` rounded up.
+    fn bucket(&self, n: usize) -> usize {
+        n.next_power_of_two().min(self.max_rows.next_power_of_two())
+    }
+
+    /// Runs `rows` (at most `max_rows`), returning their logits `[rows, vocab]`.
+    pub fn run(&mut self, rows: &[DecodeRow<'_>]) -> Result<Tensor> {
+        let n = rows.len();
+        if n == 0 || n > self.max_rows {
+            return Err(Error::invalid("decode", format!("{n} rows for a program of 1 to {}", self.max_rows)));
+        }
+        let (b, w, bs) = (self.bucket(n), self.width, self.block_size);
+        let (mut ids, mut pos, mut slots, mut tables, mut lens) =
+            (vec![0i64; b], vec![0i64; b], vec![0i64; b], vec![self.scratch as i64; b * w], vec![1i64; b]);
+        slots[n..].fill((self.scratch * bs) as i64);
+        for (i, r) in rows.iter().enumerate() {
+            if r.blocks.len() > w || r.position / bs >= r.blocks.len() {
+                return Err(Error::invalid(
+                    "decode",
+                    format!(
+                        "position {} with {} blocks exceeds the program's {w} blocks of {bs}",
+                        r.position,
+                        r.blocks.len()
+                    ),
+                ));
+            }
+            ids[i] = r.token;
+            pos[i] = r.position as i64;
+            slots[i] = (r.blocks[r.position / bs] * bs + r.position % bs) as i64;
+            for (t, &blk) in tables[i * w..].iter_mut().zip(r.blocks) {
+                *t = blk as i64;
+            }
+            lens[i] = r.position as i64 + 1;
+        }
+        let t = |v: Vec<i64>, shape: &[usize]| -> Result<Tensor> { Tensor::from_vec(v, shape)?.to_device(self.device) };
+        let inputs = [t(ids, &[b])?, t(pos, &[b])?, t(slots, &[b])?, t(tables, &[b, w])?, t(lens, &[b])?];
+        let out = self.captured.call(&inputs)?;
+        let logits = out.into_iter().next().ok_or_else(|| Error::invalid("decode", "the program returned nothing"))?;
+        if b == n {
+            Ok(logits)
+        } else {
+            logits.narrow(0, 0, n)
+        }
+    }
+
+    /// `(traces, replays)` of the captured step so far.
+    pub fn counts(&self) -> (u64, u64) {
+        self.captured.counts()
+    }
+}
