@@ -460,6 +460,45 @@ fn the_rms_norm_primitive_differentiates_its_rstd() {
     }
 }
 
+/// Held by the tests that switch batch invariance (a process-wide setting).
+static INVARIANCE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The CPU kernel's in-place way for decoding rows (batch invariance off)
+/// against its gathered way (checked above against attention), at head
+/// sizes past one vector of lanes, with grouped heads, one sequence alone
+/// (its heads split across threads) and many at once.
+#[test]
+fn paged_attention_direct_rows_equal_gathered_rows() {
+    let _one = INVARIANCE.lock().unwrap_or_else(|e| e.into_inner());
+    let (h, hk, d, bs, blocks) = (6usize, 3usize, 24usize, 4usize, 64usize);
+    let kc = input(&[blocks, bs, hk, d], 1, DType::F32, Device::Cpu);
+    let vc = input(&[blocks, bs, hk, d], 2, DType::F32, Device::Cpu);
+    let meta = |v: Vec<i64>, shape: &[usize]| Tensor::from_vec(v, shape).unwrap();
+    // (context length, new rows); block tables walk the pool backwards from different starts.
+    for seqs in [vec![(37usize, 2usize)], vec![(5, 1), (37, 4), (16, 1), (1, 1), (29, 3), (30, 0)]] {
+        let mb = 10;
+        let tables: Vec<i64> =
+            (0..seqs.len()).flat_map(|s| (0..mb).map(move |j| ((blocks - 1 - j * 3 - s) % blocks) as i64)).collect();
+        let lens: Vec<i64> = seqs.iter().map(|s| s.0 as i64).collect();
+        let mut starts = vec![0i64];
+        for s in &seqs {
+            starts.push(starts.last().unwrap() + s.1 as i64);
+        }
+        let n = *starts.last().unwrap() as usize;
+        let q = input(&[n, h, d], 3, DType::F32, Device::Cpu);
+        let (tb, ln, st) =
+            (meta(tables, &[seqs.len(), mb]), meta(lens, &[seqs.len()]), meta(starts, &[seqs.len() + 1]));
+        let run = |invariant: bool| {
+            kiln::tensor::set_batch_invariant(invariant);
+            q.paged_attention(&kc, &vc, &tb, &ln, &st, None).unwrap().to_vec::<f32>().unwrap()
+        };
+        let (gathered, direct) = (run(true), run(false));
+        let err = gathered.iter().zip(&direct).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(err < 1e-5, "{seqs:?}: direct rows differ from gathered rows by {err}");
+    }
+    kiln::tensor::set_batch_invariant(false);
+}
+
 /// A pool holding the keys (or values) `x [L, Hk, D]` of each sequence at the
 /// positions its block table gives, the other rows filled with noise.
 fn paged_pool(seqs: &[Tensor], tables: &[Vec<i64>], blocks: usize, bs: usize, dev: Device) -> Tensor {
@@ -481,6 +520,7 @@ fn paged_pool(seqs: &[Tensor], tables: &[Vec<i64>], blocks: usize, bs: usize, de
 /// invariance on. Bad metadata is an error naming the value, on every device.
 #[test]
 fn paged_attention_matches_contiguous_attention() {
+    let _one = INVARIANCE.lock().unwrap_or_else(|e| e.into_inner());
     // Before the reference is computed (no other test of this process depends on it).
     kiln::tensor::set_batch_invariant(true);
     let (h, hk, d, bs, blocks) = (4usize, 2usize, 8usize, 4usize, 12usize);

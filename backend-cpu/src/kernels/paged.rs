@@ -1,10 +1,11 @@
 //! `Op::PagedAttention` (Note [Paged attention] in kiln-tensor): attention of
 //! packed queries over a paged KV cache.
 //!
-//! One task per (sequence, key/value head), in one of two ways:
+//! Each sequence is computed in one of two ways:
 //!
-//! - Gathered: the sequence's keys and values of that head are copied from
-//!   their blocks into two contiguous buffers, and the fused attention
+//! - Gathered, one task per key/value head: the sequence's keys and values
+//!   of that head are copied from their blocks into two contiguous buffers,
+//!   and the fused attention
 //!   kernel's per-head forward runs on each query head of the group, with the
 //!   sequence's queries as the rows of a causal attention whose last row is
 //!   the last cached position. Each row is then computed exactly as
@@ -12,10 +13,12 @@
 //!   it the same bits whatever the rows beside it). Prompt chunks take this
 //!   way (their rows share the products), and every sequence does with batch
 //!   invariance on.
-//! - Direct, for a few rows (decoding) with batch invariance off: each row's
-//!   scores, softmax and weighted sum of values read the keys and values in
-//!   place, block by block, so a decoding step reads the cache once instead of
-//!   copying it first.
+//! - Direct, for a few rows (decoding) with batch invariance off, one task
+//!   per sequence (its heads split into groups when there are fewer
+//!   sequences than threads to keep busy): scores, softmax and weighted sum
+//!   of values read the keys and values in place, position by position with
+//!   every head's rows at once (they are contiguous in a block), so a
+//!   decoding step streams through the cache once instead of copying it.
 //!
 //! bf16 and f16 compute in float32 and round once (always gathered).
 use super::attention::{softmax_prefix, AttnFloat, Dims, HeadForward};
@@ -95,19 +98,32 @@ fn forward<T: Elem, F: AttnFloat>(
     let Sizes { n, h, d, bs, hk, dv, scale } = sz;
     let g = h / hk;
     let seqs = layout.lens.len();
-    // Each task returns its heads' rows: [G, n_s, Dv].
-    let parts: Vec<(usize, usize, Vec<F>)> = (0..seqs * hk)
+    let rows_of = |s: usize| layout.starts[s + 1] - layout.starts[s];
+    // The direct way splits a sequence's heads into groups only when there
+    // are too few sequences to keep every thread busy.
+    let groups = (2 * rayon::current_num_threads()).div_ceil(seqs.max(1)).clamp(1, hk.max(1));
+    let per = hk.div_ceil(groups);
+    // Tasks: (sequence, first kv head, end kv head); the gathered way takes one head per task.
+    let tasks: Vec<(usize, usize, usize)> = (0..seqs)
+        .filter(|&s| rows_of(s) > 0)
+        .flat_map(|s| {
+            let one = direct.is_none() || rows_of(s) > DIRECT_ROWS;
+            let step = if one { 1 } else { per };
+            (0..hk).step_by(step.max(1)).map(move |k0| (s, k0, (k0 + step).min(hk)))
+        })
+        .collect();
+    // Each task returns its query heads' rows: [(kh1 - kh0) * G, n_s, Dv].
+    let parts: Vec<(usize, usize, Vec<F>)> = tasks
         .into_par_iter()
-        .filter(|&task| layout.starts[task / hk + 1] > layout.starts[task / hk])
-        .map(|task| {
-            let (s, kh) = (task / hk, task % hk);
-            let (r0, rows, len) = (layout.starts[s], layout.starts[s + 1] - layout.starts[s], layout.lens[s]);
+        .map(|(s, kh0, kh1)| {
+            let (r0, rows, len) = (layout.starts[s], rows_of(s), layout.lens[s]);
             if let Some(same) = direct.filter(|_| rows <= DIRECT_ROWS) {
-                let mut out = vec![<F as Elem>::of_f64(0.0); g * rows * dv];
-                let task = Direct { q, kc: same(kc), vc: same(vc), sz, layout, s, kh, out: &mut out };
+                let mut out = vec![<F as Elem>::of_f64(0.0); (kh1 - kh0) * g * rows * dv];
+                let task = Direct { q, kc: same(kc), vc: same(vc), sz, layout, s, heads: (kh0, kh1), out: &mut out };
                 dispatch(task);
-                return (s, kh, out);
+                return (s, kh0, out);
             }
+            let kh = kh0;
             // The sequence's keys and values of head kh, position by position.
             let gather = |cache: &[T], width: usize| -> Vec<F> {
                 let mut dst = vec![<F as Elem>::of_f64(0.0); len * width];
@@ -137,12 +153,11 @@ fn forward<T: Elem, F: AttnFloat>(
         })
         .collect();
     let mut out = vec![<F as Elem>::of_f64(0.0); n * h * dv];
-    for (s, kh, part) in parts {
-        let (r0, rows) = (layout.starts[s], layout.starts[s + 1] - layout.starts[s]);
-        for gi in 0..g {
-            let hq = kh * g + gi;
-            for i in 0..rows {
-                let src = &part[(gi * rows + i) * dv..][..dv];
+    for (s, kh0, part) in parts {
+        let (r0, rows) = (layout.starts[s], rows_of(s));
+        for (j, head) in part.chunks_exact((rows * dv).max(1)).enumerate() {
+            let hq = kh0 * g + j;
+            for (i, src) in head.chunks_exact(dv.max(1)).enumerate() {
                 out[((r0 + i) * h + hq) * dv..][..dv].copy_from_slice(src);
             }
         }
@@ -150,8 +165,11 @@ fn forward<T: Elem, F: AttnFloat>(
     out
 }
 
-/// The direct way for one (sequence, key/value head): each query row of each
-/// head of the group against the keys and values read in place.
+/// The direct way for one sequence and a range of its key/value heads: every
+/// query row of their query heads against the keys and values read in place.
+/// Each position's rows of all heads are contiguous in a block, so both
+/// passes (scores, then weighted values) stream through the sequence's
+/// blocks once, with no index arithmetic per position beyond the block's.
 struct Direct<'a, F> {
     q: &'a [F],
     kc: &'a [F],
@@ -159,8 +177,9 @@ struct Direct<'a, F> {
     sz: Sizes,
     layout: &'a PagedLayout,
     s: usize,
-    kh: usize,
-    /// `[G, rows, Dv]`.
+    /// Key/value heads `[first, end)`.
+    heads: (usize, usize),
+    /// `[(end - first) * G, rows, Dv]`.
     out: &'a mut [F],
 }
 
@@ -168,27 +187,44 @@ impl<F: AttnFloat> Kernel for Direct<'_, F> {
     type Out = ();
     #[inline(always)]
     fn run<const FMA: bool>(self) {
-        let Direct { q, kc, vc, sz, layout, s, kh, out } = self;
+        let Direct { q, kc, vc, sz, layout, s, heads: (kh0, kh1), out } = self;
         let Sizes { h, d, bs, hk, dv, scale, .. } = sz;
         let g = h / hk;
         let (r0, rows, len) = (layout.starts[s], layout.starts[s + 1] - layout.starts[s], layout.lens[s]);
         let table = &layout.tables[s * layout.max_blocks..];
-        let slot = |p: usize| table[p / bs] * bs + p % bs;
         let scale = <F as Elem>::of_f64(scale);
-        let mut sc: Vec<F> = Vec::with_capacity(len);
-        for gi in 0..g {
-            let hq = kh * g + gi;
-            for i in 0..rows {
-                let qr = &q[((r0 + i) * h + hq) * d..][..d];
-                let vis = len - rows + i + 1;
-                sc.clear();
-                sc.extend((0..vis).map(|p| dot(qr, &kc[(slot(p) * hk + kh) * d..][..d]) * scale));
-                softmax_prefix::<F, FMA>(&mut sc, vis);
-                let o = &mut out[(gi * rows + i) * dv..][..dv];
-                for (p, &w) in sc.iter().enumerate() {
-                    let vr = &vc[(slot(p) * hk + kh) * dv..][..dv];
-                    for (x, &y) in o.iter_mut().zip(vr) {
-                        *x = *x + w * y;
+        let nh = (kh1 - kh0) * g;
+        // Row i of a chunk of `rows` ending at position len - 1 sees the first vis(i) positions.
+        let vis = |i: usize| len - rows + i + 1;
+        // Scores `[nh, rows, len]`, then their softmax over each row's visible prefix.
+        let mut sc = vec![<F as Elem>::of_f64(0.0); nh * rows * len];
+        for (b, &blk) in table.iter().enumerate().take(len.div_ceil(bs)) {
+            for j in 0..bs.min(len - b * bs) {
+                let p = b * bs + j;
+                let keys = &kc[(blk * bs + j) * hk * d..][..hk * d];
+                for jh in 0..nh {
+                    let (hq, kh) = (kh0 * g + jh, kh0 + jh / g);
+                    for i in 0..rows {
+                        let qr = &q[((r0 + i) * h + hq) * d..][..d];
+                        sc[(jh * rows + i) * len + p] = dot(qr, &keys[kh * d..][..d]) * scale;
+                    }
+                }
+            }
+        }
+        for (r, row) in sc.chunks_exact_mut(len.max(1)).enumerate().take(nh * rows) {
+            softmax_prefix::<F, FMA>(row, vis(r % rows));
+        }
+        for (b, &blk) in table.iter().enumerate().take(len.div_ceil(bs)) {
+            for j in 0..bs.min(len - b * bs) {
+                let p = b * bs + j;
+                let values = &vc[(blk * bs + j) * hk * dv..][..hk * dv];
+                for jh in 0..nh {
+                    let vr = &values[(kh0 + jh / g) * dv..][..dv];
+                    for i in (0..rows).filter(|&i| p < vis(i)) {
+                        let w = sc[(jh * rows + i) * len + p];
+                        for (x, &y) in out[(jh * rows + i) * dv..][..dv].iter_mut().zip(vr) {
+                            *x = *x + w * y;
+                        }
                     }
                 }
             }
@@ -196,7 +232,8 @@ impl<F: AttnFloat> Kernel for Direct<'_, F> {
     }
 }
 
-/// A dot product with independent partial sums, so it vectorises.
+/// A dot product with independent partial sums (so it vectorises), summed
+/// as a tree.
 #[inline(always)]
 fn dot<F: AttnFloat>(a: &[F], b: &[F]) -> F {
     const L: usize = 16;
@@ -205,11 +242,18 @@ fn dot<F: AttnFloat>(a: &[F], b: &[F]) -> F {
     let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
-        for l in 0..L {
-            acc[l] = acc[l] + x[l] * y[l];
+        for ((s, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *s = *s + x * y;
         }
     }
-    let mut s = acc.iter().fold(zero, |a, &b| a + b);
+    let mut w = L / 2;
+    while w > 0 {
+        for l in 0..w {
+            acc[l] = acc[l] + acc[l + w];
+        }
+        w /= 2;
+    }
+    let mut s = acc[0];
     for (x, y) in ra.iter().zip(rb) {
         s = s + *x * *y;
     }
