@@ -156,6 +156,33 @@ fn pjrt_decodes_through_one_captured_program_per_bucket() {
     assert_eq!(st.kv_blocks_used, 0);
 }
 
+/// A stop string ends a request at the token that completes it, however
+/// long the output and however many tokens decode to nothing (the engine
+/// decodes only a window of the latest tokens).
+#[test]
+fn stop_strings_end_a_request_at_the_token_that_completes_them() {
+    kiln::tensor::set_batch_invariant(true);
+    let m = model(6);
+    // Every third token decodes to nothing (as special tokens do), the others to one letter.
+    let text = |t: &[i64]| -> String {
+        t.iter().filter(|&&x| x % 3 != 0).map(|&x| char::from(b'a' + (x % 26) as u8)).collect()
+    };
+    let d: kiln::nn::serve::Detokenizer = std::sync::Arc::new(move |t: &[i64]| text(t));
+    let free = alone(&m, &Request::new(prompt(9, 11), 60));
+    for k in [3usize, 25, 59] {
+        // The stop string: the text of tokens k-7..=k; the request must end
+        // at the first token whose text contains it.
+        let stop = text(&free[k.saturating_sub(7)..=k]);
+        assert!(!stop.is_empty());
+        let end = (0..free.len()).find(|&j| text(&free[..=j]).contains(&stop)).unwrap();
+        let cfg = EngineConfig { detokenizer: Some(d.clone()), ..Default::default() };
+        let mut engine = Engine::new(m.clone(), cfg).unwrap();
+        let r = Request::new(prompt(9, 11), 60).with_stop_strings(&[stop.as_str()]);
+        let got = serve(&mut engine, vec![(0, r)]);
+        assert_eq!(got[0], (free[..=end].to_vec(), FinishReason::Stop), "stop string {stop:?}");
+    }
+}
+
 #[test]
 fn stop_tokens_end_a_request_and_free_its_place() {
     kiln::tensor::set_batch_invariant(true);

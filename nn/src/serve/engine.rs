@@ -35,6 +35,26 @@ use std::time::{Duration, Instant};
 /// A function from token ids to text, for stop strings.
 pub type Detokenizer = Arc<dyn Fn(&[i64]) -> String + Send + Sync>;
 
+/// Whether a stop string appears in the text of `generated`, checked after
+/// each token: a stop string new with the last token lies in the text of the
+/// last tokens, so only a window is decoded (doubled until its text is longer
+/// than every stop string with a margin for a character cut at its start),
+/// which keeps the check linear in the output's length, not quadratic.
+fn ends_in_stop(d: &Detokenizer, generated: &[i64], stops: &[String]) -> bool {
+    let need = stops.iter().map(|s| s.len()).max().unwrap_or(0) + 8;
+    let mut w = need.min(generated.len());
+    loop {
+        let text = d(&generated[generated.len() - w..]);
+        if stops.iter().any(|x| text.contains(x.as_str())) {
+            return true;
+        }
+        if text.len() >= need || w == generated.len() {
+            return false;
+        }
+        w = (w * 2).min(generated.len());
+    }
+}
+
 /// How the engine is sized.
 #[derive(Clone)]
 pub struct EngineConfig {
@@ -531,10 +551,11 @@ impl Engine {
             out.push(StepOutput { id: s.id, event: Event::Token(tok) });
             let stop = s.req.stop_token_ids.contains(&tok)
                 || (!s.req.stop_strings.is_empty()
-                    && self.cfg.detokenizer.as_ref().is_some_and(|d| {
-                        let text = d(&s.tokens[s.req.prompt.len()..]);
-                        s.req.stop_strings.iter().any(|x| text.contains(x.as_str()))
-                    }));
+                    && self
+                        .cfg
+                        .detokenizer
+                        .as_ref()
+                        .is_some_and(|d| ends_in_stop(d, &s.tokens[s.req.prompt.len()..], &s.req.stop_strings)));
             if stop {
                 done.push((i, FinishReason::Stop));
             } else if s.generated() >= s.req.max_new_tokens {
