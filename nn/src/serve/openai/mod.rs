@@ -16,7 +16,7 @@ mod chat;
 mod text;
 
 pub use chat::{ChatTemplate, Message};
-pub use text::{Codec, Visible};
+pub use text::{Codec, IncrementalText, Visible};
 
 use super::{EngineHandle, Event, FinishReason, Request, SubmitError, TokenStream};
 use crate::generate::Sampling;
@@ -440,11 +440,19 @@ fn sse(st: Arc<ServerState>, stream: TokenStream, kind: Kind, stops: Vec<String>
     struct S {
         stream: TokenStream,
         tokens: Vec<i64>,
+        text: IncrementalText,
         visible: Visible,
         first: bool,
         done: bool,
     }
-    let init = S { stream, tokens: vec![], visible: Visible::new(&stops), first: true, done: false };
+    let init = S {
+        stream,
+        tokens: vec![],
+        text: IncrementalText::new(),
+        visible: Visible::new(&stops),
+        first: true,
+        done: false,
+    };
     let events = futures_util::stream::unfold((init, st), move |(mut s, st)| {
         let chunk = chunk.clone();
         async move {
@@ -459,8 +467,13 @@ fn sse(st: Arc<ServerState>, stream: TokenStream, kind: Kind, stops: Vec<String>
             loop {
                 match s.stream.next_event().await {
                     Some(Event::Token(t)) => {
+                        // A stop token ends the stream and shows no text (see `text_of`).
+                        if st.stop_token_ids.contains(&t) {
+                            continue;
+                        }
                         s.tokens.push(t);
-                        let d = s.visible.delta(&text_of(&st, &s.tokens), false);
+                        s.text.update(&st.codec, &s.tokens, false);
+                        let d = s.visible.delta(s.text.text(), false);
                         if !d.is_empty() {
                             out.push(chunk(&st, Some(d), None, false));
                             return Some((out, (s, st)));
@@ -475,7 +488,8 @@ fn sse(st: Arc<ServerState>, stream: TokenStream, kind: Kind, stops: Vec<String>
                         return Some((out, (s, st)));
                     }
                     Some(Event::Finished(f)) => {
-                        let d = s.visible.delta(&text_of(&st, &s.tokens), true);
+                        s.text.update(&st.codec, &s.tokens, true);
+                        let d = s.visible.delta(s.text.text(), true);
                         if !d.is_empty() {
                             out.push(chunk(&st, Some(d), None, false));
                         }

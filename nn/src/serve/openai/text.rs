@@ -79,7 +79,14 @@ impl Visible {
     /// and was not yet; `done` when no more tokens follow.
     pub fn delta(&mut self, text: &str, done: bool) -> String {
         let mut end = text.len();
-        if let Some(cut) = self.stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+        // What was shown holds no stop string and ends in no start of one, so
+        // a stop string starts at most its length before the unshown text.
+        let longest = self.stops.iter().map(|s| s.len()).max().unwrap_or(0);
+        let mut from = self.sent.saturating_sub(longest).min(text.len());
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        if let Some(cut) = self.stops.iter().filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i)).min() {
             end = cut;
         } else if !done {
             // Hold back what could be the start of a stop string, and an
@@ -95,11 +102,110 @@ impl Visible {
             let trimmed = text[..end].trim_end_matches('\u{FFFD}');
             end = trimmed.len();
         }
-        if end <= self.sent {
+        if end <= self.sent || !text.is_char_boundary(self.sent) {
             return String::new();
         }
         let d = text[self.sent..end].to_string();
         self.sent = end;
         d
+    }
+}
+
+/// The text of a growing list of tokens, decoded a few tokens at a time (the
+/// prefix and read offsets of TGI's and vLLM's incremental detokenizers): each
+/// new token decodes with the tokens since the last emitted piece, so the
+/// work per token stays small however long the output grows, and a token
+/// that ends in an incomplete character waits for the next.
+#[derive(Debug, Default)]
+pub struct IncrementalText {
+    text: String,
+    prefix: usize,
+    read: usize,
+}
+
+impl IncrementalText {
+    /// Nothing decoded yet.
+    pub fn new() -> IncrementalText {
+        IncrementalText::default()
+    }
+
+    /// Takes in the tokens added to `tokens` since the last call; `done` when
+    /// no more follow (an incomplete character is then kept as U+FFFD).
+    pub fn update(&mut self, codec: &Codec, tokens: &[i64], done: bool) {
+        if self.read >= tokens.len() {
+            return;
+        }
+        let before = codec.decode(&tokens[self.prefix..self.read]);
+        let now = codec.decode(&tokens[self.prefix..]);
+        if !done && now.ends_with('\u{FFFD}') {
+            return;
+        }
+        match now.strip_prefix(before.as_str()) {
+            Some(new) => self.text.push_str(new),
+            // A decoder that rewrites earlier text: decode everything again.
+            None => self.text = codec.decode(tokens),
+        }
+        self.prefix = self.read;
+        self.read = tokens.len();
+    }
+
+    /// The text so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A SentencePiece-like tokenizer: its decoder drops the space of a first word.
+    fn metaspace() -> Codec {
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": true},
+            "model": {"type": "WordLevel", "unk_token": "<unk>",
+                      "vocab": {"\u2581Hello": 0, "\u2581wor": 1, "ld": 2, "!": 3, "\u2581caf": 4, "<unk>": 5}}}"#;
+        Codec::Hf(Box::new(json.parse::<tokenizers::Tokenizer>().unwrap()))
+    }
+
+    #[test]
+    fn incremental_text_equals_decoding_everything() {
+        // Bytes: "é" (two bytes) and "€" (three) split across tokens wait for their last byte.
+        let bytes: Vec<i64> = "a é€!".bytes().map(i64::from).collect();
+        for (codec, tokens) in [(Codec::Bytes, bytes), (metaspace(), vec![0, 1, 2, 3, 4, 1, 2, 2, 0])] {
+            let mut inc = IncrementalText::new();
+            for n in 1..=tokens.len() {
+                inc.update(&codec, &tokens[..n], false);
+                let full = codec.decode(&tokens[..n]);
+                if full.ends_with('\u{FFFD}') {
+                    assert!(full.starts_with(inc.text()), "{:?} vs {full:?}", inc.text());
+                } else {
+                    assert_eq!(inc.text(), full);
+                }
+            }
+            inc.update(&codec, &tokens, true);
+            assert_eq!(inc.text(), codec.decode(&tokens));
+        }
+        // An incomplete character at the end is kept, as a full decode keeps it.
+        let mut inc = IncrementalText::new();
+        let cut = [0x61, 0xE2, 0x82];
+        inc.update(&Codec::Bytes, &cut, false);
+        assert_eq!(inc.text(), "");
+        inc.update(&Codec::Bytes, &cut, true);
+        assert_eq!(inc.text(), Codec::Bytes.decode(&cut));
+    }
+
+    #[test]
+    fn visible_text_stops_at_stop_strings_found_late() {
+        let mut v = Visible::new(&["STOP".to_string()]);
+        let mut text = String::new();
+        let mut shown = String::new();
+        for piece in ["abc", "ST", "xyz ", "é S", "TO", "P tail"] {
+            text.push_str(piece);
+            shown.push_str(&v.delta(&text, false));
+        }
+        shown.push_str(&v.delta(&text, true));
+        assert_eq!(shown, "abcSTxyz é ");
     }
 }
