@@ -809,12 +809,17 @@ fn index_check(b: &mut Builder, idx: &Val, src: &Val, dim: usize) -> (Val, Check
 
 /// True when `compare(x, v, dir)` holds for every element.
 fn all_true(b: &mut Builder, x: &Val, dir: &str, v: i64) -> Val {
+    let c = b.compare_lit(dir, x, Lit::I(v));
+    all(b, &c)
+}
+
+/// True when every element of the bool `x` is (true when it has none).
+pub(super) fn all(b: &mut Builder, x: &Val) -> Val {
     if x.ty.numel() == 0 {
         return b.constant(Lit::B(true), DType::Bool);
     }
-    let c = b.compare_lit(dir, x, Lit::I(v));
-    let all: Vec<usize> = (0..x.ty.rank()).collect();
-    b.reduce(&c, Lit::B(true), &all, "and")
+    let dims: Vec<usize> = (0..x.ty.rank()).collect();
+    b.reduce(x, Lit::B(true), &dims, "and")
 }
 
 /// Full coordinates `[*idx.shape, rank]` for gather/scatter along `dim`: the

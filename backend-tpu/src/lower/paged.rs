@@ -7,7 +7,7 @@
 //! (`max_blocks * block_size`), and attends to the first `visible` of them
 //! (its position + 1) with the rest masked. The metadata checks compute one
 //! bool that the backend turns into the CPU backend's error.
-use super::ops::Check;
+use super::ops::{all, Check};
 use super::{arr, list, Builder, Lit, Ty, Val};
 use kiln_tensor::{DType, Meta};
 
@@ -27,15 +27,6 @@ fn take(b: &mut Builder, src: &Val, idx: &Val) -> Val {
     let mut shape = vec![m];
     shape.extend_from_slice(&src.shape()[1..]);
     b.op("stablehlo.gather", &[src, &i2], &attrs, Ty::new(&shape, src.dtype()))
-}
-
-/// True when every element of the bool `x` is.
-fn all(b: &mut Builder, x: &Val) -> Val {
-    if x.ty.numel() == 0 {
-        return b.constant(Lit::B(true), DType::Bool);
-    }
-    let dims: Vec<usize> = (0..x.ty.rank()).collect();
-    b.reduce(x, Lit::B(true), &dims, "and")
 }
 
 /// The output `[N, H, Dv]` and the metadata check.
