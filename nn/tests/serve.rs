@@ -390,3 +390,35 @@ fn cancellation_backpressure_and_refusals() {
     wait_for(&handle, "freed blocks", |x| x.engine.running == 0 && x.engine.kv_blocks_used == 0);
     assert!(handle.metrics().engine.generated_tokens < 400, "the cancelled request ran to its end");
 }
+
+/// `forward_decode` refuses out-of-range slots and positions and mismatched
+/// inputs with errors; an empty batch gives empty logits.
+#[test]
+fn forward_decode_refuses_bad_inputs() {
+    let m = model(7);
+    let cache = PagedKvCache::new(&m, 4, 4).unwrap();
+    let rope = m.model.rotary().tables(0, 16, DType::F32, Device::Cpu).unwrap();
+    let t = |v: Vec<i64>, s: &[usize]| Tensor::from_vec(v, s).unwrap();
+    let batch = |slot: i64, pos: i64| kiln::nn::serve::DecodeBatch {
+        input_ids: t(vec![5], &[1]),
+        positions: t(vec![pos], &[1]),
+        slots: t(vec![slot], &[1]),
+        block_tables: t(vec![0, 1, 2, 3], &[1, 4]),
+        context_lens: t(vec![pos + 1], &[1]),
+    };
+    assert_eq!(m.forward_decode(&batch(3, 3), &rope, &cache).unwrap().shape(), &[1, 96]);
+    assert!(m.forward_decode(&batch(16, 3), &rope, &cache).is_err(), "slot past the pool");
+    assert!(m.forward_decode(&batch(-20, 3), &rope, &cache).is_err(), "negative slot");
+    assert!(m.forward_decode(&batch(3, 16), &rope, &cache).is_err(), "position past the tables");
+    let mut bad = batch(3, 3);
+    bad.positions = t(vec![1, 2], &[2]);
+    assert!(m.forward_decode(&bad, &rope, &cache).is_err(), "positions of another length");
+    let empty = kiln::nn::serve::DecodeBatch {
+        input_ids: t(vec![], &[0]),
+        positions: t(vec![], &[0]),
+        slots: t(vec![], &[0]),
+        block_tables: t(vec![], &[0, 4]),
+        context_lens: t(vec![], &[0]),
+    };
+    assert_eq!(m.forward_decode(&empty, &rope, &cache).unwrap().shape(), &[0, 96]);
+}
