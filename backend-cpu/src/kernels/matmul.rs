@@ -111,14 +111,27 @@ fn via_f32<T: Elem>(a: &Input<'_>, b: &Input<'_>) -> Result<Vec<T>> {
 pub(super) trait GemmElem: Elem {
     const ZERO: Self;
     const ONE: Self;
+    /// Runs `g` outside gemm when a kernel of this crate should
+    /// (Note [Dot-product products]); false when it did not.
+    ///
+    /// # Safety
+    /// As [`Gemm::run`].
+    unsafe fn run_outside_gemm(g: &Gemm<Self>) -> bool;
 }
 impl GemmElem for f32 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
+    unsafe fn run_outside_gemm(g: &Gemm<Self>) -> bool {
+        // SAFETY: the caller's contract is `try_run`'s.
+        unsafe { super::rowdot::try_run(g) }
+    }
 }
 impl GemmElem for f64 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
+    unsafe fn run_outside_gemm(_: &Gemm<Self>) -> bool {
+        false
+    }
 }
 
 /// Products of at least this many multiply-adds are split across threads.
@@ -393,10 +406,13 @@ pub(super) fn gemm_small<T: GemmElem>(
 // nothing relies on it). `tests/matmul.rs` checks rows against every row
 // count, offset and thread split the kernels use.
 //
-// It is a switch because of its cost: a product of a few rows by a row-major
-// weight (`x @ W.T`, decoding) takes gemm's matrix-vector kernel when off, and
-// when on goes through the microkernels, which pack the whole weight for every
-// call: decoding one sequence of llama-16m ran at 0.4x.
+// Products `x @ W.T` of depth 256 and more leave gemm altogether: they are
+// computed as dot products of rows, invariant by construction (Note
+// [Dot-product products]), so the serving engine's decoding rows do not pay
+// for invariance. It is a switch because of its cost elsewhere: shallower
+// products of a few rows take gemm's matrix-vector kernel when off and the
+// microkernels, which pack the whole weight for every call, when on; and
+// prompt chunks of hundreds of rows run slower as dot products than in gemm.
 
 /// Depth of the chunks `Gemm::run` feeds gemm (Note [Row-invariant products]).
 const ROW_KC: usize = 512;
@@ -440,6 +456,10 @@ impl<T: GemmElem> Gemm<T> {
     pub(super) unsafe fn run(self) {
         let Gemm { m, n, k, dst, ld, accumulate, a, a_rs, a_cs, b, b_rs, b_cs, .. } = self;
         if m == 0 || n == 0 {
+            return;
+        }
+        // SAFETY: the caller's contract is `run_outside_gemm`'s.
+        if unsafe { T::run_outside_gemm(&self) } {
             return;
         }
         if !kiln_tensor::is_batch_invariant() {

@@ -4,7 +4,8 @@
 //! engines), `simd` (CPU-feature dispatch and vectorisable f32 math), `elem`
 //! (what kernels need from each element type), `elementwise` (unary, binary,
 //! compare, where), `copy` (full, arange, cast, copies, assign, cat), `reduce`
-//! (reductions, arg-reductions, cumsum), `softmax` (fused softmax and log_softmax), `matmul`,
+//! (reductions, arg-reductions, cumsum), `softmax` (fused softmax and log_softmax), `matmul` (and `rowdot`, its
+//! dot-product way for `x @ W.T`),
 //! `attention` (fused scaled dot-product attention and its gradients), `rotary`
 //! (rotary position embedding), `norm` (RMS normalisation and its gradients), `index` (gather, scatter,
 //! index_select, index_add, nonzero), `sort` (sort, topk) and `random` (Philox random bits).
@@ -25,6 +26,7 @@ mod quant;
 mod random;
 mod reduce;
 mod rotary;
+mod rowdot;
 mod simd;
 mod softmax;
 mod sort;

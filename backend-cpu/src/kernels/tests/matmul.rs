@@ -180,6 +180,61 @@ fn column_chunks_shrink_and_cover_every_column_once() {
     }
 }
 
+/// Note [Dot-product products]: `x @ w.T` with `w` row-major and depth of at
+/// least 256 runs as dot products of rows when it has few rows (and always with
+/// batch invariance on): against the f64 reference for depths that are not a
+/// multiple of the vector width, widths that are not a multiple of the tile,
+/// row counts on both sides of the switch and of the row tile, and a left
+/// operand that is not row-major.
+#[test]
+fn linear_products_as_dot_products() {
+    for &(k, n) in &[(256usize, 1usize), (300, 37), (1000, 4), (384, 130), (257, 9)] {
+        let wv = noise(n * k, n as u64);
+        let w = f32s(&wv, &[n, k]);
+        // `w.T` laid out row-major `[k, n]`, for the reference.
+        let mut wt = vec![0.0; k * n];
+        for j in 0..n {
+            for p in 0..k {
+                wt[p * n + j] = wv[j * k + p];
+            }
+        }
+        for m in [1usize, 2, 5, 6, 7, 13, 31, 32, 33, 100] {
+            let xv = noise(m * k, (m * k) as u64);
+            let want = reference(&xv, &wt, 1, m, k, n);
+            close(&vals::<f32>(&mm(&f32s(&xv, &[m, k]), &w.t().unwrap())), &want, 2e-5);
+            close(&vals::<f32>(&mm(&transposed(&xv, m, k), &w.t().unwrap())), &want, 2e-5);
+        }
+    }
+}
+
+/// The dot-product way keeps `Gemm`'s contract: `dst = scale * a @ b` or
+/// `dst += scale * a @ b`, only the `m x n` elements at row stride `ld`.
+#[test]
+fn dot_products_scale_accumulate_and_keep_the_rest() {
+    use crate::kernels::matmul::{gemm_small, MatRef};
+    let (m, n, k, ld) = (7usize, 5usize, 300usize, 8usize);
+    let (av, wv) = (noise(m * k, 31), noise(n * k, 32));
+    let dot = |i: usize, j: usize| (0..k).map(|p| av[i * k + p] as f64 * wv[j * k + p] as f64).sum::<f64>();
+    for accumulate in [false, true] {
+        let before = noise(m * ld, 33);
+        let mut dst = before.clone();
+        let a = MatRef { data: &av, off: 0, rs: k, cs: 1 };
+        let w = MatRef { data: &wv, off: 0, rs: k, cs: 1 };
+        gemm_small(&mut dst, ld, m, n, k, a, w.t(), 0.5f32, accumulate);
+        for i in 0..m {
+            for j in 0..ld {
+                let (got, old) = (dst[i * ld + j] as f64, before[i * ld + j] as f64);
+                if j >= n {
+                    assert_eq!(got, old, "element ({i}, {j}) outside the product was written");
+                    continue;
+                }
+                let want = 0.5 * dot(i, j) + if accumulate { old } else { 0.0 };
+                assert!((got - want).abs() <= 2e-5 * (1.0 + want.abs()), "({i}, {j}): {got} vs {want}");
+            }
+        }
+    }
+}
+
 /// Note [Row-invariant products]: with batch invariance on, a row of `x @ w.T` has the same bits whatever
 /// the number of rows computed with it and its position among them, for the
 /// shapes that make gemm change algorithms (one row, m * n <= 256, depth past
@@ -207,9 +262,15 @@ fn rows_do_not_depend_on_the_rest_of_the_batch() {
         let all = vals::<f32>(&mm(&x, &wt));
         for m in [1usize, 2, 3, 5, 16, 17, 33, 64, 65, 129] {
             for off in [0usize, 1, 150] {
-                let part = vals::<f32>(&mm(&x.narrow(0, off as isize, m).unwrap(), &wt));
+                let rows = x.narrow(0, off as isize, m).unwrap();
+                let part = vals::<f32>(&mm(&rows, &wt));
                 let same = part.iter().zip(&all[off * n..]).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "k {k}, n {n}: rows {off}..{} alone differ from the same rows among {big}", off + m);
+                // The same rows stored column by column.
+                let strided = rows.t().unwrap().contiguous().unwrap().t().unwrap();
+                let part = vals::<f32>(&mm(&strided, &wt));
+                let same = part.iter().zip(&all[off * n..]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "k {k}, n {n}: rows {off}..{} stored by columns differ", off + m);
             }
         }
     }
