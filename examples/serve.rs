@@ -32,7 +32,7 @@ USAGE: cargo run --release --example serve -- [OPTIONS]
   --kv-cache-mb N          the KV cache's memory [default: 256]
   --block-size N           positions per KV block [default: 16]
   --max-num-seqs N         sequences run at once [default: 64]
-  --max-batched-tokens N   tokens per model step [default: 512]
+  --max-batched-tokens N   tokens per model step [default: 2048]
   --max-queue N            waiting requests before 429s [default: 1024]
   --no-prefix-sharing      compute shared prompt prefixes again for every request
   --batch-invariant        every request's tokens are what generate() gives it alone
