@@ -16,8 +16,10 @@ Usage (transformers in its own virtual environment):
     $HOME/.cache/kiln/transformers-venv/bin/python benches/compare_serve_load.py [options]
 
 Options: --requests N (default 64), --gap-ms G (50), --seed S (0), --preset P,
---kiln-bin PATH, --skip-kiln (only transformers, on a workload written
-before with --workload FILE), --threads N (torch threads; default: all cores).
+--repeat R (runs per system, default 3: each line is the run of median
+tokens/s, as kiln-bench reports its own), --kiln-bin PATH, --skip-kiln (only
+transformers, on a workload written before with --workload FILE), --threads N
+(torch threads; default: all cores).
 """
 import argparse
 import json
@@ -34,7 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def run_kiln(args, workload):
     cmd = [args.kiln_bin] if args.kiln_bin else ["cargo", "run", "--release", "-q", "-p", "kiln-bench", "--"]
     cmd += ["serve-load", "--preset", args.preset, "--requests", str(args.requests), "--gap-ms", str(args.gap_ms),
-            "--seed", str(args.seed), "--write-workload", workload]
+            "--seed", str(args.seed), "--repeat", str(args.repeat), "--write-workload", workload]
     out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
     return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
 
@@ -103,10 +105,15 @@ def main():
     p.add_argument("--skip-kiln", action="store_true")
     p.add_argument("--workload")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     workload = args.workload or os.path.join(tempfile.mkdtemp(), "workload.json")
     lines = [] if args.skip_kiln else run_kiln(args, workload)
-    lines.append(run_transformers(workload, args.threads))
+    runs = sorted((run_transformers(workload, args.threads) for _ in range(max(args.repeat, 1))),
+                  key=lambda l: l["tokens_per_s"])
+    median = runs[len(runs) // 2]
+    median["runs_tokens_per_s"] = [l["tokens_per_s"] for l in runs]
+    lines.append(median)
     by = {l["system"]: l for l in lines if l.get("bench") == "serve-load"}
     print(f"{'system':28} {'tokens/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}")
     for name, l in by.items():

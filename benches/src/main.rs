@@ -28,7 +28,7 @@ USAGE:
     kiln-bench infer  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W] [--weights W]
     kiln-bench autograd [--steps N] [--warmup W]
-    kiln-bench serve-load [--preset P] [--requests N] [--gap-ms G] [--seed S] [--kv-mb M] [--only LIST]
+    kiln-bench serve-load [--preset P] [--requests N] [--gap-ms G] [--seed S] [--kv-mb M] [--only LIST] [--repeat R]
 
 BENCHMARKS:
     matmul   square n x n x n float32 matmul of random matrices: gflops (2 n^3 / median time)
@@ -65,8 +65,10 @@ BENCHMARKS:
              G ms, default 50), against the same requests through generate() one at a time;
              then a workload whose prompts share a 256-token system prompt, with and without
              prefix sharing. Lines: tokens_per_s, ttft_p50_ms, ttft_p99_ms; --only engine,
-             sequential,shared; --write-workload FILE saves the requests for
-             benches/compare_serve_load.py (transformers' continuous batching on them)
+             sequential,shared; each system runs R times (default 3) in turns with the
+             others, and its run of median tokens/s is reported; --write-workload FILE
+             saves the requests for benches/compare_serve_load.py (transformers'
+             continuous batching on them)
              Presets: llama-16m (vocab 8192, hidden 384, 6 layers, 6 heads, MLP 1024, untied
              lm_head, f32; the default) and llama-tiny. Each line has peak_rss_mb.
 
@@ -135,6 +137,7 @@ struct Args {
     seed: u64,
     kv_mb: usize,
     write_workload: Option<String>,
+    repeat: usize,
 }
 
 fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> std::result::Result<Vec<T>, String> {
@@ -180,6 +183,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         seed: 0,
         kv_mb: 1024,
         write_workload: None,
+        repeat: 3,
     };
     let mut it = argv.iter();
     while let Some(arg) = it.next() {
@@ -229,6 +233,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--seed" => a.seed = value()?.parse().map_err(|_| "--seed needs an integer".to_string())?,
             "--kv-mb" => a.kv_mb = int("--kv-mb", &value()?)?,
             "--write-workload" => a.write_workload = Some(value()?),
+            "--repeat" => a.repeat = int("--repeat", &value()?)?,
             c if !c.starts_with('-') && a.cmd.is_empty() => a.cmd = c.to_string(),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -290,6 +295,7 @@ fn main() -> ExitCode {
                 kv_mb: args.kv_mb,
                 only: args.only.clone(),
                 write_workload: args.write_workload.clone(),
+                repeat: args.repeat,
             };
             match serve_load::serve_load(&a) {
                 Ok(()) => 0,

@@ -23,6 +23,13 @@ use std::time::{Duration, Instant};
 // The one-at-a-time baseline serves the requests in arrival order through
 // `generate()`; its TTFT is the request's wait plus its own prefill and first
 // token, measured by a separate `generate()` of one token.
+//
+// The machines are shared and their memory bandwidth, which bounds both the
+// engine and `generate()`, changes from one minute to the next. Each system
+// therefore runs `repeat` times, the systems taking turns (engine, one at a
+// time, the shared-prompt pair, then again), and the line of a system is its
+// run of median throughput, with every run's throughput beside it; ratios
+// are of the medians.
 
 /// One request of a workload.
 #[derive(Debug, Clone)]
@@ -61,6 +68,10 @@ struct Outcome {
 }
 
 impl Outcome {
+    fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.makespan
+    }
+
     fn line(mut self, name: &str, extra: &[(&str, serde_json::Value)]) -> Line {
         self.ttft.sort_by(f64::total_cmp);
         let q = |p: f64| self.ttft[((self.ttft.len() - 1) as f64 * p).round() as usize];
@@ -69,7 +80,7 @@ impl Outcome {
             .set("requests", self.ttft.len())
             .set("generated_tokens", self.tokens)
             .set("makespan_s", sig4(self.makespan))
-            .set("tokens_per_s", sig4(self.tokens as f64 / self.makespan))
+            .set("tokens_per_s", sig4(self.tokens_per_s()))
             .set("ttft_p50_ms", sig4(q(0.5) * 1e3))
             .set("ttft_p99_ms", sig4(q(0.99) * 1e3));
         for (k, v) in extra {
@@ -163,6 +174,8 @@ pub struct ServeLoadArgs {
     pub kv_mb: usize,
     pub only: Vec<String>,
     pub write_workload: Option<String>,
+    /// Runs per system (Note [Serve load]).
+    pub repeat: usize,
 }
 
 /// Runs the workloads and emits one line per system, then the ratios.
@@ -183,24 +196,39 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
     let want = |name: &str| a.only.is_empty() || a.only.iter().any(|o| o == name);
     let ecfg =
         |sharing: bool| EngineConfig { kv_cache_bytes: a.kv_mb << 20, prefix_sharing: sharing, ..Default::default() };
-    let mut tps = HashMap::new();
-    let mut emit = |name: &str, o: Outcome, extra: &[(&str, serde_json::Value)]| {
-        tps.insert(name.to_string(), o.tokens as f64 / o.makespan);
-        o.line(name, extra).emit();
-    };
-    if want("engine") {
-        let (o, _) = engine_run(&model, &plain, ecfg(true))?;
-        emit("engine", o, &[("workload", json!("plain"))]);
-    }
-    if want("sequential") {
-        emit("sequential", sequential_run(&model, &plain)?, &[("workload", json!("plain"))]);
-    }
-    if want("shared") {
-        for sharing in [true, false] {
-            let (o, hits) = engine_run(&model, &shared, ecfg(sharing))?;
-            let name = if sharing { "engine-prefix-sharing" } else { "engine-no-prefix-sharing" };
-            emit(name, o, &[("workload", json!("shared-256")), ("prefix_hit_tokens", json!(hits))]);
+    // Every run of every system, in turns (Note [Serve load]).
+    let mut runs: Vec<(&str, Vec<(Outcome, serde_json::Value)>)> = vec![];
+    let mut record =
+        |name: &'static str, o: Outcome, extra: serde_json::Value| match runs.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, v)) => v.push((o, extra)),
+            None => runs.push((name, vec![(o, extra)])),
+        };
+    for _ in 0..a.repeat.max(1) {
+        if want("engine") {
+            let (o, _) = engine_run(&model, &plain, ecfg(true))?;
+            record("engine", o, json!({"workload": "plain"}));
         }
+        if want("sequential") {
+            record("sequential", sequential_run(&model, &plain)?, json!({"workload": "plain"}));
+        }
+        if want("shared") {
+            for sharing in [true, false] {
+                let (o, hits) = engine_run(&model, &shared, ecfg(sharing))?;
+                let name = if sharing { "engine-prefix-sharing" } else { "engine-no-prefix-sharing" };
+                record(name, o, json!({"workload": "shared-256", "prefix_hit_tokens": hits}));
+            }
+        }
+    }
+    let mut tps = HashMap::new();
+    for (name, mut v) in runs {
+        v.sort_by(|x, y| x.0.tokens_per_s().total_cmp(&y.0.tokens_per_s()));
+        let all: Vec<f64> = v.iter().map(|(o, _)| sig4(o.tokens_per_s())).collect();
+        let (o, extra) = v.swap_remove(v.len() / 2);
+        tps.insert(name.to_string(), o.tokens_per_s());
+        let mut extra: Vec<(&str, serde_json::Value)> =
+            extra.as_object().into_iter().flatten().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        extra.push(("runs_tokens_per_s", json!(all)));
+        o.line(name, &extra).emit();
     }
     let ratio = |a: &str, b: &str| match (tps.get(a), tps.get(b)) {
         (Some(x), Some(y)) => Some(sig4(x / y)),
