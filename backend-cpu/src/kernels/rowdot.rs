@@ -1,5 +1,7 @@
 //! f32 products `a @ w.T` with `w` row-major (the Linear layout, `x @ W.T`)
 //! computed as dot products of rows (Note [Dot-product products]).
+// Only x86-64 has the vector units this way uses; elsewhere `try_run` declines.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_imports))]
 use super::matmul::Gemm;
 use super::simd::{level, Level};
 use pulp::Simd;
@@ -53,6 +55,7 @@ const BLOCK_ELEMS: usize = 1 << 16;
 ///
 /// # Safety
 /// As [`Gemm::run`].
+#[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn try_run(g: &Gemm<f32>) -> bool {
     let invariant = kiln_tensor::is_batch_invariant();
     if g.b_rs != 1 || g.k < MIN_DEPTH || g.m == 0 || g.n == 0 {
@@ -61,6 +64,19 @@ pub(super) unsafe fn try_run(g: &Gemm<f32>) -> bool {
     if !invariant && (g.a_cs != 1 || g.m > MAX_ROWS) {
         return false;
     }
+    // The vector unit, chosen as the rest of the crate's kernels choose theirs.
+    enum Unit {
+        V4(pulp::x86::V4),
+        V3(pulp::x86::V3),
+    }
+    let unit = match level() {
+        Level::Avx512 => pulp::x86::V4::try_new().map(Unit::V4),
+        Level::Avx2 => pulp::x86::V3::try_new().map(Unit::V3),
+        Level::Baseline => None,
+    };
+    let Some(unit) = unit else {
+        return false;
+    };
     // The left operand row by row: in place when row-major, else copied.
     let copy: Vec<f32>;
     let (a, a_rs) = if g.a_cs == 1 {
@@ -82,18 +98,20 @@ pub(super) unsafe fn try_run(g: &Gemm<f32>) -> bool {
     let x = unsafe { std::slice::from_raw_parts(a, (g.m - 1) * a_rs + g.k) };
     let w = unsafe { std::slice::from_raw_parts(g.b, (g.n - 1) * g.b_cs + g.k) };
     let job = Job { x, x_rs: a_rs, w, w_rs: g.b_cs, m: g.m, n: g.n, k: g.k, g };
-    match level() {
-        Level::Avx512 => match pulp::x86::V4::try_new() {
-            Some(s) => s.vectorize(|| job.run::<_, 6, 4>(s)),
-            None => return false,
-        },
-        Level::Avx2 => match pulp::x86::V3::try_new() {
-            Some(s) => s.vectorize(|| job.run::<_, 2, 4>(s)),
-            None => return false,
-        },
-        Level::Baseline => return false,
+    match unit {
+        Unit::V4(s) => s.vectorize(|| job.run::<_, 6, 4>(s)),
+        Unit::V3(s) => s.vectorize(|| job.run::<_, 2, 4>(s)),
     }
     true
+}
+
+/// Elsewhere everything stays with gemm.
+///
+/// # Safety
+/// As [`Gemm::run`].
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn try_run(_: &Gemm<f32>) -> bool {
+    false
 }
 
 /// One product: `x` rows at stride `x_rs`, `w` rows at stride `w_rs`, the
