@@ -97,7 +97,7 @@ pub(super) unsafe fn try_run(g: &Gemm<f32>) -> bool {
     // neither).
     let x = unsafe { std::slice::from_raw_parts(a, (g.m - 1) * a_rs + g.k) };
     let w = unsafe { std::slice::from_raw_parts(g.b, (g.n - 1) * g.b_cs + g.k) };
-    let job = Job { x, x_rs: a_rs, w, w_rs: g.b_cs, m: g.m, n: g.n, k: g.k, g };
+    let job = Job { x, x_rs: a_rs, w, g };
     match unit {
         Unit::V4(s) => s.vectorize(|| job.run::<_, 6, 4>(s)),
         Unit::V3(s) => s.vectorize(|| job.run::<_, 2, 4>(s)),
@@ -114,16 +114,13 @@ pub(super) unsafe fn try_run(_: &Gemm<f32>) -> bool {
     false
 }
 
-/// One product: `x` rows at stride `x_rs`, `w` rows at stride `w_rs`, the
-/// output through `g`'s destination, scale and accumulate flag.
+/// One product: `x` rows at stride `x_rs` (`g`'s left operand, or its copy),
+/// `w` rows at `g`'s stride `b_cs`; sizes, destination, scale and accumulate
+/// flag are `g`'s.
 struct Job<'a> {
     x: &'a [f32],
     x_rs: usize,
     w: &'a [f32],
-    w_rs: usize,
-    m: usize,
-    n: usize,
-    k: usize,
     g: &'a Gemm<f32>,
 }
 
@@ -131,13 +128,14 @@ impl Job<'_> {
     /// The product with R x C tiles (edge tiles narrower), blocks of rows outermost.
     #[inline(always)]
     fn run<S: Simd, const R: usize, const C: usize>(&self, s: S) {
-        let rows_per_block = (BLOCK_ELEMS / self.k).max(R) / R * R;
+        let Gemm { m, n, k, .. } = *self.g;
+        let rows_per_block = (BLOCK_ELEMS / k).max(R) / R * R;
         let mut i0 = 0;
-        while i0 < self.m {
-            let i1 = (i0 + rows_per_block).min(self.m);
+        while i0 < m {
+            let i1 = (i0 + rows_per_block).min(m);
             let mut j = 0;
-            while j < self.n {
-                if j + C <= self.n {
+            while j < n {
+                if j + C <= n {
                     self.columns::<S, R, C>(s, i0, i1, j);
                     j += C;
                 } else {
@@ -152,7 +150,8 @@ impl Job<'_> {
     /// Rows `i0..i1` against the C rows of `w` from `j`.
     #[inline(always)]
     fn columns<S: Simd, const R: usize, const C: usize>(&self, s: S, i0: usize, i1: usize, j: usize) {
-        let ws: [&[f32]; C] = std::array::from_fn(|c| &self.w[(j + c) * self.w_rs..][..self.k]);
+        let (k, w_rs) = (self.g.k, self.g.b_cs);
+        let ws: [&[f32]; C] = std::array::from_fn(|c| &self.w[(j + c) * w_rs..][..k]);
         let mut i = i0;
         while i + R <= i1 {
             self.tile::<S, R, C>(s, i, j, ws);
@@ -168,7 +167,7 @@ impl Job<'_> {
     #[inline(always)]
     fn tile<S: Simd, const R: usize, const C: usize>(&self, s: S, i: usize, j: usize, ws: [&[f32]; C]) {
         let xs: [(&[S::f32s], &[f32]); R] =
-            std::array::from_fn(|r| S::as_simd_f32s(&self.x[(i + r) * self.x_rs..][..self.k]));
+            std::array::from_fn(|r| S::as_simd_f32s(&self.x[(i + r) * self.x_rs..][..self.g.k]));
         let wv: [(&[S::f32s], &[f32]); C] = ws.map(|w| S::as_simd_f32s(w));
         let steps = xs[0].0.len();
         let zero = s.splat_f32s(0.0);
