@@ -66,9 +66,10 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// At most this many tokens go through the model per step (decoded tokens
     /// and prompt chunks together). The default, 2048, is what vLLM's
-    /// OpenAI server uses outside large GPUs: a larger chunk finishes queued prompts in fewer steps (each
-    /// step reads every weight once more), at the price of a longer pause
-    /// for the decoding sequences of a step that carries it.
+    /// OpenAI server uses outside large GPUs: a larger chunk finishes queued
+    /// prompts in fewer steps (each step reads every weight once more), at
+    /// the price of a longer pause for the decoding sequences of a step that
+    /// carries it.
     pub max_batched_tokens: usize,
     /// Share the KV blocks of identical prompt prefixes (Note [Prefix sharing]).
     pub prefix_sharing: bool,
