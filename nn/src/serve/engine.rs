@@ -512,6 +512,26 @@ impl Engine {
         Ok(logits)
     }
 
+    /// The next token of every greedy row with logits, in plan order: one
+    /// argmax over all of them (per row, as `choose` computes it) instead of
+    /// one op and one read back per row.
+    fn greedy_tokens(&self, plan: &[(usize, usize)], logits: &[Option<Tensor>]) -> Result<Vec<i64>> {
+        let rows: Vec<&Tensor> = plan
+            .iter()
+            .zip(logits)
+            .filter(|((i, chunk), _)| {
+                // The rows the loop of `run` takes a token for.
+                let s = &self.running[*i];
+                s.req.sampling.is_greedy() && s.computed + chunk == s.tokens.len()
+            })
+            .filter_map(|(_, l)| l.as_ref())
+            .collect();
+        if rows.is_empty() {
+            return Ok(vec![]);
+        }
+        Tensor::cat(&rows, 0)?.argmax(Some(-1), false)?.to_vec::<i64>()
+    }
+
     fn run(&mut self, plan: &[(usize, usize)], out: &mut Vec<StepOutput>) -> Result<()> {
         let bs = self.cache.block_size();
         for &(i, chunk) in plan {
@@ -521,6 +541,7 @@ impl Engine {
             }
         }
         let logits = self.logits(plan)?;
+        let mut greedy = self.greedy_tokens(plan, &logits)?.into_iter();
         let mut done = vec![];
         for (&(i, chunk), l) in plan.iter().zip(logits) {
             let s = &mut self.running[i];
@@ -534,11 +555,15 @@ impl Engine {
                 s.hashes.push(h);
             }
             let Some(l) = l.filter(|_| s.computed == s.tokens.len()) else { continue };
-            let gen = match &s.generator {
-                Some(g) => g.clone(),
-                None => kiln_tensor::generator::default_generator(self.model.device())?,
+            let tok = if s.req.sampling.is_greedy() {
+                greedy.next().ok_or_else(|| Error::invalid("serve", "a greedy row without its token"))?
+            } else {
+                let gen = match &s.generator {
+                    Some(g) => g.clone(),
+                    None => kiln_tensor::generator::default_generator(self.model.device())?,
+                };
+                choose(&l, &s.req.sampling, &gen)?.to_vec::<i64>()?[0]
             };
-            let tok = choose(&l, &s.req.sampling, &gen)?.to_vec::<i64>()?[0];
             s.tokens.push(tok);
             self.stats.generated_tokens += 1;
             if s.first_token.is_none() {
