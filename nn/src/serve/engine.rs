@@ -512,24 +512,25 @@ impl Engine {
         Ok(logits)
     }
 
-    /// The next token of every greedy row with logits, in plan order: one
-    /// argmax over all of them (per row, as `choose` computes it) instead of
-    /// one op and one read back per row.
-    fn greedy_tokens(&self, plan: &[(usize, usize)], logits: &[Option<Tensor>]) -> Result<Vec<i64>> {
-        let rows: Vec<&Tensor> = plan
+    /// The next token of every greedy row with logits, by position in the
+    /// plan: one argmax over all of them (per row, as `choose` computes it)
+    /// instead of one op and one read back per row.
+    fn greedy_tokens(&self, plan: &[(usize, usize)], logits: &[Option<Tensor>]) -> Result<Vec<Option<i64>>> {
+        let (at, rows): (Vec<usize>, Vec<&Tensor>) = plan
             .iter()
             .zip(logits)
-            .filter(|((i, chunk), _)| {
-                // The rows the loop of `run` takes a token for.
-                let s = &self.running[*i];
-                s.req.sampling.is_greedy() && s.computed + chunk == s.tokens.len()
-            })
-            .filter_map(|(_, l)| l.as_ref())
-            .collect();
-        if rows.is_empty() {
-            return Ok(vec![]);
+            .enumerate()
+            .filter(|(_, ((i, _), _))| self.running[*i].req.sampling.is_greedy())
+            .filter_map(|(k, (_, l))| Some((k, l.as_ref()?)))
+            .unzip();
+        let mut tokens = vec![None; plan.len()];
+        if !rows.is_empty() {
+            let picked = Tensor::cat(&rows, 0)?.argmax(Some(-1), false)?.to_vec::<i64>()?;
+            for (k, t) in at.into_iter().zip(picked) {
+                tokens[k] = Some(t);
+            }
         }
-        Tensor::cat(&rows, 0)?.argmax(Some(-1), false)?.to_vec::<i64>()
+        Ok(tokens)
     }
 
     fn run(&mut self, plan: &[(usize, usize)], out: &mut Vec<StepOutput>) -> Result<()> {
@@ -541,9 +542,9 @@ impl Engine {
             }
         }
         let logits = self.logits(plan)?;
-        let mut greedy = self.greedy_tokens(plan, &logits)?.into_iter();
+        let greedy = self.greedy_tokens(plan, &logits)?;
         let mut done = vec![];
-        for (&(i, chunk), l) in plan.iter().zip(logits) {
+        for ((&(i, chunk), l), greedy) in plan.iter().zip(logits).zip(greedy) {
             let s = &mut self.running[i];
             let prefill = chunk.min(s.req.prompt.len().saturating_sub(s.computed));
             self.stats.prefill_tokens += prefill as u64;
@@ -555,14 +556,15 @@ impl Engine {
                 s.hashes.push(h);
             }
             let Some(l) = l.filter(|_| s.computed == s.tokens.len()) else { continue };
-            let tok = if s.req.sampling.is_greedy() {
-                greedy.next().ok_or_else(|| Error::invalid("serve", "a greedy row without its token"))?
-            } else {
-                let gen = match &s.generator {
-                    Some(g) => g.clone(),
-                    None => kiln_tensor::generator::default_generator(self.model.device())?,
-                };
-                choose(&l, &s.req.sampling, &gen)?.to_vec::<i64>()?[0]
+            let tok = match greedy {
+                Some(t) => t,
+                None => {
+                    let gen = match &s.generator {
+                        Some(g) => g.clone(),
+                        None => kiln_tensor::generator::default_generator(self.model.device())?,
+                    };
+                    choose(&l, &s.req.sampling, &gen)?.to_vec::<i64>()?[0]
+                }
             };
             s.tokens.push(tok);
             self.stats.generated_tokens += 1;
