@@ -197,25 +197,25 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
     let ecfg =
         |sharing: bool| EngineConfig { kv_cache_bytes: a.kv_mb << 20, prefix_sharing: sharing, ..Default::default() };
     // Every run of every system, in turns (Note [Serve load]).
-    let mut runs: Vec<(&str, Vec<(Outcome, serde_json::Value)>)> = vec![];
-    let mut record =
-        |name: &'static str, o: Outcome, extra: serde_json::Value| match runs.iter_mut().find(|(n, _)| *n == name) {
-            Some((_, v)) => v.push((o, extra)),
-            None => runs.push((name, vec![(o, extra)])),
-        };
+    type Extra = Vec<(&'static str, serde_json::Value)>;
+    let mut runs: Vec<(&str, Vec<(Outcome, Extra)>)> = vec![];
+    let mut record = |name: &'static str, o: Outcome, extra: Extra| match runs.iter_mut().find(|(n, _)| *n == name) {
+        Some((_, v)) => v.push((o, extra)),
+        None => runs.push((name, vec![(o, extra)])),
+    };
     for _ in 0..a.repeat.max(1) {
         if want("engine") {
             let (o, _) = engine_run(&model, &plain, ecfg(true))?;
-            record("engine", o, json!({"workload": "plain"}));
+            record("engine", o, vec![("workload", json!("plain"))]);
         }
         if want("sequential") {
-            record("sequential", sequential_run(&model, &plain)?, json!({"workload": "plain"}));
+            record("sequential", sequential_run(&model, &plain)?, vec![("workload", json!("plain"))]);
         }
         if want("shared") {
             for sharing in [true, false] {
                 let (o, hits) = engine_run(&model, &shared, ecfg(sharing))?;
                 let name = if sharing { "engine-prefix-sharing" } else { "engine-no-prefix-sharing" };
-                record(name, o, json!({"workload": "shared-256", "prefix_hit_tokens": hits}));
+                record(name, o, vec![("workload", json!("shared-256")), ("prefix_hit_tokens", json!(hits))]);
             }
         }
     }
@@ -223,10 +223,8 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
     for (name, mut v) in runs {
         v.sort_by(|x, y| x.0.tokens_per_s().total_cmp(&y.0.tokens_per_s()));
         let all: Vec<f64> = v.iter().map(|(o, _)| sig4(o.tokens_per_s())).collect();
-        let (o, extra) = v.swap_remove(v.len() / 2);
+        let (o, mut extra) = v.swap_remove(v.len() / 2);
         tps.insert(name.to_string(), o.tokens_per_s());
-        let mut extra: Vec<(&str, serde_json::Value)> =
-            extra.as_object().into_iter().flatten().map(|(k, v)| (k.as_str(), v.clone())).collect();
         extra.push(("runs_tokens_per_s", json!(all)));
         o.line(name, &extra).emit();
     }
