@@ -125,14 +125,19 @@ pub(crate) trait Elem: HostElement + PartialOrd {
 /// Allocations at least this large ask the OS for 2 MiB pages.
 const HUGE_PAGE_MIN: usize = 4 << 20;
 
-/// `n` zeros from a zeroed allocation. Large buffers are advised to use
-/// transparent huge pages before they are first touched: a 64 MiB output in
-/// fresh memory otherwise costs 16K page faults, more time than the kernel that
-/// fills it.
+/// `n` zeros. Large buffers are advised to use transparent huge pages before
+/// they are first touched, then cleared: a 64 MiB output in fresh memory
+/// otherwise costs 16K page faults, more time than the kernel that fills it.
+/// (A zeroed allocation would not do: glibc's `calloc` clears memory that
+/// comes from the heap, touching every page before the advice could apply.)
 fn zeroed<T: Copy>(n: usize, zero: T) -> Vec<T> {
-    let v = vec![zero; n];
-    advise_huge_pages(&v);
-    v
+    if n.saturating_mul(std::mem::size_of::<T>()) < HUGE_PAGE_MIN {
+        return vec![zero; n];
+    }
+    let mut v = uninit::<T>(n);
+    v.fill(MaybeUninit::new(zero));
+    // SAFETY: every element was just written.
+    unsafe { assume_init(v) }
 }
 
 // Note [Uninitialised outputs]
