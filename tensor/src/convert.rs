@@ -1,7 +1,6 @@
-//! Conversions: `to_dtype`, `to_device`, `to_vec`, `item`, ndarray in and out,
-//! and `TensorData` for `Tensor::new([[1.0, 2.0], [3.0, 4.0]])`.
+//! Conversions: `to_dtype`, `to_device`, `to_vec`, `item`, and `TensorData`
+//! for `Tensor::new([[1.0, 2.0], [3.0, 4.0]])`.
 use crate::{DType, Device, Error, HostBuffer, HostElement, Op, Result, Tensor};
-use ndarray::{ArrayBase, ArrayD, Data, Dimension, IxDyn};
 
 /// Nested arrays, slices, vectors and scalars that can become a tensor.
 pub trait TensorData {
@@ -119,25 +118,6 @@ impl Tensor {
             ));
         }
         Ok(self.read_host("item_f64")?.get_f64(0))
-    }
-
-    /// A CPU tensor copied from an ndarray array of any dimensionality and layout.
-    pub fn from_ndarray<T: HostElement, S: Data<Elem = T>, D: Dimension>(a: &ArrayBase<S, D>) -> Result<Tensor> {
-        let shape = a.shape().to_vec();
-        Tensor::from_vec(a.iter().copied().collect(), &shape)
-    }
-
-    /// The data as an owned ndarray array (`T` must match the dtype).
-    pub fn to_ndarray<T: HostElement>(&self) -> Result<ArrayD<T>> {
-        let v = self.to_vec::<T>()?;
-        ArrayD::from_shape_vec(IxDyn(self.shape()), v).map_err(|e| Error::shape("to_ndarray", e.to_string()))
-    }
-}
-
-impl<T: HostElement, S: Data<Elem = T>, D: Dimension> TryFrom<&ArrayBase<S, D>> for Tensor {
-    type Error = Error;
-    fn try_from(a: &ArrayBase<S, D>) -> Result<Tensor> {
-        Tensor::from_ndarray(a)
     }
 }
 

@@ -11,6 +11,8 @@
 //! functions may take from the host.
 
 pub use half;
+/// The ndarray version kiln converts to and from (`Tensor::view_ndarray`, `Tensor::from_ndarray`).
+pub use ndarray;
 
 pub mod alloc;
 mod attention;
@@ -30,6 +32,7 @@ pub mod generator;
 pub mod graph;
 mod indexing;
 mod inplace;
+mod interop;
 pub mod invariance;
 pub mod layout;
 mod linalg;
@@ -63,6 +66,7 @@ pub use float8::{f8e4m3fn, f8e5m2};
 pub use generator::{default_generator, manual_seed, Generator};
 pub use graph::{is_grad_enabled, set_grad_enabled, CustomBackward, Edge, GradModeGuard, Hook, Node, NodeKind, Origin};
 pub use indexing::{s, IndexItem, SliceBound, TensorIndex};
+pub use interop::NdarrayRef;
 pub use invariance::{is_batch_invariant, set_batch_invariant};
 pub use layout::{broadcast_shapes, contiguous_strides, numel, wrap_dim, Layout, Shape, Strides};
 pub use mesh::{init_device_mesh, DeviceMesh, PartialOp, Placement};

@@ -146,8 +146,10 @@ fn ndarray_round_trip() {
         assert_eq!(a.shape(), &[2, 3]);
         assert_eq!(a[&[1, 2][..]], 5.0);
         // A transposed (non-standard layout) array comes in in its logical order.
-        let back = Tensor::from_ndarray(&a.t())?;
+        let back = Tensor::try_from(&a.t())?;
         assert_exact(&back, DType::F32, &[3, 2], &[0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        let owned = Tensor::from_ndarray(a.t().to_owned())?;
+        assert_exact(&owned, DType::F32, &[3, 2], &[0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
         let b: Tensor = Tensor::try_from(&a)?;
         assert_exact(&b, DType::F32, &[2, 3], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
         // A view tensor reads out in its logical order.
@@ -155,6 +157,72 @@ fn ndarray_round_trip() {
         assert_eq!(v.shape(), &[3, 2]);
         assert_eq!(v.iter().copied().collect::<Vec<_>>(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
         assert_err(x.to_ndarray::<f64>(), &["to_vec", "float64", "float32"]);
+        Ok(())
+    });
+}
+
+/// `from_ndarray` takes a standard-layout array's buffer as the tensor's
+/// storage, and `view_ndarray` shows a CPU tensor's elements in place, with
+/// its strides, while writers wait.
+#[test]
+fn ndarray_without_copies() -> Result<()> {
+    let a = kiln::tensor::ndarray::Array::from_shape_vec((2, 3), vec![0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+    let ptr = a.as_ptr();
+    let x = Tensor::from_ndarray(a)?;
+    assert_exact(&x, DType::F32, &[2, 3], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    {
+        let v = x.view_ndarray::<f32>()?;
+        assert_eq!(v.view().as_ptr(), ptr, "the array's buffer is the tensor's storage");
+        assert_eq!(v.view().shape(), &[2, 3]);
+    }
+    // Views keep their strides and offset: transposed, sliced, broadcast.
+    let tt = x.t()?;
+    let v = tt.view_ndarray::<f32>()?;
+    assert_eq!(v.view().shape(), &[3, 2]);
+    assert_eq!(v.view().as_ptr(), ptr);
+    assert_eq!(v.view().iter().copied().collect::<Vec<_>>(), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+    let row = x.narrow(0, 1, 1)?.squeeze_dim(0)?;
+    let r = row.view_ndarray::<f32>()?;
+    assert_eq!(r.view().iter().copied().collect::<Vec<_>>(), vec![3.0, 4.0, 5.0]);
+    let wide = row.unsqueeze(0)?.expand(&[4, 3])?;
+    let w = wide.view_ndarray::<f32>()?;
+    assert_eq!(w.view().shape(), &[4, 3]);
+    assert_eq!(w.view().sum(), 48.0);
+    // A sliced-away or off-the-front array still comes in by value.
+    let mut b = kiln::tensor::ndarray::Array::from_shape_vec(4, vec![1i64, 2, 3, 4]).unwrap();
+    b.slice_collapse(kiln::tensor::ndarray::s![1..3]);
+    assert_exact(&Tensor::from_ndarray(b)?, DType::I64, &[2], &[2.0, 3.0]);
+    // Empty tensors and scalars.
+    let e = Tensor::zeros(&[0, 3], DType::F32)?;
+    assert_eq!(e.view_ndarray::<f32>()?.view().shape(), &[0, 3]);
+    let s = Tensor::new(7.0f64)?;
+    assert_eq!(s.view_ndarray::<f64>()?.view().sum(), 7.0);
+    // Wrong element type: an error, not a reinterpretation.
+    assert_err(x.view_ndarray::<f64>().map(|_| ()), &["view_ndarray", "float64", "float32"]);
+    drop((v, r, w));
+    // While a view lives, a writer on another thread waits for it.
+    let held = x.view_ndarray::<f32>()?;
+    let writer = {
+        let x = x.clone();
+        std::thread::spawn(move || x.fill_(9.0).map(|_| ()))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(held.view()[[0, 0]], 0.0, "the write waits for the view");
+    drop(held);
+    writer.join().unwrap()?;
+    assert_eq!(x.view_ndarray::<f32>()?.view()[[1, 2]], 9.0);
+    Ok(())
+}
+
+#[test]
+fn view_ndarray_refuses_device_tensors() {
+    on_devices(|dev| {
+        let x = Tensor::zeros(&[2], (DType::F32, dev))?;
+        if dev == Device::Cpu {
+            assert_eq!(x.view_ndarray::<f32>()?.view().len(), 2);
+        } else {
+            assert_err(x.view_ndarray::<f32>().map(|_| ()), &["view_ndarray", "CPU"]);
+        }
         Ok(())
     });
 }
