@@ -201,7 +201,7 @@ pub struct Compiled<F> {
 
 /// Captures `f`, a function of PJRT tensors on `device` returning tensors, as
 /// torch.compile does: traced into one program the first time it sees its
-/// inputs' shapes, replayed afterwards (see Note [Capture] in `capture.rs`).
+/// inputs' shapes, replayed afterwards (see Note \[Capture\] in `capture.rs`).
 ///
 /// Random numbers drawn inside are fresh on every call, replays included:
 /// the generator's state is a device tensor the program reads and advances.
@@ -294,7 +294,7 @@ where
     }
 
     /// Runs the function: replays its program when a stable trace matches the
-    /// inputs, else traces it (see Note [Capture]).
+    /// inputs, else traces it (see Note \[Capture\]).
     pub fn call(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let backend = crate::backend()?;
         for (i, t) in inputs.iter().enumerate() {

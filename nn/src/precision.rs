@@ -1,13 +1,13 @@
 //! Mixed precision with PyTorch's shape: [`MixedPrecisionPolicy`] (FSDP2's
 //! `MixedPrecisionPolicy`) says in which dtype a model computes and returns
 //! its output while its parameters, gradients and optimizer state stay
-//! float32; the per-op rules are autocast's (Note [Autocast] in kiln-tensor).
+//! float32; the per-op rules are autocast's (Note \[Autocast\] in kiln-tensor).
 use kiln_tensor::{autocast, DType, Error, Result, Tensor};
 
 /// How a model mixes precisions (PyTorch's `MixedPrecisionPolicy`):
 ///
 /// * `param_dtype`: the dtype its products compute in (bfloat16 or float16):
-///   its forward runs under [`autocast`] to it, so matmuls, linear layers and
+///   its forward runs under [`autocast()`] to it, so matmuls, linear layers and
 ///   attention take their float32 parameters and inputs in that dtype, while
 ///   softmax, norms, losses and reductions compute in float32. `None` runs in
 ///   the parameters' own dtype.

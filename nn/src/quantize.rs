@@ -106,7 +106,7 @@ fn amax(v: impl Iterator<Item = f32>) -> f32 {
 }
 
 /// Quantizes a dense weight `[out, in]` (any float dtype, any device) into
-/// `scheme` (Note [Quantizing]); the codes and scales are on the CPU. FP4
+/// `scheme` (Note \[Quantizing\]); the codes and scales are on the CPU. FP4
 /// schemes need `in` to be even. Non-finite weights are an error.
 pub fn quantize_weight(w: &Tensor, scheme: QuantScheme) -> Result<QuantizedWeight> {
     if w.ndim() != 2 || !w.dtype().is_float() {

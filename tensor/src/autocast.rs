@@ -41,7 +41,7 @@ impl Drop for AutocastGuard {
 }
 
 /// Runs the ops of this thread under autocast to `dtype` (bfloat16 or
-/// float16) until the guard drops (Note [Autocast]).
+/// float16) until the guard drops (Note \[Autocast\]).
 ///
 /// ```
 /// use kiln::prelude::*;

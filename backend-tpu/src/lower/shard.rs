@@ -1,6 +1,6 @@
 //! Shardings: a mesh and per-axis placements as Shardy's annotations
 //! (`sdy.mesh`, `#sdy.sharding`), and how a tensor of a given sharding is cut
-//! into the shards each device holds (see Note [Shardings]).
+//! into the shards each device holds (see Note \[Shardings\]).
 use kiln_tensor::{DeviceMesh, Error, PartialOp, Placement, Result};
 
 // Note [Shardings]

@@ -2,7 +2,7 @@
 //! `libloading`, its API version checked, and safe owning wrappers for the
 //! client, devices, buffers, events and executables.
 //!
-//! Every call goes through [`Api::call`], which turns a returned `PJRT_Error`
+//! Every call goes through `Api::call`, which turns a returned `PJRT_Error`
 //! into a [`kiln_tensor::Error::Backend`] carrying the plugin's message and code.
 mod executable;
 pub mod ffi;
