@@ -20,7 +20,7 @@ generate: continue a prompt with a Hugging Face Llama/Qwen3 checkpoint
 
 USAGE: cargo run --release --example generate -- --model DIR (--prompt TEXT | --ids 1,2,3) [OPTIONS]
 
-  --model DIR            config.json + model.safetensors (or a sharded index)
+  --model DIR|REPO_ID    config.json + model.safetensors (or a sharded index), or a repo id in the Hugging Face cache
   --prompt TEXT          the prompt as bytes (token id = byte value)
   --ids LIST             the prompt as comma-separated token ids
   --max-new-tokens N     tokens to generate [default: 32]

@@ -24,8 +24,8 @@ serve: an OpenAI-compatible HTTP server for a Llama / Qwen3 checkpoint
 
 USAGE: cargo run --release --example serve -- [OPTIONS]
 
-  --model DIR              config.json + weights [default: runs/train_llama]
-  --name NAME              the model name clients use [default: the directory's name]
+  --model DIR|REPO_ID      config.json + weights, or a repo id in the Hugging Face cache [default: runs/train_llama]
+  --name NAME              the model name clients use [default: the repo id or the directory's name]
   --host ADDR              [default: 127.0.0.1]
   --port N                 0 picks a free one [default: 8000]
   --dtype f32|bf16         [default: f32]

@@ -43,6 +43,10 @@ pub enum QuantizedLoad {
 impl LlamaForCausalLM {
     /// Loads a Hugging Face model directory: `config.json` plus
     /// `model.safetensors` or a sharded `model.safetensors.index.json`.
+    /// `dir` may also be a repo id (`"Qwen/Qwen3-0.6B"`) that is not a
+    /// directory: its `main` snapshot in the Hugging Face cache is loaded,
+    /// with no network (Note [The Hugging Face cache]; for another revision,
+    /// pass the directory from [`crate::io::hub::resolve_in`]).
     /// Floating-point weights are converted to `dtype` and placed on `device`.
     /// A quantized checkpoint (FP8, MXFP4, NVFP4: Note [Reading quantized
     /// checkpoints]) is dequantized exactly into `dtype`; see
@@ -56,7 +60,7 @@ impl LlamaForCausalLM {
     /// [`LlamaForCausalLM::from_pretrained`] with the options for quantized
     /// checkpoints.
     pub fn from_pretrained_with(dir: impl AsRef<Path>, opts: &PretrainedOptions) -> Result<LlamaForCausalLM> {
-        let dir = dir.as_ref();
+        let dir = &crate::io::hub::resolve_model(dir.as_ref(), "main")?;
         let (dtype, device) = (opts.dtype, opts.device);
         if !dtype.is_float() || dtype.is_float8() {
             return Err(Error::dtype(

@@ -50,15 +50,22 @@ pub struct ServerState {
 
 impl ServerState {
     /// Loads a model directory (`config.json`, the weights, `tokenizer.json`
-    /// if any, `tokenizer_config.json`'s chat template if any) onto the CPU
-    /// and starts its engine; the model is named `name`, else after the
-    /// directory. Stop strings are matched on the tokenizer's text.
+    /// if any, `tokenizer_config.json`'s chat template if any), or a repo id
+    /// in the Hugging Face cache, onto the CPU and starts its engine; the
+    /// model is named `name`, else the repo id, else after the directory.
+    /// Stop strings are matched on the tokenizer's text.
     pub fn from_dir(
         dir: &std::path::Path,
         dtype: kiln_tensor::DType,
         mut cfg: super::EngineConfig,
         name: Option<String>,
     ) -> std::result::Result<ServerState, Box<dyn std::error::Error + Send + Sync>> {
+        let resolved = crate::io::hub::resolve_model(dir, "main")?;
+        let name = match name {
+            None if resolved != dir => Some(dir.display().to_string()),
+            n => n,
+        };
+        let dir = resolved.as_path();
         let model = crate::models::LlamaForCausalLM::from_pretrained(dir, dtype, kiln_tensor::Device::Cpu)?;
         let codec = Arc::new(Codec::for_model(dir)?);
         let chat = ChatTemplate::for_model(dir)?;
