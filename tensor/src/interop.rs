@@ -8,9 +8,10 @@ use std::sync::RwLockReadGuard;
 
 /// A CPU tensor's elements seen in place by ndarray (from
 /// [`Tensor::view_ndarray`]). It holds the storage's read lock: while it
-/// lives, in-place writes to the tensor or to any view of its storage wait
-/// (on this thread they would deadlock, so drop it first), and nothing can
-/// change what [`NdarrayRef::view`] shows.
+/// lives, in-place writes to the tensor or to any view of its storage wait,
+/// so nothing can change what [`NdarrayRef::view`] shows. Drop it before
+/// writing to that storage on the same thread, which would otherwise wait
+/// for itself.
 pub struct NdarrayRef<'a, T> {
     _guard: RwLockReadGuard<'a, StorageData>,
     ptr: *const T,
@@ -93,8 +94,13 @@ impl Tensor {
                 ))
             }
         }
-        if strides.iter().any(|&s| s > isize::MAX as usize) {
-            return Err(Error::invalid("view_ndarray", format!("strides {strides:?} overflow isize")));
+        // ndarray counts elements and strides in isize.
+        let count = shape.iter().filter(|&&n| n > 0).try_fold(1usize, |a, &n| a.checked_mul(n));
+        if count.is_none_or(|c| c > isize::MAX as usize) || strides.iter().any(|&s| s > isize::MAX as usize) {
+            return Err(Error::invalid(
+                "view_ndarray",
+                format!("shape {shape:?} with strides {strides:?} is too large for an ndarray view"),
+            ));
         }
         let ptr = if empty { buf.as_ptr() } else { buf[layout.offset()..].as_ptr() };
         Ok(NdarrayRef { ptr, shape, strides, _elem: PhantomData, _guard: guard })
