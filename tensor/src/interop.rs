@@ -76,24 +76,8 @@ impl Tensor {
             .ok_or_else(|| Error::backend("cpu", "view_ndarray: the storage holds no host buffer of this dtype"))?;
         let layout = self.layout();
         let (shape, strides) = (layout.shape().to_vec(), layout.strides().to_vec());
-        // The largest element index the view can reach must be inside the buffer.
+        layout.check_bounds("view_ndarray", buf.len())?;
         let empty = shape.contains(&0);
-        let last = shape.iter().zip(&strides).try_fold(layout.offset(), |acc, (&n, &s)| {
-            n.saturating_sub(1).checked_mul(s).and_then(|x| acc.checked_add(x))
-        });
-        match last {
-            Some(last) if empty || last < buf.len() => {}
-            _ => {
-                return Err(Error::invalid(
-                    "view_ndarray",
-                    format!(
-                        "shape {shape:?} with strides {strides:?} at offset {} does not fit a storage of {} elements",
-                        layout.offset(),
-                        buf.len()
-                    ),
-                ))
-            }
-        }
         // ndarray counts elements and strides in isize.
         let count = shape.iter().filter(|&&n| n > 0).try_fold(1usize, |a, &n| a.checked_mul(n));
         if count.is_none_or(|c| c > isize::MAX as usize) || strides.iter().any(|&s| s > isize::MAX as usize) {
@@ -112,16 +96,15 @@ impl Tensor {
     /// in row-major order.
     pub fn from_ndarray<T: HostElement, D: Dimension>(a: Array<T, D>) -> Result<Tensor> {
         let shape = a.shape().to_vec();
-        if a.is_standard_layout() {
-            let len = a.len();
-            let (v, offset) = a.into_raw_vec_and_offset();
-            if offset.unwrap_or(0) == 0 && v.len() == len {
-                return Tensor::from_vec(v, &shape);
-            }
-            let start = offset.unwrap_or(0);
-            return Tensor::from_vec(v[start..start + len].to_vec(), &shape);
+        if !a.is_standard_layout() {
+            return Tensor::try_from(&a);
         }
-        Tensor::from_vec(a.iter().copied().collect(), &shape)
+        let len = a.len();
+        let (v, offset) = a.into_raw_vec_and_offset();
+        let start = offset.unwrap_or(0);
+        // Contiguous from `start`: the whole buffer, or a copy of the array's part.
+        let v = if start == 0 && v.len() == len { v } else { v[start..start + len].to_vec() };
+        Tensor::from_vec(v, &shape)
     }
 
     /// The data copied into an owned ndarray array (`T` must match the dtype).
