@@ -92,8 +92,8 @@ pub fn resolve_in(cache: &Path, repo_id: &str, revision: &str) -> Result<PathBuf
             cache.display()
         )));
     }
-    let is_hash = revision.len() == 40 && revision.bytes().all(|b| b.is_ascii_hexdigit());
-    let commit = if is_hash {
+    let is_commit = |s: &str| s.len() == 40 && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let commit = if is_commit(revision) {
         revision.to_string()
     } else {
         let r = repo.join("refs").join(revision);
@@ -101,7 +101,7 @@ pub fn resolve_in(cache: &Path, repo_id: &str, revision: &str) -> Result<PathBuf
             err(format!("model {repo_id}: no revision {revision:?} in the cache ({}: {e}){offline}", r.display()))
         })?;
         let c = text.trim().to_string();
-        if c.len() != 40 || !c.bytes().all(|b| b.is_ascii_hexdigit()) {
+        if !is_commit(&c) {
             return Err(err(format!("{}: {c:?} is not a commit hash", r.display())));
         }
         c
