@@ -5,6 +5,19 @@
 use kiln_tensor::{DType, Device, Error, Result, Tensor};
 use std::collections::{BTreeMap, BTreeSet};
 
+mod field;
+pub use field::ModuleField;
+/// Derives [`Module`](trait@Module) from a struct's fields (see the trait).
+pub use kiln_derive::Module;
+
+/// What `#[derive(Module)]`'s expansion names, at one path that does not
+/// depend on how the user's crate imports kiln.
+#[doc(hidden)]
+pub mod __derive {
+    pub use super::{join_name, ModuleField};
+    pub use kiln_tensor::{Result, Tensor};
+}
+
 /// Joins a parameter or submodule name onto a prefix with a dot
 /// (`join_name("model", "norm") == "model.norm"`, `join_name("", "norm") == "norm"`).
 pub fn join_name(prefix: &str, name: &str) -> String {
@@ -38,8 +51,88 @@ impl IncompatibleKeys {
 ///
 /// A module holds its parameters as plain [`Tensor`] fields and implements two
 /// visitors that hand each one, with its full dotted name, to a callback;
-/// every other method is provided on top of them. Submodules are visited by
-/// calling their visitors with `join_name(prefix, "field")`.
+/// every other method is provided on top of them.
+///
+/// # Deriving
+///
+/// `#[derive(Module)]` writes the visitors from the struct's fields, in
+/// declaration order, each named after its field: a [`Tensor`] is a
+/// parameter, a `Module` is a submodule whose parameters go under the
+/// field's name, `Option`s hold one or nothing, and `Vec`s and arrays name
+/// their items by index (`layers.0.mlp.up_proj.weight`), as PyTorch's
+/// `ModuleList` does (see [`ModuleField`]). `train` and `is_training` are
+/// derived too: `train` reaches every submodule, and a module is in training
+/// mode when one of its submodules is.
+///
+/// - `#[module(skip)]` on a field leaves it out (configuration, caches,
+///   anything that is not a parameter); a field of another type than those
+///   above is a compile error until it is skipped, so no parameter is left
+///   out by accident.
+/// - `#[module(rename = "name")]` names a field's parameters as a checkpoint
+///   does when the Rust name cannot (`rename = "type"`, or a dotted
+///   `rename = "model.norm"`); two fields with one name are a compile error.
+/// - On the struct, `#[module(crate = "kiln_nn")]` says where `kiln::nn` is
+///   for a crate that depends on `kiln-nn` directly (the default is
+///   `::kiln::nn`), and `#[module(mixed_precision = "Self::method")]`
+///   implements [`Module::set_mixed_precision_policy`] with that method, for
+///   a model whose forward applies a policy it holds.
+///
+/// A generic struct is a module whenever its visited fields are. Each field
+/// is visited: a weight tied between two places is held in one field (as
+/// `LlamaForCausalLM` holds no `lm_head` when it is tied to the embedding).
+///
+/// ```
+/// use kiln::nn::layers::Linear;
+/// use kiln::nn::module::Module;
+/// use kiln::prelude::*;
+///
+/// #[derive(Module)]
+/// struct Block {
+///     proj: Linear,
+///     #[module(rename = "scale")]
+///     gain: Tensor,
+///     norm_bias: Option<Tensor>,
+///     experts: Vec<Linear>,
+///     #[module(skip)]
+///     eps: f64,
+/// }
+///
+/// let lin = || Linear::new(4, 4, false, DType::F32);
+/// let b = Block {
+///     proj: lin()?,
+///     gain: Tensor::ones(&[4], DType::F32)?,
+///     norm_bias: None,
+///     experts: vec![lin()?, lin()?],
+///     eps: 1e-6,
+/// };
+/// let names: Vec<String> = b.named_parameters().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["proj.weight", "scale", "experts.0.weight", "experts.1.weight"]);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+///
+/// A field that is neither a parameter nor a module does not compile
+/// (`` `f64` is neither a parameter nor a module``) until it is skipped:
+///
+/// ```compile_fail
+/// use kiln::nn::module::Module;
+/// use kiln::prelude::*;
+///
+/// #[derive(Module)]
+/// struct Norm {
+///     weight: Tensor,
+///     eps: f64,
+/// }
+/// ```
+///
+/// # Writing the visitors by hand
+///
+/// A module whose parameters depend on its state (a [`Linear`] whose weight
+/// is kept quantized holds no weight parameter) or that keeps a mode flag of
+/// its own (`Dropout`) implements the trait itself. Submodules are visited by
+/// calling their visitors with `join_name(prefix, "field")`; a parameter
+/// shared by two places (tied weights) is visited once.
+///
+/// [`Linear`]: crate::layers::Linear
 ///
 /// ```
 /// use kiln::prelude::*;
