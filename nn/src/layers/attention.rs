@@ -1,7 +1,7 @@
 //! Grouped-query causal self-attention (Llama, Qwen3) with an optional KV cache,
 //! and the additive causal/padding mask it takes.
 use super::{Dropout, Linear, RmsNorm, RopeTables};
-use crate::module::{join_name, Module};
+use crate::module::Module;
 use kiln_tensor::half::{bf16, f16};
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
@@ -179,7 +179,8 @@ pub enum AttentionMask<'a> {
 /// reads key/value head `h / (H/KV)` for query head `h`, and the step-by-step
 /// path views queries `[B, H, T, d]` as `[B, KV, (H/KV)*T, d]`, so one batched
 /// matmul against keys `[B, KV, S, d]` serves every query head of a group.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct Attention {
     /// `[heads * head_dim, hidden]`.
     pub q_proj: Linear,
@@ -193,9 +194,13 @@ pub struct Attention {
     pub q_norm: Option<RmsNorm>,
     /// Qwen3's per-head key norm (`[head_dim]`).
     pub k_norm: Option<RmsNorm>,
+    #[module(skip)]
     num_heads: usize,
+    #[module(skip)]
     num_kv_heads: usize,
+    #[module(skip)]
     head_dim: usize,
+    #[module(skip)]
     scaling: f64,
     dropout: Dropout,
 }
@@ -388,42 +393,5 @@ fn softmax_f32(x: &Tensor) -> Result<Tensor> {
     match x.dtype() {
         DType::F32 | DType::F64 => x.softmax(-1),
         dt => x.to_dtype(DType::F32)?.softmax(-1)?.to_dtype(dt),
-    }
-}
-
-impl Module for Attention {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        self.q_proj.visit_params(&join_name(prefix, "q_proj"), f);
-        self.k_proj.visit_params(&join_name(prefix, "k_proj"), f);
-        self.v_proj.visit_params(&join_name(prefix, "v_proj"), f);
-        self.o_proj.visit_params(&join_name(prefix, "o_proj"), f);
-        if let Some(n) = &self.q_norm {
-            n.visit_params(&join_name(prefix, "q_norm"), f);
-        }
-        if let Some(n) = &self.k_norm {
-            n.visit_params(&join_name(prefix, "k_norm"), f);
-        }
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        self.q_proj.visit_params_mut(&join_name(prefix, "q_proj"), f)?;
-        self.k_proj.visit_params_mut(&join_name(prefix, "k_proj"), f)?;
-        self.v_proj.visit_params_mut(&join_name(prefix, "v_proj"), f)?;
-        self.o_proj.visit_params_mut(&join_name(prefix, "o_proj"), f)?;
-        if let Some(n) = &mut self.q_norm {
-            n.visit_params_mut(&join_name(prefix, "q_norm"), f)?;
-        }
-        if let Some(n) = &mut self.k_norm {
-            n.visit_params_mut(&join_name(prefix, "k_norm"), f)?;
-        }
-        Ok(())
-    }
-
-    fn train(&mut self, on: bool) {
-        self.dropout.train(on);
-    }
-
-    fn is_training(&self) -> bool {
-        self.dropout.is_training()
     }
 }

@@ -1,6 +1,6 @@
 //! `Embedding`: a lookup table of rows, indexed by integer ids.
 use super::normal_param;
-use crate::module::{join_name, Module};
+use crate::module::Module;
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{Error, Result, Tensor, TensorOptions};
 
@@ -15,7 +15,8 @@ use kiln_tensor::{Error, Result, Tensor, TensorOptions};
 /// assert_eq!(out.shape(), &[1, 3, 4]);
 /// # Ok::<(), kiln::Error>(())
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct Embedding {
     /// `[num_embeddings, embedding_dim]`.
     pub weight: Tensor,
@@ -59,15 +60,5 @@ impl Embedding {
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let _c = ConstantScope::enter();
         Tensor::embedding(&self.weight, ids)
-    }
-}
-
-impl Module for Embedding {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        f(&join_name(prefix, "weight"), &self.weight);
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        f(&join_name(prefix, "weight"), &mut self.weight)
     }
 }

@@ -1,13 +1,14 @@
 //! The SwiGLU MLP of Llama and Qwen: `down(silu(gate(x)) * up(x))`.
 use super::Linear;
-use crate::module::{join_name, Module};
+use crate::module::Module;
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Result, Tensor, TensorOptions};
 
 /// The gated feed-forward block of Llama/Qwen (`LlamaMLP`): parameters
 /// `gate_proj` and `up_proj` (`[intermediate, hidden]`) and `down_proj`
 /// (`[hidden, intermediate]`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct SwiGluMlp {
     /// `[intermediate, hidden]`.
     pub gate_proj: Linear,
@@ -47,19 +48,5 @@ impl SwiGluMlp {
             _ => g.silu()?.mul(&u)?,
         };
         self.down_proj.forward(&h)
-    }
-}
-
-impl Module for SwiGluMlp {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        self.gate_proj.visit_params(&join_name(prefix, "gate_proj"), f);
-        self.up_proj.visit_params(&join_name(prefix, "up_proj"), f);
-        self.down_proj.visit_params(&join_name(prefix, "down_proj"), f);
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        self.gate_proj.visit_params_mut(&join_name(prefix, "gate_proj"), f)?;
-        self.up_proj.visit_params_mut(&join_name(prefix, "up_proj"), f)?;
-        self.down_proj.visit_params_mut(&join_name(prefix, "down_proj"), f)
     }
 }

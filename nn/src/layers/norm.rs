@@ -1,6 +1,6 @@
 //! Normalisation layers: `RmsNorm` (Llama, Qwen) and `LayerNorm`.
 use super::parameter;
-use crate::module::{join_name, Module};
+use crate::module::Module;
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Result, Tensor, TensorOptions};
 
@@ -16,11 +16,13 @@ use kiln_tensor::{DType, Result, Tensor, TensorOptions};
 /// assert!((y[0] - 3.0 / 12.5f32.sqrt()).abs() < 1e-6);
 /// # Ok::<(), kiln::Error>(())
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct RmsNorm {
     /// `[dim]`, initialised to ones.
     pub weight: Tensor,
     /// Added to the mean square before the square root.
+    #[module(skip)]
     pub eps: f64,
 }
 
@@ -47,27 +49,20 @@ impl RmsNorm {
     }
 }
 
-impl Module for RmsNorm {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        f(&join_name(prefix, "weight"), &self.weight);
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        f(&join_name(prefix, "weight"), &mut self.weight)
-    }
-}
-
 /// Layer normalisation over the last dim (`torch.nn.LayerNorm(dim)`):
 /// `(x - mean) / sqrt(var + eps) * weight + bias`, biased variance,
 /// half-precision inputs computed in float32.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct LayerNorm {
     /// `[dim]`, initialised to ones (absent without an elementwise affine).
     pub weight: Option<Tensor>,
     /// `[dim]`, initialised to zeros (absent without a bias).
     pub bias: Option<Tensor>,
     /// Added to the variance before the square root.
+    #[module(skip)]
     pub eps: f64,
+    #[module(skip)]
     dim: usize,
 }
 
@@ -84,26 +79,5 @@ impl LayerNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _c = ConstantScope::enter();
         x.layer_norm(&[self.dim], self.weight.as_ref(), self.bias.as_ref(), self.eps)
-    }
-}
-
-impl Module for LayerNorm {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        if let Some(w) = &self.weight {
-            f(&join_name(prefix, "weight"), w);
-        }
-        if let Some(b) = &self.bias {
-            f(&join_name(prefix, "bias"), b);
-        }
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        if let Some(w) = &mut self.weight {
-            f(&join_name(prefix, "weight"), w)?;
-        }
-        if let Some(b) = &mut self.bias {
-            f(&join_name(prefix, "bias"), b)?;
-        }
-        Ok(())
     }
 }

@@ -65,7 +65,8 @@ mod pretrained;
 pub use pretrained::{PretrainedOptions, QuantizedLoad};
 
 /// One pre-norm residual block: `x += attn(norm1(x))`, `x += mlp(norm2(x))`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct DecoderLayer {
     /// The norm before attention.
     pub input_layernorm: RmsNorm,
@@ -146,33 +147,10 @@ impl DecoderLayer {
     }
 }
 
-impl Module for DecoderLayer {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        self.input_layernorm.visit_params(&join_name(prefix, "input_layernorm"), f);
-        self.self_attn.visit_params(&join_name(prefix, "self_attn"), f);
-        self.post_attention_layernorm.visit_params(&join_name(prefix, "post_attention_layernorm"), f);
-        self.mlp.visit_params(&join_name(prefix, "mlp"), f);
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        self.input_layernorm.visit_params_mut(&join_name(prefix, "input_layernorm"), f)?;
-        self.self_attn.visit_params_mut(&join_name(prefix, "self_attn"), f)?;
-        self.post_attention_layernorm.visit_params_mut(&join_name(prefix, "post_attention_layernorm"), f)?;
-        self.mlp.visit_params_mut(&join_name(prefix, "mlp"), f)
-    }
-
-    fn train(&mut self, on: bool) {
-        self.self_attn.train(on);
-    }
-
-    fn is_training(&self) -> bool {
-        self.self_attn.is_training()
-    }
-}
-
 /// The decoder stack (`LlamaModel`, parameters under `model.`): token
 /// embeddings, the layers and the final norm.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
 pub struct LlamaModel {
     /// `[vocab, hidden]`.
     pub embed_tokens: Embedding,
@@ -180,6 +158,7 @@ pub struct LlamaModel {
     pub layers: Vec<DecoderLayer>,
     /// The final norm.
     pub norm: RmsNorm,
+    #[module(skip)]
     rotary: RotaryEmbedding,
 }
 
@@ -264,34 +243,6 @@ impl LlamaModel {
             a.insert("act.final_norm".into(), x.clone());
         }
         Ok(x)
-    }
-}
-
-impl Module for LlamaModel {
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        self.embed_tokens.visit_params(&join_name(prefix, "embed_tokens"), f);
-        for (i, l) in self.layers.iter().enumerate() {
-            l.visit_params(&join_name(prefix, &format!("layers.{i}")), f);
-        }
-        self.norm.visit_params(&join_name(prefix, "norm"), f);
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        self.embed_tokens.visit_params_mut(&join_name(prefix, "embed_tokens"), f)?;
-        for (i, l) in self.layers.iter_mut().enumerate() {
-            l.visit_params_mut(&join_name(prefix, &format!("layers.{i}")), f)?;
-        }
-        self.norm.visit_params_mut(&join_name(prefix, "norm"), f)
-    }
-
-    fn train(&mut self, on: bool) {
-        for l in &mut self.layers {
-            l.train(on);
-        }
-    }
-
-    fn is_training(&self) -> bool {
-        self.layers.first().is_some_and(|l| l.is_training())
     }
 }
 
@@ -389,14 +340,17 @@ fn check_key_shapes(config: &LlamaConfig, weights: &BTreeMap<String, Tensor>) ->
 /// assert!(!model.state_dict().contains_key("lm_head.weight"));
 /// # Ok::<(), kiln::Error>(())
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate", mixed_precision = "Self::set_mixed_precision")]
 pub struct LlamaForCausalLM {
     /// The decoder stack (`model.*`).
     pub model: LlamaModel,
     /// The output projection `[vocab, hidden]`; `None` when tied to the embeddings.
     pub lm_head: Option<Linear>,
+    #[module(skip)]
     config: LlamaConfig,
     /// How `forward` mixes precisions (`None`: everything in the parameters' dtype).
+    #[module(skip)]
     mixed_precision: Option<MixedPrecisionPolicy>,
 }
 
@@ -636,35 +590,6 @@ impl LlamaForCausalLM {
         let text = serde_json::to_string_pretty(&self.config.to_json(self.dtype()))
             .map_err(|e| Error::invalid("save_pretrained", e.to_string()))?;
         write_atomic(&dir.join("config.json"), |w| w.write_all(text.as_bytes()))
-    }
-}
-
-impl Module for LlamaForCausalLM {
-    fn set_mixed_precision_policy(&mut self, policy: Option<MixedPrecisionPolicy>) -> Result<()> {
-        self.set_mixed_precision(policy)
-    }
-
-    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        self.model.visit_params(&join_name(prefix, "model"), f);
-        if let Some(l) = &self.lm_head {
-            l.visit_params(&join_name(prefix, "lm_head"), f);
-        }
-    }
-
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        self.model.visit_params_mut(&join_name(prefix, "model"), f)?;
-        if let Some(l) = &mut self.lm_head {
-            l.visit_params_mut(&join_name(prefix, "lm_head"), f)?;
-        }
-        Ok(())
-    }
-
-    fn train(&mut self, on: bool) {
-        self.model.train(on);
-    }
-
-    fn is_training(&self) -> bool {
-        self.model.is_training()
     }
 }
 
