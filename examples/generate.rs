@@ -100,6 +100,8 @@ fn run() -> Result<()> {
     if prompt.is_empty() {
         fail("the prompt is empty");
     }
+    // Registers the PJRT backend for `--device tpu`; a missing device fails here, naming it.
+    kiln::init_device(device)?;
     let t0 = Instant::now();
     let model = LlamaForCausalLM::from_pretrained(&dir, dtype, device)?;
     let vocab = model.config().vocab_size as i64;
