@@ -10,6 +10,8 @@
 //! Byte-level prompts suit models whose vocabulary is the 256 byte values (like
 //! the test fixtures and kiln's `train_llama`); for other models pass token ids
 //! from their tokenizer with `--ids`.
+#[path = "support/logging.rs"]
+mod logging;
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::models::LlamaForCausalLM;
 use kiln::prelude::*;
@@ -47,6 +49,7 @@ fn ids_of(list: &str) -> Vec<i64> {
 }
 
 fn main() {
+    logging::init();
     if let Err(e) = run() {
         eprintln!("generate: {e}");
         std::process::exit(1);

@@ -18,6 +18,8 @@
 //! of N AdamW steps on the same batch, then after the last), `adamw_step1.<param>`
 //! and `adamw_step<N>.<param>`; with `--generate N`, `generate.output` (int64
 //! `[B, P+N]`, greedy with the KV cache, from the loaded weights).
+#[path = "support/logging.rs"]
+mod logging;
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::io::{load_safetensors, save_safetensors};
 use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
@@ -183,6 +185,7 @@ fn f32_cpu(t: &Tensor) -> Result<Tensor> {
 }
 
 fn main() {
+    logging::init();
     if let Err(e) = run(parse_args()) {
         eprintln!("hf_check: {e}");
         std::process::exit(1);

@@ -13,6 +13,8 @@
 //! (else byte-level tokens, as `train_llama` trains), and the chat template of
 //! `tokenizer_config.json`. It prints `listening on http://ADDR` once it
 //! accepts connections (`--port 0` picks a free port).
+#[path = "support/logging.rs"]
+mod logging;
 use kiln::nn::serve::openai::{router, ServerState};
 use kiln::nn::serve::EngineConfig;
 use kiln::prelude::*;
@@ -45,6 +47,7 @@ fn fail(msg: &str) -> ! {
 }
 
 fn main() {
+    logging::init();
     if let Err(e) = run() {
         eprintln!("serve: {e}");
         std::process::exit(1);

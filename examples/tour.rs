@@ -2,6 +2,8 @@
 //! promotion, reductions, softmax, a timed matmul and an error message.
 //!
 //! Run with `cargo run --release --example tour`.
+#[path = "support/logging.rs"]
+mod logging;
 use kiln::prelude::*;
 use std::time::Instant;
 
@@ -10,6 +12,7 @@ fn section(title: &str) {
 }
 
 fn main() -> Result<()> {
+    logging::init();
     kiln::manual_seed(0);
 
     section("creating tensors");

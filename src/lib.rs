@@ -16,6 +16,8 @@
 //! (`kiln-tpu`, `Device::Tpu(n)`) loads a plugin, so it is registered on
 //! request: [`tpu::register`].
 
+pub mod logging;
+
 pub use kiln_autograd as autograd;
 pub use kiln_autograd::local_map;
 pub use kiln_cpu as cpu;

@@ -3,7 +3,7 @@
 //! program text and cached, and dispatched asynchronously (Strict) or waited
 //! for and checked (Debug); under DeferAndFuse ops append to a pending graph
 //! that runs as one program (`graph.rs`).
-use crate::cache::{self, DiskCache, DiskOutcome};
+use crate::cache::{self, DiskCache};
 pub use crate::graph::PjrtBuffer;
 use crate::graph::{self, data_in, only_the_storage_reaches, Arg, Graph};
 use crate::lower::{self, ArgView, Check};
@@ -277,6 +277,7 @@ impl PjrtBackend {
         };
         if let Some(e) = found(&self.cache.lock().unwrap_or_else(|e| e.into_inner())) {
             self.hits.fetch_add(1, Ordering::Relaxed);
+            tracing::trace!(target: "kiln::compile", bytes = text.len(), "executable cache hit");
             return Ok(e);
         }
         let compile = || {
@@ -285,17 +286,17 @@ impl PjrtBackend {
             let dt = t.elapsed();
             self.compiles.fetch_add(1, Ordering::Relaxed);
             self.compile_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
-            cache::log(&format!("compiled a program of {} bytes in {:.1} ms", text.len(), dt.as_secs_f64() * 1e3));
+            tracing::debug!(
+                target: "kiln::compile",
+                bytes = text.len(),
+                partitions = options.partitions,
+                ms = dt.as_secs_f64() * 1e3,
+                "compiled a program"
+            );
             Ok(exe)
         };
         let exe = Arc::new(match &self.disk {
-            Some(d) => {
-                let (exe, outcome) = d.get_or_compile(&self.client, text, options, compile)?;
-                if outcome == DiskOutcome::Hit {
-                    cache::log(&format!("loaded a program of {} bytes from {}", text.len(), d.dir().display()));
-                }
-                exe
-            }
+            Some(d) => d.get_or_compile(&self.client, text, options, compile)?,
             None => compile()?,
         });
         let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());

@@ -32,17 +32,6 @@ use std::sync::Arc;
 const MAGIC: &[u8; 8] = b"KILNXEC1";
 const HEADER: usize = 8 + 32 + 8;
 
-/// What happened to one program lookup on disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DiskOutcome {
-    /// Loaded from disk.
-    Hit,
-    /// Not on disk (compiled, then stored).
-    Miss,
-    /// On disk but corrupt or foreign (compiled again, then rewritten).
-    Rebuilt,
-}
-
 /// The on-disk executable cache of one client.
 pub struct DiskCache {
     dir: PathBuf,
@@ -136,33 +125,41 @@ impl DiskCache {
         text: &str,
         options: &CompileOptions,
         compile: impl FnOnce() -> Result<Executable>,
-    ) -> Result<(Executable, DiskOutcome)> {
+    ) -> Result<Executable> {
         let path = self.path_for(text, options);
         let t = std::time::Instant::now();
-        let mut outcome = DiskOutcome::Miss;
         if let Ok(bytes) = std::fs::read(&path) {
             let t_read = t.elapsed();
             match payload(&bytes).map(|p| client.deserialize(p)) {
                 Some(Ok(exe)) => {
-                    log(&format!(
-                        "loaded {} ({} bytes): read {:.1} ms, checked and deserialized {:.1} ms",
-                        path.display(),
-                        bytes.len(),
-                        t_read.as_secs_f64() * 1e3,
-                        (t.elapsed() - t_read).as_secs_f64() * 1e3
-                    ));
+                    tracing::debug!(
+                        target: "kiln::compile",
+                        path = %path.display(),
+                        bytes = bytes.len(),
+                        read_ms = t_read.as_secs_f64() * 1e3,
+                        deserialize_ms = (t.elapsed() - t_read).as_secs_f64() * 1e3,
+                        "loaded an executable from the compile cache"
+                    );
                     self.hits.fetch_add(1, Ordering::Relaxed);
                     self.load_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     // Refresh the entry's age for the size cap (least recently used goes first).
                     if let Ok(f) = std::fs::File::options().append(true).open(&path) {
                         let _ = f.set_modified(std::time::SystemTime::now());
                     }
-                    return Ok((exe, DiskOutcome::Hit));
+                    return Ok(exe);
                 }
-                Some(Err(e)) => log(&format!("cache entry {} is not loadable ({e}); compiling again", path.display())),
-                None => log(&format!("cache entry {} is corrupt; compiling again", path.display())),
+                Some(Err(e)) => tracing::warn!(
+                    target: "kiln::compile",
+                    path = %path.display(),
+                    error = %e,
+                    "a compile cache entry is not loadable; compiling again"
+                ),
+                None => tracing::warn!(
+                    target: "kiln::compile",
+                    path = %path.display(),
+                    "a compile cache entry is corrupt; compiling again"
+                ),
             }
-            outcome = DiskOutcome::Rebuilt;
             self.rebuilt.fetch_add(1, Ordering::Relaxed);
         } else {
             self.misses.fetch_add(1, Ordering::Relaxed);
@@ -170,10 +167,15 @@ impl DiskCache {
         let exe = compile()?;
         if let Ok(bytes) = exe.serialize() {
             if let Err(e) = self.store(&path, &bytes) {
-                log(&format!("could not write {}: {e}", path.display()));
+                tracing::warn!(
+                    target: "kiln::compile",
+                    path = %path.display(),
+                    error = %e,
+                    "could not write a compile cache entry"
+                );
             }
         }
-        Ok((exe, outcome))
+        Ok(exe)
     }
 
     /// Writes an entry atomically (temporary file + rename), then applies the size cap.
@@ -225,6 +227,13 @@ impl DiskCache {
             }
             if std::fs::remove_file(&p).is_ok() {
                 total -= len;
+                tracing::debug!(
+                    target: "kiln::compile",
+                    path = %p.display(),
+                    bytes = len,
+                    max_bytes = max,
+                    "evicted the least recently used compile cache entry"
+                );
             }
         }
     }
@@ -241,13 +250,6 @@ fn payload(bytes: &[u8]) -> Option<&[u8]> {
         return None;
     }
     Some(p)
-}
-
-/// Compile-cache events go to stderr when `KILN_LOG_COMPILES=1`.
-pub fn log(msg: &str) {
-    if std::env::var("KILN_LOG_COMPILES").is_ok_and(|v| v == "1") {
-        eprintln!("kiln: {msg}");
-    }
 }
 
 #[cfg(test)]

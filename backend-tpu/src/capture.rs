@@ -254,14 +254,6 @@ impl kiln_tensor::Captured for Compiled<kiln_tensor::CaptureFn> {
     }
 }
 
-fn log(msg: &str) {
-    if std::env::var("KILN_LOG_COMPILES").is_ok_and(|v| v == "1")
-        || std::env::var("KILN_LOG_RETRACES").is_ok_and(|v| v == "1")
-    {
-        eprintln!("kiln::compile: {msg}");
-    }
-}
-
 impl<F> Compiled<F>
 where
     F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
@@ -325,15 +317,27 @@ where
             self.retrace(reason)?;
         }
         self.stats.traces += 1;
+        let t = std::time::Instant::now();
         let (trace, sig, traced_args) = self.trace(backend, inputs)?;
+        tracing::debug!(
+            target: "kiln::compile",
+            trace = self.stats.traces,
+            inputs = inputs.len(),
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "traced the captured function"
+        );
         if let Some(first) = trace.host.first() {
             self.stats.host_value_traces += 1;
             self.stats.last_host_value = Some(first.clone());
-            log(&format!(
-                "trace {} reads host values of the function's own code ({first}{}); it is not replayed (HostValues::Retrace); declare constants with kiln::constant, or pass changing values as inputs or kiln::HostScalar",
-                self.stats.traces,
-                if trace.host.len() > 1 { format!(" and {} more", trace.host.len() - 1) } else { String::new() }
-            ));
+            tracing::info!(
+                target: "kiln::retrace",
+                trace = self.stats.traces,
+                host_value = %first,
+                more = trace.host.len() - 1,
+                "the trace reads host values of the function's own code, so it is not replayed \
+                 (HostValues::Retrace); declare constants with kiln::constant, or pass changing values as inputs \
+                 or kiln::HostScalar"
+            );
         }
         // This call's own run: the buffers the trace read (state now holds the trace's results).
         let outs = replay(backend, &trace, inputs, self.device, Some(traced_args))?;
@@ -356,11 +360,12 @@ where
                     ));
                 }
                 if !stable && replayable {
-                    log(&format!(
-                        "trace {} differs from the previous one ({}); tracing again next call",
-                        self.stats.traces,
-                        difference(prev, &sig)
-                    ));
+                    tracing::debug!(
+                        target: "kiln::retrace",
+                        trace = self.stats.traces,
+                        difference = %difference(prev, &sig),
+                        "the trace differs from the previous one; tracing again next call"
+                    );
                 }
                 self.entries[p].state = if stable && replayable {
                     EntryState::Ready(Box::new(trace), sig)
@@ -377,7 +382,7 @@ where
     fn retrace(&mut self, reason: String) -> Result<()> {
         self.stats.retraces += 1;
         self.stats.last_retrace = Some(reason.clone());
-        log(&format!("retracing: {reason}"));
+        tracing::info!(target: "kiln::retrace", reason = %reason, retraces = self.stats.retraces, "retracing");
         if self.error_on_retrace {
             return Err(Error::invalid("compile", format!("retrace refused (error_on_retrace is set): {reason}")));
         }

@@ -63,6 +63,7 @@ fn start(group: Option<&process_group::Joined>) -> Result<()> {
         return Ok(());
     }
     let path = pjrt::find_plugin()?;
+    let t = std::time::Instant::now();
     let api = pjrt::Api::load(&path)?;
     let xla_cpu = path.to_string_lossy().contains("cpu");
     let mut opts = vec![];
@@ -79,6 +80,16 @@ fn start(group: Option<&process_group::Joined>) -> Result<()> {
         g.store
     });
     let client = Arc::new(pjrt::Client::new(api, &opts, store)?);
+    tracing::info!(
+        target: "kiln::pjrt",
+        plugin = %path.display(),
+        api_version = ?client.api().version(),
+        platform = %client.platform(),
+        devices = client.device_count(),
+        process = group.map(|g| g.rank),
+        ms = t.elapsed().as_secs_f64() * 1e3,
+        "loaded the PJRT plugin and created a client"
+    );
     let b: &'static PjrtBackend = Box::leak(Box::new(PjrtBackend::new(client)));
     kiln_tensor::register_backend(DeviceKind::Tpu, Box::new(Registered(b)));
     let _ = BACKEND.set(b);

@@ -44,7 +44,13 @@ fn env_mode() -> Mode {
     static M: OnceLock<Mode> = OnceLock::new();
     *M.get_or_init(|| match std::env::var("KILN_TPU_MODE") {
         Ok(s) => Mode::parse(&s).unwrap_or_else(|| {
-            eprintln!("kiln: KILN_TPU_MODE={s:?} is not a mode (strict, debug, defer); using strict");
+            let msg = format!("KILN_TPU_MODE={s:?} is not a mode (strict, debug, defer); using strict");
+            // A misconfiguration is said even where no subscriber listens.
+            if tracing::dispatcher::get_default(|d| d.is::<tracing::subscriber::NoSubscriber>()) {
+                eprintln!("kiln: {msg}");
+            } else {
+                tracing::warn!(target: "kiln::pjrt", "{msg}");
+            }
             Mode::Strict
         }),
         Err(_) => Mode::Strict,

@@ -23,6 +23,8 @@
 //! the same mesh or another one (its sharded checkpoint is resharded on load).
 mod args;
 mod log;
+#[path = "../support/logging.rs"]
+mod logging;
 
 use args::{arg_err, Args, USAGE};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -328,6 +330,7 @@ fn run(mut args: Args) -> Result<()> {
         }
         let tps = tokens_per_step * (step - start_step) as f64 / start.elapsed().as_secs_f64();
         rows.push(Row { step, loss, lr, grad_norm, tokens_per_sec: tps, ..Default::default() });
+        tracing::info!(target: "kiln::train", step, loss, lr, grad_norm, tokens_per_sec = tps, "trained a step");
         bar.set_position(step);
         bar.set_message(format!("loss {loss:.4} | {tps:.0} tok/s | lr {lr:.2e}"));
         if step % args.eval_every == 0 || step == args.steps {
@@ -349,6 +352,14 @@ fn run(mut args: Args) -> Result<()> {
                 rows.last_mut().expect("pushed above").accuracy = Some(acc);
                 line += &format!("  held-out accuracy {:.1}% ({n} problems)", 100.0 * acc);
             }
+            let row = rows.last().expect("pushed above");
+            tracing::info!(
+                target: "kiln::train",
+                step,
+                val_loss = row.val_loss,
+                accuracy = row.accuracy,
+                "evaluated"
+            );
             report(format!("{line}  [{tps:.0} tok/s]"));
             model.train(true);
         }
@@ -429,6 +440,7 @@ fn console_is_tty() -> bool {
 }
 
 fn main() {
+    logging::init();
     let args = match Args::parse(std::env::args().skip(1)) {
         Ok(Some(a)) => a,
         Ok(None) => {

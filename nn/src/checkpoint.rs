@@ -295,6 +295,7 @@ pub fn save_checkpoint(
     optimizer: &dyn Optimizer,
     state: &TrainerState,
 ) -> Result<()> {
+    let t = std::time::Instant::now();
     let weights = model.state_dict();
     let opt_state: BTreeMap<String, Tensor> = optimizer.state_dict()?.into_iter().collect();
     let trainer =
@@ -314,7 +315,15 @@ pub fn save_checkpoint(
         save_safetensors(tmp.join(OPTIMIZER_FILE), &opt_state, None)?;
         write_atomic(&tmp.join(TRAINER_STATE_FILE), |w| w.write_all(trainer.as_bytes()))?;
         write_manifest(tmp)
-    })
+    })?;
+    tracing::info!(
+        target: "kiln::train",
+        dir = %dir.display(),
+        step = state.step,
+        ms = t.elapsed().as_secs_f64() * 1e3,
+        "saved a training checkpoint"
+    );
+    Ok(())
 }
 
 /// A checkpoint directory, read back: its [`TrainerState`], and the files for
@@ -339,7 +348,9 @@ pub fn load_checkpoint(dir: impl AsRef<Path>) -> Result<Checkpoint> {
     let path = dir.join(TRAINER_STATE_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, format!("cannot read: {e}")))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err(&path, e))?;
-    Ok(Checkpoint { state: TrainerState::from_json(&v)?, dir })
+    let state = TrainerState::from_json(&v)?;
+    tracing::info!(target: "kiln::train", dir = %dir.display(), step = state.step, "opened a training checkpoint");
+    Ok(Checkpoint { state, dir })
 }
 
 impl Checkpoint {

@@ -60,6 +60,7 @@ impl LlamaForCausalLM {
     /// [`LlamaForCausalLM::from_pretrained`] with the options for quantized
     /// checkpoints.
     pub fn from_pretrained_with(dir: impl AsRef<Path>, opts: &PretrainedOptions) -> Result<LlamaForCausalLM> {
+        let t = std::time::Instant::now();
         let dir = &crate::io::hub::resolve_model(dir.as_ref(), "main")?;
         let (dtype, device) = (opts.dtype, opts.device);
         if !dtype.is_float() || dtype.is_float8() {
@@ -99,6 +100,15 @@ impl LlamaForCausalLM {
             }
         };
         model.eval();
+        tracing::info!(
+            target: "kiln::load",
+            dir = %dir.display(),
+            parameters = model.num_parameters(),
+            dtype = %dtype,
+            device = %device,
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "loaded a pretrained model"
+        );
         Ok(model)
     }
 
