@@ -91,56 +91,38 @@ impl<T: ModuleField> ModuleField for Option<T> {
     }
 }
 
-/// Items named `{name}.{index}`.
-fn visit_items<T: ModuleField>(items: &[T], name: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-    for (i, t) in items.iter().enumerate() {
-        t.visit_field(&join_name(name, &i.to_string()), f);
-    }
+/// Lists (`Vec<T>`, `[T; N]`): items named `{name}.{index}`, every item
+/// switched, training when one item is.
+macro_rules! list_field {
+    ([$($generics:tt)*] $list:ty) => {
+        impl<$($generics)*> ModuleField for $list {
+            fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+                for (i, t) in self.iter().enumerate() {
+                    t.visit_field(&join_name(name, &i.to_string()), f);
+                }
+            }
+
+            fn visit_field_mut(
+                &mut self,
+                name: &str,
+                f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>,
+            ) -> Result<()> {
+                for (i, t) in self.iter_mut().enumerate() {
+                    t.visit_field_mut(&join_name(name, &i.to_string()), f)?;
+                }
+                Ok(())
+            }
+
+            fn train_field(&mut self, on: bool) {
+                self.iter_mut().for_each(|t| t.train_field(on))
+            }
+
+            fn field_is_training(&self) -> bool {
+                self.iter().any(|t| t.field_is_training())
+            }
+        }
+    };
 }
 
-fn visit_items_mut<T: ModuleField>(
-    items: &mut [T],
-    name: &str,
-    f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>,
-) -> Result<()> {
-    for (i, t) in items.iter_mut().enumerate() {
-        t.visit_field_mut(&join_name(name, &i.to_string()), f)?;
-    }
-    Ok(())
-}
-
-impl<T: ModuleField> ModuleField for Vec<T> {
-    fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        visit_items(self, name, f)
-    }
-
-    fn visit_field_mut(&mut self, name: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        visit_items_mut(self, name, f)
-    }
-
-    fn train_field(&mut self, on: bool) {
-        self.iter_mut().for_each(|t| t.train_field(on))
-    }
-
-    fn field_is_training(&self) -> bool {
-        self.iter().any(|t| t.field_is_training())
-    }
-}
-
-impl<T: ModuleField, const N: usize> ModuleField for [T; N] {
-    fn visit_field(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor)) {
-        visit_items(self, name, f)
-    }
-
-    fn visit_field_mut(&mut self, name: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
-        visit_items_mut(self, name, f)
-    }
-
-    fn train_field(&mut self, on: bool) {
-        self.iter_mut().for_each(|t| t.train_field(on))
-    }
-
-    fn field_is_training(&self) -> bool {
-        self.iter().any(|t| t.field_is_training())
-    }
-}
+list_field!([T: ModuleField] Vec<T>);
+list_field!([T: ModuleField, const N: usize] [T; N]);
