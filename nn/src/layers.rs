@@ -1,6 +1,6 @@
 //! Layers: Linear, Embedding, RMSNorm, LayerNorm, Dropout, rotary position
 //! embeddings (with Llama 3 scaling), grouped-query causal attention with a KV
-//! cache, and the SwiGLU MLP. Each is a [`Module`](crate::module::Module) whose
+//! cache, the SwiGLU MLP and Qwen3-MoE's sparse experts. Each is a [`Module`](crate::module::Module) whose
 //! parameters carry Hugging Face names.
 
 mod attention;
@@ -8,6 +8,7 @@ mod dropout;
 mod embedding;
 mod linear;
 mod mlp;
+mod moe;
 mod norm;
 mod rotary;
 
@@ -16,6 +17,7 @@ pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use linear::Linear;
 pub use mlp::SwiGluMlp;
+pub use moe::{FeedForward, SparseMoeBlock};
 pub use norm::{LayerNorm, RmsNorm};
 pub use rotary::{rotate_half, RopeScaling, RopeTables, RotaryEmbedding};
 

@@ -4,7 +4,7 @@
 mod config;
 mod llama;
 
-pub use config::{LlamaConfig, ModelType};
+pub use config::{LlamaConfig, ModelType, MoeConfig};
 pub use llama::{
     causal_lm_loss, DecoderLayer, KvCache, LlamaForCausalLM, LlamaModel, PretrainedOptions, QuantizedLoad,
 };

@@ -51,7 +51,7 @@ fn decoder_layer(l: &DecoderLayer, p: &str, out: &mut Seen) {
     rms(&l.input_layernorm, &join_name(p, "input_layernorm"), out);
     attention(&l.self_attn, &join_name(p, "self_attn"), out);
     rms(&l.post_attention_layernorm, &join_name(p, "post_attention_layernorm"), out);
-    mlp(&l.mlp, &join_name(p, "mlp"), out);
+    mlp(l.mlp.as_dense().expect("a dense model"), &join_name(p, "mlp"), out);
 }
 fn llama_model(m: &LlamaModel, p: &str, out: &mut Seen) {
     embedding(&m.embed_tokens, &join_name(p, "embed_tokens"), out);

@@ -103,6 +103,22 @@ fn qwen3_hf4_config_matches_transformers() {
 }
 
 #[test]
+fn qwen3_moe_matches_transformers() {
+    check_model("qwen3_moe", "config.json", Device::Cpu);
+    check_model("qwen3_moe", "config.hf4.json", Device::Cpu);
+}
+
+#[test]
+fn qwen3_moe_greedy_generation() {
+    check_generate("qwen3_moe", "config.json", Device::Cpu);
+}
+
+#[test]
+fn qwen3_moe_adamw_steps_match_torch() {
+    check_adamw("qwen3_moe", Device::Cpu);
+}
+
+#[test]
 fn llama_greedy_generation() {
     check_generate("llama", "config.json", Device::Cpu);
     check_generate("llama", "config.hf4.json", Device::Cpu);

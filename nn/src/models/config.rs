@@ -1,6 +1,7 @@
-//! `LlamaConfig`: the fields of a Hugging Face Llama/Qwen3 `config.json`, read
-//! from either RoPE layout (transformers 5's `rope_parameters`, or the
-//! top-level `rope_theta` / `rope_scaling` of most Hub checkpoints).
+//! `LlamaConfig`: the fields of a Hugging Face Llama / Qwen3 / Qwen3-MoE
+//! `config.json`, read from either RoPE layout (transformers 5's
+//! `rope_parameters`, or the top-level `rope_theta` / `rope_scaling` of most
+//! Hub checkpoints).
 use crate::layers::RopeScaling;
 use kiln_tensor::{DType, Error, Result};
 use serde_json::{json, Value};
@@ -13,6 +14,9 @@ pub enum ModelType {
     Llama,
     /// Qwen3 (`"qwen3"`): per-head RMSNorm of queries and keys.
     Qwen3,
+    /// Qwen3-MoE (`"qwen3_moe"`): Qwen3's attention, and sparse
+    /// mixture-of-experts MLPs (see [`MoeConfig`]).
+    Qwen3Moe,
 }
 
 impl ModelType {
@@ -21,7 +25,65 @@ impl ModelType {
         match self {
             ModelType::Llama => "llama",
             ModelType::Qwen3 => "qwen3",
+            ModelType::Qwen3Moe => "qwen3_moe",
         }
+    }
+}
+
+/// The mixture-of-experts fields of a Qwen3-MoE `config.json`, with
+/// transformers' defaults (`Qwen3MoeConfig`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per sparse layer (`num_experts`, or `num_local_experts` as
+    /// transformers 5 writes it).
+    pub num_experts: usize,
+    /// Experts each token is routed to (the router's top-k).
+    pub num_experts_per_tok: usize,
+    /// Each expert's SwiGLU width.
+    pub moe_intermediate_size: usize,
+    /// Whether the top-k routing weights are renormalised to sum to 1.
+    pub norm_topk_prob: bool,
+    /// Layer `i` is sparse when `(i + 1) % decoder_sparse_step == 0` (and not
+    /// in `mlp_only_layers`); the others are dense with `intermediate_size`.
+    pub decoder_sparse_step: usize,
+    /// Layers that stay dense.
+    pub mlp_only_layers: Vec<usize>,
+    /// Whether the training loss adds the router's load-balancing loss.
+    pub output_router_logits: bool,
+    /// The load-balancing loss's weight.
+    pub router_aux_loss_coef: f64,
+}
+
+impl MoeConfig {
+    fn from_json(v: &Value) -> Result<MoeConfig> {
+        let num_experts = match (get_usize(v, "num_experts")?, get_usize(v, "num_local_experts")?) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(cfg_err(format!("num_experts ({a}) and num_local_experts ({b}) disagree")))
+            }
+            (a, b) => a.or(b).unwrap_or(128),
+        };
+        let mlp_only_layers = match v.get("mlp_only_layers") {
+            None | Some(Value::Null) => vec![],
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64()
+                        .map(|n| n as usize)
+                        .ok_or_else(|| cfg_err(format!("mlp_only_layers must hold layer indices, got {x}")))
+                })
+                .collect::<Result<_>>()?,
+            Some(x) => return Err(cfg_err(format!("mlp_only_layers must be a list of layer indices, got {x}"))),
+        };
+        Ok(MoeConfig {
+            num_experts,
+            num_experts_per_tok: get_usize(v, "num_experts_per_tok")?.unwrap_or(8),
+            moe_intermediate_size: get_usize(v, "moe_intermediate_size")?.unwrap_or(768),
+            norm_topk_prob: get_bool(v, "norm_topk_prob")?.unwrap_or(false),
+            decoder_sparse_step: get_usize(v, "decoder_sparse_step")?.unwrap_or(1),
+            mlp_only_layers,
+            output_router_logits: get_bool(v, "output_router_logits")?.unwrap_or(false),
+            router_aux_loss_coef: get_f64(v, "router_aux_loss_coef")?.unwrap_or(0.001),
+        })
     }
 }
 
@@ -40,7 +102,7 @@ impl ModelType {
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
-    /// `llama` or `qwen3`.
+    /// `llama`, `qwen3` or `qwen3_moe`.
     pub model_type: ModelType,
     /// Vocabulary size.
     pub vocab_size: usize,
@@ -78,6 +140,8 @@ pub struct LlamaConfig {
     pub bos_token_id: Option<i64>,
     /// End-of-sequence tokens (generation stops on any of them).
     pub eos_token_ids: Vec<i64>,
+    /// The mixture-of-experts settings (Qwen3-MoE only).
+    pub moe: Option<MoeConfig>,
     /// The dtype the checkpoint was saved in (`dtype` or `torch_dtype`), if given.
     pub torch_dtype: Option<DType>,
     /// The parsed JSON, kept so that saving preserves fields kiln does not use.
@@ -168,8 +232,11 @@ impl LlamaConfig {
         let model_type = match v.get("model_type").and_then(|m| m.as_str()) {
             Some("llama") => ModelType::Llama,
             Some("qwen3") => ModelType::Qwen3,
+            Some("qwen3_moe") => ModelType::Qwen3Moe,
             Some(other) => {
-                return Err(cfg_err(format!("model_type {other:?} is not supported (supported: llama, qwen3)")))
+                return Err(cfg_err(format!(
+                    "model_type {other:?} is not supported (supported: llama, qwen3, qwen3_moe)"
+                )))
             }
             None => return Err(cfg_err("config.json has no model_type")),
         };
@@ -193,7 +260,7 @@ impl LlamaConfig {
             )));
         }
         let head_dim = get_usize(v, "head_dim")?.unwrap_or(hidden_size / num_attention_heads);
-        let default_max = if model_type == ModelType::Qwen3 { 32768 } else { 2048 };
+        let default_max = if model_type == ModelType::Llama { 2048 } else { 32768 };
         let max_position_embeddings = get_usize(v, "max_position_embeddings")?.unwrap_or(default_max);
         // transformers 5: "rope_parameters": {"rope_theta", "rope_type", ...};
         // transformers 4 / most Hub files: top-level "rope_theta" and "rope_scaling" (or null).
@@ -238,6 +305,7 @@ impl LlamaConfig {
             initializer_range: get_f64(v, "initializer_range")?.unwrap_or(0.02),
             bos_token_id: token_ids(v, "bos_token_id")?.first().copied(),
             eos_token_ids: token_ids(v, "eos_token_id")?,
+            moe: if model_type == ModelType::Qwen3Moe { Some(MoeConfig::from_json(v)?) } else { None },
             torch_dtype,
             raw: Some(v.clone()),
         }
@@ -254,7 +322,19 @@ impl LlamaConfig {
         match self.model_type {
             ModelType::Llama => "LlamaForCausalLM",
             ModelType::Qwen3 => "Qwen3ForCausalLM",
+            ModelType::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
+    }
+
+    /// Whether decoder layer `layer` has a sparse mixture-of-experts MLP
+    /// (transformers' `Qwen3MoeDecoderLayer` rule).
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| {
+            !m.mlp_only_layers.contains(&layer)
+                && m.num_experts > 0
+                && m.decoder_sparse_step > 0
+                && (layer + 1) % m.decoder_sparse_step == 0
+        })
     }
 
     /// Checks the configuration on its own, before anything is built from it:
@@ -319,6 +399,23 @@ impl LlamaConfig {
         if !(0.0..=1.0).contains(&self.attention_dropout) {
             return bad(format!("attention_dropout must be in [0, 1], got {}", self.attention_dropout));
         }
+        if let Some(m) = &self.moe {
+            if m.decoder_sparse_step == 0 {
+                return bad("decoder_sparse_step must be positive, got 0".into());
+            }
+            if m.num_experts > 0 && (m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts) {
+                return bad(format!(
+                    "num_experts_per_tok must be in 1..={} (num_experts), got {}",
+                    m.num_experts, m.num_experts_per_tok
+                ));
+            }
+            if m.moe_intermediate_size == 0 && m.num_experts > 0 {
+                return bad("moe_intermediate_size must be positive, got 0".into());
+            }
+            if !(m.router_aux_loss_coef.is_finite()) {
+                return bad(format!("router_aux_loss_coef must be finite, got {}", m.router_aux_loss_coef));
+            }
+        }
         if !(self.initializer_range.is_finite() && self.initializer_range >= 0.0) {
             return bad(format!("initializer_range must be finite and non-negative, got {}", self.initializer_range));
         }
@@ -341,18 +438,31 @@ impl LlamaConfig {
             .into_iter()
             .try_fold(0usize, |a, n| a.checked_add(n))?
             .checked_add(bias(q.checked_add(kv.checked_mul(2)?)?.checked_add(c), self.attention_bias)?)?;
-        let mlp =
+        let dense =
             c.checked_mul(i)?.checked_mul(3)?.checked_add(bias(i.checked_mul(2)?.checked_add(c), self.mlp_bias)?)?;
+        // A sparse layer: the router [E, hidden] and E SwiGLU experts of moe_intermediate_size.
+        let sparse = match &self.moe {
+            Some(m) => m
+                .num_experts
+                .checked_mul(c)?
+                .checked_add(m.num_experts.checked_mul(c.checked_mul(m.moe_intermediate_size)?.checked_mul(3)?)?)?,
+            None => 0,
+        };
         let norms = c.checked_mul(2)?.checked_add(if self.qk_norm() { self.head_dim.checked_mul(2)? } else { 0 })?;
-        let layer = attn.checked_add(mlp)?.checked_add(norms)?;
+        let layer = attn.checked_add(norms)?;
+        let sparse_layers = (0..self.num_hidden_layers).filter(|&l| self.is_sparse_layer(l)).count();
+        let layers = layer
+            .checked_mul(self.num_hidden_layers)?
+            .checked_add(dense.checked_mul(self.num_hidden_layers - sparse_layers)?)?
+            .checked_add(sparse.checked_mul(sparse_layers)?)?;
         let embed = self.vocab_size.checked_mul(c)?;
         let heads = if self.tie_word_embeddings { 1 } else { 2 };
-        embed.checked_mul(heads)?.checked_add(layer.checked_mul(self.num_hidden_layers)?)?.checked_add(c)
+        embed.checked_mul(heads)?.checked_add(layers)?.checked_add(c)
     }
 
-    /// Whether queries and keys get a per-head RMSNorm (Qwen3).
+    /// Whether queries and keys get a per-head RMSNorm (Qwen3, Qwen3-MoE).
     pub fn qk_norm(&self) -> bool {
-        self.model_type == ModelType::Qwen3
+        matches!(self.model_type, ModelType::Qwen3 | ModelType::Qwen3Moe)
     }
 
     /// The `config.json` to save with weights of `dtype`: the parsed JSON with
@@ -369,10 +479,7 @@ impl LlamaConfig {
             }
             _ => json!({}),
         };
-        let arch = match self.model_type {
-            ModelType::Llama => "LlamaForCausalLM",
-            ModelType::Qwen3 => "Qwen3ForCausalLM",
-        };
+        let arch = self.class_name();
         let rope = match &self.rope_scaling {
             RopeScaling::Default => Value::Null,
             RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
@@ -408,6 +515,18 @@ impl LlamaConfig {
         set("hidden_act", json!("silu"));
         if self.model_type == ModelType::Llama {
             set("mlp_bias", json!(self.mlp_bias));
+        }
+        if let Some(m) = &self.moe {
+            // transformers 5 writes num_local_experts, the Hub's files num_experts: keep the file's spelling.
+            let experts_key = if o_has(&self.raw, "num_local_experts") { "num_local_experts" } else { "num_experts" };
+            set(experts_key, json!(m.num_experts));
+            set("num_experts_per_tok", json!(m.num_experts_per_tok));
+            set("moe_intermediate_size", json!(m.moe_intermediate_size));
+            set("norm_topk_prob", json!(m.norm_topk_prob));
+            set("decoder_sparse_step", json!(m.decoder_sparse_step));
+            set("mlp_only_layers", json!(m.mlp_only_layers));
+            set("output_router_logits", json!(m.output_router_logits));
+            set("router_aux_loss_coef", json!(m.router_aux_loss_coef));
         }
         let dtype_key = if o_has(&self.raw, "dtype") { "dtype" } else { "torch_dtype" };
         if o_has(&self.raw, "rope_parameters") {

@@ -4,8 +4,8 @@
 use super::config::LlamaConfig;
 use crate::io::{save_checkpoint_dir, write_atomic};
 use crate::layers::{
-    causal_mask, normal_param, parameter, Attention, AttentionConfig, AttentionMask, Embedding, LayerKvCache, Linear,
-    RmsNorm, RotaryEmbedding, SwiGluMlp,
+    causal_mask, normal_param, parameter, Attention, AttentionConfig, AttentionMask, Embedding, FeedForward,
+    LayerKvCache, Linear, RmsNorm, RotaryEmbedding, SparseMoeBlock, SwiGluMlp,
 };
 use crate::module::{join_name, Module};
 use crate::precision::MixedPrecisionPolicy;
@@ -74,12 +74,12 @@ pub struct DecoderLayer {
     pub self_attn: Attention,
     /// The norm before the MLP.
     pub post_attention_layernorm: RmsNorm,
-    /// The SwiGLU MLP.
-    pub mlp: SwiGluMlp,
+    /// The MLP: dense SwiGLU, or sparse experts in Qwen3-MoE's sparse layers.
+    pub mlp: FeedForward,
 }
 
 impl DecoderLayer {
-    fn build(cfg: &LlamaConfig, prefix: &str, src: &mut Source<'_>) -> Result<DecoderLayer> {
+    fn build(cfg: &LlamaConfig, index: usize, prefix: &str, src: &mut Source<'_>) -> Result<DecoderLayer> {
         let (c, i) = (cfg.hidden_size, cfg.intermediate_size);
         let (h, kv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let at = join_name(prefix, "self_attn");
@@ -107,17 +107,26 @@ impl DecoderLayer {
         };
         let self_attn = Attention::from_parts(&acfg, q, k, v, o, qn, kn)?;
         let mp = join_name(prefix, "mlp");
-        let mb = cfg.mlp_bias;
-        Ok(DecoderLayer {
-            input_layernorm: rms(src, &join_name(prefix, "input_layernorm"), c, cfg.rms_norm_eps)?,
-            self_attn,
-            post_attention_layernorm: rms(src, &join_name(prefix, "post_attention_layernorm"), c, cfg.rms_norm_eps)?,
-            mlp: SwiGluMlp {
-                gate_proj: linear(src, &join_name(&mp, "gate_proj"), i, c, mb)?,
-                up_proj: linear(src, &join_name(&mp, "up_proj"), i, c, mb)?,
-                down_proj: linear(src, &join_name(&mp, "down_proj"), c, i, mb)?,
-            },
-        })
+        let input_layernorm = rms(src, &join_name(prefix, "input_layernorm"), c, cfg.rms_norm_eps)?;
+        let post_attention_layernorm = rms(src, &join_name(prefix, "post_attention_layernorm"), c, cfg.rms_norm_eps)?;
+        let swiglu = |src: &mut Source<'_>, p: &str, i: usize, bias: bool| -> Result<SwiGluMlp> {
+            Ok(SwiGluMlp {
+                gate_proj: linear(src, &join_name(p, "gate_proj"), i, c, bias)?,
+                up_proj: linear(src, &join_name(p, "up_proj"), i, c, bias)?,
+                down_proj: linear(src, &join_name(p, "down_proj"), c, i, bias)?,
+            })
+        };
+        let mlp = match cfg.moe.as_ref().filter(|_| cfg.is_sparse_layer(index)) {
+            Some(m) => {
+                let gate = linear(src, &join_name(&mp, "gate"), m.num_experts, c, false)?;
+                let experts = (0..m.num_experts)
+                    .map(|e| swiglu(src, &join_name(&mp, &format!("experts.{e}")), m.moe_intermediate_size, false))
+                    .collect::<Result<Vec<_>>>()?;
+                FeedForward::Sparse(SparseMoeBlock::from_parts(gate, experts, m.num_experts_per_tok, m.norm_topk_prob)?)
+            }
+            None => FeedForward::Dense(swiglu(src, &mp, i, cfg.mlp_bias)?),
+        };
+        Ok(DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp })
     }
 
     /// The block on `x: [B, T, hidden]` (see [`Attention::forward`] for the rest);
@@ -166,7 +175,7 @@ impl LlamaModel {
     fn build(cfg: &LlamaConfig, prefix: &str, src: &mut Source<'_>) -> Result<LlamaModel> {
         let embed = src(&join_name(prefix, "embed_tokens.weight"), &[cfg.vocab_size, cfg.hidden_size], Init::Normal)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::build(cfg, &join_name(prefix, &format!("layers.{i}")), src))
+            .map(|i| DecoderLayer::build(cfg, i, &join_name(prefix, &format!("layers.{i}")), src))
             .collect::<Result<Vec<_>>>()?;
         Ok(LlamaModel {
             embed_tokens: Embedding::from_weight(embed)?,
@@ -292,9 +301,18 @@ fn check_key_shapes(config: &LlamaConfig, weights: &BTreeMap<String, Tensor>) ->
         ("model.layers.0.self_attn.k_proj.weight", vec![kv, c]),
         ("model.layers.0.self_attn.v_proj.weight", vec![kv, c]),
         ("model.layers.0.self_attn.o_proj.weight", vec![c, q]),
-        ("model.layers.0.mlp.gate_proj.weight", vec![i, c]),
-        ("model.layers.0.mlp.down_proj.weight", vec![c, i]),
     ];
+    match config.moe.as_ref().filter(|_| config.is_sparse_layer(0)) {
+        Some(m) => expected.extend([
+            ("model.layers.0.mlp.gate.weight", vec![m.num_experts, c]),
+            ("model.layers.0.mlp.experts.0.gate_proj.weight", vec![m.moe_intermediate_size, c]),
+            ("model.layers.0.mlp.experts.0.down_proj.weight", vec![c, m.moe_intermediate_size]),
+        ]),
+        None => expected.extend([
+            ("model.layers.0.mlp.gate_proj.weight", vec![i, c]),
+            ("model.layers.0.mlp.down_proj.weight", vec![c, i]),
+        ]),
+    }
     if !config.tie_word_embeddings {
         expected.push(("lm_head.weight", vec![v, c]));
     }
@@ -574,10 +592,8 @@ impl LlamaForCausalLM {
 
     fn save_impl(&self, dir: &Path, shard: Option<usize>) -> Result<()> {
         let quantized = self.model.layers.iter().any(|l| {
-            let (a, m) = (&l.self_attn, &l.mlp);
-            [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &m.gate_proj, &m.up_proj, &m.down_proj]
-                .iter()
-                .any(|lin| lin.is_quantized())
+            let a = &l.self_attn;
+            [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj].iter().any(|lin| lin.is_quantized()) || l.mlp.is_quantized()
         }) || self.lm_head.as_ref().is_some_and(|h| h.is_quantized());
         if quantized {
             return Err(Error::invalid(

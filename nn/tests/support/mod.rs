@@ -14,11 +14,23 @@ pub fn fixture_dir(name: &str) -> PathBuf {
 
 /// `(atol, rtol)` for `model` / `what` from `tolerances.json` (`suggested` section when present).
 pub fn tolerance(model: &str, what: &str) -> (f64, f64) {
-    let text = std::fs::read_to_string(fixture_dir("tolerances.json")).expect("tolerances.json");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-    let m = &v[model];
-    let t = if m.get("suggested").is_some() { &m["suggested"][what] } else { &m[what] };
+    let t = &suggested(model)[what];
     (t["atol"].as_f64().expect("atol"), t["rtol"].as_f64().expect("rtol"))
+}
+
+/// A fixture's suggested tolerances: its entry in `tolerances.json`, else the
+/// `suggested_tolerance_f32` of its own `golden.json` (the fixtures made later).
+fn suggested(model: &str) -> serde_json::Value {
+    let read = |p: std::path::PathBuf| -> serde_json::Value {
+        let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        serde_json::from_str(&text).expect("valid JSON")
+    };
+    let all = read(fixture_dir("tolerances.json"));
+    match all.get(model) {
+        Some(m) if m.get("suggested").is_some() => m["suggested"].clone(),
+        Some(m) => m.clone(),
+        None => read(fixture_dir(model).join("golden.json"))["suggested_tolerance_f32"].clone(),
+    }
 }
 
 /// The worst `|got - want|` and whether every element is within `atol + rtol * |want|`.
@@ -75,9 +87,7 @@ pub fn temp_dir(tag: &str) -> PathBuf {
 }
 
 fn adam_tolerance(name: &str, what: &str) -> (f64, f64, f64, f64) {
-    let text = std::fs::read_to_string(fixture_dir("tolerances.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let t = &v[name]["suggested"][what];
+    let t = &suggested(name)[what];
     let f = |k: &str| t[k].as_f64().unwrap();
     (f("atol"), f("rtol"), f("small_grad_threshold"), f("small_grad_atol"))
 }

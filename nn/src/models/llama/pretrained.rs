@@ -118,17 +118,16 @@ impl LlamaForCausalLM {
         for (i, l) in self.model.layers.iter_mut().enumerate() {
             let p = format!("model.layers.{i}");
             let a = &mut l.self_attn;
-            let m = &mut l.mlp;
             for (n, lin) in [
                 ("self_attn.q_proj", &mut a.q_proj),
                 ("self_attn.k_proj", &mut a.k_proj),
                 ("self_attn.v_proj", &mut a.v_proj),
                 ("self_attn.o_proj", &mut a.o_proj),
-                ("mlp.gate_proj", &mut m.gate_proj),
-                ("mlp.up_proj", &mut m.up_proj),
-                ("mlp.down_proj", &mut m.down_proj),
             ] {
                 out.push((format!("{p}.{n}"), lin));
+            }
+            for (n, lin) in l.mlp.linears_mut() {
+                out.push((format!("{p}.mlp.{n}"), lin));
             }
         }
         if let Some(h) = self.lm_head.as_mut() {

@@ -1,0 +1,247 @@
+//! Qwen3-MoE's sparse mixture-of-experts block (`Qwen3MoeSparseMoeBlock`),
+//! and [`FeedForward`], a decoder layer's MLP: dense SwiGLU or sparse experts.
+use super::{Linear, SwiGluMlp};
+use crate::module::{join_name, Module};
+use kiln_tensor::trace::ConstantScope;
+use kiln_tensor::{DType, Error, Result, Tensor, TensorOptions};
+
+/// A router and SwiGLU experts (`Qwen3MoeSparseMoeBlock`): each token goes
+/// to the `top_k` experts its router gives the highest probability (softmax
+/// over experts in float32, as transformers computes it), renormalised to
+/// sum to 1 when `norm_topk_prob`, and its output is the experts' outputs
+/// weighted by those probabilities.
+///
+/// Parameters as the Hub's checkpoints name them: `gate.weight`
+/// (`[num_experts, hidden]`) and `experts.{e}.{gate,up,down}_proj.weight`.
+///
+/// ```
+/// use kiln::prelude::*;
+/// use kiln::nn::layers::SparseMoeBlock;
+/// kiln::manual_seed(0);
+/// let moe = SparseMoeBlock::new(8, 16, 4, 2, true, 0.02, DType::F32)?;
+/// let y = moe.forward(&Tensor::randn(&[2, 3, 8], DType::F32)?)?;
+/// assert_eq!(y.shape(), &[2, 3, 8]);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+#[derive(Debug, Clone, Module)]
+#[module(crate = "crate")]
+pub struct SparseMoeBlock {
+    /// The router, `[num_experts, hidden]`, no bias.
+    pub gate: Linear,
+    /// The experts, each a SwiGLU MLP `hidden -> moe_intermediate -> hidden`.
+    pub experts: Vec<SwiGluMlp>,
+    #[module(skip)]
+    top_k: usize,
+    #[module(skip)]
+    norm_topk_prob: bool,
+}
+
+impl SparseMoeBlock {
+    /// A block with `N(0, std²)` router and expert weights.
+    pub fn new(
+        hidden: usize,
+        intermediate: usize,
+        num_experts: usize,
+        top_k: usize,
+        norm_topk_prob: bool,
+        std: f64,
+        opts: impl Into<TensorOptions>,
+    ) -> Result<SparseMoeBlock> {
+        let opts = opts.into();
+        let gate = Linear::new_normal(hidden, num_experts, false, std, opts)?;
+        let experts =
+            (0..num_experts).map(|_| SwiGluMlp::new(hidden, intermediate, false, std, opts)).collect::<Result<_>>()?;
+        SparseMoeBlock::from_parts(gate, experts, top_k, norm_topk_prob)
+    }
+
+    /// A block from its router and experts; the router must have one row per
+    /// expert, every expert the router's width, and `top_k` must be in
+    /// `1..=experts`.
+    pub fn from_parts(
+        gate: Linear,
+        experts: Vec<SwiGluMlp>,
+        top_k: usize,
+        norm_topk_prob: bool,
+    ) -> Result<SparseMoeBlock> {
+        let bad = |msg: String| Err(Error::shape("SparseMoeBlock", msg));
+        if gate.out_features() != experts.len() {
+            return bad(format!("the router scores {} experts, the block has {}", gate.out_features(), experts.len()));
+        }
+        if top_k == 0 || top_k > experts.len() {
+            return bad(format!("top_k must be in 1..={}, got {top_k}", experts.len()));
+        }
+        let hidden = gate.in_features();
+        if let Some((e, _)) = experts
+            .iter()
+            .enumerate()
+            .find(|(_, m)| m.gate_proj.in_features() != hidden || m.down_proj.out_features() != hidden)
+        {
+            return bad(format!("expert {e} does not map width {hidden} to itself"));
+        }
+        Ok(SparseMoeBlock { gate, experts, top_k, norm_topk_prob })
+    }
+
+    /// Experts per token.
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    /// The router on tokens `x: [N, hidden]`: its logits `[N, experts]` (in
+    /// `x`'s dtype), and per token the `top_k` routing weights (in `x`'s
+    /// dtype, renormalised when `norm_topk_prob`) and expert indices (int64),
+    /// highest probability first.
+    pub fn route(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let _c = ConstantScope::enter();
+        let logits = self.gate.forward(x)?;
+        // transformers: softmax(router_logits, dtype=torch.float), whatever the input dtype.
+        let probs = logits.to_dtype(DType::F32)?.softmax(-1)?;
+        let (top, idx) = probs.topk(self.top_k, -1, true, true)?;
+        let top = if self.norm_topk_prob { top.div(&top.sum_dim(-1, true)?)? } else { top };
+        let weights = top.to_dtype(logits.dtype())?;
+        Ok((logits, weights, idx))
+    }
+
+    /// The block on `x: [..., hidden]`.
+    ///
+    /// Tokens are grouped by expert (the routing indices are read on the
+    /// host), and each expert runs once on its group: gathered rows, the
+    /// expert's SwiGLU, scaled by the routing weights, added back into the
+    /// tokens' rows in expert order, as transformers sums them. Every expert
+    /// runs, on an empty group when no token chose it, so its parameters get
+    /// a zero gradient rather than none.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
+        let shape = x.shape().to_vec();
+        let hidden = self.gate.in_features();
+        if shape.last() != Some(&hidden) {
+            return Err(Error::shape("SparseMoeBlock", format!("expected [..., {hidden}], got {shape:?}")));
+        }
+        let n = shape.iter().product::<usize>() / hidden.max(1);
+        let x2 = x.reshape_to(&[n, hidden])?;
+        let (_, weights, idx) = self.route(&x2)?;
+        let k = self.top_k;
+        let chosen = idx.to_vec::<i64>()?;
+        let weights = weights.reshape_to(&[n * k])?;
+        let dev = x.device();
+        let mut out = Tensor::zeros(&[n, hidden], (x.dtype(), dev))?;
+        for (e, expert) in self.experts.iter().enumerate() {
+            // transformers' `torch.where(expert_mask[e])`: by top-k slot, then by token.
+            let mut tokens = vec![];
+            let mut slots = vec![];
+            for j in 0..k {
+                for t in 0..n {
+                    if chosen[t * k + j] == e as i64 {
+                        tokens.push(t as i64);
+                        slots.push((t * k + j) as i64);
+                    }
+                }
+            }
+            let m = tokens.len();
+            let tokens = Tensor::from_vec(tokens, &[m])?.to_device(dev)?;
+            let slots = Tensor::from_vec(slots, &[m])?.to_device(dev)?;
+            let y = expert.forward(&x2.index_select(0, &tokens)?)?;
+            let y = y.mul(&weights.index_select(0, &slots)?.unsqueeze(-1)?)?;
+            out = out.index_add(0, &tokens, &y)?;
+        }
+        out.reshape_to(&shape)
+    }
+}
+
+/// A decoder layer's MLP: Llama's and Qwen3's dense SwiGLU, or Qwen3-MoE's
+/// sparse experts (both named `mlp.*`).
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    /// `mlp.{gate,up,down}_proj`.
+    Dense(SwiGluMlp),
+    /// `mlp.gate` and `mlp.experts.{e}.*`.
+    Sparse(SparseMoeBlock),
+}
+
+impl FeedForward {
+    /// The MLP on `x: [..., hidden]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            FeedForward::Dense(m) => m.forward(x),
+            FeedForward::Sparse(m) => m.forward(x),
+        }
+    }
+
+    /// The dense MLP, if this is one.
+    pub fn as_dense(&self) -> Option<&SwiGluMlp> {
+        match self {
+            FeedForward::Dense(m) => Some(m),
+            FeedForward::Sparse(_) => None,
+        }
+    }
+
+    /// The sparse block, if this is one.
+    pub fn as_sparse(&self) -> Option<&SparseMoeBlock> {
+        match self {
+            FeedForward::Sparse(m) => Some(m),
+            FeedForward::Dense(_) => None,
+        }
+    }
+
+    /// Whether a weight of the MLP is kept quantized.
+    pub fn is_quantized(&self) -> bool {
+        let swiglu = |m: &SwiGluMlp| [&m.gate_proj, &m.up_proj, &m.down_proj].iter().any(|l| l.is_quantized());
+        match self {
+            FeedForward::Dense(m) => swiglu(m),
+            FeedForward::Sparse(b) => b.gate.is_quantized() || b.experts.iter().any(swiglu),
+        }
+    }
+
+    /// Every Linear with its name under the MLP (`gate_proj`, `gate`,
+    /// `experts.3.up_proj`, ...).
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        fn swiglu<'a>(prefix: &str, m: &'a mut SwiGluMlp, out: &mut Vec<(String, &'a mut Linear)>) {
+            out.push((join_name(prefix, "gate_proj"), &mut m.gate_proj));
+            out.push((join_name(prefix, "up_proj"), &mut m.up_proj));
+            out.push((join_name(prefix, "down_proj"), &mut m.down_proj));
+        }
+        let mut out = vec![];
+        match self {
+            FeedForward::Dense(m) => swiglu("", m, &mut out),
+            FeedForward::Sparse(b) => {
+                out.push(("gate".to_string(), &mut b.gate));
+                for (e, m) in b.experts.iter_mut().enumerate() {
+                    swiglu(&format!("experts.{e}"), m, &mut out);
+                }
+            }
+        }
+        out
+    }
+
+    fn module(&self) -> &dyn Module {
+        match self {
+            FeedForward::Dense(m) => m,
+            FeedForward::Sparse(m) => m,
+        }
+    }
+
+    fn module_mut(&mut self) -> &mut dyn Module {
+        match self {
+            FeedForward::Dense(m) => m,
+            FeedForward::Sparse(m) => m,
+        }
+    }
+}
+
+// An enum holds one module or the other: its visitors are the variant's.
+impl Module for FeedForward {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        self.module().visit_params(prefix, f)
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        self.module_mut().visit_params_mut(prefix, f)
+    }
+
+    fn train(&mut self, on: bool) {
+        self.module_mut().train(on)
+    }
+
+    fn is_training(&self) -> bool {
+        self.module().is_training()
+    }
+}

@@ -1,0 +1,181 @@
+//! Qwen3-MoE beyond the fixture (`hf_fixtures.rs` holds the fixture itself):
+//! the configuration (both spellings of the expert count, transformers'
+//! defaults and its sparse-layer rule, refused values), a model with dense and
+//! sparse layers that transformers loads from what kiln saves and computes
+//! the same logits with, routing weights, zero gradients for experts no token
+//! chose, and shape errors.
+mod support;
+
+use kiln::nn::io::save_safetensors;
+use kiln::nn::layers::{FeedForward, SparseMoeBlock};
+use kiln::nn::models::{causal_lm_loss, LlamaConfig, LlamaForCausalLM, ModelType};
+use kiln::nn::module::Module;
+use kiln::prelude::*;
+use std::collections::BTreeMap;
+use support::{assert_close, rng_lock, temp_dir};
+
+fn moe_config(extra: &str) -> LlamaConfig {
+    LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type": "qwen3_moe", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 40,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "moe_intermediate_size": 24, "rms_norm_eps": 1e-6, "rope_theta": 10000.0 {extra}}}"#
+    ))
+    .unwrap()
+}
+
+#[test]
+fn the_configuration_follows_transformers() {
+    let c = moe_config("");
+    assert_eq!(c.model_type, ModelType::Qwen3Moe);
+    assert_eq!(c.class_name(), "Qwen3MoeForCausalLM");
+    assert!(c.qk_norm());
+    let m = c.moe.as_ref().unwrap();
+    // Qwen3MoeConfig's defaults.
+    assert_eq!((m.num_experts, m.num_experts_per_tok, m.norm_topk_prob), (128, 8, false));
+    assert_eq!((m.decoder_sparse_step, m.router_aux_loss_coef), (1, 0.001));
+    assert!((0..4).all(|l| c.is_sparse_layer(l)));
+
+    let a = moe_config(r#", "num_experts": 6, "num_experts_per_tok": 2"#);
+    let b = moe_config(r#", "num_local_experts": 6, "num_experts_per_tok": 2"#);
+    assert_eq!(a.moe, b.moe, "num_experts and num_local_experts are one field");
+    let e = LlamaConfig::from_json_str(
+        &serde_json::to_string(&{
+            let mut v = a.to_json(DType::F32);
+            v["num_local_experts"] = 5.into();
+            v
+        })
+        .unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("num_experts (6) and num_local_experts (5) disagree"), "{e}");
+
+    // Sparse every second layer, except layer 3: layers 1 only (layer index + 1 divisible by 2).
+    let c =
+        moe_config(r#", "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3]"#);
+    assert_eq!((0..4).map(|l| c.is_sparse_layer(l)).collect::<Vec<_>>(), [false, true, false, false]);
+
+    for (extra, msg) in [
+        (r#", "num_experts": 4, "num_experts_per_tok": 5"#, "num_experts_per_tok must be in 1..=4"),
+        (r#", "num_experts": 4, "num_experts_per_tok": 0"#, "num_experts_per_tok must be in 1..=4"),
+        (r#", "decoder_sparse_step": 0"#, "decoder_sparse_step must be positive"),
+        (r#", "mlp_only_layers": 3"#, "mlp_only_layers must be a list"),
+        (r#", "mlp_only_layers": [-1]"#, "mlp_only_layers must hold layer indices"),
+    ] {
+        let text = format!(
+            r#"{{"model_type": "qwen3_moe", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 40,
+                "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 8 {extra}}}"#
+        );
+        let e = LlamaConfig::from_json_str(&text).unwrap_err().to_string();
+        assert!(e.contains(msg), "{extra}: {e}");
+    }
+}
+
+#[test]
+fn parameter_count_and_names_cover_dense_and_sparse_layers() {
+    let _rng = rng_lock();
+    kiln::manual_seed(4);
+    let c = moe_config(r#", "num_experts": 3, "num_experts_per_tok": 2, "decoder_sparse_step": 2"#);
+    let m = LlamaForCausalLM::new(&c, DType::F32).unwrap();
+    assert_eq!(Some(m.num_parameters()), c.num_parameters());
+    let names: Vec<String> = m.state_dict().into_keys().collect();
+    for n in ["model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.gate.weight"] {
+        assert!(names.contains(&n.to_string()), "{n}");
+    }
+    for e in 0..3 {
+        for p in ["gate_proj", "up_proj", "down_proj"] {
+            assert!(names.contains(&format!("model.layers.3.mlp.experts.{e}.{p}.weight")));
+        }
+    }
+    assert!(!names.iter().any(|n| n.starts_with("model.layers.2.mlp.experts")));
+    assert!(matches!(m.model.layers[0].mlp, FeedForward::Dense(_)));
+    assert!(matches!(m.model.layers[1].mlp, FeedForward::Sparse(_)));
+}
+
+/// A model the fixture does not cover (dense and sparse layers, no
+/// renormalisation, top-3 of 5 experts, tied embeddings), saved by kiln and
+/// loaded by transformers with no key missing or left over: the same logits.
+#[test]
+fn transformers_loads_what_kiln_saves_and_computes_the_same_logits() {
+    let python = support::python_with_transformers();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_moe_with_transformers.py");
+    let _rng = rng_lock();
+    kiln::manual_seed(5);
+    let c = moe_config(
+        r#", "num_experts": 5, "num_experts_per_tok": 3, "norm_topk_prob": false, "decoder_sparse_step": 1,
+            "mlp_only_layers": [2], "tie_word_embeddings": true, "initializer_range": 0.2"#,
+    );
+    let m = LlamaForCausalLM::new(&c, DType::F32).unwrap();
+    let dir = temp_dir("moe-to-transformers");
+    m.save_pretrained(&dir).unwrap();
+    let ids = Tensor::randint(0, 50, &[2, 7], DType::I64).unwrap();
+    let ids_file = dir.join("ids.safetensors");
+    save_safetensors(&ids_file, &BTreeMap::from([("input_ids".to_string(), ids.clone())]), None).unwrap();
+    let out_file = dir.join("logits.safetensors");
+    let out =
+        std::process::Command::new(&python).arg(&script).arg(&dir).arg(&ids_file).arg(&out_file).output().unwrap();
+    assert!(out.status.success(), "transformers refused it:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "Qwen3MoeForCausalLM");
+    let theirs = kiln::nn::io::load_safetensors(&out_file).unwrap();
+    let mine = m.forward(&ids, None).unwrap();
+    let e = assert_close("logits vs transformers", &mine, &theirs["logits"], 2e-5, 1e-5);
+    println!("kiln-saved Qwen3-MoE in transformers: max abs logit difference {e:.2e}");
+
+    // And kiln reads back what it wrote.
+    let back = LlamaForCausalLM::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
+    assert_eq!(back.config().moe, c.moe);
+    assert_close("reloaded", &back.forward(&ids, None).unwrap(), &mine, 0.0, 0.0);
+}
+
+#[test]
+fn routing_weights_and_unchosen_experts() {
+    let _rng = rng_lock();
+    kiln::manual_seed(6);
+    let block = SparseMoeBlock::new(16, 8, 6, 2, true, 0.5, DType::F32).unwrap();
+    // One token: it chooses two of six experts, so four get no token at all.
+    let x = Tensor::randn(&[1, 1, 16], DType::F32).unwrap();
+    let (logits, w, idx) = block.route(&x.reshape(&[1, 16]).unwrap()).unwrap();
+    assert_eq!((logits.shape(), w.shape(), idx.shape()), (&[1, 6][..], &[1, 2][..], &[1, 2][..]));
+    let w = w.to_vec::<f32>().unwrap();
+    assert!((w[0] + w[1] - 1.0).abs() < 1e-6 && w[0] >= w[1], "{w:?}");
+    let chosen = idx.to_vec::<i64>().unwrap();
+    // The output is the chosen experts' outputs weighted by the routing weights.
+    let want = block.experts[chosen[0] as usize]
+        .forward(&x)
+        .unwrap()
+        .mul(w[0] as f64)
+        .unwrap()
+        .add(&block.experts[chosen[1] as usize].forward(&x).unwrap().mul(w[1] as f64).unwrap())
+        .unwrap();
+    let y = block.forward(&x).unwrap();
+    assert_close("two experts", &y, &want, 1e-6, 1e-6);
+
+    y.sum().unwrap().backward().unwrap();
+    for (e, expert) in block.experts.iter().enumerate() {
+        let g = expert.up_proj.weight.grad().unwrap_or_else(|| panic!("expert {e} has no gradient"));
+        let nonzero = g.to_vec::<f32>().unwrap().iter().any(|&v| v != 0.0);
+        assert_eq!(nonzero, chosen.contains(&(e as i64)), "expert {e}: chosen {chosen:?}");
+    }
+    assert!(block.gate.weight.grad().is_some());
+
+    let e = block.forward(&Tensor::zeros(&[2, 15], DType::F32).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("expected [..., 16]"), "{e}");
+    let parts = SparseMoeBlock::from_parts(block.gate.clone(), block.experts[..5].to_vec(), 2, true);
+    assert!(parts.unwrap_err().to_string().contains("the router scores 6 experts, the block has 5"));
+    let parts = SparseMoeBlock::from_parts(block.gate.clone(), block.experts.clone(), 7, true);
+    assert!(parts.unwrap_err().to_string().contains("top_k must be in 1..=6"));
+}
+
+#[test]
+fn a_moe_model_trains() {
+    let _rng = rng_lock();
+    kiln::manual_seed(7);
+    let c = moe_config(r#", "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": true"#);
+    let m = LlamaForCausalLM::new(&c, DType::F32).unwrap();
+    let ids = Tensor::randint(0, 50, &[2, 9], DType::I64).unwrap();
+    let loss = causal_lm_loss(&m.forward(&ids, None).unwrap(), &ids, None).unwrap();
+    loss.backward().unwrap();
+    let missing: Vec<String> =
+        m.named_parameters().into_iter().filter(|(_, p)| p.grad().is_none()).map(|(n, _)| n).collect();
+    assert!(missing.is_empty(), "parameters without a gradient: {missing:?}");
+}
