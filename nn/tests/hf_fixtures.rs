@@ -286,7 +286,9 @@ fn check_on_tpu(mode: kiln::tpu::Mode) {
     support::register_tpu();
     let dev = Device::Tpu(0);
     kiln::tpu::with_mode(mode, || {
-        for name in ["llama", "qwen3"] {
+        // Qwen3-MoE runs eagerly in every mode (its routing is read on the
+        // host); its compiled training step is still to come.
+        for name in ["llama", "qwen3", "qwen3_moe"] {
             check_model(name, "config.json", dev);
             check_generate(name, "config.json", dev);
             check_adamw(name, dev);

@@ -136,6 +136,48 @@ fn kept_quantized_models_serve_what_generate_gives() {
     }
 }
 
+/// A Qwen3-MoE model (sparse and dense layers) serves what generate() gives:
+/// tokens are routed row by row, so an expert's group changes with the batch
+/// while each row's product does not.
+#[test]
+fn moe_models_serve_what_generate_gives() {
+    kiln::tensor::set_batch_invariant(true);
+    let m = moe_model();
+    let ecfg = EngineConfig { block_size: 4, max_batched_tokens: 24, max_num_seqs: 4, ..Default::default() };
+    let mut engine = Engine::new(m.clone(), ecfg).unwrap();
+    let reqs = requests();
+    let got = serve(&mut engine, reqs.clone());
+    check(&m, &reqs, &got);
+}
+
+/// On PJRT a Qwen3-MoE model decodes eagerly (its routing is read on the
+/// host), with the tokens generate() gives on the same device.
+#[test]
+fn pjrt_serves_moe_models_eagerly() {
+    support::register_tpu();
+    let mut m = moe_model();
+    m.to_device(Device::Tpu(0)).unwrap();
+    let cfg = EngineConfig { block_size: 8, max_batched_tokens: 32, max_num_seqs: 4, ..Default::default() };
+    let mut engine = Engine::new(m.clone(), cfg).unwrap();
+    let reqs: Vec<(u64, Request)> = requests().into_iter().take(4).collect();
+    let got = serve(&mut engine, reqs.clone());
+    check(&m, &reqs, &got);
+    assert_eq!(engine.stats().decode_traces, 0, "no captured decode program");
+}
+
+/// A small Qwen3-MoE model: a dense first layer, then a sparse one.
+fn moe_model() -> LlamaForCausalLM {
+    let cfg = LlamaConfig::from_json_str(
+        r#"{"model_type": "qwen3_moe", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": true,
+            "mlp_only_layers": [0], "max_position_embeddings": 512}"#,
+    )
+    .unwrap();
+    kiln::manual_seed(11);
+    LlamaForCausalLM::new(&cfg, DType::F32).unwrap()
+}
+
 /// On PJRT, decoding sequences run through one captured program per
 /// batch-size bucket (Note [Decode programs]): traced twice per bucket, then
 /// replayed, with the tokens `generate()` gives on the same device.

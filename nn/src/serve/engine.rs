@@ -217,8 +217,11 @@ impl Engine {
         // block of padded rows (Note [Decode programs]).
         let (n, max_pos) = (cache.num_blocks(), model.config().max_position_embeddings);
         let width = max_pos.min((n - 1) * bs).div_ceil(bs);
+        // A mixture-of-experts model reads its routing on the host, which a
+        // captured program cannot: it decodes eagerly.
         let decode = match n {
             1 => None,
+            _ if model.config().moe.is_some() => None,
             _ => DecodeProgram::new(&model, &cache, width, n - 1, cfg.max_num_seqs)?,
         };
         let usable = if decode.is_some() { n - 1 } else { n };
