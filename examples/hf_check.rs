@@ -1,4 +1,4 @@
-//! Runs a Hugging Face Llama/Qwen3 checkpoint through kiln and writes what a
+//! Runs a Hugging Face Llama/Qwen3/Qwen3-MoE checkpoint through kiln and writes what a
 //! reference implementation (PyTorch + transformers) can be compared against:
 //! logits, the causal-LM loss, every gradient, optionally AdamW steps and
 //! greedy generation.
@@ -22,7 +22,7 @@
 mod logging;
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::io::{load_safetensors, save_safetensors};
-use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
+use kiln::nn::models::{LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
 use kiln::nn::module::Module;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::nn::parallel::{parse_mesh, Recipe};
@@ -244,9 +244,10 @@ fn run(a: Args) -> Result<()> {
         out.insert("generate.output".into(), g.to_device(Device::Cpu)?);
     }
 
+    // transformers' loss with labels = input_ids: for a mixture-of-experts
+    // model with output_router_logits, the router's load-balancing loss too.
     let loss_of = |m: &LlamaForCausalLM| -> Result<(Tensor, Tensor)> {
-        let logits = m.forward(&ids, None)?;
-        let loss = causal_lm_loss(&logits, &ids, None)?;
+        let (loss, logits) = m.training_loss(&ids, None)?;
         Ok((logits, loss))
     };
     let t = Instant::now();

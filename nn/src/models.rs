@@ -6,5 +6,6 @@ mod llama;
 
 pub use config::{LlamaConfig, ModelType, MoeConfig};
 pub use llama::{
-    causal_lm_loss, DecoderLayer, KvCache, LlamaForCausalLM, LlamaModel, PretrainedOptions, QuantizedLoad,
+    causal_lm_loss, load_balancing_loss, DecoderLayer, KvCache, LlamaForCausalLM, LlamaModel, PretrainedOptions,
+    QuantizedLoad,
 };

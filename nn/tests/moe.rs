@@ -97,8 +97,6 @@ fn parameter_count_and_names_cover_dense_and_sparse_layers() {
 /// loaded by transformers with no key missing or left over: the same logits.
 #[test]
 fn transformers_loads_what_kiln_saves_and_computes_the_same_logits() {
-    let python = support::python_with_transformers();
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_moe_with_transformers.py");
     let _rng = rng_lock();
     kiln::manual_seed(5);
     let c = moe_config(
@@ -109,14 +107,7 @@ fn transformers_loads_what_kiln_saves_and_computes_the_same_logits() {
     let dir = temp_dir("moe-to-transformers");
     m.save_pretrained(&dir).unwrap();
     let ids = Tensor::randint(0, 50, &[2, 7], DType::I64).unwrap();
-    let ids_file = dir.join("ids.safetensors");
-    save_safetensors(&ids_file, &BTreeMap::from([("input_ids".to_string(), ids.clone())]), None).unwrap();
-    let out_file = dir.join("logits.safetensors");
-    let out =
-        std::process::Command::new(&python).arg(&script).arg(&dir).arg(&ids_file).arg(&out_file).output().unwrap();
-    assert!(out.status.success(), "transformers refused it:\n{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "Qwen3MoeForCausalLM");
-    let theirs = kiln::nn::io::load_safetensors(&out_file).unwrap();
+    let theirs = transformers_run(&dir, &ids, None);
     let mine = m.forward(&ids, None).unwrap();
     let e = assert_close("logits vs transformers", &mine, &theirs["logits"], 2e-5, 1e-5);
     println!("kiln-saved Qwen3-MoE in transformers: max abs logit difference {e:.2e}");
@@ -125,6 +116,90 @@ fn transformers_loads_what_kiln_saves_and_computes_the_same_logits() {
     let back = LlamaForCausalLM::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
     assert_eq!(back.config().moe, c.moe);
     assert_close("reloaded", &back.forward(&ids, None).unwrap(), &mine, 0.0, 0.0);
+}
+
+/// What transformers computes for the model in `dir` on `ids` (see
+/// tests/check_moe_with_transformers.py).
+fn transformers_run(dir: &std::path::Path, ids: &Tensor, mask: Option<&Tensor>) -> BTreeMap<String, Tensor> {
+    let python = support::python_with_transformers();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_moe_with_transformers.py");
+    let mut inputs = BTreeMap::from([("input_ids".to_string(), ids.clone())]);
+    if let Some(m) = mask {
+        inputs.insert("attention_mask".into(), m.clone());
+    }
+    let in_file = dir.join("inputs.safetensors");
+    save_safetensors(&in_file, &inputs, None).unwrap();
+    let out_file = dir.join("transformers.safetensors");
+    let out = std::process::Command::new(&python).arg(&script).arg(dir).arg(&in_file).arg(&out_file).output().unwrap();
+    assert!(out.status.success(), "transformers refused it:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "Qwen3MoeForCausalLM");
+    kiln::nn::io::load_safetensors(&out_file).unwrap()
+}
+
+/// With `output_router_logits` the training loss adds the router's
+/// load-balancing loss as transformers does (padding left out of the
+/// balance), and every gradient, the router's and the experts', is
+/// transformers' (whose experts are fused in memory: `gate_up_proj` is each
+/// expert's gate and up weights stacked).
+#[test]
+fn the_router_aux_loss_and_its_gradients_match_transformers() {
+    let _rng = rng_lock();
+    kiln::manual_seed(8);
+    let c = moe_config(
+        r#", "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": true, "num_hidden_layers": 3,
+            "output_router_logits": true, "router_aux_loss_coef": 0.05, "initializer_range": 0.2"#,
+    );
+    let m = LlamaForCausalLM::new(&c, DType::F32).unwrap();
+    let dir = temp_dir("moe-aux-loss");
+    m.save_pretrained(&dir).unwrap();
+    let ids = Tensor::randint(0, 50, &[2, 7], DType::I64).unwrap();
+    let mask = Tensor::new([[1i64, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]]).unwrap();
+    let theirs = transformers_run(&dir, &ids, Some(&mask));
+
+    let (loss, logits) = m.training_loss(&ids, Some(&mask)).unwrap();
+    assert_close("logits", &logits, &theirs["logits"], 2e-5, 1e-5);
+    assert_close("loss with the aux loss", &loss, &theirs["loss"], 2e-6, 1e-6);
+    let (_, router) = m.forward_with_router_logits(&ids, Some(&mask)).unwrap();
+    assert_eq!(router.len(), 3, "one per sparse layer");
+    let aux = kiln::nn::models::load_balancing_loss(&router, 4, 2, Some(&mask)).unwrap();
+    let e_aux = assert_close("aux loss", &aux, &theirs["aux_loss"], 1e-6, 1e-6);
+    // Without the mask the balance counts every token: another value.
+    let unmasked = kiln::nn::models::load_balancing_loss(&router, 4, 2, None).unwrap();
+    assert!((unmasked.item::<f32>().unwrap() - aux.item::<f32>().unwrap()).abs() > 1e-6);
+
+    loss.backward().unwrap();
+    let grads: BTreeMap<String, Tensor> =
+        m.named_parameters().into_iter().map(|(n, p)| (n, p.grad().expect("a gradient"))).collect();
+    let stacked = |names: &dyn Fn(usize) -> Vec<String>| -> Tensor {
+        let per: Vec<Tensor> = (0..4)
+            .map(|e| {
+                let parts: Vec<&Tensor> = names(e).iter().map(|n| &grads[n]).collect::<Vec<_>>();
+                Tensor::cat(&parts, 0).unwrap().unsqueeze(0).unwrap()
+            })
+            .collect();
+        Tensor::cat(&per.iter().collect::<Vec<_>>(), 0).unwrap()
+    };
+    let mut worst = 0f64;
+    let mut compared = 0;
+    for (name, want) in &theirs {
+        let Some(n) = name.strip_prefix("grad.") else { continue };
+        let got = if let Some(layer) = n.strip_suffix(".mlp.experts.gate_up_proj") {
+            stacked(&|e| {
+                vec![
+                    format!("{layer}.mlp.experts.{e}.gate_proj.weight"),
+                    format!("{layer}.mlp.experts.{e}.up_proj.weight"),
+                ]
+            })
+        } else if let Some(layer) = n.strip_suffix(".mlp.experts.down_proj") {
+            stacked(&|e| vec![format!("{layer}.mlp.experts.{e}.down_proj.weight")])
+        } else {
+            grads.get(n).unwrap_or_else(|| panic!("kiln has no parameter {n}")).clone()
+        };
+        worst = worst.max(assert_close(&format!("grad {n}"), &got, want, 1e-5, 1e-4));
+        compared += 1;
+    }
+    assert!(compared >= 20, "{compared} gradients compared");
+    println!("Qwen3-MoE with the aux loss vs transformers: aux loss {e_aux:.2e}, gradients {worst:.2e}");
 }
 
 #[test]

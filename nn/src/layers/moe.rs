@@ -110,6 +110,13 @@ impl SparseMoeBlock {
     /// runs, on an empty group when no token chose it, so its parameters get
     /// a zero gradient rather than none.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_with_router_logits(x)?.0)
+    }
+
+    /// [`SparseMoeBlock::forward`], also returning the router logits
+    /// (`[N, experts]` for the `N` tokens of `x`, in `x`'s dtype), which the
+    /// load-balancing loss reads.
+    pub fn forward_with_router_logits(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let _c = ConstantScope::enter();
         let shape = x.shape().to_vec();
         let hidden = self.gate.in_features();
@@ -118,7 +125,7 @@ impl SparseMoeBlock {
         }
         let n = shape.iter().product::<usize>() / hidden.max(1);
         let x2 = x.reshape_to(&[n, hidden])?;
-        let (_, weights, idx) = self.route(&x2)?;
+        let (logits, weights, idx) = self.route(&x2)?;
         let k = self.top_k;
         let chosen = idx.to_vec::<i64>()?;
         let weights = weights.reshape_to(&[n * k])?;
@@ -143,7 +150,7 @@ impl SparseMoeBlock {
             let y = y.mul(&weights.index_select(0, &slots)?.unsqueeze(-1)?)?;
             out = out.index_add(0, &tokens, &y)?;
         }
-        out.reshape_to(&shape)
+        Ok((out.reshape_to(&shape)?, logits))
     }
 }
 

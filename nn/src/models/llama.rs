@@ -60,8 +60,11 @@ impl KvCache {
     }
 }
 
+mod moe;
 mod paged;
 mod pretrained;
+
+pub use moe::load_balancing_loss;
 pub use pretrained::{PretrainedOptions, QuantizedLoad};
 
 /// One pre-norm residual block: `x += attn(norm1(x))`, `x += mlp(norm2(x))`.
@@ -139,12 +142,33 @@ impl DecoderLayer {
         cache: Option<&mut LayerKvCache>,
         acts: Option<(&mut BTreeMap<String, Tensor>, usize)>,
     ) -> Result<Tensor> {
+        self.forward_taps(x, rope, mask, cache, acts, None)
+    }
+
+    /// [`DecoderLayer::forward`], also appending a sparse MLP's router
+    /// logits (`[B * T, experts]`) to `router`.
+    pub(crate) fn forward_taps(
+        &self,
+        x: &Tensor,
+        rope: &crate::layers::RopeTables,
+        mask: AttentionMask<'_>,
+        cache: Option<&mut LayerKvCache>,
+        acts: Option<(&mut BTreeMap<String, Tensor>, usize)>,
+        router: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
         let _c = ConstantScope::enter();
         let h = self.input_layernorm.forward(x)?;
         let a = self.self_attn.forward(&h, rope, mask, cache)?;
         let x1 = x.add(&a)?;
         let h2 = self.post_attention_layernorm.forward(&x1)?;
-        let m = self.mlp.forward(&h2)?;
+        let m = match (&self.mlp, router) {
+            (FeedForward::Sparse(b), Some(r)) => {
+                let (m, logits) = b.forward_with_router_logits(&h2)?;
+                r.push(logits);
+                m
+            }
+            (mlp, _) => mlp.forward(&h2)?,
+        };
         let out = x1.add(&m)?;
         if let Some((acts, i)) = acts {
             acts.insert(format!("act.layer.{i}.input_layernorm"), h);
@@ -203,7 +227,20 @@ impl LlamaModel {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
         cache: Option<&mut KvCache>,
+        acts: Option<&mut BTreeMap<String, Tensor>>,
+    ) -> Result<Tensor> {
+        self.forward_taps(input_ids, attention_mask, cache, acts, None)
+    }
+
+    /// [`LlamaModel::forward`], also collecting the sparse layers' router
+    /// logits in `router`, in layer order.
+    pub(crate) fn forward_taps(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
         mut acts: Option<&mut BTreeMap<String, Tensor>>,
+        mut router: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
         let _c = ConstantScope::enter();
         if input_ids.ndim() != 2 || !input_ids.dtype().is_int() {
@@ -245,7 +282,7 @@ impl LlamaModel {
         let mut cache = cache;
         for (i, layer) in self.layers.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(&x, &rope, mask, lc, acts.as_deref_mut().map(|a| (a, i)))?;
+            x = layer.forward_taps(&x, &rope, mask, lc, acts.as_deref_mut().map(|a| (a, i)), router.as_deref_mut())?;
         }
         let x = self.norm.forward(&x)?;
         if let Some(a) = acts {

@@ -1,0 +1,106 @@
+//! Qwen3-MoE's training loss: the router logits of a forward pass, and
+//! transformers' load-balancing loss (`load_balancing_loss_func`, Switch
+//! Transformer's auxiliary loss) added to the language-modelling loss when
+//! the configuration asks for it (`output_router_logits`).
+use super::{causal_lm_loss, LlamaForCausalLM};
+use kiln_tensor::trace::ConstantScope;
+use kiln_tensor::{DType, Error, Result, Tensor};
+
+impl LlamaForCausalLM {
+    /// Logits `[B, T, vocab]` and the router logits of every sparse layer
+    /// (`[B * T, experts]` each, in layer order; none for a dense model).
+    pub fn forward_with_router_logits(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut router = vec![];
+        let logits = self.with_policy(|| {
+            let h = self.model.forward_taps(input_ids, attention_mask, None, None, Some(&mut router))?;
+            self.logits(&h)
+        })?;
+        Ok((logits, router))
+    }
+
+    /// The loss transformers' `*ForCausalLM` computes with
+    /// `labels = input_ids`: [`causal_lm_loss`] (targets of -100 ignored),
+    /// plus `router_aux_loss_coef` times [`load_balancing_loss`] for a
+    /// mixture-of-experts model whose configuration sets
+    /// `output_router_logits` (padding, where `attention_mask` is 0, left
+    /// out of the balance). Also returns the logits.
+    pub fn training_loss(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let aux = self.config().moe.as_ref().filter(|m| m.output_router_logits && m.num_experts > 0);
+        let Some(m) = aux else {
+            let logits = self.forward(input_ids, attention_mask)?;
+            let loss = causal_lm_loss(&logits, input_ids, Some(-100))?;
+            return Ok((loss, logits));
+        };
+        let (logits, router) = self.forward_with_router_logits(input_ids, attention_mask)?;
+        let loss = causal_lm_loss(&logits, input_ids, Some(-100))?;
+        if router.is_empty() {
+            return Ok((loss, logits));
+        }
+        let aux = load_balancing_loss(&router, m.num_experts, m.num_experts_per_tok, attention_mask)?;
+        let _c = ConstantScope::enter();
+        Ok((loss.add(&aux.mul(m.router_aux_loss_coef)?)?, logits))
+    }
+}
+
+/// transformers' `load_balancing_loss_func`: over the router logits of every
+/// sparse layer (`[N, experts]` each), `experts * Σ_e f_e · P_e`, where `f_e`
+/// is the number of top-`k` assignments to expert `e` per token and `P_e`
+/// the mean routing probability of `e`, both over the tokens of all layers
+/// (those where `attention_mask`, `[B, T]` with `B * T = N`, is nonzero).
+/// Only `P` carries a gradient. Float32.
+pub fn load_balancing_loss(
+    router_logits: &[Tensor],
+    num_experts: usize,
+    top_k: usize,
+    attention_mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    let _c = ConstantScope::enter();
+    let Some(first) = router_logits.first() else {
+        return Err(Error::invalid("load_balancing_loss", "no router logits (the model has no sparse layer)"));
+    };
+    let dev = first.device();
+    let rows = first.shape().first().copied().unwrap_or(0);
+    let mask = match attention_mask {
+        Some(m) if m.numel() != rows => {
+            return Err(Error::shape(
+                "load_balancing_loss",
+                format!("an attention mask of shape {:?} for {rows} routed tokens", m.shape()),
+            ))
+        }
+        Some(m) => Some(m.reshape(&[rows as isize])?.to_dtype(DType::F32)?),
+        None => None,
+    };
+    let mut counts = Tensor::zeros(&[num_experts], (DType::F32, dev))?;
+    let mut probs = Tensor::zeros(&[num_experts], (DType::F32, dev))?;
+    for logits in router_logits {
+        if logits.shape() != [rows, num_experts] {
+            return Err(Error::shape(
+                "load_balancing_loss",
+                format!("router logits of shape {:?}, expected [{rows}, {num_experts}]", logits.shape()),
+            ));
+        }
+        let w = logits.softmax(-1)?;
+        let (_, chosen) = w.topk(top_k, -1, true, true)?;
+        let chosen = chosen.reshape(&[(rows * top_k) as isize])?;
+        let (ones, w32) = match &mask {
+            None => (Tensor::ones(&[rows * top_k], (DType::F32, dev))?, w.to_dtype(DType::F32)?),
+            Some(m) => {
+                let per_slot = m.unsqueeze(-1)?.expand(&[rows as isize, top_k as isize])?.reshape(&[-1])?;
+                (per_slot, w.to_dtype(DType::F32)?.mul(&m.unsqueeze(-1)?)?)
+            }
+        };
+        counts = counts.index_add(0, &chosen, &ones)?;
+        probs = probs.add(&w32.sum_dim(0, false)?)?;
+    }
+    let total = match &mask {
+        None => Tensor::full(&[], (rows * router_logits.len()) as f64, (DType::F32, dev))?,
+        Some(m) => m.sum()?.mul(router_logits.len() as f64)?,
+    };
+    let f = counts.div(&total)?;
+    let p = probs.div(&total)?;
+    f.mul(&p)?.sum()?.mul(num_experts as f64)
+}
