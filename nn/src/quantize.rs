@@ -204,10 +204,12 @@ pub fn quantize_weight(w: &Tensor, scheme: QuantScheme) -> Result<QuantizedWeigh
     QuantizedWeight::new(spec, codes, scales)
 }
 
-/// The decoder Linear layers a scheme quantizes (`lm_head` stays dense, as
-/// quantized checkpoints leave it).
+/// The decoder Linear layers a scheme quantizes: `lm_head` and a
+/// mixture-of-experts router (`mlp.gate`) stay dense, as quantized
+/// checkpoints leave them (compressed-tensors' recipes ignore both; the
+/// router is small and its top-k is sensitive to rounding).
 fn decoder_linears(model: &mut LlamaForCausalLM) -> Vec<(String, &mut crate::layers::Linear)> {
-    model.linears_mut().into_iter().filter(|(n, _)| n != "lm_head").collect()
+    model.linears_mut().into_iter().filter(|(n, _)| n != "lm_head" && !n.ends_with(".mlp.gate")).collect()
 }
 
 /// Quantizes every decoder Linear of `model` (not `lm_head`) and keeps it
@@ -271,6 +273,10 @@ pub fn save_quantized(model: &LlamaForCausalLM, dir: impl AsRef<Path>, scheme: Q
         QuantScheme::Nvfp4 => "nvfp4-pack-quantized",
         QuantScheme::Mxfp4 => "mxfp4-pack-quantized",
     };
+    let mut ignore = vec![json!("lm_head")];
+    if model.config().moe.is_some() {
+        ignore.push(json!("re:.*mlp[.]gate$"));
+    }
     let mut cfg = model.config().to_json(model.dtype());
     cfg["quantization_config"] = json!({
         "quant_method": "compressed-tensors",
@@ -278,7 +284,7 @@ pub fn save_quantized(model: &LlamaForCausalLM, dir: impl AsRef<Path>, scheme: Q
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "format": format, "weights": weights,
             "input_activations": null, "output_activations": null}},
-        "ignore": ["lm_head"],
+        "ignore": ignore,
         "kv_cache_scheme": null,
     });
     save_safetensors(dir.join(crate::io::SINGLE_FILE), &tensors, Some(&pt_format()))?;

@@ -20,6 +20,11 @@ d, out = sys.argv[1], sys.argv[2]
 m = AutoModelForCausalLM.from_pretrained(
     d, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
 )
-weights = {k: v.detach().float().contiguous() for k, v in m.state_dict().items() if k.endswith(".weight")}
+# Weights, and the fused expert tensors of a mixture of experts (`experts.gate_up_proj`, `experts.down_proj`).
+weights = {
+    k: v.detach().float().contiguous()
+    for k, v in m.state_dict().items()
+    if k.endswith(".weight") or k.endswith("_proj")
+}
 save_file(weights, out)
 print(len(weights), "weights")
