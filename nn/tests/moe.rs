@@ -233,6 +233,9 @@ fn routing_weights_and_unchosen_experts() {
     }
     assert!(block.gate.weight.grad().is_some());
 
+    // No tokens: an empty output, every expert on an empty group.
+    let none = block.forward(&Tensor::zeros(&[2, 0, 16], DType::F32).unwrap()).unwrap();
+    assert_eq!(none.shape(), &[2, 0, 16]);
     let e = block.forward(&Tensor::zeros(&[2, 15], DType::F32).unwrap()).unwrap_err().to_string();
     assert!(e.contains("expected [..., 16]"), "{e}");
     let parts = SparseMoeBlock::from_parts(block.gate.clone(), block.experts[..5].to_vec(), 2, true);

@@ -130,19 +130,21 @@ impl SparseMoeBlock {
         let chosen = idx.to_vec::<i64>()?;
         let weights = weights.reshape_to(&[n * k])?;
         let dev = x.device();
-        let mut out = Tensor::zeros(&[n, hidden], (x.dtype(), dev))?;
-        for (e, expert) in self.experts.iter().enumerate() {
-            // transformers' `torch.where(expert_mask[e])`: by top-k slot, then by token.
-            let mut tokens = vec![];
-            let mut slots = vec![];
-            for j in 0..k {
-                for t in 0..n {
-                    if chosen[t * k + j] == e as i64 {
-                        tokens.push(t as i64);
-                        slots.push((t * k + j) as i64);
-                    }
-                }
+        // Each expert's tokens and routing slots in transformers' order
+        // (`torch.where(expert_mask[e])`: by top-k slot, then by token).
+        let mut groups: Vec<(Vec<i64>, Vec<i64>)> = vec![(vec![], vec![]); self.experts.len()];
+        for j in 0..k {
+            for t in 0..n {
+                let slot = t * k + j;
+                let e = usize::try_from(chosen[slot]).ok().filter(|&e| e < self.experts.len()).ok_or_else(|| {
+                    Error::invalid("SparseMoeBlock", format!("the router chose expert {}", chosen[slot]))
+                })?;
+                groups[e].0.push(t as i64);
+                groups[e].1.push(slot as i64);
             }
+        }
+        let mut out = Tensor::zeros(&[n, hidden], (x.dtype(), dev))?;
+        for (expert, (tokens, slots)) in self.experts.iter().zip(groups) {
             let m = tokens.len();
             let tokens = Tensor::from_vec(tokens, &[m])?.to_device(dev)?;
             let slots = Tensor::from_vec(slots, &[m])?.to_device(dev)?;
