@@ -343,6 +343,52 @@ fn checkpoints_kiln_quantizes_read_back_everywhere() {
 /// bf16 ulp), while the same formats match on the dense models' Linears, and
 /// the MoE files in every scheme match the numpy reader of
 /// `checkpoints_kiln_quantizes_read_back_everywhere`.
+/// gpt-oss's MXFP4 expert layout (`*_blocks`, `*_scales`) read into kiln's
+/// quantized weights: every expert's weight, and the gate and up halves of
+/// its interleaved `gate_up_proj`, dequantize to exactly what transformers'
+/// `convert_moe_packed_tensors` gives (random codes over every E2M1 value and
+/// a range of E8M0 exponents); malformed tensors are refused.
+#[test]
+fn gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them() {
+    use kiln::nn::io::quant::{gpt_oss_mxfp4_experts, split_interleaved_gate_up};
+    let python = support::python_with_transformers();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/make_gpt_oss_experts.py");
+    let file = temp_dir("gpt-oss-experts").join("experts.safetensors");
+    let out = std::process::Command::new(&python).arg(&script).arg(&file).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let t = load_safetensors(&file).unwrap();
+    let bits =
+        |x: &Tensor| x.contiguous().unwrap().to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+
+    let down = gpt_oss_mxfp4_experts(&t["down_proj_blocks"], &t["down_proj_scales"]).unwrap();
+    let gate_up = gpt_oss_mxfp4_experts(&t["gate_up_proj_blocks"], &t["gate_up_proj_scales"]).unwrap();
+    assert_eq!((down.len(), gate_up.len()), (3, 3));
+    for e in 0..3 {
+        // transformers' tensors are [in, out]: kiln's weights [out, in] transposed.
+        let theirs_down = t["down_proj"].select(0, e as isize).unwrap().t().unwrap();
+        assert_eq!(down[e].shape, [64, 96]);
+        assert!(bits(&down[e].dequantize().unwrap()) == bits(&theirs_down), "expert {e}: down_proj");
+        let theirs_gu = t["gate_up_proj"].select(0, e as isize).unwrap().t().unwrap();
+        assert!(bits(&gate_up[e].dequantize().unwrap()) == bits(&theirs_gu), "expert {e}: gate_up_proj");
+        let (gate, up) = split_interleaved_gate_up(&gate_up[e]).unwrap();
+        let every_other = |first: isize| {
+            let idx = Tensor::from_vec((0..96i64).map(|i| 2 * i + first as i64).collect(), &[96]).unwrap();
+            theirs_gu.index_select(0, &idx).unwrap()
+        };
+        assert_eq!(gate.shape, [96, 64]);
+        assert!(bits(&gate.dequantize().unwrap()) == bits(&every_other(0)), "expert {e}: gate rows");
+        assert!(bits(&up.dequantize().unwrap()) == bits(&every_other(1)), "expert {e}: up rows");
+    }
+
+    let blocks = &t["down_proj_blocks"];
+    let e = gpt_oss_mxfp4_experts(&blocks.narrow(3, 0, 8).unwrap(), &t["down_proj_scales"]).unwrap_err();
+    assert!(e.to_string().contains("blocks must be uint8 [experts, out, in / 32, 16]"), "{e}");
+    let e = gpt_oss_mxfp4_experts(blocks, &t["down_proj_scales"].narrow(2, 0, 2).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("scales must be uint8 [3, 64, 3]"), "{e}");
+    let e = gpt_oss_mxfp4_experts(&blocks.to_dtype(DType::I64).unwrap(), &t["down_proj_scales"]).unwrap_err();
+    assert!(e.to_string().contains("blocks must be uint8"), "{e}");
+}
+
 /// Expert `e`'s weight `name` (`...mlp.experts.{e}.{gate,up,down}_proj.weight`)
 /// cut out of transformers' fused expert tensors, if `name` is one.
 fn fused_expert(theirs: &BTreeMap<String, Tensor>, name: &str) -> Option<Tensor> {

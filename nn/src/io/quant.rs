@@ -30,6 +30,9 @@
 // activation or KV-cache quantization: a weight-only loader reads past them.
 // Modules the config leaves unquantized (`ignore`, `exclude_modules`,
 // embeddings, norms, `lm_head`) are plain tensors and load as stored.
+mod gpt_oss;
+pub use gpt_oss::{gpt_oss_mxfp4_experts, split_interleaved_gate_up};
+
 use super::safetensors::SafetensorsFile;
 use kiln_tensor::quant::{effective_scales, Codes, Global, QuantSpec, ScaleData};
 use kiln_tensor::{DType, Device, Error, HostBuffer, Result, Tensor};
