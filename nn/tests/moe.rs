@@ -50,10 +50,22 @@ fn the_configuration_follows_transformers() {
     .to_string();
     assert!(e.contains("num_experts (6) and num_local_experts (5) disagree"), "{e}");
 
-    // Sparse every second layer, except layer 3: layers 1 only (layer index + 1 divisible by 2).
-    let c =
-        moe_config(r#", "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3]"#);
+    // Sparse every second layer, except layer 3: layer 1 only (layer index + 1 divisible by 2);
+    // repeated, dense-anyway and out-of-range entries of mlp_only_layers change nothing.
+    let c = moe_config(
+        r#", "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3, 3, 0, 99]"#,
+    );
     assert_eq!((0..4).map(|l| c.is_sparse_layer(l)).collect::<Vec<_>>(), [false, true, false, false]);
+    assert_eq!(c.num_sparse_layers(), 1);
+    // A hostile layer count is refused by arithmetic, without visiting each layer.
+    let e = LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type": "qwen3_moe", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 40,
+            "num_hidden_layers": {}, "num_attention_heads": 4, "head_dim": 8}}"#,
+        u64::MAX / 2
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("more parameters than fit in memory"), "{e}");
 
     for (extra, msg) in [
         (r#", "num_experts": 4, "num_experts_per_tok": 5"#, "num_experts_per_tok must be in 1..=4"),

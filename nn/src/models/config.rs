@@ -87,7 +87,7 @@ impl MoeConfig {
     }
 }
 
-/// A Llama-family configuration (one type for Llama 2/3 and Qwen3).
+/// A Llama-family configuration (one type for Llama 2/3, Qwen3 and Qwen3-MoE).
 ///
 /// ```
 /// use kiln::nn::models::{LlamaConfig, ModelType};
@@ -337,6 +337,23 @@ impl LlamaConfig {
         })
     }
 
+    /// How many decoder layers are sparse (counted without visiting each
+    /// layer, so a hostile layer count cannot stall validation).
+    pub fn num_sparse_layers(&self) -> usize {
+        let Some(m) = self.moe.as_ref().filter(|m| m.num_experts > 0 && m.decoder_sparse_step > 0) else {
+            return 0;
+        };
+        let mut dense: Vec<usize> = m
+            .mlp_only_layers
+            .iter()
+            .copied()
+            .filter(|&l| l < self.num_hidden_layers && (l + 1) % m.decoder_sparse_step == 0)
+            .collect();
+        dense.sort_unstable();
+        dense.dedup();
+        self.num_hidden_layers / m.decoder_sparse_step - dense.len()
+    }
+
     /// Checks the configuration on its own, before anything is built from it:
     /// positive sizes, heads that divide, an even head size, finite positive
     /// RoPE base and factors, a finite non-negative norm epsilon, a dropout
@@ -450,7 +467,7 @@ impl LlamaConfig {
         };
         let norms = c.checked_mul(2)?.checked_add(if self.qk_norm() { self.head_dim.checked_mul(2)? } else { 0 })?;
         let layer = attn.checked_add(norms)?;
-        let sparse_layers = (0..self.num_hidden_layers).filter(|&l| self.is_sparse_layer(l)).count();
+        let sparse_layers = self.num_sparse_layers();
         let layers = layer
             .checked_mul(self.num_hidden_layers)?
             .checked_add(dense.checked_mul(self.num_hidden_layers - sparse_layers)?)?
