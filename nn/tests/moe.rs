@@ -178,6 +178,11 @@ fn the_router_aux_loss_and_its_gradients_match_transformers() {
     // Without the mask the balance counts every token: another value.
     let unmasked = kiln::nn::models::load_balancing_loss(&router, 4, 2, None).unwrap();
     assert!((unmasked.item::<f32>().unwrap() - aux.item::<f32>().unwrap()).abs() > 1e-6);
+    let lb = kiln::nn::models::load_balancing_loss;
+    assert!(lb(&router, 4, 5, None).unwrap_err().to_string().contains("top_k (5) is more than the 4 experts"));
+    assert!(lb(&router, 5, 2, None).unwrap_err().to_string().contains("expected [14, 5]"));
+    assert!(lb(&router, 4, 2, Some(&ids.narrow(1, 0, 3).unwrap())).unwrap_err().to_string().contains("for 14 routed"));
+    assert!(lb(&[], 4, 2, None).unwrap_err().to_string().contains("no router logits"));
 
     loss.backward().unwrap();
     let grads: BTreeMap<String, Tensor> =

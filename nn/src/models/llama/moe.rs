@@ -30,16 +30,12 @@ impl LlamaForCausalLM {
     /// out of the balance). Also returns the logits.
     pub fn training_loss(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
         let aux = self.config().moe.as_ref().filter(|m| m.output_router_logits && m.num_experts > 0);
-        let Some(m) = aux else {
-            let logits = self.forward(input_ids, attention_mask)?;
-            let loss = causal_lm_loss(&logits, input_ids, Some(-100))?;
-            return Ok((loss, logits));
+        let (logits, router) = match aux {
+            Some(_) => self.forward_with_router_logits(input_ids, attention_mask)?,
+            None => (self.forward(input_ids, attention_mask)?, vec![]),
         };
-        let (logits, router) = self.forward_with_router_logits(input_ids, attention_mask)?;
         let loss = causal_lm_loss(&logits, input_ids, Some(-100))?;
-        if router.is_empty() {
-            return Ok((loss, logits));
-        }
+        let Some(m) = aux.filter(|_| !router.is_empty()) else { return Ok((loss, logits)) };
         let aux = load_balancing_loss(&router, m.num_experts, m.num_experts_per_tok, attention_mask)?;
         let _c = ConstantScope::enter();
         Ok((loss.add(&aux.mul(m.router_aux_loss_coef)?)?, logits))
@@ -74,26 +70,38 @@ pub fn load_balancing_loss(
         Some(m) => Some(m.reshape(&[rows as isize])?.to_dtype(DType::F32)?),
         None => None,
     };
+    // Every shape is checked before anything is allocated from the arguments.
+    if let Some(bad) = router_logits.iter().find(|l| l.shape() != [rows, num_experts]) {
+        return Err(Error::shape(
+            "load_balancing_loss",
+            format!("router logits of shape {:?}, expected [{rows}, {num_experts}]", bad.shape()),
+        ));
+    }
+    if top_k > num_experts {
+        return Err(Error::invalid(
+            "load_balancing_loss",
+            format!("top_k ({top_k}) is more than the {num_experts} experts"),
+        ));
+    }
     let mut counts = Tensor::zeros(&[num_experts], (DType::F32, dev))?;
     let mut probs = Tensor::zeros(&[num_experts], (DType::F32, dev))?;
+    // The weight of each token (a column to scale probabilities) and of each
+    // top-k slot (to count assignments): the same for every layer.
+    let per_row = mask.as_ref().map(|m| m.unsqueeze(-1)).transpose()?;
+    let per_slot = match &per_row {
+        None => Tensor::ones(&[rows * top_k], (DType::F32, dev))?,
+        Some(r) => r.expand(&[rows as isize, top_k as isize])?.reshape(&[-1])?,
+    };
     for logits in router_logits {
-        if logits.shape() != [rows, num_experts] {
-            return Err(Error::shape(
-                "load_balancing_loss",
-                format!("router logits of shape {:?}, expected [{rows}, {num_experts}]", logits.shape()),
-            ));
-        }
         let w = logits.softmax(-1)?;
         let (_, chosen) = w.topk(top_k, -1, true, true)?;
-        let chosen = chosen.reshape(&[(rows * top_k) as isize])?;
-        let (ones, w32) = match &mask {
-            None => (Tensor::ones(&[rows * top_k], (DType::F32, dev))?, w.to_dtype(DType::F32)?),
-            Some(m) => {
-                let per_slot = m.unsqueeze(-1)?.expand(&[rows as isize, top_k as isize])?.reshape(&[-1])?;
-                (per_slot, w.to_dtype(DType::F32)?.mul(&m.unsqueeze(-1)?)?)
-            }
+        let chosen = chosen.reshape(&[-1])?;
+        let w32 = w.to_dtype(DType::F32)?;
+        let w32 = match &per_row {
+            None => w32,
+            Some(r) => w32.mul(r)?,
         };
-        counts = counts.index_add(0, &chosen, &ones)?;
+        counts = counts.index_add(0, &chosen, &per_slot)?;
         probs = probs.add(&w32.sum_dim(0, false)?)?;
     }
     let total = match &mask {
