@@ -423,6 +423,29 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                 });
             }
         }
+        // Each form's gradients are products of the two forms over the same
+        // groups (Note [Grouped products]); the sizes are integers.
+        Op::GroupedMatMul => {
+            let (a, b, sizes) = (ctx.saved(0)?, ctx.saved(1)?, ctx.saved(2)?);
+            let grouped = |x: &Tensor, y: &Tensor| prim(Op::GroupedMatMul, &[x, y, sizes]);
+            if b.ndim() == 3 {
+                // a [M, K], b [G, K, N], g [M, N]
+                if ctx.needs(0) {
+                    out[0] = Some(grouped(&g, &transpose_last(b)?)?);
+                }
+                if ctx.needs(1) {
+                    out[1] = Some(grouped(&a.t()?, &g)?);
+                }
+            } else {
+                // a [K, M], b [M, N], g [G, K, N]
+                if ctx.needs(0) {
+                    out[0] = Some(grouped(b, &transpose_last(&g)?)?.t()?);
+                }
+                if ctx.needs(1) {
+                    out[1] = Some(grouped(&a.t()?, &g)?);
+                }
+            }
+        }
         Op::View(v) => {
             if !ctx.needs(0) {
                 return Ok(out);

@@ -353,6 +353,25 @@ impl PjrtBackend {
         match c {
             Check::ZeroDivision => Error::invalid(name, "ZeroDivisionError: integer division or modulo by zero"),
             Check::NegativePower => Error::invalid(name, "Integers to negative integer powers are not allowed."),
+            Check::GroupSizes => {
+                // The CPU backend's message, from the sizes read back.
+                let sizes = inputs.get(2).and_then(|t| self.to_host(t).ok());
+                let rows = match (inputs.first(), inputs.get(1)) {
+                    (Some(a), Some(w)) if w.ndim() == 3 => a.shape().first().copied(),
+                    (Some(a), Some(_)) => a.shape().get(1).copied(),
+                    _ => None,
+                };
+                match (sizes, rows) {
+                    (Some(h), Some(rows)) => {
+                        let s: Vec<i64> = (0..h.len()).map(|j| h.get_i64(j)).collect();
+                        match kiln_tensor::grouped::group_offsets(&s, rows) {
+                            Err(e) => e,
+                            Ok(_) => Error::invalid(name, "invalid group sizes"),
+                        }
+                    }
+                    _ => Error::invalid(name, "invalid group sizes"),
+                }
+            }
             Check::PagedMetadata => {
                 // The CPU backend's message, from the metadata read back.
                 let ints = |i: usize| -> Option<Vec<i64>> {

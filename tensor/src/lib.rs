@@ -30,6 +30,7 @@ pub mod error;
 pub mod float8;
 pub mod generator;
 pub mod graph;
+pub mod grouped;
 mod indexing;
 mod inplace;
 mod interop;

@@ -424,6 +424,11 @@ pub enum Op {
     },
     /// `[..., m, k] @ [..., k, n]`, batch dims equal, same dtype.
     MatMul,
+    /// One product per group of consecutive rows (Note [Grouped products] in
+    /// `grouped.rs`): inputs `a`, `b` (one dtype) and `group_sizes` (int64
+    /// `[G]`); `a [M, K]` with `b [G, K, N]` gives `[M, N]`, `a [K, M]` with
+    /// `b [M, N]` gives `[G, K, N]` (the ragged dimension contracted).
+    GroupedMatMul,
     View(ViewOp),
     /// Concatenation along `dim` of inputs of one dtype.
     Cat {
@@ -611,6 +616,7 @@ impl Op {
             Op::Softmax { log: false, .. } => "softmax",
             Op::Softmax { log: true, .. } => "log_softmax",
             Op::MatMul => "matmul",
+            Op::GroupedMatMul => "grouped_mm",
             Op::View(v) => v.name(),
             Op::Cat { .. } => "cat",
             Op::Gather { .. } => "gather",
@@ -638,7 +644,7 @@ impl Op {
             Op::QuantMatMul(_) => 3,
             Op::View(_) | Op::Sort { .. } | Op::TopK { .. } | Op::Softmax { .. } | Op::LogSumExp { .. } => 1,
             Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
-            Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } => 3,
+            Op::Where | Op::Scatter { .. } | Op::IndexAdd { .. } | Op::GroupedMatMul => 3,
             Op::Assign { .. } | Op::RmsNorm { .. } => 2,
             Op::RmsNormBackward { .. } => 4,
             Op::Attention { .. } | Op::Rotary | Op::CrossEntropyBackward { .. } => 3,
@@ -1020,6 +1026,7 @@ impl Op {
                 smallvec![meta(&x.shape, dt)]
             }
             Op::PagedAttention { .. } => crate::paged::paged_attention_meta(inputs)?,
+            Op::GroupedMatMul => crate::grouped::grouped_mm_meta(inputs)?,
             Op::Dequantize(spec) => {
                 let [out, inp] =
                     spec.check(name, (inputs[0].dtype, &inputs[0].shape), (inputs[1].dtype, &inputs[1].shape))?;

@@ -5,7 +5,7 @@
 //! (what kernels need from each element type), `elementwise` (unary, binary,
 //! compare, where), `copy` (full, arange, cast, copies, assign, cat), `reduce`
 //! (reductions, arg-reductions, cumsum), `softmax` (fused softmax and log_softmax), `matmul` (and `rowdot`, its
-//! dot-product way for `x @ W.T`),
+//! dot-product way for `x @ W.T`; `grouped`, one product per group of rows),
 //! `attention` (fused scaled dot-product attention and its gradients), `rotary`
 //! (rotary position embedding), `norm` (RMS normalisation and its gradients), `index` (gather, scatter,
 //! index_select, index_add, nonzero), `sort` (sort, topk) and `random` (Philox random bits).
@@ -16,6 +16,7 @@ mod attention;
 mod copy;
 mod elem;
 mod elementwise;
+mod grouped;
 mod index;
 mod iter;
 mod map;
@@ -84,6 +85,7 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
         Op::Softmax { dim, log } => vec![softmax::softmax(&ins[0], *dim, *log)?],
         Op::LogSumExp { dim } => vec![softmax::logsumexp(&ins[0], *dim)?],
         Op::MatMul => vec![matmul::matmul(&ins[0], &ins[1], out(0)?)?],
+        Op::GroupedMatMul => vec![grouped::grouped_mm(&ins[0], &ins[1], &ins[2], out(0)?)?],
         Op::Dequantize(spec) => vec![quant::dequantize(spec, &ins[0], &ins[1])?],
         Op::QuantMatMul(spec) => vec![quant::quant_matmul(spec, &ins[0], &ins[1], &ins[2])?],
         Op::Rotary => vec![rotary::rotary(&ins[0], &ins[1], &ins[2])?],

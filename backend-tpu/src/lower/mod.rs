@@ -5,6 +5,7 @@
 //! [`read_module`] and [`assign_module`] assemble whole programs. Nothing here
 //! needs a device, so every lowering has golden-text tests.
 mod collective;
+mod grouped;
 mod ops;
 mod paged;
 mod quant;

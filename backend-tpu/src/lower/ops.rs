@@ -25,6 +25,9 @@ pub enum Check {
     /// The block tables, context lengths and query starts of a paged attention
     /// are consistent (Note [Paged attention]).
     PagedMetadata,
+    /// The group sizes of a grouped product are non-negative and sum to at
+    /// most the grouped dimension (Note [Grouped products]).
+    GroupSizes,
 }
 
 /// The type float math runs in: float32 for bf16/f16, else the type itself.
@@ -280,6 +283,10 @@ pub fn lower_op(b: &mut Builder, op: &Op, x: &[Val], outs: &[Meta]) -> Result<Lo
         Op::Dequantize(spec) => one(super::quant::dequantize(b, spec, &x[0], &x[1])),
         Op::QuantMatMul(spec) => one(super::quant::quant_matmul(b, spec, &x[0], &x[1], &x[2], outs[0].dtype)),
         Op::Rotary => one(rotary(b, &x[0], &x[1], &x[2])),
+        Op::GroupedMatMul => {
+            let (o, ok) = super::grouped::grouped_mm(b, x, &outs[0]);
+            Ok((vec![o], vec![ok]))
+        }
         Op::PagedAttention { scale } => {
             let (o, ok) = super::paged::paged_attention(b, x, *scale, &outs[0]);
             Ok((vec![o], vec![ok]))

@@ -1,0 +1,43 @@
+//! `Op::GroupedMatMul` (Note [Grouped products] in kiln-tensor): one product
+//! per group of consecutive rows, each run by the matmul kernel on views of
+//! the operands, groups in parallel.
+use super::copy::{contiguous, copy_into};
+use super::elem::Elem;
+use super::matmul::matmul;
+use super::{buf, Input};
+use kiln_tensor::grouped::group_offsets;
+use kiln_tensor::{numel, with_dtype, HostBuffer, Layout, Meta, Result};
+use rayon::prelude::*;
+
+/// `a [M, K]` with `b [G, K, N]` (output `[M, N]`), or `a [K, M]` with `b [M,
+/// N]` (output `[G, K, N]`), grouped by `sizes [G]`.
+pub(crate) fn grouped_mm(a: &Input<'_>, b: &Input<'_>, sizes: &Input<'_>, out: &Meta) -> Result<HostBuffer> {
+    let rows_mode = b.layout.ndim() == 3;
+    let rows = if rows_mode { a.layout.shape()[0] } else { a.layout.shape()[1] };
+    let groups = group_offsets(&contiguous::<i64>(sizes)?, rows)?;
+    let full = Layout::contiguous(&out.shape);
+    // Each non-empty group's product and where it goes in the output.
+    let parts: Vec<(Layout, HostBuffer)> = groups
+        .par_iter()
+        .enumerate()
+        .filter(|(_, &(_, len))| len > 0)
+        .map(|(g, &(start, len))| {
+            let (la, lb, dst) = if rows_mode {
+                (a.layout.slice(0, start, start + len, 1), b.layout.select(0, g), full.slice(0, start, start + len, 1))
+            } else {
+                (a.layout.slice(1, start, start + len, 1), b.layout.slice(0, start, start + len, 1), full.select(0, g))
+            };
+            let meta = Meta { shape: dst.shape().into(), dtype: out.dtype };
+            let p = matmul(&Input { buf: a.buf, layout: &la }, &Input { buf: b.buf, layout: &lb }, &meta)?;
+            Ok((dst, p))
+        })
+        .collect::<Result<_>>()?;
+    with_dtype!(out.dtype, T => {
+        let mut o = T::zeros(numel(&out.shape));
+        for (dst, p) in &parts {
+            let src = Layout::contiguous(dst.shape());
+            copy_into(&mut o, dst, Input { buf: p, layout: &src }.slice::<T>()?, &src)?;
+        }
+        Ok(buf(o))
+    })
+}
