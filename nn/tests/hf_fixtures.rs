@@ -286,8 +286,6 @@ fn check_on_tpu(mode: kiln::tpu::Mode) {
     support::register_tpu();
     let dev = Device::Tpu(0);
     kiln::tpu::with_mode(mode, || {
-        // Qwen3-MoE runs eagerly in every mode (its routing is read on the
-        // host); its compiled training step is still to come.
         for name in ["llama", "qwen3", "qwen3_moe"] {
             check_model(name, "config.json", dev);
             check_generate(name, "config.json", dev);
@@ -309,7 +307,7 @@ fn tpu_debug_matches_transformers() {
 #[test]
 fn tpu_compiled_training_steps_match_transformers() {
     support::register_tpu();
-    for name in ["llama", "qwen3"] {
+    for name in ["llama", "qwen3", "qwen3_moe"] {
         check_adamw_with(name, Device::Tpu(0), true);
     }
 }

@@ -90,14 +90,16 @@ pub(crate) fn grouped_mm_meta(inputs: &[Meta]) -> Result<SmallVec<[Meta; 2]>> {
         (2, 3) if sb[0] == g && sb[1] == sa[1] => [0, sa[0], sb[2]],
         // [K, M] x [M, N] -> [G, K, N]
         (2, 2) if sa[1] == sb[0] => [g, sa[0], sb[1]],
-        _ => return Err(Error::shape(
-            OP,
-            format!(
+        _ => {
+            return Err(Error::shape(
+                OP,
+                format!(
                 "expected a [M, K] with mat2 [G, K, N], or a [K, M] with mat2 [M, N], for {g} groups; got {} and {}",
                 fmt_shape(sa),
                 fmt_shape(sb)
             ),
-        )),
+            ))
+        }
     };
     let shape: crate::Shape = if sb.len() == 3 { out[1..].into() } else { out.as_slice().into() };
     Ok(smallvec![Meta { shape, dtype: a.dtype }])

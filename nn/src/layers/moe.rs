@@ -5,6 +5,20 @@ use crate::module::{join_name, Module};
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Error, Result, Tensor, TensorOptions};
 
+// Note [Grouped experts]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A sparse block's expert products run as grouped products (Note [Grouped
+// products] in kiln-tensor) over the routing slots sorted by expert: dropless
+// (every slot is computed, no capacity), and every shape static (`N * top_k`
+// rows, whatever the router chose), so the same code runs eagerly on either
+// backend and traces into one program under `kiln::compile`; the group sizes
+// are data. The stacked `[E, in, out]` weights are views of the experts'
+// own `[out, in]` parameters stacked, so checkpoints keep the Hub's
+// one-tensor-per-expert layout and each expert's gradient arrives as its own.
+// Each token's expert outputs are added in expert order, as transformers
+// adds them. Experts kept quantized have no float weight to stack: they run
+// one at a time on host-grouped rows (eager only).
+
 /// A router and SwiGLU experts (`Qwen3MoeSparseMoeBlock`): each token goes
 /// to the `top_k` experts its router gives the highest probability (softmax
 /// over experts in float32, as transformers computes it), renormalised to
@@ -103,12 +117,14 @@ impl SparseMoeBlock {
 
     /// The block on `x: [..., hidden]`.
     ///
-    /// Tokens are grouped by expert (the routing indices are read on the
-    /// host), and each expert runs once on its group: gathered rows, the
-    /// expert's SwiGLU, scaled by the routing weights, added back into the
-    /// tokens' rows in expert order, as transformers sums them. Every expert
-    /// runs, on an empty group when no token chose it, so its parameters get
-    /// a zero gradient rather than none.
+    /// Dropless, with static shapes (Note [Grouped experts]): the `N * top_k`
+    /// routing slots are sorted by expert on the device, their tokens'
+    /// rows gathered, each of the SwiGLU's three products run for every
+    /// expert at once as one [`Tensor::grouped_mm`] over the sorted rows,
+    /// and the rows scaled by their routing weights and added back into
+    /// their tokens. Every expert's weights take part, so an expert no token
+    /// chose gets a zero gradient rather than none. Nothing is read on the
+    /// host, so a step holding the block compiles to one program.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(self.forward_with_router_logits(x)?.0)
     }
@@ -126,10 +142,62 @@ impl SparseMoeBlock {
         let n = shape.iter().product::<usize>() / hidden.max(1);
         let x2 = x.reshape_to(&[n, hidden])?;
         let (logits, weights, idx) = self.route(&x2)?;
+        let out = if self.runs_on_device() {
+            self.grouped_experts(&x2, &weights, &idx)?
+        } else {
+            self.experts_one_by_one(&x2, &weights, &idx)?
+        };
+        Ok((out.reshape_to(&shape)?, logits))
+    }
+
+    /// Whether the block runs without reading data on the host (so it can be
+    /// traced and compiled): every expert is three bias-free Linears not kept
+    /// quantized, which the grouped products take stacked (Note [Grouped
+    /// experts]).
+    pub fn runs_on_device(&self) -> bool {
+        self.experts
+            .iter()
+            .all(|m| [&m.gate_proj, &m.up_proj, &m.down_proj].iter().all(|l| !l.is_quantized() && l.bias.is_none()))
+    }
+
+    /// The experts through grouped products (Note [Grouped experts]).
+    fn grouped_experts(&self, x2: &Tensor, weights: &Tensor, idx: &Tensor) -> Result<Tensor> {
+        let (n, hidden) = (x2.shape()[0], x2.shape()[1]);
+        let (k, e) = (self.top_k, self.experts.len());
+        let dev = x2.device();
+        let slots = idx.reshape_to(&[n * k])?;
+        // Slots by expert; within an expert by token (a stable sort of slot order).
+        let (_, order) = slots.sort_stable(0, false)?;
+        let tokens = order.floor_divide(k as i64)?;
+        let ones = Tensor::ones(&[n * k], (DType::I64, dev))?;
+        let sizes = Tensor::zeros(&[e], (DType::I64, dev))?.index_add(0, &slots, &ones)?;
+        let rows = x2.index_select(0, &tokens)?;
+        // `[E, in, out]`: each expert's `W.T`, stacked.
+        let stacked = |w: &dyn Fn(&SwiGluMlp) -> &Tensor| -> Result<Tensor> {
+            let ws: Vec<&Tensor> = self.experts.iter().map(w).collect();
+            Tensor::stack(&ws, 0)?.transpose(-1, -2)
+        };
+        let g = rows.grouped_mm(&stacked(&|m| &m.gate_proj.weight)?, &sizes)?;
+        let u = rows.grouped_mm(&stacked(&|m| &m.up_proj.weight)?, &sizes)?;
+        let h = match g.dtype() {
+            DType::F32 | DType::F64 => g.silu_mul(&u)?,
+            _ => g.silu()?.mul(&u)?,
+        };
+        let y = h.grouped_mm(&stacked(&|m| &m.down_proj.weight)?, &sizes)?;
+        let w = weights.reshape_to(&[n * k])?.index_select(0, &order)?;
+        let y = y.mul(&w.unsqueeze(-1)?)?;
+        Tensor::zeros(&[n, hidden], (y.dtype(), dev))?.index_add(0, &tokens, &y)
+    }
+
+    /// Experts kept quantized (or with biases) one at a time: tokens grouped
+    /// on the host, each expert run on its gathered rows. Eager only: the
+    /// routing is read back.
+    fn experts_one_by_one(&self, x2: &Tensor, weights: &Tensor, idx: &Tensor) -> Result<Tensor> {
+        let (n, hidden) = (x2.shape()[0], x2.shape()[1]);
         let k = self.top_k;
         let chosen = idx.to_vec::<i64>()?;
         let weights = weights.reshape_to(&[n * k])?;
-        let dev = x.device();
+        let dev = x2.device();
         // Each expert's tokens and routing slots in transformers' order
         // (`torch.where(expert_mask[e])`: by top-k slot, then by token).
         let mut groups: Vec<(Vec<i64>, Vec<i64>)> = vec![(vec![], vec![]); self.experts.len()];
@@ -143,7 +211,7 @@ impl SparseMoeBlock {
                 groups[e].1.push(slot as i64);
             }
         }
-        let mut out = Tensor::zeros(&[n, hidden], (x.dtype(), dev))?;
+        let mut out = Tensor::zeros(&[n, hidden], (x2.dtype(), dev))?;
         for (expert, (tokens, slots)) in self.experts.iter().zip(groups) {
             let m = tokens.len();
             let tokens = Tensor::from_vec(tokens, &[m])?.to_device(dev)?;
@@ -152,7 +220,7 @@ impl SparseMoeBlock {
             let y = y.mul(&weights.index_select(0, &slots)?.unsqueeze(-1)?)?;
             out = out.index_add(0, &tokens, &y)?;
         }
-        Ok((out.reshape_to(&shape)?, logits))
+        Ok(out)
     }
 }
 

@@ -217,11 +217,13 @@ impl Engine {
         // block of padded rows (Note [Decode programs]).
         let (n, max_pos) = (cache.num_blocks(), model.config().max_position_embeddings);
         let width = max_pos.min((n - 1) * bs).div_ceil(bs);
-        // A mixture-of-experts model reads its routing on the host, which a
-        // captured program cannot: it decodes eagerly.
+        // Mixture-of-experts blocks with experts kept quantized read their
+        // routing on the host, which a captured program cannot: such a model
+        // decodes eagerly.
+        let host_routed = model.model.layers.iter().any(|l| l.mlp.as_sparse().is_some_and(|b| !b.runs_on_device()));
         let decode = match n {
             1 => None,
-            _ if model.config().moe.is_some() => None,
+            _ if host_routed => None,
             _ => DecodeProgram::new(&model, &cache, width, n - 1, cfg.max_num_seqs)?,
         };
         let usable = if decode.is_some() { n - 1 } else { n };
