@@ -47,6 +47,16 @@ pub fn preset(name: &str) -> std::result::Result<LlamaConfig, String> {
             "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
             "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": false,
         }),
+        // llama-16m's shape as Qwen3-MoE: 8 experts, 2 per token, each half
+        // llama-16m's MLP width, so a token's active parameters match it (plus
+        // Qwen3's q/k norms and the router).
+        "qwen3-moe-16m" => json!({
+            "model_type": "qwen3_moe", "vocab_size": 8192, "hidden_size": 384, "intermediate_size": 1024,
+            "num_hidden_layers": 6, "num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": 64,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512, "norm_topk_prob": true,
+            "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": false,
+        }),
         // A tiny model for smoke runs and tests.
         "llama-tiny" => json!({
             "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -54,7 +64,7 @@ pub fn preset(name: &str) -> std::result::Result<LlamaConfig, String> {
             "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
             "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": false,
         }),
-        other => return Err(format!("unknown preset {other:?} (expected llama-16m or llama-tiny)")),
+        other => return Err(format!("unknown preset {other:?} (expected llama-16m, qwen3-moe-16m or llama-tiny)")),
     };
     LlamaConfig::from_json(&v).map_err(|e| e.to_string())
 }
