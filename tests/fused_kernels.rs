@@ -16,17 +16,7 @@ fn devices() -> impl Iterator<Item = Device> {
     common::devices_in_every_mode()
 }
 
-/// Deterministic values in about [-2, 2].
-fn input(shape: &[usize], seed: u64, dtype: DType, dev: Device) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f64> = (0..n)
-        .map(|i| {
-            let x = (i as u64).wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(40503)) % 1000;
-            (x as f64 / 1000.0 - 0.5) * 4.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape).unwrap().to_dtype(dtype).unwrap().to_device(dev).unwrap()
-}
+use common::ramp as input;
 
 /// The definition, with key/value heads repeated for grouped-query attention.
 fn reference(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Result<Tensor> {

@@ -179,3 +179,16 @@ pub fn devices_in_every_mode() -> impl Iterator<Item = Device> {
     }
     Modes { items: items.into_iter() }
 }
+
+/// Deterministic values in about [-2, 2] (no structure a kernel could
+/// exploit), as `dtype` on `dev`.
+pub fn ramp(shape: &[usize], seed: u64, dtype: DType, dev: Device) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n)
+        .map(|i| {
+            let x = (i as u64).wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(40503)) % 1000;
+            (x as f64 / 1000.0 - 0.5) * 4.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape).unwrap().to_dtype(dtype).unwrap().to_device(dev).unwrap()
+}
