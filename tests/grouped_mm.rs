@@ -157,6 +157,10 @@ fn bad_sizes_and_shapes_are_errors_on_every_device() {
         assert_err(r, &["grouped_mm", "group_sizes[0] is -1"]);
         let r = a.grouped_mm(&w, &sizes(&[4, 2], dev)).and_then(|y| y.to_vec::<f32>());
         assert_err(r, &["grouped_mm", "sum past the 5 rows"]);
+        // Sizes whose int64 sum wraps around to a small number.
+        let w3 = input(&[3, 3, 4], 1, DType::F32, dev);
+        let r = a.grouped_mm(&w3, &sizes(&[i64::MAX, i64::MAX, 2], dev)).and_then(|y| y.to_vec::<f32>());
+        assert_err(r, &["grouped_mm", "sum past the 5 rows"]);
         assert_err(a.grouped_mm(&w, &sizes(&[1, 1, 1], dev)), &["grouped_mm", "for 3 groups"]);
         assert_err(a.grouped_mm(&w.to_dtype(DType::F64).unwrap(), &sizes(&[1, 1], dev)), &["same dtype"]);
         let s32 = sizes(&[1, 1], dev).to_dtype(DType::I32).unwrap();

@@ -54,16 +54,15 @@ pub fn grouped_mm(b: &mut Builder, x: &[Val], out: &Meta) -> (Val, (Val, Check))
         Ok((mut v, _)) => v.remove(0),
         Err(_) => sizes.clone(), // unreachable: a cumsum of a 1-D int64 lowers
     };
-    let nonneg = b.compare_lit("GE", sizes, Lit::I(0));
-    let nonneg = all(b, &nonneg);
-    let total_ok = if g == 0 {
-        b.constant(Lit::B(true), DType::Bool)
-    } else {
-        let last = b.slice_dim(&ends, 0, g - 1, g);
-        let last = b.reshape(&last, &[]);
-        b.compare_lit("LE", &last, Lit::I(m as i64))
-    };
-    let ok = b.and(&nonneg, &total_ok);
+    // Every size in [0, M] and every end at most M: ends grow by at most M
+    // a step, so no prefix sum can wrap around past the check.
+    let lo = b.compare_lit("GE", sizes, Lit::I(0));
+    let hi = b.compare_lit("LE", sizes, Lit::I(m as i64));
+    let in_range = b.and(&lo, &hi);
+    let in_range = all(b, &in_range);
+    let ends_ok = b.compare_lit("LE", &ends, Lit::I(m as i64));
+    let ends_ok = all(b, &ends_ok);
+    let ok = b.and(&in_range, &ends_ok);
     let check = (ok, Check::GroupSizes);
     if m == 0 || g == 0 || out.shape.iter().product::<usize>() == 0 {
         return (b.splat(Lit::I(0), out.dtype, &out.shape), check);
