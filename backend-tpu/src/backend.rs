@@ -357,8 +357,7 @@ impl PjrtBackend {
                 // The CPU backend's message, from the sizes read back.
                 let sizes = inputs.get(2).and_then(|t| self.to_host(t).ok());
                 let rows = match (inputs.first(), inputs.get(1)) {
-                    (Some(a), Some(w)) if w.ndim() == 3 => a.shape().first().copied(),
-                    (Some(a), Some(_)) => a.shape().get(1).copied(),
+                    (Some(a), Some(w)) => Some(kiln_tensor::grouped::grouped_dim(a.shape(), w.shape())),
                     _ => None,
                 };
                 match (sizes, rows) {

@@ -85,24 +85,32 @@ pub(crate) fn grouped_mm_meta(inputs: &[Meta]) -> Result<SmallVec<[Meta; 2]>> {
     }
     let g = sizes.shape[0];
     let (sa, sb) = (&a.shape, &b.shape);
-    let out: [usize; 3] = match (sa.len(), sb.len()) {
+    let shape: crate::Shape = match (sa.len(), sb.len()) {
         // [M, K] x [G, K, N] -> [M, N]
-        (2, 3) if sb[0] == g && sb[1] == sa[1] => [0, sa[0], sb[2]],
+        (2, 3) if sb[0] == g && sb[1] == sa[1] => [sa[0], sb[2]].as_slice().into(),
         // [K, M] x [M, N] -> [G, K, N]
-        (2, 2) if sa[1] == sb[0] => [g, sa[0], sb[1]],
-        _ => {
-            return Err(Error::shape(
-                OP,
-                format!(
+        (2, 2) if sa[1] == sb[0] => [g, sa[0], sb[1]].as_slice().into(),
+        _ => return Err(Error::shape(
+            OP,
+            format!(
                 "expected a [M, K] with mat2 [G, K, N], or a [K, M] with mat2 [M, N], for {g} groups; got {} and {}",
                 fmt_shape(sa),
                 fmt_shape(sb)
             ),
-            ))
-        }
+        )),
     };
-    let shape: crate::Shape = if sb.len() == 3 { out[1..].into() } else { out.as_slice().into() };
     Ok(smallvec![Meta { shape, dtype: a.dtype }])
+}
+
+/// The length of the grouped dimension of checked operands of shapes `a`
+/// and `b`: `a`'s rows when `b` is `[G, K, N]`, its columns when `b` is
+/// `[M, N]`.
+pub fn grouped_dim(a: &[usize], b: &[usize]) -> usize {
+    if b.len() == 3 {
+        a[0]
+    } else {
+        a[1]
+    }
 }
 
 /// The rows `(start, len)` of each group, from the sizes read on the host,

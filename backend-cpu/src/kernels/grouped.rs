@@ -5,7 +5,7 @@ use super::copy::{contiguous, copy_into};
 use super::elem::Elem;
 use super::matmul::matmul;
 use super::{buf, Input};
-use kiln_tensor::grouped::group_offsets;
+use kiln_tensor::grouped::{group_offsets, grouped_dim};
 use kiln_tensor::{numel, with_dtype, HostBuffer, Layout, Meta, Result};
 use rayon::prelude::*;
 
@@ -13,7 +13,7 @@ use rayon::prelude::*;
 /// N]` (output `[G, K, N]`), grouped by `sizes [G]`.
 pub(crate) fn grouped_mm(a: &Input<'_>, b: &Input<'_>, sizes: &Input<'_>, out: &Meta) -> Result<HostBuffer> {
     let rows_mode = b.layout.ndim() == 3;
-    let rows = if rows_mode { a.layout.shape()[0] } else { a.layout.shape()[1] };
+    let rows = grouped_dim(a.layout.shape(), b.layout.shape());
     let groups = group_offsets(&contiguous::<i64>(sizes)?, rows)?;
     let full = Layout::contiguous(&out.shape);
     // Each non-empty group's product and where it goes in the output.

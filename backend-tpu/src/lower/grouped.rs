@@ -12,7 +12,8 @@
 //! way of running a grouped product as tiles).
 use super::ops::{all, Check};
 use super::{arr, Builder, Lit, Ty, Val};
-use kiln_tensor::{DType, Meta, Op};
+use kiln_tensor::grouped::grouped_dim;
+use kiln_tensor::{DType, Meta, Op, Result};
 
 /// Rows per tile.
 const TILE: usize = 32;
@@ -39,10 +40,10 @@ fn at(b: &mut Builder, x: &Val, i: &Val) -> Val {
 
 /// The output and the check that the sizes are non-negative and sum to at
 /// most the ragged dimension's length.
-pub fn grouped_mm(b: &mut Builder, x: &[Val], out: &Meta) -> (Val, (Val, Check)) {
+pub fn grouped_mm(b: &mut Builder, x: &[Val], out: &Meta) -> Result<(Val, (Val, Check))> {
     let (a, w, sizes) = (&x[0], &x[1], &x[2]);
     let rows_mode = w.ty.rank() == 3;
-    let m = if rows_mode { a.shape()[0] } else { a.shape()[1] };
+    let m = grouped_dim(a.shape(), w.shape());
     let g = sizes.shape()[0];
     let ct = match out.dtype {
         DType::BF16 | DType::F16 => DType::F32,
@@ -50,10 +51,8 @@ pub fn grouped_mm(b: &mut Builder, x: &[Val], out: &Meta) -> (Val, (Val, Check))
     };
     // Group ends (inclusive prefix sum), and the check.
     let cum = Meta { shape: [g].as_slice().into(), dtype: DType::I64 };
-    let ends = match super::ops::lower_op(b, &Op::Cumsum { dim: 0 }, std::slice::from_ref(sizes), &[cum]) {
-        Ok((mut v, _)) => v.remove(0),
-        Err(_) => sizes.clone(), // unreachable: a cumsum of a 1-D int64 lowers
-    };
+    let (mut ends, _) = super::ops::lower_op(b, &Op::Cumsum { dim: 0 }, std::slice::from_ref(sizes), &[cum])?;
+    let ends = ends.remove(0);
     // Every size in [0, M] and every end at most M: ends grow by at most M
     // a step, so no prefix sum can wrap around past the check.
     let lo = b.compare_lit("GE", sizes, Lit::I(0));
@@ -65,10 +64,10 @@ pub fn grouped_mm(b: &mut Builder, x: &[Val], out: &Meta) -> (Val, (Val, Check))
     let ok = b.and(&in_range, &ends_ok);
     let check = (ok, Check::GroupSizes);
     if m == 0 || g == 0 || out.shape.iter().product::<usize>() == 0 {
-        return (b.splat(Lit::I(0), out.dtype, &out.shape), check);
+        return Ok((b.splat(Lit::I(0), out.dtype, &out.shape), check));
     }
-    let tiles = m.div_ceil(TILE.min(m));
     let t = TILE.min(m);
+    let tiles = m.div_ceil(t);
     let mp = tiles * t;
     let (a, w) = (b.convert_raw(a, ct), b.convert_raw(w, ct));
     // Operands padded to whole tiles along the ragged dimension.
@@ -148,5 +147,5 @@ pub fn grouped_mm(b: &mut Builder, x: &[Val], out: &Meta) -> (Val, (Val, Check))
     let refs: Vec<&Val> = state.iter().collect();
     let res = b.op_n("stablehlo.while", &refs, &format!("{cond}, {body}"), "", &tys);
     let acc = if rows_mode { b.slice_dim(&res[2], 0, 0, m) } else { res[2].clone() };
-    (b.convert_raw(&acc, out.dtype), check)
+    Ok((b.convert_raw(&acc, out.dtype), check))
 }

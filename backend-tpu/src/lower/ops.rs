@@ -284,7 +284,7 @@ pub fn lower_op(b: &mut Builder, op: &Op, x: &[Val], outs: &[Meta]) -> Result<Lo
         Op::QuantMatMul(spec) => one(super::quant::quant_matmul(b, spec, &x[0], &x[1], &x[2], outs[0].dtype)),
         Op::Rotary => one(rotary(b, &x[0], &x[1], &x[2])),
         Op::GroupedMatMul => {
-            let (o, ok) = super::grouped::grouped_mm(b, x, &outs[0]);
+            let (o, ok) = super::grouped::grouped_mm(b, x, &outs[0])?;
             Ok((vec![o], vec![ok]))
         }
         Op::PagedAttention { scale } => {
