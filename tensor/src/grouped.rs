@@ -29,6 +29,7 @@ use crate::{DType, Error, Meta, Op, Result, Tensor};
 use smallvec::{smallvec, SmallVec};
 
 const OP: &str = "grouped_mm";
+const SHAPES: &str = "expected a [M, K] with mat2 [G, K, N], or a [K, M] with mat2 [M, N]";
 
 impl Tensor {
     /// A product per group of consecutive rows (Note [Grouped products],
@@ -90,14 +91,12 @@ pub(crate) fn grouped_mm_meta(inputs: &[Meta]) -> Result<SmallVec<[Meta; 2]>> {
         (2, 3) if sb[0] == g && sb[1] == sa[1] => [sa[0], sb[2]].as_slice().into(),
         // [K, M] x [M, N] -> [G, K, N]
         (2, 2) if sa[1] == sb[0] => [g, sa[0], sb[1]].as_slice().into(),
-        _ => return Err(Error::shape(
-            OP,
-            format!(
-                "expected a [M, K] with mat2 [G, K, N], or a [K, M] with mat2 [M, N], for {g} groups; got {} and {}",
-                fmt_shape(sa),
-                fmt_shape(sb)
-            ),
-        )),
+        _ => {
+            return Err(Error::shape(
+                OP,
+                format!("{SHAPES}, for {g} groups; got {} and {}", fmt_shape(sa), fmt_shape(sb)),
+            ))
+        }
     };
     Ok(smallvec![Meta { shape, dtype: a.dtype }])
 }
