@@ -173,6 +173,27 @@ fn gradients_flow_through_regions_and_collectives() {
 }
 
 #[test]
+fn ops_that_check_their_indices_run_in_regions_and_report_any_devices_bad_index() {
+    let m4 = mesh(&[4], &["x"]);
+    let x = tensor(&[4, 3], 0.7);
+    let gather: fn(&[Tensor]) -> kiln::Result<Vec<Tensor>> = |b| Ok(vec![b[0].index_select(0, &b[1])?]);
+    let run = |idx: Vec<i64>| {
+        let idx = Tensor::from_vec(idx, &[8]).unwrap();
+        local_map(gather, &m4, &[vec![Replicate], vec![Shard(0)]], &[vec![Shard(0)]], &[&x, &idx])
+    };
+    for mode in [Mode::Strict, Mode::Debug, Mode::Defer] {
+        with_mode(mode, || {
+            let got = run(vec![0, 1, 2, 3, 1, 0, 3, 2]).unwrap().remove(0);
+            let want = x.index_select(0, &Tensor::from_vec(vec![0i64, 1, 2, 3, 1, 0, 3, 2], &[8]).unwrap()).unwrap();
+            close(&format!("index_select in {mode:?} mode"), &got, &want);
+            // Only the third device's block holds a bad index: still an error, not a clamped row.
+            let e = run(vec![0, 1, 2, 3, 1, 4, 3, 2]).unwrap_err().to_string();
+            assert!(e.contains("out of bounds for dimension 0 with size 4"), "{mode:?}: {e}");
+        });
+    }
+}
+
+#[test]
 fn local_regions_refuse_what_they_cannot_do() {
     let m4 = mesh(&[4], &["x"]);
     let x = tensor(&[6, 4], 0.1);

@@ -61,6 +61,10 @@ pub struct Stats {
     pub compile_secs: f64,
     /// Time spent loading executables from disk, in seconds.
     pub load_secs: f64,
+    /// Bytes the `all_to_all` collectives of local regions sent from one
+    /// device to another (each device's block less the piece it keeps,
+    /// summed over the devices), over every region run.
+    pub all_to_all_bytes: u64,
 }
 
 /// Executables by program text, then by the options they were compiled with.
@@ -82,6 +86,7 @@ pub struct PjrtBackend {
     hits: AtomicU64,
     executions: AtomicU64,
     graphs_run: AtomicU64,
+    all_to_all_bytes: AtomicU64,
     compile_ns: AtomicU64,
     disk: Option<DiskCache>,
 }
@@ -114,6 +119,7 @@ impl PjrtBackend {
             hits: AtomicU64::new(0),
             executions: AtomicU64::new(0),
             graphs_run: AtomicU64::new(0),
+            all_to_all_bytes: AtomicU64::new(0),
             compile_ns: AtomicU64::new(0),
             disk: cache::cache_dir().map(|d| DiskCache::new(d, &client)),
             client,
@@ -139,6 +145,11 @@ impl PjrtBackend {
             return Err(self.check_error(name, c, inputs));
         }
         Ok(())
+    }
+
+    /// Counts the bytes a region's `all_to_all`s sent between devices (see [`Stats`]).
+    pub(crate) fn count_all_to_all(&self, bytes: u64) {
+        self.all_to_all_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
     pub(crate) fn count_execution(&self) {
@@ -261,6 +272,7 @@ impl PjrtBackend {
             disk_rebuilt: self.disk.as_ref().map_or(0, |d| d.rebuilt.load(Ordering::Relaxed)),
             compile_secs: self.compile_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             load_secs: self.disk.as_ref().map_or(0, |d| d.load_ns.load(Ordering::Relaxed)) as f64 * 1e-9,
+            all_to_all_bytes: self.all_to_all_bytes.load(Ordering::Relaxed),
         }
     }
 

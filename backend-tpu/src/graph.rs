@@ -93,6 +93,9 @@ pub struct Graph {
     pub saved: Vec<(Weak<Storage>, PjrtBuffer)>,
     /// A mesh graph's outputs (parallel to `outs`): the padded n-d value and its sharding.
     pub out_nd: Vec<Option<(Val, Sharding)>>,
+    /// The bytes one device sends to the others through the `all_to_all`s
+    /// appended (a local region's trace: counted when the region runs).
+    pub all_to_all_bytes: u64,
 }
 
 // Note [Shared constants]
@@ -125,6 +128,7 @@ impl Graph {
             host: None,
             saved: vec![],
             out_nd: vec![],
+            all_to_all_bytes: 0,
         }
     }
 
@@ -301,6 +305,14 @@ impl Graph {
             storages.push(st);
         }
         self.ops += 1;
+        if let (Op::Collective(c), Some(x)) = (op, inputs.first()) {
+            if let kiln_tensor::collective::Collective::AllToAll { .. } = c.kind {
+                // Each device keeps one of its block's `n` pieces and sends the others.
+                let n = c.group_size() as u64;
+                let block = (x.numel() * x.dtype().size_in_bytes()) as u64;
+                self.all_to_all_bytes += block / n.max(1) * n.saturating_sub(1);
+            }
+        }
         let has_checks = !checks.is_empty();
         for (v, c) in checks {
             self.checks.push((v, c, op.name(), inputs.iter().map(|t| (*t).clone()).collect()));

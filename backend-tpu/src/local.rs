@@ -6,7 +6,7 @@ use crate::backend::PjrtBackend;
 use crate::dist::{shard_arg, Shards};
 use crate::graph::{self, Arg, Graph, ParamSrc, PjrtBuffer};
 use crate::host_values::HostValues;
-use crate::lower::{self, Builder, Sharding, Ty, Val};
+use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
 use kiln_tensor::{
     distribute_tensor, Device, DeviceMesh, Error, Layout, LocalFn, Placement, Result, Storage, StorageData, Tensor,
 };
@@ -125,11 +125,6 @@ impl PjrtBackend {
                 "the function wrote in place into a tensor made outside it (an input): return the new value instead",
             ));
         }
-        if !g.checks.is_empty() {
-            return Err(local_err(
-                "ops that check their indices on the device (indexing, gather, scatter, integer division) are not supported inside a local region yet",
-            ));
-        }
         if returned.len() != out_placements.len() {
             return Err(local_err(format!(
                 "the function returned {} tensors for {} lists of output placements",
@@ -155,6 +150,14 @@ impl PjrtBackend {
             };
             body_outs.push(lower::read_view(&mut g.builder, &flat, t.layout())?);
         }
+        // Each device's checks come out as one flag per device (every axis
+        // splits them), read after the run like a single device's.
+        let checks: Vec<(Check, &'static str)> = g.checks.iter().map(|(_, c, name, _)| (c.clone(), *name)).collect();
+        let flags: Vec<Val> = g.checks.iter().map(|(v, ..)| g.builder.reshape(v, &[1])).collect();
+        let (n_outs, exchanged) = (body_outs.len(), g.all_to_all_bytes);
+        body_outs.extend(flags);
+        let mut out_placements = out_placements.to_vec();
+        out_placements.extend(checks.iter().map(|_| vec![Placement::Shard(0); mesh.ndim()]));
         // The program: the inputs' shards and the trace's constants go in, the region's results come out.
         let root = mesh.root();
         let mut b = Builder::new(&[]).0;
@@ -181,7 +184,7 @@ impl PjrtBackend {
         }
         let mut out_shardings = vec![];
         let mut out_tys = vec![];
-        for (i, (v, p)) in body_outs.iter().zip(out_placements).enumerate() {
+        for (i, (v, p)) in body_outs.iter().zip(&out_placements).enumerate() {
             check_placements("output", i, p)?;
             let s = Sharding::from_placements(mesh, p, v.ty.rank())?;
             out_tys.push(Ty::new(&global_shape(v.shape(), &s), v.dtype()));
@@ -192,7 +195,13 @@ impl PjrtBackend {
         let outs = lower::manual_computation(&mut b, &refs, &op_shardings, body, &body_outs, &out_shardings, &out_tys)?;
         let text = b.finish_sharded(&outs, &out_shardings)?;
         let meta: Vec<_> = body_outs.iter().map(|v| (v.dtype(), v.shape().to_vec())).collect();
-        let bufs = self.run_mesh("local_map", &text, &root, &args, &meta)?;
+        let mut bufs = self.run_mesh("local_map", &text, &root, &args, &meta)?;
+        self.count_all_to_all(exchanged * root.devices().len() as u64);
+        for (flags, (c, name)) in bufs.split_off(n_outs).iter().zip(&checks) {
+            for flag in flags {
+                self.verify(flag, name, c, &[])?;
+            }
+        }
         bufs.into_iter()
             .zip(out_shardings)
             .zip(&out_tys)

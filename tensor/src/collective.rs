@@ -21,9 +21,11 @@ use std::cell::RefCell;
 // and the collectives below are the only communication, lowered to
 // StableHLO's `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all` and
 // `collective_permute` over the groups of devices that differ only along the
-// named axis. The region's mesh is thread-local while `f` is traced, which is
-// how a collective finds its groups; outside a region a collective is an
-// error. Gradients: each collective's rule is another collective (the sum's
+// named axis. Ops that check their operands on the device (indices, group
+// sizes, divisors) check every device's block: each device's flags come out
+// of the program and any failing one is the region's error. The region's
+// mesh is thread-local while `f` is traced, which is how a collective finds
+// its groups; outside a region a collective is an error. Gradients: each collective's rule is another collective (the sum's
 // adjoint is a sum, a gather's is a reduce-scatter, an all-to-all's is the
 // reverse all-to-all, a permutation's is the inverse one), and `local_map`
 // as a whole is differentiated by a second region that recomputes `f` and
