@@ -7,7 +7,7 @@
 //! cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors \
 //!     [--dtype f32|bf16] [--steps N] [--lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1] \
 //!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled] \
-//!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp] [--quantized dequant|dequant-bf16|keep]
+//!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp|ep|fsdp+ep] [--quantized dequant|dequant-bf16|keep]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -22,6 +22,7 @@
 mod logging;
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::io::{load_safetensors, save_safetensors};
+use kiln::nn::layers::to_hub_layout;
 use kiln::nn::models::{LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
 use kiln::nn::module::Module;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
@@ -48,9 +49,10 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
   --device D           device: cpu, or tpu (the PJRT backend; KILN_PJRT_PLUGIN picks the plugin) [default: cpu]
   --mode M             mode of the PJRT backend: strict, debug or defer, or compiled (AdamW steps 2..N
                        captured by kiln::compile, capturable AdamW) [default: strict, or KILN_TPU_MODE]
-  --mesh SPEC          run on a mesh of PJRT devices, e.g. dp=4 or dp=2,tp=2 (KILN_PJRT_CPU_DEVICES
+  --mesh SPEC          run on a mesh of PJRT devices, e.g. dp=4, dp=2,tp=2 or ep=4 (KILN_PJRT_CPU_DEVICES
                        sets the number of XLA:CPU devices); needs --device tpu and --parallel
-  --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp
+  --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp, fsdp+tp, or for a mixture of
+                       experts ep (experts split over the mesh's ep axis) or fsdp+ep (on dp=N,ep=M)
   --precision P        f32, or bf16-mixed / f16-mixed: the forward under autocast, parameters, gradients
                        and AdamW state float32 (with --dtype f32) [default: f32]
   --quantized Q        a quantized checkpoint (FP8, MXFP4, NVFP4): dequant (exactly, in float32), dequant-bf16
@@ -256,8 +258,13 @@ fn run(a: Args) -> Result<()> {
     eprintln!("loss {:.6} (forward + backward {:.2}s)", loss.item_f64()?, t.elapsed().as_secs_f64());
     out.insert("logits".into(), f32_cpu(&logits)?);
     out.insert("loss".into(), f32_cpu(&loss)?.reshape(&[])?);
+    let mut grads = BTreeMap::new();
     for (n, p) in model.named_parameters() {
         let g = p.grad().ok_or_else(|| Error::invalid("hf_check", format!("{n} got no gradient")))?;
+        grads.insert(n, g);
+    }
+    // Stacked experts' gradients under the Hub's per-expert names, as the fixtures hold them.
+    for (n, g) in to_hub_layout(grads)? {
         out.insert(format!("grad.{n}"), f32_cpu(&g)?);
     }
 
@@ -271,7 +278,7 @@ fn run(a: Args) -> Result<()> {
         let mut curve = vec![loss.item_f64()? as f32];
         opt.step()?;
         let snapshot = |tag: &str, out: &mut BTreeMap<String, Tensor>| -> Result<()> {
-            for (n, p) in model.named_parameters() {
+            for (n, p) in to_hub_layout(model.named_parameters().into_iter().collect())? {
                 out.insert(format!("{tag}.{n}"), f32_cpu(&p)?);
             }
             Ok(())

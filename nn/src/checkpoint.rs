@@ -279,7 +279,8 @@ pub fn write_dir_atomic(dir: impl AsRef<Path>, fill: impl FnOnce(&Path) -> Resul
 }
 
 /// Saves a training checkpoint into `dir` (atomically, replacing an older one):
-/// `model.safetensors` (the model's `state_dict()`, Hugging Face names; for a
+/// `model.safetensors` (the model's `state_dict()`, Hugging Face names, stacked
+/// experts split into the Hub's per-expert ones; for a
 /// model on a device mesh, written shard by shard without gathering it, as
 /// `model-0000k-of-0000n.safetensors` files and their index
 /// `model.safetensors.index.json`, see Note [Sharded checkpoints]),
@@ -296,7 +297,7 @@ pub fn save_checkpoint(
     state: &TrainerState,
 ) -> Result<()> {
     let t = std::time::Instant::now();
-    let weights = model.state_dict();
+    let weights = crate::layers::to_hub_layout(model.state_dict())?;
     let opt_state: BTreeMap<String, Tensor> = optimizer.state_dict()?.into_iter().collect();
     let trainer =
         serde_json::to_string_pretty(&state.to_json()).map_err(|e| io_err(Path::new(TRAINER_STATE_FILE), e))?;
@@ -371,7 +372,8 @@ impl Checkpoint {
     /// other parallelism, one device): weights and optimizer state take the
     /// placements of the parameters they go into (resharding on load).
     pub fn restore(&self, model: &mut dyn Module, optimizer: &mut dyn Optimizer) -> Result<()> {
-        model.load_state_dict(&self.model_state()?, true)?;
+        let state = crate::layers::from_hub_layout(self.model_state()?, &model.state_dict())?;
+        model.load_state_dict(&state, true)?;
         optimizer.load_state_dict(self.optimizer_state()?)?;
         self.state.restore_rng()
     }

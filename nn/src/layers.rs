@@ -17,7 +17,8 @@ pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use linear::Linear;
 pub use mlp::SwiGluMlp;
-pub use moe::{FeedForward, SparseMoeBlock};
+pub(crate) use moe::is_stacked_expert;
+pub use moe::{from_hub_layout, to_hub_layout, Experts, FeedForward, SparseMoeBlock, StackedExperts};
 pub use norm::{LayerNorm, RmsNorm};
 pub use rotary::{rotate_half, RopeScaling, RopeTables, RotaryEmbedding};
 

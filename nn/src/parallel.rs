@@ -1,8 +1,11 @@
 //! Parallelism recipes with PyTorch's names, on distributed tensors: data
 //! parallelism (`replicate`, DDP's composable form), FSDP2 (`fully_shard`),
 //! tensor parallelism (`parallelize_module` with `ColwiseParallel` /
-//! `RowwiseParallel` plans, one for Llama and Qwen3), and their 2-D
-//! composition (see Note [Parallelism recipes]).
+//! `RowwiseParallel` plans, one for Llama and Qwen3), expert parallelism for
+//! mixture-of-experts models, and their 2-D compositions (see Note
+//! [Parallelism recipes]).
+use crate::layers::is_stacked_expert;
+use crate::models::LlamaForCausalLM;
 use crate::module::Module;
 use kiln_tensor::{distribute_tensor, DeviceMesh, Error, Placement, Result, Tensor};
 
@@ -26,6 +29,11 @@ use kiln_tensor::{distribute_tensor, DeviceMesh, Error, Placement, Result, Tenso
 //   `RowwiseParallel` its input features (`weight` `Shard(1)`, bias
 //   replicated); the Llama/Qwen3 plan makes q/k/v and gate/up colwise and
 //   o/down rowwise, splitting attention heads and the MLP over the axis.
+// - expert parallelism (`LlamaForCausalLM::parallelize_experts`): the
+//   experts' stacked weights `Shard(0)` over an `ep` axis, the rest of the
+//   model data-parallel over it; unlike the recipes above it is not left to
+//   the partitioner: each sparse block runs as per-device code exchanging
+//   tokens with `all_to_all` (Note [Expert parallelism]).
 // Recipes compose on sub-meshes of one mesh: placing a parameter on
 // `mesh["dp"]` keeps what an earlier recipe put on `mesh["tp"]`, so
 // `parallelize_module(.., &mesh["tp"], ..)` then `fully_shard(.., &mesh["dp"])`
@@ -185,8 +193,9 @@ pub fn shard_batch(t: &Tensor, mesh: &DeviceMesh) -> Result<Tensor> {
     distribute_tensor(t, mesh, &vec![Placement::Shard(0); mesh.ndim()])
 }
 
-/// A recipe by name, as the tools take it (`--parallel ddp|fsdp|tp|fsdp+tp`),
-/// for Llama and Qwen3 models on a mesh with axes named `dp` and/or `tp`.
+/// A recipe by name, as the tools take it (`--parallel ddp|fsdp|tp|fsdp+tp|ep|fsdp+ep`),
+/// for Llama, Qwen3 and Qwen3-MoE models on a mesh with axes named `dp`,
+/// `tp` and/or `ep`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Recipe {
     /// [`replicate`] over `dp`, the batch split over `dp`.
@@ -197,17 +206,29 @@ pub enum Recipe {
     Tp,
     /// Tensor parallelism over `tp`, then FSDP over `dp`; the batch split over `dp`.
     FsdpTp,
+    /// Expert parallelism over `ep` (the experts split, everything else
+    /// replicated); the batch split over `ep`.
+    Ep,
+    /// Expert parallelism over `ep` and FSDP over `dp` (and over `ep` for
+    /// what is not an expert; the experts' weights split along their second
+    /// dimension over `dp`); the batch split over both.
+    FsdpEp,
 }
 
 impl Recipe {
-    /// `ddp`, `fsdp`, `tp` or `fsdp+tp`.
+    /// `ddp`, `fsdp`, `tp`, `fsdp+tp`, `ep` or `fsdp+ep`.
     pub fn parse(s: &str) -> Result<Recipe> {
         match s {
             "ddp" => Ok(Recipe::Ddp),
             "fsdp" => Ok(Recipe::Fsdp),
             "tp" => Ok(Recipe::Tp),
             "fsdp+tp" | "tp+fsdp" => Ok(Recipe::FsdpTp),
-            _ => Err(Error::invalid("parallel", format!("unknown recipe {s:?}: expected ddp, fsdp, tp or fsdp+tp"))),
+            "ep" => Ok(Recipe::Ep),
+            "fsdp+ep" | "ep+fsdp" => Ok(Recipe::FsdpEp),
+            _ => Err(Error::invalid(
+                "parallel",
+                format!("unknown recipe {s:?}: expected ddp, fsdp, tp, fsdp+tp, ep or fsdp+ep"),
+            )),
         }
     }
 
@@ -217,17 +238,19 @@ impl Recipe {
             Recipe::Ddp | Recipe::Fsdp => &["dp"],
             Recipe::Tp => &["tp"],
             Recipe::FsdpTp => &["dp", "tp"],
+            Recipe::Ep => &["ep"],
+            Recipe::FsdpEp => &["dp", "ep"],
         }
     }
 
     /// Places `model`'s parameters on `mesh`.
-    pub fn apply<M: Module + ?Sized>(self, model: &mut M, mesh: &DeviceMesh) -> Result<()> {
+    pub fn apply(self, model: &mut LlamaForCausalLM, mesh: &DeviceMesh) -> Result<()> {
         for a in self.axes() {
             mesh.axis_size(a).map_err(|_| {
                 Error::invalid(
                     "parallel",
                     format!(
-                        "{self:?} needs a mesh axis named {a:?}, the mesh is {mesh} (e.g. --mesh dp=4 or dp=2,tp=2)"
+                        "{self:?} needs a mesh axis named {a:?}, the mesh is {mesh} (e.g. --mesh dp=4, dp=2,tp=2 or dp=2,ep=2)"
                     ),
                 )
             })?;
@@ -241,6 +264,27 @@ impl Recipe {
                 parallelize_module(model, &sub("tp")?, &llama_tp_plan())?;
                 fully_shard(model, &sub("dp")?)
             }
+            Recipe::Ep | Recipe::FsdpEp => {
+                let ep = sub("ep")?;
+                model.parallelize_experts(&ep, "ep")?;
+                if self == Recipe::Ep {
+                    // Everything but the experts replicated over `ep`.
+                    return distribute_module(model, &ep, |name, _| {
+                        vec![if is_stacked_expert(name) { Placement::Shard(0) } else { Placement::Replicate }]
+                    });
+                }
+                // FSDP over both axes; the experts' second dimension over `dp`.
+                let both = mesh.sub(&["dp", "ep"])?;
+                distribute_module(model, &both, |name, p| {
+                    if is_stacked_expert(name) {
+                        vec![Placement::Shard(1), Placement::Shard(0)]
+                    } else if p.ndim() == 0 {
+                        vec![Placement::Replicate; 2]
+                    } else {
+                        vec![Placement::Shard(0); 2]
+                    }
+                })
+            }
         }
     }
 
@@ -248,12 +292,14 @@ impl Recipe {
     pub fn place_batch(self, ids: &Tensor, mesh: &DeviceMesh) -> Result<Tensor> {
         match self {
             Recipe::Tp => ids.to_device(mesh.device()),
+            Recipe::Ep => shard_batch(ids, &mesh.sub(&["ep"])?),
+            Recipe::FsdpEp => shard_batch(ids, &mesh.sub(&["dp", "ep"])?),
             _ => shard_batch(ids, &mesh.sub(&["dp"])?),
         }
     }
 }
 
-/// A mesh from a spec like `dp=4` or `dp=2,tp=2` (axis names and sizes, row-major).
+/// A mesh from a spec like `dp=4`, `dp=2,tp=2` or `dp=2,ep=2` (axis names and sizes, row-major).
 pub fn parse_mesh(spec: &str, kind: kiln_tensor::DeviceKind) -> Result<DeviceMesh> {
     let mut names = vec![];
     let mut shape = vec![];

@@ -3,11 +3,12 @@
 //! defaults and its sparse-layer rule, refused values), a model with dense and
 //! sparse layers that transformers loads from what kiln saves and computes
 //! the same logits with, routing weights, zero gradients for experts no token
-//! chose, and shape errors.
+//! chose, shape errors, and stacked experts (the same function, saved and
+//! loaded under the Hub's per-expert names).
 mod support;
 
 use kiln::nn::io::save_safetensors;
-use kiln::nn::layers::{FeedForward, SparseMoeBlock};
+use kiln::nn::layers::{from_hub_layout, to_hub_layout, FeedForward, SparseMoeBlock};
 use kiln::nn::models::{causal_lm_loss, LlamaConfig, LlamaForCausalLM, ModelType};
 use kiln::nn::module::Module;
 use kiln::prelude::*;
@@ -115,10 +116,18 @@ fn transformers_loads_what_kiln_saves_and_computes_the_same_logits() {
         r#", "num_experts": 5, "num_experts_per_tok": 3, "norm_topk_prob": false, "decoder_sparse_step": 1,
             "mlp_only_layers": [2], "tie_word_embeddings": true, "initializer_range": 0.2"#,
     );
-    let m = LlamaForCausalLM::new(&c, DType::F32).unwrap();
+    let modules = LlamaForCausalLM::new(&c, DType::F32).unwrap();
+    let ids = Tensor::randint(0, 50, &[2, 7], DType::I64).unwrap();
+    // Stacked experts (one parameter per projection) compute what the per-expert modules do,
+    // and save under the Hub's per-expert names.
+    let mut m = modules.clone();
+    m.stack_experts().unwrap();
+    let names: Vec<String> = m.named_parameters().into_iter().map(|(n, _)| n).collect();
+    assert!(names.contains(&"model.layers.0.mlp.experts.down_proj".to_string()), "{names:?}");
+    assert!(!names.iter().any(|n| n.contains("experts.0")), "{names:?}");
+    assert_close("stacked", &m.forward(&ids, None).unwrap(), &modules.forward(&ids, None).unwrap(), 1e-6, 1e-6);
     let dir = temp_dir("moe-to-transformers");
     m.save_pretrained(&dir).unwrap();
-    let ids = Tensor::randint(0, 50, &[2, 7], DType::I64).unwrap();
     let theirs = transformers_run(&dir, &ids, None);
     let mine = m.forward(&ids, None).unwrap();
     let e = assert_close("logits vs transformers", &mine, &theirs["logits"], 2e-5, 1e-5);
@@ -232,18 +241,19 @@ fn routing_weights_and_unchosen_experts() {
     assert!((w[0] + w[1] - 1.0).abs() < 1e-6 && w[0] >= w[1], "{w:?}");
     let chosen = idx.to_vec::<i64>().unwrap();
     // The output is the chosen experts' outputs weighted by the routing weights.
-    let want = block.experts[chosen[0] as usize]
+    let experts = block.experts.modules().unwrap();
+    let want = experts[chosen[0] as usize]
         .forward(&x)
         .unwrap()
         .mul(w[0] as f64)
         .unwrap()
-        .add(&block.experts[chosen[1] as usize].forward(&x).unwrap().mul(w[1] as f64).unwrap())
+        .add(&experts[chosen[1] as usize].forward(&x).unwrap().mul(w[1] as f64).unwrap())
         .unwrap();
     let y = block.forward(&x).unwrap();
     assert_close("two experts", &y, &want, 1e-6, 1e-6);
 
     y.sum().unwrap().backward().unwrap();
-    for (e, expert) in block.experts.iter().enumerate() {
+    for (e, expert) in experts.iter().enumerate() {
         let g = expert.up_proj.weight.grad().unwrap_or_else(|| panic!("expert {e} has no gradient"));
         let nonzero = g.to_vec::<f32>().unwrap().iter().any(|&v| v != 0.0);
         assert_eq!(nonzero, chosen.contains(&(e as i64)), "expert {e}: chosen {chosen:?}");
@@ -255,10 +265,22 @@ fn routing_weights_and_unchosen_experts() {
     assert_eq!(none.shape(), &[2, 0, 16]);
     let e = block.forward(&Tensor::zeros(&[2, 15], DType::F32).unwrap()).unwrap_err().to_string();
     assert!(e.contains("expected [..., 16]"), "{e}");
-    let parts = SparseMoeBlock::from_parts(block.gate.clone(), block.experts[..5].to_vec(), 2, true);
+    let parts = SparseMoeBlock::from_parts(block.gate.clone(), experts[..5].to_vec(), 2, true);
     assert!(parts.unwrap_err().to_string().contains("the router scores 6 experts, the block has 5"));
-    let parts = SparseMoeBlock::from_parts(block.gate.clone(), block.experts.clone(), 7, true);
+    let parts = SparseMoeBlock::from_parts(block.gate.clone(), experts.to_vec(), 7, true);
     assert!(parts.unwrap_err().to_string().contains("top_k must be in 1..=6"));
+
+    // Stacked, each expert's gradient is its slice of the stacked one's.
+    let mut stacked = block.clone();
+    stacked.stack_experts().unwrap();
+    let s = stacked.experts.stacked().unwrap();
+    stacked.forward(&x).unwrap().sum().unwrap().backward().unwrap();
+    assert_close("stacked forward", &stacked.forward(&x).unwrap(), &y, 1e-6, 1e-6);
+    let g = s.up_proj.grad().unwrap();
+    for (e, expert) in experts.iter().enumerate() {
+        let want = expert.up_proj.weight.grad().unwrap();
+        assert_close(&format!("expert {e}'s stacked gradient"), &g.select(0, e as isize).unwrap(), &want, 1e-6, 1e-6);
+    }
 }
 
 #[test]
@@ -273,4 +295,34 @@ fn a_moe_model_trains() {
     let missing: Vec<String> =
         m.named_parameters().into_iter().filter(|(_, p)| p.grad().is_none()).map(|(n, _)| n).collect();
     assert!(missing.is_empty(), "parameters without a gradient: {missing:?}");
+}
+
+#[test]
+fn hub_layout_round_trips_stacked_weights() {
+    let w = Tensor::arange(0.0, 24.0, 1.0, DType::F32).unwrap().reshape(&[2, 3, 4]).unwrap();
+    let mut state = BTreeMap::new();
+    state.insert("m.layers.0.mlp.experts.up_proj".to_string(), w.clone());
+    state.insert("m.layers.0.mlp.gate.weight".to_string(), w.select(0, 0).unwrap());
+    let hub = to_hub_layout(state.clone()).unwrap();
+    let names: Vec<&str> = hub.keys().map(|k| k.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "m.layers.0.mlp.experts.0.up_proj.weight",
+            "m.layers.0.mlp.experts.1.up_proj.weight",
+            "m.layers.0.mlp.gate.weight"
+        ]
+    );
+    assert_eq!(
+        hub["m.layers.0.mlp.experts.1.up_proj.weight"].to_vec::<f32>().unwrap(),
+        (12..24).map(|v| v as f32).collect::<Vec<_>>()
+    );
+    let back = from_hub_layout(hub.clone(), &state).unwrap();
+    assert_eq!(back.len(), 2);
+    assert_eq!(back["m.layers.0.mlp.experts.up_proj"].to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+    // A missing expert is named.
+    let mut short = hub;
+    short.remove("m.layers.0.mlp.experts.1.up_proj.weight");
+    let e = from_hub_layout(short, &state).unwrap_err().to_string();
+    assert!(e.contains("m.layers.0.mlp.experts.1.up_proj.weight is missing"), "{e}");
 }

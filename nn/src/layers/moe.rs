@@ -3,7 +3,14 @@
 use super::{Linear, SwiGluMlp};
 use crate::module::{join_name, Module};
 use kiln_tensor::trace::ConstantScope;
-use kiln_tensor::{DType, Error, Result, Tensor, TensorOptions};
+use kiln_tensor::{DType, DeviceMesh, Error, Result, Tensor, TensorOptions};
+
+mod experts;
+mod parallel;
+
+pub(crate) use experts::is_stacked_expert;
+pub use experts::{from_hub_layout, to_hub_layout, Experts, StackedExperts};
+use parallel::ExpertParallel;
 
 // Note [Grouped experts]
 // ~~~~~~~~~~~~~~~~~~~~~~
@@ -12,9 +19,10 @@ use kiln_tensor::{DType, Error, Result, Tensor, TensorOptions};
 // (every slot is computed, no capacity), and every shape static (`N * top_k`
 // rows, whatever the router chose), so the same code runs eagerly on either
 // backend and traces into one program under `kiln::compile`; the group sizes
-// are data. The stacked `[E, in, out]` weights are views of the experts'
-// own `[out, in]` parameters stacked, so checkpoints keep the Hub's
-// one-tensor-per-expert layout and each expert's gradient arrives as its own.
+// are data. The products take each projection's `[E, out, in]` weights
+// transposed: the stacked parameter (Note [Stacked experts]), or the
+// experts' own `[out, in]` parameters stacked for the forward pass, so each
+// expert's gradient arrives as its own.
 // Each token's expert outputs are added in expert order, as transformers
 // adds them. Experts kept quantized have no float weight to stack: they run
 // one at a time on host-grouped rows (eager only).
@@ -26,7 +34,9 @@ use kiln_tensor::{DType, Error, Result, Tensor, TensorOptions};
 /// weighted by those probabilities.
 ///
 /// Parameters as the Hub's checkpoints name them: `gate.weight`
-/// (`[num_experts, hidden]`) and `experts.{e}.{gate,up,down}_proj.weight`.
+/// (`[num_experts, hidden]`) and `experts.{e}.{gate,up,down}_proj.weight`;
+/// after [`SparseMoeBlock::stack_experts`], `experts.{gate,up,down}_proj`
+/// (`[num_experts, out, in]`, Note [Stacked experts]).
 ///
 /// ```
 /// use kiln::prelude::*;
@@ -43,11 +53,14 @@ pub struct SparseMoeBlock {
     /// The router, `[num_experts, hidden]`, no bias.
     pub gate: Linear,
     /// The experts, each a SwiGLU MLP `hidden -> moe_intermediate -> hidden`.
-    pub experts: Vec<SwiGluMlp>,
+    pub experts: Experts,
     #[module(skip)]
     top_k: usize,
     #[module(skip)]
     norm_topk_prob: bool,
+    /// Where the experts are split (Note [Expert parallelism]).
+    #[module(skip)]
+    parallel: Option<ExpertParallel>,
 }
 
 impl SparseMoeBlock {
@@ -92,7 +105,55 @@ impl SparseMoeBlock {
         {
             return bad(format!("expert {e} does not map width {hidden} to itself"));
         }
-        Ok(SparseMoeBlock { gate, experts, top_k, norm_topk_prob })
+        Ok(SparseMoeBlock { gate, experts: Experts::Modules(experts), top_k, norm_topk_prob, parallel: None })
+    }
+
+    /// Stacks float experts' weights into one parameter per projection
+    /// (`experts.{gate,up,down}_proj`, `[num_experts, out, in]`; Note
+    /// [Stacked experts]): the same function with fewer copies, and the
+    /// layout expert parallelism splits. Each stacked weight requires grad
+    /// when the experts' did. Experts kept quantized or with biases stay as
+    /// they are (an error); stacked ones are left alone.
+    pub fn stack_experts(&mut self) -> Result<()> {
+        let Experts::Modules(modules) = &self.experts else { return Ok(()) };
+        if !self.runs_on_device() {
+            return Err(Error::invalid(
+                "stack_experts",
+                "experts kept quantized or with biases cannot be stacked into one weight per projection",
+            ));
+        }
+        let _g = kiln_autograd::no_grad();
+        let stack = |w: &dyn Fn(&SwiGluMlp) -> &Tensor| -> Result<Tensor> {
+            let ws: Vec<&Tensor> = modules.iter().map(w).collect();
+            let t = Tensor::stack(&ws, 0)?.detach();
+            if ws.first().is_some_and(|w| w.requires_grad()) {
+                t.requires_grad_(true)?;
+            }
+            Ok(t)
+        };
+        let stacked = StackedExperts {
+            gate_proj: stack(&|m| &m.gate_proj.weight)?,
+            up_proj: stack(&|m| &m.up_proj.weight)?,
+            down_proj: stack(&|m| &m.down_proj.weight)?,
+        };
+        self.experts = Experts::Stacked(stacked);
+        Ok(())
+    }
+
+    /// Splits the experts over `axis` of `mesh` (expert parallelism, Note
+    /// [Expert parallelism]): stacks them (see
+    /// [`SparseMoeBlock::stack_experts`]) and places their weights
+    /// `Shard(0)` on that axis, whole on the mesh's others; the block then
+    /// runs per device with its tokens split over every axis of the mesh.
+    /// The number of experts must be a multiple of the axis' size.
+    pub fn parallelize_experts(&mut self, mesh: &DeviceMesh, axis: &str) -> Result<()> {
+        let ep = ExpertParallel::new(mesh, axis, self.experts.len())?;
+        self.stack_experts()?;
+        let placements = ep.weight_placements();
+        let root = ep.mesh.clone();
+        crate::parallel::distribute_module(&mut self.experts, &root, |_, _| placements.clone())?;
+        self.parallel = Some(ep);
+        Ok(())
     }
 
     /// Experts per token.
@@ -142,7 +203,9 @@ impl SparseMoeBlock {
         let n = shape.iter().product::<usize>() / hidden.max(1);
         let x2 = x.reshape_to(&[n, hidden])?;
         let (logits, weights, idx) = self.route(&x2)?;
-        let out = if self.runs_on_device() {
+        let out = if let (Some(ep), Experts::Stacked(s)) = (&self.parallel, &self.experts) {
+            ep.forward(s, &x2, &weights, &idx)?
+        } else if self.runs_on_device() {
             self.grouped_experts(&x2, &weights, &idx)?
         } else {
             self.experts_one_by_one(&x2, &weights, &idx)?
@@ -155,9 +218,12 @@ impl SparseMoeBlock {
     /// quantized, which the grouped products take stacked (Note [Grouped
     /// experts]).
     pub fn runs_on_device(&self) -> bool {
-        self.experts
-            .iter()
-            .all(|m| [&m.gate_proj, &m.up_proj, &m.down_proj].iter().all(|l| !l.is_quantized() && l.bias.is_none()))
+        match &self.experts {
+            Experts::Stacked(_) => true,
+            Experts::Modules(m) => m.iter().all(|m| {
+                [&m.gate_proj, &m.up_proj, &m.down_proj].iter().all(|l| !l.is_quantized() && l.bias.is_none())
+            }),
+        }
     }
 
     /// The experts through grouped products (Note [Grouped experts]).
@@ -173,17 +239,22 @@ impl SparseMoeBlock {
         let sizes = Tensor::zeros(&[e], (DType::I64, dev))?.index_add(0, &slots, &ones)?;
         let rows = x2.index_select(0, &tokens)?;
         // `[E, in, out]`: each expert's `W.T`, stacked.
-        let stacked = |w: &dyn Fn(&SwiGluMlp) -> &Tensor| -> Result<Tensor> {
-            let ws: Vec<&Tensor> = self.experts.iter().map(w).collect();
-            Tensor::stack(&ws, 0)?.transpose(-1, -2)
+        let stacked = |w: &dyn Fn(&SwiGluMlp) -> &Tensor, p: usize| -> Result<Tensor> {
+            match &self.experts {
+                Experts::Stacked(s) => s.weights()[p].transpose(-1, -2),
+                Experts::Modules(m) => {
+                    let ws: Vec<&Tensor> = m.iter().map(w).collect();
+                    Tensor::stack(&ws, 0)?.transpose(-1, -2)
+                }
+            }
         };
-        let g = rows.grouped_mm(&stacked(&|m| &m.gate_proj.weight)?, &sizes)?;
-        let u = rows.grouped_mm(&stacked(&|m| &m.up_proj.weight)?, &sizes)?;
+        let g = rows.grouped_mm(&stacked(&|m| &m.gate_proj.weight, 0)?, &sizes)?;
+        let u = rows.grouped_mm(&stacked(&|m| &m.up_proj.weight, 1)?, &sizes)?;
         let h = match g.dtype() {
             DType::F32 | DType::F64 => g.silu_mul(&u)?,
             _ => g.silu()?.mul(&u)?,
         };
-        let y = h.grouped_mm(&stacked(&|m| &m.down_proj.weight)?, &sizes)?;
+        let y = h.grouped_mm(&stacked(&|m| &m.down_proj.weight, 2)?, &sizes)?;
         let w = weights.reshape_to(&[n * k])?.index_select(0, &order)?;
         let y = y.mul(&w.unsqueeze(-1)?)?;
         Tensor::zeros(&[n, hidden], (y.dtype(), dev))?.index_add(0, &tokens, &y)
@@ -193,6 +264,9 @@ impl SparseMoeBlock {
     /// on the host, each expert run on its gathered rows. Eager only: the
     /// routing is read back.
     fn experts_one_by_one(&self, x2: &Tensor, weights: &Tensor, idx: &Tensor) -> Result<Tensor> {
+        let Experts::Modules(experts) = &self.experts else {
+            return Err(Error::invalid("SparseMoeBlock", "stacked experts run as grouped products"));
+        };
         let (n, hidden) = (x2.shape()[0], x2.shape()[1]);
         let k = self.top_k;
         let chosen = idx.to_vec::<i64>()?;
@@ -200,11 +274,11 @@ impl SparseMoeBlock {
         let dev = x2.device();
         // Each expert's tokens and routing slots in transformers' order
         // (`torch.where(expert_mask[e])`: by top-k slot, then by token).
-        let mut groups: Vec<(Vec<i64>, Vec<i64>)> = vec![(vec![], vec![]); self.experts.len()];
+        let mut groups: Vec<(Vec<i64>, Vec<i64>)> = vec![(vec![], vec![]); experts.len()];
         for j in 0..k {
             for t in 0..n {
                 let slot = t * k + j;
-                let e = usize::try_from(chosen[slot]).ok().filter(|&e| e < self.experts.len()).ok_or_else(|| {
+                let e = usize::try_from(chosen[slot]).ok().filter(|&e| e < experts.len()).ok_or_else(|| {
                     Error::invalid("SparseMoeBlock", format!("the router chose expert {}", chosen[slot]))
                 })?;
                 groups[e].0.push(t as i64);
@@ -212,7 +286,7 @@ impl SparseMoeBlock {
             }
         }
         let mut out = Tensor::zeros(&[n, hidden], (x2.dtype(), dev))?;
-        for (expert, (tokens, slots)) in self.experts.iter().zip(groups) {
+        for (expert, (tokens, slots)) in experts.iter().zip(groups) {
             let m = tokens.len();
             let tokens = Tensor::from_vec(tokens, &[m])?.to_device(dev)?;
             let slots = Tensor::from_vec(slots, &[m])?.to_device(dev)?;
@@ -230,7 +304,7 @@ impl SparseMoeBlock {
 pub enum FeedForward {
     /// `mlp.{gate,up,down}_proj`.
     Dense(SwiGluMlp),
-    /// `mlp.gate` and `mlp.experts.{e}.*`.
+    /// `mlp.gate` and `mlp.experts.{e}.*` (or `mlp.experts.*` stacked).
     Sparse(SparseMoeBlock),
 }
 
@@ -259,17 +333,27 @@ impl FeedForward {
         }
     }
 
+    /// The sparse block, mutably, if this is one.
+    pub fn as_sparse_mut(&mut self) -> Option<&mut SparseMoeBlock> {
+        match self {
+            FeedForward::Sparse(m) => Some(m),
+            FeedForward::Dense(_) => None,
+        }
+    }
+
     /// Whether a weight of the MLP is kept quantized.
     pub fn is_quantized(&self) -> bool {
         let swiglu = |m: &SwiGluMlp| [&m.gate_proj, &m.up_proj, &m.down_proj].iter().any(|l| l.is_quantized());
         match self {
             FeedForward::Dense(m) => swiglu(m),
-            FeedForward::Sparse(b) => b.gate.is_quantized() || b.experts.iter().any(swiglu),
+            FeedForward::Sparse(b) => {
+                b.gate.is_quantized() || b.experts.modules().is_some_and(|m| m.iter().any(swiglu))
+            }
         }
     }
 
     /// Every Linear with its name under the MLP (`gate_proj`, `gate`,
-    /// `experts.3.up_proj`, ...).
+    /// `experts.3.up_proj`, ...; stacked experts are not Linears).
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
         fn swiglu<'a>(prefix: &str, m: &'a mut SwiGluMlp, out: &mut Vec<(String, &'a mut Linear)>) {
             out.push((join_name(prefix, "gate_proj"), &mut m.gate_proj));
@@ -281,7 +365,7 @@ impl FeedForward {
             FeedForward::Dense(m) => swiglu("", m, &mut out),
             FeedForward::Sparse(b) => {
                 out.push(("gate".to_string(), &mut b.gate));
-                for (e, m) in b.experts.iter_mut().enumerate() {
+                for (e, m) in b.experts.modules_mut().into_iter().flatten().enumerate() {
                     swiglu(&format!("experts.{e}"), m, &mut out);
                 }
             }

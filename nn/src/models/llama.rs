@@ -639,7 +639,8 @@ impl LlamaForCausalLM {
                  a dense checkpoint",
             ));
         }
-        save_checkpoint_dir(dir, &self.state_dict(), shard)?;
+        // The Hub's per-expert names, whatever the experts' layout (Note [Stacked experts]).
+        save_checkpoint_dir(dir, &crate::layers::to_hub_layout(self.state_dict())?, shard)?;
         let text = serde_json::to_string_pretty(&self.config.to_json(self.dtype()))
             .map_err(|e| Error::invalid("save_pretrained", e.to_string()))?;
         write_atomic(&dir.join("config.json"), |w| w.write_all(text.as_bytes()))

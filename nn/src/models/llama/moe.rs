@@ -1,12 +1,40 @@
 //! Qwen3-MoE's training loss: the router logits of a forward pass, and
 //! transformers' load-balancing loss (`load_balancing_loss_func`, Switch
 //! Transformer's auxiliary loss) added to the language-modelling loss when
-//! the configuration asks for it (`output_router_logits`).
+//! the configuration asks for it (`output_router_logits`); and the model's
+//! sparse blocks' expert layouts (stacked, split over a mesh axis).
 use super::{causal_lm_loss, LlamaForCausalLM};
+use crate::layers::SparseMoeBlock;
 use kiln_tensor::trace::ConstantScope;
-use kiln_tensor::{DType, Error, Result, Tensor};
+use kiln_tensor::{DType, DeviceMesh, Error, Result, Tensor};
 
 impl LlamaForCausalLM {
+    /// The sparse mixture-of-experts blocks, in layer order (none for a dense model).
+    pub fn sparse_blocks_mut(&mut self) -> Vec<&mut SparseMoeBlock> {
+        self.model.layers.iter_mut().filter_map(|l| l.mlp.as_sparse_mut()).collect()
+    }
+
+    /// Stacks every sparse block's experts (see [`SparseMoeBlock::stack_experts`]):
+    /// parameters `….mlp.experts.{gate,up,down}_proj`; `state_dict` and
+    /// `save_pretrained` keep the Hub's per-expert names.
+    pub fn stack_experts(&mut self) -> Result<()> {
+        self.sparse_blocks_mut().into_iter().try_for_each(|b| b.stack_experts())
+    }
+
+    /// Expert parallelism: every sparse block's experts split over `axis` of
+    /// `mesh` (see [`SparseMoeBlock::parallelize_experts`]). A dense model
+    /// has no experts to split: an error.
+    pub fn parallelize_experts(&mut self, mesh: &DeviceMesh, axis: &str) -> Result<()> {
+        let blocks = self.sparse_blocks_mut();
+        if blocks.is_empty() {
+            return Err(Error::invalid(
+                "parallelize_experts",
+                "the model has no mixture-of-experts layer: expert parallelism needs experts (use ddp or fsdp)",
+            ));
+        }
+        blocks.into_iter().try_for_each(|b| b.parallelize_experts(mesh, axis))
+    }
+
     /// Logits `[B, T, vocab]` and the router logits of every sparse layer
     /// (`[B * T, experts]` each, in layer order; none for a dense model).
     pub fn forward_with_router_logits(
