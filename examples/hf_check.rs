@@ -181,6 +181,35 @@ fn pjrt_stats(device: Device) -> Option<kiln::tpu::Stats> {
     (device.kind() == kiln::DeviceKind::Tpu).then(|| kiln::tpu::stats().ok()).flatten()
 }
 
+/// The fewest bytes a training step must exchange under expert parallelism
+/// for this batch's routing: every routing slot whose expert lives on
+/// another device along `ep` than its token sends its row there and gets the
+/// result back (forward), and the backward pass sends both gradients the
+/// other way: four rows of `hidden` elements per remote slot.
+fn least_exchange(model: &LlamaForCausalLM, ids: &Tensor, mesh: &kiln::DeviceMesh) -> Result<u64> {
+    let _g = kiln::autograd::no_grad();
+    let (_, router) = model.forward_with_router_logits(ids, None)?;
+    let cfg = model.config();
+    let k = cfg.moe.as_ref().map_or(1, |m| m.num_experts_per_tok);
+    let root = mesh.root();
+    let axis = root.axis_names().iter().position(|a| *a == "ep").unwrap_or(0);
+    let p = root.axis_size("ep")?;
+    let devices = root.devices().len();
+    let row = (cfg.hidden_size * model.dtype().size_in_bytes()) as u64;
+    let mut remote = 0u64;
+    for logits in &router {
+        let (n, e) = (logits.shape()[0], logits.shape()[1]);
+        let (_, idx) = logits.to_device(Device::Cpu)?.topk(k, -1, true, true)?;
+        // Tokens are split evenly (the last block padded) over every device in mesh order.
+        let block = n.div_ceil(devices).max(1);
+        for (slot, &expert) in idx.to_vec::<i64>()?.iter().enumerate() {
+            let home = root.coordinates((slot / k) / block)[axis];
+            remote += u64::from(expert as usize / (e / p) != home);
+        }
+    }
+    Ok(4 * remote * row)
+}
+
 /// A float32 CPU copy (never a view of the live tensor: parameters change in place).
 fn f32_cpu(t: &Tensor) -> Result<Tensor> {
     t.detach().to_dtype(DType::F32)?.to_device(Device::Cpu)?.deep_clone()
@@ -324,6 +353,14 @@ fn run(a: Args) -> Result<()> {
                     100.0 * (lookups - compiles) as f64 / lookups.max(1) as f64,
                     s1.compiles
                 );
+                if let Some((mesh, Recipe::Ep | Recipe::FsdpEp)) = &a.parallel {
+                    let sent = (s1.all_to_all_bytes - s0.all_to_all_bytes) / (a.steps - 1) as u64;
+                    let least = least_exchange(&model, &ids, mesh)?;
+                    eprintln!(
+                        "all_to_all per training step: {sent} bytes sent between devices; the routing's minimum {least} bytes ({:.2}x)",
+                        sent as f64 / least.max(1) as f64
+                    );
+                }
             }
         }
         {

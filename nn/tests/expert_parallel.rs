@@ -1,0 +1,191 @@
+//! Expert parallelism (`--parallel ep` / `fsdp+ep`) on four XLA:CPU devices:
+//! the qwen3_moe fixture reproduced with the experts split over `ep` (logits,
+//! loss, every gradient under the Hub's names, AdamW steps 1 and 10, the
+//! loss curve, greedy generation) in Strict, Debug and DeferAndFuse mode;
+//! an unseen mixture of experts (two experts per device, a token count that
+//! does not split evenly) equal to the same model on the CPU, saved from the
+//! mesh and read back; the bytes the exchange sends; and the errors.
+mod support;
+
+use kiln::nn::generate::{generate, Sampling};
+use kiln::nn::io::load_safetensors;
+use kiln::nn::layers::to_hub_layout;
+use kiln::nn::models::{causal_lm_loss, LlamaConfig, LlamaForCausalLM};
+use kiln::nn::module::Module;
+use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+use kiln::nn::parallel::{parse_mesh, Recipe};
+use kiln::prelude::*;
+use kiln::tpu::{with_mode, Mode};
+use kiln::{DeviceKind, Placement};
+use std::collections::BTreeMap;
+use support::{assert_close, check_params, fixture_dir, register_tpu, rng_lock, temp_dir, tolerance};
+
+fn four_devices() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| std::env::set_var("KILN_PJRT_CPU_DEVICES", "4"));
+    register_tpu();
+}
+
+/// Named parameters (or their gradients) under the Hub's per-expert names.
+fn hub(named: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
+    to_hub_layout(named.into_iter().collect()).unwrap().into_iter().collect()
+}
+
+fn all_to_all_bytes() -> u64 {
+    kiln::tpu::stats().unwrap().all_to_all_bytes
+}
+
+/// The qwen3_moe fixture under `recipe` on the mesh `spec`: every golden value.
+fn check_fixture(spec: &str, recipe: Recipe, steps: bool) {
+    four_devices();
+    // The tests of this binary run one at a time: one of them counts the bytes all of them send.
+    let _one = rng_lock();
+    let name = "qwen3_moe";
+    let g = load_safetensors(fixture_dir(name).join("golden.safetensors")).unwrap();
+    let mesh = parse_mesh(spec, DeviceKind::Tpu).unwrap();
+    let mut model = LlamaForCausalLM::from_pretrained(fixture_dir(name), DType::F32, mesh.device()).unwrap();
+    recipe.apply(&mut model, &mesh).unwrap();
+    let what = format!("{name} {recipe:?} on {spec}");
+    // The experts are split over "ep" (and, with FSDP, their rows over "dp").
+    let params: BTreeMap<String, Tensor> = model.named_parameters().into_iter().collect();
+    let up = &params["model.layers.1.mlp.experts.up_proj"];
+    assert_eq!(up.shape(), &[4, 48, 64]);
+    let want = match recipe {
+        Recipe::Ep => vec![Placement::Shard(0)],
+        _ => vec![Placement::Shard(1), Placement::Shard(0)],
+    };
+    assert_eq!(up.placements().unwrap(), want, "{what}");
+
+    let ids = recipe.place_batch(&g["input_ids"], &mesh).unwrap();
+    let logits = model.forward(&ids, None).unwrap();
+    let (la, lr) = tolerance(name, "logits");
+    assert_close(&format!("{what} logits"), &logits, &g["logits"], la, lr);
+    let loss = causal_lm_loss(&logits, &ids, None).unwrap();
+    let (sa, sr) = tolerance(name, "loss");
+    assert_close(&format!("{what} loss"), &loss, &g["loss"], sa, sr);
+    loss.backward().unwrap();
+    let (ga, gr) = tolerance(name, "grad");
+    let grads = model.named_parameters().into_iter().map(|(n, p)| {
+        let grad = p.grad().unwrap_or_else(|| panic!("{what}: {n} got no gradient"));
+        (n, grad)
+    });
+    let grads = hub(grads.collect());
+    assert_eq!(grads.len(), g.keys().filter(|k| k.starts_with("grad.")).count(), "{what}: every golden gradient");
+    for (n, grad) in &grads {
+        assert_close(&format!("{what} grad.{n}"), grad, &g[&format!("grad.{n}")], ga, gr);
+    }
+    if steps {
+        let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+        let mut opt = AdamW::new(model.named_parameters(), cfg).unwrap();
+        let mut curve = vec![loss.item::<f32>().unwrap()];
+        opt.step().unwrap();
+        check_params(name, &hub(model.named_parameters()), &g, "adamw_step1");
+        for _ in 1..10 {
+            opt.zero_grad();
+            let l = causal_lm_loss(&model.forward(&ids, None).unwrap(), &ids, None).unwrap();
+            l.backward().unwrap();
+            opt.step().unwrap();
+            curve.push(l.item::<f32>().unwrap());
+        }
+        let _ng = kiln::autograd::no_grad();
+        curve.push(causal_lm_loss(&model.forward(&ids, None).unwrap(), &ids, None).unwrap().item::<f32>().unwrap());
+        check_params(name, &hub(model.named_parameters()), &g, "adamw_step10");
+        let (ca, cr) = tolerance(name, "loss_curve");
+        let n = curve.len();
+        let curve = Tensor::from_vec(curve, &[n]).unwrap();
+        assert_close(&format!("{what} loss curve"), &curve, &g["loss_curve"], ca.max(5e-5), cr);
+    } else {
+        // Greedy generation from the fixture's weights (its two prompts, split over the devices).
+        let prompt = recipe.place_batch(&g["generate.prompt"], &mesh).unwrap();
+        let new = g["generate.output"].shape()[1] - prompt.shape()[1];
+        let out = generate(&model, &prompt, new, &Sampling::greedy()).unwrap();
+        assert_eq!(out.to_vec::<i64>().unwrap(), g["generate.output"].to_vec::<i64>().unwrap(), "{what}");
+    }
+}
+
+#[test]
+fn expert_parallelism_reproduces_the_fixture() {
+    check_fixture("ep=4", Recipe::Ep, true);
+    with_mode(Mode::Debug, || check_fixture("ep=4", Recipe::Ep, false));
+}
+
+#[test]
+fn fsdp_times_expert_parallelism_reproduces_the_fixture() {
+    check_fixture("dp=2,ep=2", Recipe::FsdpEp, true);
+    with_mode(Mode::Defer, || check_fixture("dp=2,ep=2", Recipe::FsdpEp, false));
+}
+
+fn unseen_config(experts: usize) -> LlamaConfig {
+    LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type": "qwen3_moe", "vocab_size": 40, "hidden_size": 24, "intermediate_size": 32,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
+            "moe_intermediate_size": 20, "num_experts": {experts}, "num_experts_per_tok": 3,
+            "norm_topk_prob": false, "mlp_only_layers": [1], "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "initializer_range": 0.3}}"#
+    ))
+    .unwrap()
+}
+
+#[test]
+fn an_unseen_mixture_of_experts_under_ep_equals_one_device_and_saves_in_the_hub_layout() {
+    four_devices();
+    let _rng = rng_lock();
+    kiln::manual_seed(11);
+    // Eight experts, three per token, two per device; one dense layer; 15 tokens on 4 devices.
+    let cfg = unseen_config(8);
+    let one = LlamaForCausalLM::new(&cfg, DType::F32).unwrap();
+    let ids = Tensor::randint(0, 40, &[3, 5], DType::I64).unwrap();
+    let mesh = parse_mesh("ep=4", DeviceKind::Tpu).unwrap();
+    let mut ep = one.clone();
+    Recipe::Ep.apply(&mut ep, &mesh).unwrap();
+
+    let want = causal_lm_loss(&one.forward(&ids, None).unwrap(), &ids, None).unwrap();
+    want.backward().unwrap();
+    let before = all_to_all_bytes();
+    let dist_ids = Recipe::Ep.place_batch(&ids, &mesh).unwrap();
+    let logits = ep.forward(&dist_ids, None).unwrap();
+    // Two sparse layers, each sending rows [4 devices, 4 tokens * 3 slots, 24] f32 and
+    // counts [4, 2] int64, three quarters of each to other devices, from every device.
+    let (rows, counts) = (4 * 12 * 24 * 4, 4 * 2 * 8);
+    assert_eq!(all_to_all_bytes() - before, (2 * 4 * (2 * rows + counts) * 3 / 4) as u64);
+    let got = causal_lm_loss(&logits, &dist_ids, None).unwrap();
+    assert_close("loss", &got, &want, 1e-5, 1e-5);
+    assert_close("logits", &logits, &one.forward(&ids, None).unwrap(), 1e-5, 1e-5);
+    got.backward().unwrap();
+    let grads = hub(ep.named_parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap())).collect());
+    let grads: BTreeMap<String, Tensor> = grads.into_iter().collect();
+    assert_eq!(grads.len(), one.named_parameters().len());
+    for (n, p) in one.named_parameters() {
+        assert_close(&format!("grad {n}"), &grads[&n], &p.grad().unwrap(), 1e-5, 1e-4);
+    }
+
+    // Saved from the mesh under the Hub's names, read back on the CPU.
+    let dir = temp_dir("ep-save");
+    ep.save_pretrained(&dir).unwrap();
+    let back = LlamaForCausalLM::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
+    assert!(back.named_parameters().iter().any(|(n, _)| n == "model.layers.2.mlp.experts.7.down_proj.weight"));
+    assert_close("reloaded", &back.forward(&ids, None).unwrap(), &one.forward(&ids, None).unwrap(), 0.0, 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn expert_parallelism_refuses_what_it_cannot_split() {
+    four_devices();
+    let _one = rng_lock();
+    let mesh = parse_mesh("ep=4", DeviceKind::Tpu).unwrap();
+    // Six experts on four devices.
+    let mut m = LlamaForCausalLM::new(&unseen_config(6), DType::F32).unwrap();
+    let e = Recipe::Ep.apply(&mut m, &mesh).unwrap_err().to_string();
+    assert!(e.contains("6 experts do not split evenly over the 4 devices of axis \"ep\""), "{e}");
+    // A dense model has no experts.
+    let mut cfg = unseen_config(8).to_json(DType::F32);
+    cfg["model_type"] = "llama".into();
+    let mut dense = LlamaForCausalLM::new(&LlamaConfig::from_json(&cfg).unwrap(), DType::F32).unwrap();
+    let e = Recipe::Ep.apply(&mut dense, &mesh).unwrap_err().to_string();
+    assert!(e.contains("no mixture-of-experts layer"), "{e}");
+    // The recipe needs its axis.
+    let dp = parse_mesh("dp=4", DeviceKind::Tpu).unwrap();
+    let mut m = LlamaForCausalLM::new(&unseen_config(8), DType::F32).unwrap();
+    let e = Recipe::Ep.apply(&mut m, &dp).unwrap_err().to_string();
+    assert!(e.contains("needs a mesh axis named \"ep\""), "{e}");
+}
