@@ -116,6 +116,8 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
     };
     let device = recipe.as_ref().map_or(a.device, |(m, _)| m.device());
     let mut model = LlamaForCausalLM::new(&cfg, (DType::F32, device))?;
+    // A mixture of experts trains with its experts stacked, as train_llama holds them.
+    model.stack_experts()?;
     model.set_mixed_precision(kiln::nn::precision::MixedPrecisionPolicy::parse(&a.precision)?)?;
     if let Some((mesh, r)) = &recipe {
         r.apply(&mut model, mesh)?;

@@ -32,14 +32,19 @@ MODEL
   --heads N            query heads [default: 4]
   --kv-heads N         key/value heads [default: 2]
   --intermediate N     MLP width [default: 192]
+  --experts N          a mixture of experts (Qwen3-MoE): N SwiGLU experts per layer instead of the
+                       MLP, each of width --moe-intermediate [default: 0, a dense Llama]
+  --experts-per-token K  experts each token is routed to [default: 2]
+  --moe-intermediate N   each expert's width [default: 96]
 RUN
   --device DEV         cpu, or tpu / tpu:N (the PJRT backend) [default: cpu]
   --mode M             the PJRT backend's mode: strict, debug or defer, or compiled (each training step
                        captured by kiln::compile into one program) [default: strict, or KILN_TPU_MODE]
   --mesh SPEC          train on a mesh of PJRT devices, e.g. dp=4 or dp=2,tp=2 (KILN_PJRT_CPU_DEVICES
                        sets the number of XLA:CPU devices); needs --device tpu and --parallel
-  --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp (a resumed run may
-                       use another mesh or recipe: its checkpoint is resharded on load)
+  --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp, or with --experts, ep
+                       (experts split over the mesh's ep axis) or fsdp+ep (e.g. --mesh dp=2,ep=2) (a
+                       resumed run may use another mesh or recipe: its checkpoint is resharded on load)
   --precision P        f32, or bf16-mixed / f16-mixed: the forward under autocast (matmuls and attention in
                        bf16, softmax, norms and the loss in f32), master weights, gradients and AdamW
                        state in f32 [default: f32]
@@ -71,6 +76,10 @@ pub struct Args {
     pub heads: usize,
     pub kv_heads: usize,
     pub intermediate: usize,
+    /// Experts per layer (0: dense), experts per token, each expert's width.
+    pub experts: usize,
+    pub experts_per_token: usize,
+    pub moe_intermediate: usize,
     pub device: Device,
     /// The whole training step captured by kiln::compile (`--mode compiled`).
     pub compiled: bool,
@@ -107,6 +116,9 @@ impl Default for Args {
             heads: 4,
             kv_heads: 2,
             intermediate: 192,
+            experts: 0,
+            experts_per_token: 2,
+            moe_intermediate: 96,
             device: Device::Cpu,
             compiled: false,
             mesh: None,
@@ -121,6 +133,10 @@ impl Default for Args {
     }
 }
 
+/// Why `--mode compiled` and expert parallelism do not go together yet.
+pub const EP_EAGER: &str = "expert parallelism runs its sparse blocks as local regions (kiln::local_map), \
+which kiln::compile cannot capture yet: use --mode strict, debug or defer with --parallel ep or fsdp+ep";
+
 pub fn arg_err(msg: impl Into<String>) -> Error {
     Error::invalid("train_llama", msg)
 }
@@ -130,7 +146,7 @@ fn parse_num<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T> {
 }
 
 /// The settings that define a run (saved in checkpoints).
-const RUN_KEYS: [&str; 17] = [
+const RUN_KEYS: [&str; 20] = [
     "data",
     "tokenizer",
     "digits",
@@ -148,7 +164,13 @@ const RUN_KEYS: [&str; 17] = [
     "heads",
     "kv-heads",
     "intermediate",
+    "experts",
+    "experts-per-token",
+    "moe-intermediate",
 ];
+
+/// Run settings added after the first checkpoints: missing from a checkpoint, they keep their defaults.
+const LATER_KEYS: [&str; 4] = ["grad-accum", "experts", "experts-per-token", "moe-intermediate"];
 
 impl Args {
     pub fn parse(argv: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
@@ -205,6 +227,9 @@ impl Args {
             "heads" => self.heads = parse_num(&flag, v)?,
             "kv-heads" => self.kv_heads = parse_num(&flag, v)?,
             "intermediate" => self.intermediate = parse_num(&flag, v)?,
+            "experts" => self.experts = parse_num(&flag, v)?,
+            "experts-per-token" => self.experts_per_token = parse_num(&flag, v)?,
+            "moe-intermediate" => self.moe_intermediate = parse_num(&flag, v)?,
             "device" => {
                 let d = Device::parse(v)?;
                 kiln::init_device(d)?; // registers the PJRT backend for tpu; a missing device fails here, naming it
@@ -248,6 +273,9 @@ impl Args {
             "heads" => self.heads.to_string(),
             "kv-heads" => self.kv_heads.to_string(),
             "intermediate" => self.intermediate.to_string(),
+            "experts" => self.experts.to_string(),
+            "experts-per-token" => self.experts_per_token.to_string(),
+            "moe-intermediate" => self.moe_intermediate.to_string(),
             _ => unreachable!("not a run setting: {key}"),
         }
     }
@@ -261,8 +289,8 @@ impl Args {
     pub fn adopt(&mut self, saved: &Value) -> Result<()> {
         for key in RUN_KEYS {
             let Some(v) = saved.get(key).and_then(Value::as_str) else {
-                if key == "grad-accum" {
-                    continue; // checkpoints from before the option: one micro-batch per step
+                if LATER_KEYS.contains(&key) {
+                    continue; // checkpoints from before the option: its default
                 }
                 return Err(arg_err(format!("the checkpoint's settings have no {key}")));
             };
@@ -298,6 +326,14 @@ impl Args {
             (Some(spec), Some(r)) => {
                 if self.device.kind() != kiln::DeviceKind::Tpu {
                     return Err(arg_err("--mesh needs --device tpu"));
+                }
+                if matches!(r, Recipe::Ep | Recipe::FsdpEp) {
+                    if self.experts == 0 {
+                        return Err(arg_err("--parallel ep splits experts: give the model some (--experts N)"));
+                    }
+                    if self.compiled {
+                        return Err(arg_err(EP_EAGER));
+                    }
                 }
                 Ok(Some((parse_mesh(spec, kiln::DeviceKind::Tpu)?, r)))
             }

@@ -12,6 +12,8 @@
 //! cargo run --release --example train_llama -- --resume          # continue the run in --out
 //! KILN_PJRT_CPU_DEVICES=4 cargo run --release --example train_llama -- \
 //!     --device tpu --mesh dp=2,tp=2 --parallel fsdp+tp             # on a mesh of 4 PJRT devices
+//! KILN_PJRT_CPU_DEVICES=4 cargo run --release --example train_llama -- \
+//!     --experts 8 --device tpu --mesh ep=4 --parallel ep            # a mixture of experts, split
 //! cargo run --release --example train_llama -- --help
 //! ```
 //!
@@ -159,6 +161,30 @@ fn addition_accuracy(
 // ---- training ---------------------------------------------------------------------------------
 
 fn model_config(args: &Args, vocab: usize) -> Result<LlamaConfig> {
+    if args.experts > 0 {
+        // Qwen3-MoE: every layer's MLP a sparse block of SwiGLU experts.
+        return LlamaConfig::from_json(&json!({
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": vocab,
+            "hidden_size": args.hidden,
+            "intermediate_size": args.intermediate,
+            "moe_intermediate_size": args.moe_intermediate,
+            "num_experts": args.experts,
+            "num_experts_per_tok": args.experts_per_token,
+            "norm_topk_prob": true,
+            "num_hidden_layers": args.layers,
+            "num_attention_heads": args.heads,
+            "num_key_value_heads": args.kv_heads,
+            "head_dim": args.hidden / args.heads.max(1),
+            "max_position_embeddings": args.seq.max(256),
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "tie_word_embeddings": false,
+        }));
+    }
     LlamaConfig::from_json(&json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -206,6 +232,9 @@ fn run(mut args: Args) -> Result<()> {
     println!("data: {}", data.description);
     let cfg = model_config(&args, data.tokenizer.vocab_size())?;
     let mut model = LlamaForCausalLM::new(&cfg, (DType::F32, args.device))?;
+    // One stacked parameter per projection of the experts, whatever the recipe,
+    // so that optimizer state resumes under any of them (checkpoints keep the Hub's names).
+    model.stack_experts()?;
     model.set_mixed_precision(args.precision)?;
     if let Some(p) = &args.precision {
         println!(
@@ -223,13 +252,20 @@ fn run(mut args: Args) -> Result<()> {
         }
     }
     model.train(true);
+    let mlp = match &cfg.moe {
+        Some(m) if m.num_experts > 0 => format!(
+            "{} experts of width {} ({} per token)",
+            m.num_experts, m.moe_intermediate_size, m.num_experts_per_tok
+        ),
+        _ => format!("MLP {}", cfg.intermediate_size),
+    };
     println!(
-        "model: Llama, {} layers, hidden {}, {} heads ({} KV), MLP {}, vocab {}: {} parameters",
+        "model: {}, {} layers, hidden {}, {} heads ({} KV), {mlp}, vocab {}: {} parameters",
+        cfg.class_name(),
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
-        cfg.intermediate_size,
         cfg.vocab_size,
         model.num_parameters()
     );
