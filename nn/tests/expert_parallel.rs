@@ -18,7 +18,9 @@ use kiln::prelude::*;
 use kiln::tpu::{with_mode, Mode};
 use kiln::{DeviceKind, Placement};
 use std::collections::BTreeMap;
-use support::{assert_close, check_params, fixture_dir, register_tpu, rng_lock, temp_dir, tolerance};
+use support::{
+    assert_close, check_logits_and_loss, check_params, fixture_dir, register_tpu, rng_lock, temp_dir, tolerance,
+};
 
 fn four_devices() {
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -57,12 +59,7 @@ fn check_fixture(spec: &str, recipe: Recipe, steps: bool) {
     assert_eq!(up.placements().unwrap(), want, "{what}");
 
     let ids = recipe.place_batch(&g["input_ids"], &mesh).unwrap();
-    let logits = model.forward(&ids, None).unwrap();
-    let (la, lr) = tolerance(name, "logits");
-    assert_close(&format!("{what} logits"), &logits, &g["logits"], la, lr);
-    let loss = causal_lm_loss(&logits, &ids, None).unwrap();
-    let (sa, sr) = tolerance(name, "loss");
-    assert_close(&format!("{what} loss"), &loss, &g["loss"], sa, sr);
+    let loss = check_logits_and_loss(&what, name, &model, &ids, &g);
     loss.backward().unwrap();
     let (ga, gr) = tolerance(name, "grad");
     let grads = model.named_parameters().into_iter().map(|(n, p)| {

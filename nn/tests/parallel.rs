@@ -18,7 +18,10 @@ use kiln::nn::parallel::{fully_shard, llama_tp_plan, parallelize_module, replica
 use kiln::prelude::*;
 use kiln::{distribute_tensor, init_device_mesh, DeviceKind, DeviceMesh, Placement};
 use std::collections::BTreeMap;
-use support::{assert_close, check_params, fixture_dir, python_with_safetensors, register_tpu, temp_dir, tolerance};
+use support::{
+    assert_close, check_logits_and_loss, check_params, fixture_dir, python_with_safetensors, register_tpu, temp_dir,
+    tolerance,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Recipe {
@@ -101,12 +104,7 @@ fn check(name: &str, recipe: Recipe, shape: &[usize], compiled: bool) {
     assert_eq!((root(q), root(o)), (wq, wo), "{recipe:?}");
 
     let what = format!("{name} {recipe:?} {shape:?} {}", if compiled { "compiled" } else { "eager" });
-    let logits = model.forward(&ids, None).unwrap();
-    let (la, lr) = tolerance(name, "logits");
-    assert_close(&format!("{what} logits"), &logits, &g["logits"], la, lr);
-    let loss = causal_lm_loss(&logits, &ids, None).unwrap();
-    let (sa, sr) = tolerance(name, "loss");
-    assert_close(&format!("{what} loss"), &loss, &g["loss"], sa, sr);
+    let loss = check_logits_and_loss(&what, name, &model, &ids, &g);
     loss.backward().unwrap();
     let (ga, gr) = tolerance(name, "grad");
     for (n, p) in model.named_parameters() {

@@ -7,6 +7,24 @@ use std::path::PathBuf;
 #[path = "../../../tests/common/pjrt_plugin.rs"]
 mod pjrt_plugin;
 
+/// The logits of `model` on `ids` and their causal-LM loss, checked against
+/// fixture `name`'s golden values (`g`) with its tolerances; returns the loss.
+pub fn check_logits_and_loss(
+    what: &str,
+    name: &str,
+    model: &kiln::nn::models::LlamaForCausalLM,
+    ids: &Tensor,
+    g: &std::collections::BTreeMap<String, Tensor>,
+) -> Tensor {
+    let logits = model.forward(ids, None).unwrap();
+    let (la, lr) = tolerance(name, "logits");
+    assert_close(&format!("{what} logits"), &logits, &g["logits"], la, lr);
+    let loss = kiln::nn::models::causal_lm_loss(&logits, ids, None).unwrap();
+    let (sa, sr) = tolerance(name, "loss");
+    assert_close(&format!("{what} loss"), &loss, &g["loss"], sa, sr);
+    loss
+}
+
 /// `shared/fixtures/<name>` (reached from the crate directory).
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures").join(name)
