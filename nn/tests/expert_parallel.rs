@@ -2,8 +2,8 @@
 //! the qwen3_moe fixture reproduced with the experts split over `ep` (logits,
 //! loss, every gradient under the Hub's names, AdamW steps 1 and 10, the
 //! loss curve, greedy generation) in Strict, Debug and DeferAndFuse mode;
-//! an unseen mixture of experts (two experts per device, a token count that
-//! does not split evenly) equal to the same model on the CPU, saved from the
+//! an unseen mixture of experts (two experts per device, token counts that
+//! do not split evenly, one token, none) equal to the same model on the CPU, saved from the
 //! mesh and read back; the bytes the exchange sends; and the errors.
 mod support;
 
@@ -155,6 +155,14 @@ fn an_unseen_mixture_of_experts_under_ep_equals_one_device_and_saves_in_the_hub_
     for (n, p) in one.named_parameters() {
         assert_close(&format!("grad {n}"), &grads[&n], &p.grad().unwrap(), 1e-5, 1e-4);
     }
+
+    // One token (three padding ones) and none, through a block alone.
+    let (mine, theirs) = (ep.model.layers[0].mlp.as_sparse().unwrap(), one.model.layers[0].mlp.as_sparse().unwrap());
+    let x = Tensor::randn(&[1, 24], DType::F32).unwrap();
+    let got = mine.forward(&x.to_device(mesh.device()).unwrap()).unwrap();
+    assert_close("one token", &got, &theirs.forward(&x).unwrap(), 1e-5, 1e-5);
+    let none = mine.forward(&Tensor::zeros(&[0, 24], (DType::F32, mesh.device())).unwrap()).unwrap();
+    assert_eq!(none.shape(), &[0, 24]);
 
     // Saved from the mesh under the Hub's names, read back on the CPU.
     let dir = temp_dir("ep-save");

@@ -77,6 +77,9 @@ impl ExpertParallel {
     /// int64) with `weights` (`[N, k]`), as Note [Expert parallelism] says.
     pub fn forward(&self, experts: &StackedExperts, x: &Tensor, weights: &Tensor, idx: &Tensor) -> Result<Tensor> {
         let n = x.shape()[0];
+        if n == 0 {
+            return Tensor::zeros(x.shape(), (x.dtype(), x.device()));
+        }
         let k = idx.shape()[1];
         let p = self.mesh.axis_size(&self.axis)?;
         let local = experts.gate_proj.shape()[0] / p;
