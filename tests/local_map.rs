@@ -1,8 +1,8 @@
 //! Local regions (`kiln::local_map`) on meshes of the XLA:CPU plugin's
 //! devices: per-device code with manual collectives, each collective against
 //! its definition computed on the CPU, in Strict, Debug and DeferAndFuse
-//! mode; gradients through regions and collectives against the same math
-//! on the CPU; and the errors.
+//! mode and traced into compiled functions; gradients through regions and
+//! collectives against the same math on the CPU; and the errors.
 mod common;
 
 use common::devices;
@@ -194,6 +194,61 @@ fn ops_that_check_their_indices_run_in_regions_and_report_any_devices_bad_index(
 }
 
 #[test]
+fn regions_trace_into_compiled_functions() {
+    let m4 = mesh(&[4], &["x"]);
+    let place = |t: &Tensor| distribute_tensor(t, &m4, &[Shard(0)]).unwrap();
+    // Per device: gather rows of its block by its indices, exchange them with
+    // all_to_all, scale; the loss's gradient flows back through the exchange.
+    let body = |b: &[Tensor]| -> kiln::Result<Vec<Tensor>> {
+        let rows = b[0].index_select(0, &b[1])?;
+        Ok(vec![all_to_all(&rows, 0, 0, "x")?.mul(2.0)?])
+    };
+    let run = |x: &Tensor, idx: &Tensor| -> kiln::Result<Vec<Tensor>> {
+        let y = local_map(body, &m4, &[vec![Shard(0)], vec![Shard(0)]], &[vec![Shard(0)]], &[x, idx])?.remove(0);
+        let loss = y.mul(&y)?.sum()?;
+        let g = kiln::autograd::grad(&[&loss], &[x], None, false, false)?.remove(0).unwrap();
+        Ok(vec![y, g])
+    };
+    // The body's host scalar (the 2.0) is one of the traced function's host values:
+    // by default every call traces again, so that a changed value reaches the program.
+    let mut c = kiln::compile(m4.device(), move |xs: &[Tensor]| run(&xs[0], &xs[1]));
+    let (x, idx) =
+        (tensor(&[16, 3], 0.1), Tensor::from_vec((0..16).map(|i| i % 4).collect::<Vec<i64>>(), &[16]).unwrap());
+    for _ in 0..2 {
+        let dx = place(&x);
+        dx.requires_grad_(true).unwrap();
+        c.call(&[dx, place(&idx)]).unwrap();
+    }
+    let s = c.stats();
+    assert_eq!((s.host_value_traces, s.replays), (2, 0), "{s:?}");
+    assert!(s.last_host_value.as_deref().unwrap_or("").contains("mul: the host scalar 2"), "{s:?}");
+    // Declared constant, it replays.
+    let mut c =
+        kiln::compile(m4.device(), move |xs: &[Tensor]| run(&xs[0], &xs[1])).host_values(kiln::HostValues::Constant);
+    for call in 0..4 {
+        let x = tensor(&[16, 3], 0.2 + call as f32);
+        let ids: Vec<i64> = (0..16).map(|i| (i * 3 + call) % 4).collect();
+        let idx = Tensor::from_vec(ids.clone(), &[16]).unwrap();
+        let (dx, didx) = (place(&x), place(&idx));
+        dx.requires_grad_(true).unwrap();
+        let got = c.call(&[dx.clone(), didx.clone()]).unwrap();
+        // The same region run eagerly.
+        let want = run(&dx, &didx).unwrap();
+        close(&format!("call {call}: the region's result"), &got[0], &want[0]);
+        close(&format!("call {call}: its gradient"), &got[1], &want[1]);
+    }
+    let s = c.stats();
+    assert_eq!((s.retraces, s.calls), (0, 4), "{s:?}");
+    assert!(s.replays >= 2, "{s:?}");
+    // A bad index on one device is still the replayed program's error.
+    let idx = Tensor::from_vec((0..16).map(|i| if i == 9 { 7 } else { i % 4 }).collect::<Vec<i64>>(), &[16]).unwrap();
+    let x = place(&tensor(&[16, 3], 0.5));
+    x.requires_grad_(true).unwrap();
+    let e = c.call(&[x, place(&idx)]).unwrap_err().to_string();
+    assert!(e.contains("out of bounds for dimension 0 with size 4"), "{e}");
+}
+
+#[test]
 fn local_regions_refuse_what_they_cannot_do() {
     let m4 = mesh(&[4], &["x"]);
     let x = tensor(&[6, 4], 0.1);
@@ -238,6 +293,13 @@ fn local_regions_refuse_what_they_cannot_do() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("wrote in place"), "{e}");
+    // A region inside a region.
+    let nested: Body = |b| {
+        let m = init_device_mesh(DeviceKind::Tpu, &[4], &["x"])?;
+        local_map(|c: &[Tensor]| Ok(c.to_vec()), &m, &[vec![Replicate]], &[vec![Replicate]], &[&b[0]])
+    };
+    let e = region(nested, &m4, &x, &[Shard(0)], &[Shard(0)]).unwrap_err().to_string();
+    assert!(e.contains("not inside another local region"), "{e}");
     // The inputs are untouched by the refused region.
     assert_eq!(x.to_vec::<f32>().unwrap(), tensor(&[8, 4], 0.1).to_vec::<f32>().unwrap());
     // A function that panics leaves nothing behind: ops afterwards run as usual.

@@ -141,6 +141,8 @@ struct Trace {
     watches: Vec<WatchRead>,
     /// The undeclared host values of the function's own code that entered the program.
     host: Vec<String>,
+    /// The bytes its local regions' `all_to_all`s send between devices per run.
+    all_to_all_bytes: u64,
 }
 
 /// The mesh of a trace over one, and each output's sharding and logical shape.
@@ -477,7 +479,17 @@ fn build(
     watches: Vec<WatchRead>,
 ) -> Result<(Trace, Signature, Vec<Arg>)> {
     let Graph {
-        builder: mut b, params, outs, out_nd, sinks: sink_storages, checks, id, device: g_device, host, ..
+        builder: mut b,
+        params,
+        outs,
+        out_nd,
+        sinks: sink_storages,
+        checks,
+        id,
+        device: g_device,
+        host,
+        all_to_all_bytes,
+        ..
     } = g;
     let mut host = host.expect("a capture graph records host values");
     let mut sources = vec![];
@@ -627,6 +639,7 @@ fn build(
         checks: checks.iter().map(|c| (c.1.clone(), c.2)).collect(),
         watches,
         host: host.undeclared,
+        all_to_all_bytes,
     };
     debug_assert_eq!(trace.out_meta.len(), n + trace.checks.len());
     Ok((trace, Signature { text, sources: kinds, constants, state_sinks }, args_bufs))
@@ -714,6 +727,7 @@ fn replay(
                 .collect::<Result<_>>()?;
             let mut bufs =
                 backend.launch_mesh(&t.exe, "a compiled function", mesh, &shards, &t.out_meta, &non_donatable)?;
+            backend.count_all_to_all(t.all_to_all_bytes);
             // Check flags are replicated: the first device's copy is read.
             let flags = bufs.split_off(t.sinks.len()).into_iter().map(|mut f| f.swap_remove(0)).collect();
             // A storage written in place keeps the mesh it was placed on.

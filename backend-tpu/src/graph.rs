@@ -223,7 +223,7 @@ impl Graph {
 impl Graph {
     /// The value of a storage's data inside the graph: an earlier output of it,
     /// or a ready buffer as a parameter (whose source, for capture, is `storage`).
-    fn value_of(&mut self, data: &PjrtBuffer, storage: &Arc<Storage>) -> Result<Val> {
+    pub(crate) fn value_of(&mut self, data: &PjrtBuffer, storage: &Arc<Storage>) -> Result<Val> {
         match data {
             PjrtBuffer::Deferred(slot) if slot.graph == self.id => Ok(self.outs[slot.index].0.clone()),
             PjrtBuffer::Deferred(slot) if is_capture_graph(slot.graph) => Err(escaped_value_error()),

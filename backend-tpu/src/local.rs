@@ -32,7 +32,8 @@ fn global_shape(local: &[usize], s: &Sharding) -> Vec<usize> {
 }
 
 impl PjrtBackend {
-    /// `Backend::local_map`.
+    /// `Backend::local_map`: run now (eagerly), or appended to the capture
+    /// graph of the function `kiln::compile` is tracing.
     pub(crate) fn run_local_map(
         &self,
         mesh: &DeviceMesh,
@@ -41,44 +42,29 @@ impl PjrtBackend {
         in_placements: &[Vec<Placement>],
         out_placements: &[Vec<Placement>],
     ) -> Result<Vec<Tensor>> {
-        if graph::is_tracing() {
-            return Err(local_err(
-                "local_map inside a function traced by kiln::compile (or inside another local_map) is not supported yet: call it outside",
-            ));
-        }
         if inputs.len() != in_placements.len() {
             return Err(local_err(format!("{} inputs and {} lists of placements", inputs.len(), in_placements.len())));
         }
+        let in_shardings = inputs
+            .iter()
+            .zip(in_placements)
+            .enumerate()
+            .map(|(i, (t, p))| input_sharding(mesh, i, t, p))
+            .collect::<Result<Vec<_>>>()?;
+        if graph::is_tracing() {
+            return self.local_map_traced(mesh, f, inputs, &in_shardings, out_placements);
+        }
         // Each input, laid out as the region wants it, with no padding.
         let mut shards: Vec<Arc<Shards>> = vec![];
-        let mut in_shardings = vec![];
-        for (i, (t, p)) in inputs.iter().zip(in_placements).enumerate() {
-            check_placements("input", i, p)?;
-            let s = Sharding::from_placements(mesh, p, t.ndim())?;
-            if s.padded_shape(t.shape()) != t.shape() {
-                return Err(Error::shape(
-                    "local_map",
-                    format!(
-                        "input {i} of shape {:?} placed {p:?} does not split into equal blocks on {mesh}: every device of a local region gets a block of one shape",
-                        t.shape()
-                    ),
-                ));
-            }
+        for (i, ((t, p), s)) in inputs.iter().zip(in_placements).zip(&in_shardings).enumerate() {
             let placed = match t.device() {
                 Device::Mesh(_) => {
-                    let tm = t.device_mesh()?;
-                    if !tm.same_root(mesh) {
-                        return Err(Error::device(
-                            "local_map",
-                            format!("input {i} is on {tm}, the region runs on {mesh}"),
-                        ));
-                    }
+                    same_root(mesh, i, t)?;
                     self.materialize(t, s.clone(), mesh.clone())?
                 }
                 _ => self.shards(&distribute_tensor(t, mesh, p)?)?,
             };
             shards.push(placed);
-            in_shardings.push(s);
         }
         // Stand-ins: the first device's blocks, on that device.
         let first = Device::Tpu(mesh.devices()[0]);
@@ -93,106 +79,36 @@ impl PjrtBackend {
             })
             .collect::<Result<_>>()?;
         self.flush(first)?;
-        // Ends the trace if `f` panics, putting back what it wrote.
-        struct Trace;
-        impl Drop for Trace {
-            fn drop(&mut self) {
-                for (w, data) in graph::end_capture().map(|g| g.saved).unwrap_or_default() {
-                    if let Some(st) = w.upgrade() {
-                        st.replace(StorageData::Device(Box::new(data)));
-                    }
-                }
-            }
-        }
-        graph::begin_capture(Graph::new_capture(first, HostValues::Constant));
-        let trace = Trace;
-        let returned = {
-            let _region = kiln_tensor::collective::enter_local_region(mesh);
-            f(&stand_ins)
-        };
-        let mut g = graph::end_capture().ok_or_else(|| local_err("the trace's graph was taken while tracing"))?;
-        drop(trace);
-        // Writes into tensors made outside are undone (the trace never runs as such), and refused.
-        let wrote_outside = !g.saved.is_empty();
-        for (w, data) in std::mem::take(&mut g.saved) {
-            if let Some(st) = w.upgrade() {
-                st.replace(StorageData::Device(Box::new(data)));
-            }
-        }
-        let returned = returned?;
-        if wrote_outside {
-            return Err(local_err(
-                "the function wrote in place into a tensor made outside it (an input): return the new value instead",
-            ));
-        }
-        if returned.len() != out_placements.len() {
-            return Err(local_err(format!(
-                "the function returned {} tensors for {} lists of output placements",
-                returned.len(),
-                out_placements.len()
-            )));
-        }
-        // The blocks the body returns: each returned view read from its storage's value.
-        let mut body_outs = vec![];
-        for (i, t) in returned.iter().enumerate() {
-            let data = graph::data_in(&t.storage().read(), t.device())?;
-            let flat = match &data {
-                PjrtBuffer::Deferred(slot) if slot.graph == g.id => g.outs[slot.index].0.clone(),
-                PjrtBuffer::Ready(b) if stand_ins.iter().any(|s| Arc::ptr_eq(s.storage(), t.storage())) => {
-                    g.param(&Arg::One(b.clone()), t.dtype(), ParamSrc::Storage(Arc::downgrade(t.storage())))?
-                }
-                _ => {
-                    return Err(local_err(format!(
-                        "output {i} is not a block computed by the function from its inputs (a tensor on {}, made outside it?)",
-                        t.device()
-                    )))
-                }
-            };
-            body_outs.push(lower::read_view(&mut g.builder, &flat, t.layout())?);
-        }
-        // Each device's checks come out as one flag per device (every axis
-        // splits them), read after the run like a single device's.
-        let checks: Vec<(Check, &'static str)> = g.checks.iter().map(|(_, c, name, _)| (c.clone(), *name)).collect();
-        let flags: Vec<Val> = g.checks.iter().map(|(v, ..)| g.builder.reshape(v, &[1])).collect();
-        let (n_outs, exchanged) = (body_outs.len(), g.all_to_all_bytes);
-        body_outs.extend(flags);
-        let mut out_placements = out_placements.to_vec();
-        out_placements.extend(checks.iter().map(|_| vec![Placement::Shard(0); mesh.ndim()]));
+        let body = trace_body(mesh, f, &stand_ins, out_placements, HostValues::Constant)?;
         // The program: the inputs' shards and the trace's constants go in, the region's results come out.
         let root = mesh.root();
         let mut b = Builder::new(&[]).0;
         let mut args: Vec<Arc<Shards>> = vec![];
         let mut operands: Vec<Val> = vec![];
         let mut op_shardings = vec![];
-        for (arg, val, src) in &g.params {
-            let input = stand_ins.iter().position(|s| {
-                let held = graph::data_in(&s.storage().read(), first).ok().and_then(|d| d.ready());
-                matches!((arg, held), (Arg::One(a), Some(b)) if Arc::ptr_eq(a, &b))
-            });
-            let s = match (input, src) {
+        for (arg, val, src) in &body.graph.params {
+            let s = match (stand_in_of(&stand_ins, arg, first), src) {
                 (Some(i), _) => shards[i].clone(),
                 (None, ParamSrc::Constant(bytes)) => self.replicated_shards(bytes, val.dtype(), val.shape(), &root)?,
-                _ => {
-                    return Err(local_err(
-                        "the function read a tensor that is not one of its inputs (made outside it): pass it among the inputs, with its placements",
-                    ))
-                }
+                _ => return Err(local_err(OUTSIDE)),
             };
             operands.push(shard_arg(&mut b, &s, val.dtype())?);
             op_shardings.push(s.sharding.clone());
             args.push(s);
         }
-        let mut out_shardings = vec![];
-        let mut out_tys = vec![];
-        for (i, (v, p)) in body_outs.iter().zip(&out_placements).enumerate() {
-            check_placements("output", i, p)?;
-            let s = Sharding::from_placements(mesh, p, v.ty.rank())?;
-            out_tys.push(Ty::new(&global_shape(v.shape(), &s), v.dtype()));
-            out_shardings.push(s);
-        }
+        let (out_shardings, out_tys) = body.out_types(mesh)?;
         let refs: Vec<&Val> = operands.iter().collect();
-        let Graph { builder: body, .. } = g;
-        let outs = lower::manual_computation(&mut b, &refs, &op_shardings, body, &body_outs, &out_shardings, &out_tys)?;
+        let Body { graph, outs: body_outs, checks, n_outs, .. } = body;
+        let exchanged = graph.all_to_all_bytes;
+        let outs = lower::manual_computation(
+            &mut b,
+            &refs,
+            &op_shardings,
+            graph.builder,
+            &body_outs,
+            &out_shardings,
+            &out_tys,
+        )?;
         let text = b.finish_sharded(&outs, &out_shardings)?;
         let meta: Vec<_> = body_outs.iter().map(|v| (v.dtype(), v.shape().to_vec())).collect();
         let mut bufs = self.run_mesh("local_map", &text, &root, &args, &meta)?;
@@ -213,4 +129,279 @@ impl PjrtBackend {
             })
             .collect()
     }
+
+    /// A local region inside a function `kiln::compile` is tracing: the body
+    /// is traced on its own (on zero stand-ins of the first device's blocks)
+    /// and appended to the capture graph as one `sdy.manual_computation`
+    /// whose operands are the inputs' values in that graph; its results are
+    /// new values of the graph, its checks the graph's checks.
+    fn local_map_traced(
+        &self,
+        mesh: &DeviceMesh,
+        f: &LocalFn<'_>,
+        inputs: &[Tensor],
+        in_shardings: &[Sharding],
+        out_placements: &[Vec<Placement>],
+    ) -> Result<Vec<Tensor>> {
+        let device = mesh.device();
+        if *mesh != mesh.root() || graph::with_capture(device, |_| ()).is_none() {
+            return Err(local_err(
+                "inside a function traced by kiln::compile, a local region runs over the whole mesh the function runs on (not a sub-mesh, not inside another local region)",
+            ));
+        }
+        for (i, t) in inputs.iter().enumerate() {
+            if !t.is_distributed() {
+                return Err(local_err(format!(
+                    "input {i} is on {}: inside kiln::compile a local region's inputs are on its mesh (distribute them first)",
+                    t.device()
+                )));
+            }
+            same_root(mesh, i, t)?;
+        }
+        // The capture graph steps aside while the body is traced (and comes back
+        // on every path out, a panic included).
+        struct Detached(Option<Graph>);
+        impl Drop for Detached {
+            fn drop(&mut self) {
+                if let Some(g) = self.0.take() {
+                    graph::begin_capture(g);
+                }
+            }
+        }
+        let outer = Detached(graph::end_capture());
+        let policy = outer.0.as_ref().and_then(|g| g.host.as_ref()).map_or(HostValues::Constant, |h| h.policy);
+        // The blocks' stand-ins: zeros uploaded to the first device (the trace reads no values).
+        let first = Device::Tpu(mesh.devices()[0]);
+        let stand_ins = inputs
+            .iter()
+            .zip(in_shardings)
+            .map(|(t, s)| Tensor::zeros(&s.shard_shape(t.shape()), t.dtype())?.to_device(first))
+            .collect::<Result<Vec<_>>>()?;
+        self.flush(first)?;
+        let body = trace_body(mesh, f, &stand_ins, out_placements, policy);
+        drop(outer);
+        let body = body?;
+        graph::with_capture(device, |g| self.append_region(g, mesh, body, &stand_ins, inputs, in_shardings, first))
+            .ok_or_else(|| local_err("the capture graph was taken while tracing"))?
+    }
+
+    /// Appends a traced body to the capture graph `g` (see `local_map_traced`).
+    #[allow(clippy::too_many_arguments)]
+    fn append_region(
+        &self,
+        g: &mut Graph,
+        mesh: &DeviceMesh,
+        body: Body,
+        stand_ins: &[Tensor],
+        inputs: &[Tensor],
+        in_shardings: &[Sharding],
+        first: Device,
+    ) -> Result<Vec<Tensor>> {
+        let device = mesh.device();
+        let mut operands: Vec<Val> = vec![];
+        let mut op_shardings = vec![];
+        for (arg, val, src) in &body.graph.params {
+            match (stand_in_of(stand_ins, arg, first), src) {
+                (Some(i), _) => {
+                    let t = &inputs[i];
+                    let data = graph::data_in(&t.storage().read(), t.device())?;
+                    let flat = g.value_of(&data, t.storage())?;
+                    let v = lower::read_view(&mut g.builder, &flat, t.layout())?;
+                    operands.push(g.builder.reshard(&v, &in_shardings[i]));
+                    op_shardings.push(in_shardings[i].clone());
+                }
+                (None, ParamSrc::Constant(bytes)) => {
+                    let (dt, shape) = (val.dtype(), val.shape().to_vec());
+                    let v = g.constant(bytes.clone(), dt, |b| self.upload_mesh_value(b, dt, device))?;
+                    let s = Sharding::replicated(mesh, shape.len());
+                    operands.push(g.builder.reshard(&v, &s));
+                    op_shardings.push(s);
+                }
+                _ => return Err(local_err(OUTSIDE)),
+            }
+        }
+        let (out_shardings, out_tys) = body.out_types(mesh)?;
+        let Body { graph: bg, outs: body_outs, checks, n_outs, undeclared, .. } = body;
+        if let Some(h) = g.host.as_mut() {
+            h.undeclared.extend(undeclared);
+        }
+        g.all_to_all_bytes += bg.all_to_all_bytes * mesh.devices().len() as u64;
+        let refs: Vec<&Val> = operands.iter().collect();
+        let outs = lower::manual_computation(
+            &mut g.builder,
+            &refs,
+            &op_shardings,
+            bg.builder,
+            &body_outs,
+            &out_shardings,
+            &out_tys,
+        )?;
+        // Each check: every device's flag, all of them true.
+        for (flags, (c, name)) in outs[n_outs..].iter().zip(checks) {
+            let all = g.builder.reduce(flags, lower::Lit::B(true), &[0], "and");
+            g.checks.push((all, c, name, vec![]));
+        }
+        outs[..n_outs]
+            .iter()
+            .zip(out_shardings)
+            .map(|(v, s)| {
+                let shape = v.shape().to_vec();
+                let n = v.ty.numel();
+                let flat = g.builder.reshape(v, &[n]);
+                let slot = g.output(flat, Some((s, shape.clone())));
+                let st = Arc::new(Storage::new(
+                    StorageData::Device(Box::new(PjrtBuffer::Deferred(slot.clone()))),
+                    v.dtype(),
+                    n,
+                    device,
+                ));
+                g.sinks[slot.index] = Arc::downgrade(&st);
+                Tensor::from_storage(st, Layout::contiguous(&shape))
+            })
+            .collect()
+    }
+}
+
+const OUTSIDE: &str =
+    "the function read a tensor that is not one of its inputs (made outside it): pass it among the inputs, with its placements";
+
+/// Input `i`'s sharding in the region, checked: Shard and Replicate only,
+/// blocks of one shape on every device.
+fn input_sharding(mesh: &DeviceMesh, i: usize, t: &Tensor, p: &[Placement]) -> Result<Sharding> {
+    check_placements("input", i, p)?;
+    let s = Sharding::from_placements(mesh, p, t.ndim())?;
+    if s.padded_shape(t.shape()) != t.shape() {
+        return Err(Error::shape(
+            "local_map",
+            format!(
+                "input {i} of shape {:?} placed {p:?} does not split into equal blocks on {mesh}: every device of a local region gets a block of one shape",
+                t.shape()
+            ),
+        ));
+    }
+    Ok(s)
+}
+
+/// Checks that input `i`, on a mesh, is on a view of the region's.
+fn same_root(mesh: &DeviceMesh, i: usize, t: &Tensor) -> Result<()> {
+    let tm = t.device_mesh()?;
+    if !tm.same_root(mesh) {
+        return Err(Error::device("local_map", format!("input {i} is on {tm}, the region runs on {mesh}")));
+    }
+    Ok(())
+}
+
+/// Which stand-in holds the buffer `arg` (a parameter of the body's trace).
+fn stand_in_of(stand_ins: &[Tensor], arg: &Arg, first: Device) -> Option<usize> {
+    stand_ins.iter().position(|s| {
+        let held = graph::data_in(&s.storage().read(), first).ok().and_then(|d| d.ready());
+        matches!((arg, held), (Arg::One(a), Some(b)) if Arc::ptr_eq(a, &b))
+    })
+}
+
+/// A region's traced body: its graph, the blocks it returns followed by one
+/// flag (`[1]`) per device-side check, and the host values it did not declare.
+struct Body {
+    graph: Graph,
+    outs: Vec<Val>,
+    checks: Vec<(Check, &'static str)>,
+    n_outs: usize,
+    undeclared: Vec<String>,
+    placements: Vec<Vec<Placement>>,
+}
+
+impl Body {
+    /// The results' shardings (the outputs', then every check's flag split
+    /// over every axis) and global types.
+    fn out_types(&self, mesh: &DeviceMesh) -> Result<(Vec<Sharding>, Vec<Ty>)> {
+        let mut shardings = vec![];
+        let mut tys = vec![];
+        for (i, (v, p)) in self.outs.iter().zip(&self.placements).enumerate() {
+            check_placements("output", i, p)?;
+            let s = Sharding::from_placements(mesh, p, v.ty.rank())?;
+            tys.push(Ty::new(&global_shape(v.shape(), &s), v.dtype()));
+            shardings.push(s);
+        }
+        Ok((shardings, tys))
+    }
+}
+
+/// Traces `f` on the stand-ins (on the mesh's first device) as a region
+/// over `mesh` (see Note [Local regions]); writes into tensors made outside
+/// are undone and refused.
+fn trace_body(
+    mesh: &DeviceMesh,
+    f: &LocalFn<'_>,
+    stand_ins: &[Tensor],
+    out_placements: &[Vec<Placement>],
+    policy: HostValues,
+) -> Result<Body> {
+    let first = Device::Tpu(mesh.devices()[0]);
+    // Ends the trace if `f` panics, putting back what it wrote.
+    struct Trace;
+    impl Drop for Trace {
+        fn drop(&mut self) {
+            for (w, data) in graph::end_capture().map(|g| g.saved).unwrap_or_default() {
+                if let Some(st) = w.upgrade() {
+                    st.replace(StorageData::Device(Box::new(data)));
+                }
+            }
+        }
+    }
+    graph::begin_capture(Graph::new_capture(first, policy));
+    let trace = Trace;
+    let returned = {
+        let _region = kiln_tensor::collective::enter_local_region(mesh);
+        f(stand_ins)
+    };
+    let mut g = graph::end_capture().ok_or_else(|| local_err("the trace's graph was taken while tracing"))?;
+    drop(trace);
+    // Writes into tensors made outside are undone (the trace never runs as such), and refused.
+    let wrote_outside = !g.saved.is_empty();
+    for (w, data) in std::mem::take(&mut g.saved) {
+        if let Some(st) = w.upgrade() {
+            st.replace(StorageData::Device(Box::new(data)));
+        }
+    }
+    let returned = returned?;
+    if wrote_outside {
+        return Err(local_err(
+            "the function wrote in place into a tensor made outside it (an input): return the new value instead",
+        ));
+    }
+    if returned.len() != out_placements.len() {
+        return Err(local_err(format!(
+            "the function returned {} tensors for {} lists of output placements",
+            returned.len(),
+            out_placements.len()
+        )));
+    }
+    // The blocks the body returns: each returned view read from its storage's value.
+    let mut outs = vec![];
+    for (i, t) in returned.iter().enumerate() {
+        let data = graph::data_in(&t.storage().read(), t.device())?;
+        let flat = match &data {
+            PjrtBuffer::Deferred(slot) if slot.graph == g.id => g.outs[slot.index].0.clone(),
+            PjrtBuffer::Ready(b) if stand_ins.iter().any(|s| Arc::ptr_eq(s.storage(), t.storage())) => {
+                g.param(&Arg::One(b.clone()), t.dtype(), ParamSrc::Storage(Arc::downgrade(t.storage())))?
+            }
+            _ => {
+                return Err(local_err(format!(
+                "output {i} is not a block computed by the function from its inputs (a tensor on {}, made outside it?)",
+                t.device()
+            )))
+            }
+        };
+        outs.push(lower::read_view(&mut g.builder, &flat, t.layout())?);
+    }
+    // Each device's checks come out as one flag per device (every axis
+    // splits them), read after the run like a single device's.
+    let checks: Vec<(Check, &'static str)> = g.checks.iter().map(|(_, c, name, _)| (c.clone(), *name)).collect();
+    let flags: Vec<Val> = g.checks.iter().map(|(v, ..)| g.builder.reshape(v, &[1])).collect();
+    let n_outs = outs.len();
+    outs.extend(flags);
+    let mut placements = out_placements.to_vec();
+    placements.extend(checks.iter().map(|_| vec![Placement::Shard(0); mesh.ndim()]));
+    let undeclared = g.host.as_mut().map(|h| std::mem::take(&mut h.undeclared)).unwrap_or_default();
+    Ok(Body { graph: g, outs, checks, n_outs, undeclared, placements })
 }

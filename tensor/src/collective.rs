@@ -16,7 +16,9 @@ use std::cell::RefCell;
 // per device on that device's block of each input, as SPMD code: kiln traces
 // `f` once on stand-ins for the blocks and runs the trace on every device of
 // the mesh as one program, the body of a Shardy `manual_computation` whose
-// operands carry `in_placements` and whose results carry `out_placements`.
+// operands carry `in_placements` and whose results carry `out_placements`
+// (inside a function `kiln::compile` traces, that computation becomes part
+// of the captured program, over the function's whole mesh).
 // Inside the body nothing is partitioned: each device computes on its block,
 // and the collectives below are the only communication, lowered to
 // StableHLO's `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all` and
