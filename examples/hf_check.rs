@@ -60,9 +60,6 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
                        resident, a dequantizing matmul; those weights get no gradient) [default: dequant]
 ";
 
-const EP_EAGER: &str = "expert parallelism runs its sparse blocks as local regions (kiln::local_map), which \
-kiln::compile cannot capture yet: use --mode strict, debug or defer with --parallel ep or fsdp+ep";
-
 struct Args {
     model: PathBuf,
     input: PathBuf,
@@ -158,9 +155,6 @@ fn parse_args() -> Args {
         (Some(spec), Some(r)) => {
             if device.kind() != kiln::DeviceKind::Tpu {
                 fail("--mesh needs --device tpu");
-            }
-            if compiled && matches!(r, Recipe::Ep | Recipe::FsdpEp) {
-                fail(EP_EAGER);
             }
             Some((parse_mesh(&spec, kiln::DeviceKind::Tpu).unwrap_or_else(|e| fail(&e.to_string())), r))
         }

@@ -133,10 +133,6 @@ impl Default for Args {
     }
 }
 
-/// Why `--mode compiled` and expert parallelism do not go together yet.
-pub const EP_EAGER: &str = "expert parallelism runs its sparse blocks as local regions (kiln::local_map), \
-which kiln::compile cannot capture yet: use --mode strict, debug or defer with --parallel ep or fsdp+ep";
-
 pub fn arg_err(msg: impl Into<String>) -> Error {
     Error::invalid("train_llama", msg)
 }
@@ -327,13 +323,8 @@ impl Args {
                 if self.device.kind() != kiln::DeviceKind::Tpu {
                     return Err(arg_err("--mesh needs --device tpu"));
                 }
-                if matches!(r, Recipe::Ep | Recipe::FsdpEp) {
-                    if self.experts == 0 {
-                        return Err(arg_err("--parallel ep splits experts: give the model some (--experts N)"));
-                    }
-                    if self.compiled {
-                        return Err(arg_err(EP_EAGER));
-                    }
+                if matches!(r, Recipe::Ep | Recipe::FsdpEp) && self.experts == 0 {
+                    return Err(arg_err("--parallel ep splits experts: give the model some (--experts N)"));
                 }
                 Ok(Some((parse_mesh(spec, kiln::DeviceKind::Tpu)?, r)))
             }

@@ -1,7 +1,8 @@
 //! Expert parallelism (`--parallel ep` / `fsdp+ep`) on four XLA:CPU devices:
 //! the qwen3_moe fixture reproduced with the experts split over `ep` (logits,
 //! loss, every gradient under the Hub's names, AdamW steps 1 and 10, the
-//! loss curve, greedy generation) in Strict, Debug and DeferAndFuse mode;
+//! loss curve, greedy generation) in Strict, Debug and DeferAndFuse mode and
+//! with the training steps captured by `kiln::compile`;
 //! an unseen mixture of experts (two experts per device, token counts that
 //! do not split evenly, one token, none) equal to the same model on the CPU, saved from the
 //! mesh and read back; the bytes the exchange sends; and the errors.
@@ -37,8 +38,19 @@ fn all_to_all_bytes() -> u64 {
     kiln::tpu::stats().unwrap().all_to_all_bytes
 }
 
+/// How `check_fixture` runs after the first gradient.
+#[derive(Clone, Copy, PartialEq)]
+enum Then {
+    /// Ten AdamW steps, eagerly.
+    Steps,
+    /// Ten AdamW steps, steps 2-10 captured by `kiln::compile`.
+    CompiledSteps,
+    /// Greedy generation.
+    Generate,
+}
+
 /// The qwen3_moe fixture under `recipe` on the mesh `spec`: every golden value.
-fn check_fixture(spec: &str, recipe: Recipe, steps: bool) {
+fn check_fixture(spec: &str, recipe: Recipe, then: Then) {
     four_devices();
     // The tests of this binary run one at a time: one of them counts the bytes all of them send.
     let _one = rng_lock();
@@ -71,18 +83,37 @@ fn check_fixture(spec: &str, recipe: Recipe, steps: bool) {
     for (n, grad) in &grads {
         assert_close(&format!("{what} grad.{n}"), grad, &g[&format!("grad.{n}")], ga, gr);
     }
-    if steps {
+    if then != Then::Generate {
         let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
         let mut opt = AdamW::new(model.named_parameters(), cfg).unwrap();
+        let compiled = then == Then::CompiledSteps;
+        opt.set_capturable(compiled).unwrap();
         let mut curve = vec![loss.item::<f32>().unwrap()];
         opt.step().unwrap();
         check_params(name, &hub(model.named_parameters()), &g, "adamw_step1");
-        for _ in 1..10 {
+        let step = |model: &LlamaForCausalLM, opt: &mut AdamW| -> kiln::Result<Tensor> {
             opt.zero_grad();
-            let l = causal_lm_loss(&model.forward(&ids, None).unwrap(), &ids, None).unwrap();
-            l.backward().unwrap();
-            opt.step().unwrap();
-            curve.push(l.item::<f32>().unwrap());
+            let l = causal_lm_loss(&model.forward(&ids, None)?, &ids, None)?;
+            l.backward()?;
+            opt.step()?;
+            Ok(l)
+        };
+        if compiled {
+            let before = all_to_all_bytes();
+            let mut c = kiln::compile(mesh.device(), |_: &[Tensor]| Ok(vec![step(&model, &mut opt)?]));
+            for _ in 1..10 {
+                curve.push(c.call(&[]).unwrap()[0].item::<f32>().unwrap());
+            }
+            let s = c.stats();
+            assert_eq!(s.retraces, 0, "{s:?}");
+            assert!(s.replays >= 7, "{what}: the step replays once stable: {s:?}");
+            // Every call's program ran its exchanges (counted per run, replays included).
+            let per_call = (all_to_all_bytes() - before) / 9;
+            assert!(per_call > 0 && (all_to_all_bytes() - before) % 9 == 0, "{per_call}");
+        } else {
+            for _ in 1..10 {
+                curve.push(step(&model, &mut opt).unwrap().item::<f32>().unwrap());
+            }
         }
         let _ng = kiln::autograd::no_grad();
         curve.push(causal_lm_loss(&model.forward(&ids, None).unwrap(), &ids, None).unwrap().item::<f32>().unwrap());
@@ -102,14 +133,16 @@ fn check_fixture(spec: &str, recipe: Recipe, steps: bool) {
 
 #[test]
 fn expert_parallelism_reproduces_the_fixture() {
-    check_fixture("ep=4", Recipe::Ep, true);
-    with_mode(Mode::Debug, || check_fixture("ep=4", Recipe::Ep, false));
+    check_fixture("ep=4", Recipe::Ep, Then::Steps);
+    check_fixture("ep=4", Recipe::Ep, Then::CompiledSteps);
+    with_mode(Mode::Debug, || check_fixture("ep=4", Recipe::Ep, Then::Generate));
 }
 
 #[test]
 fn fsdp_times_expert_parallelism_reproduces_the_fixture() {
-    check_fixture("dp=2,ep=2", Recipe::FsdpEp, true);
-    with_mode(Mode::Defer, || check_fixture("dp=2,ep=2", Recipe::FsdpEp, false));
+    check_fixture("dp=2,ep=2", Recipe::FsdpEp, Then::Steps);
+    check_fixture("dp=2,ep=2", Recipe::FsdpEp, Then::CompiledSteps);
+    with_mode(Mode::Defer, || check_fixture("dp=2,ep=2", Recipe::FsdpEp, Then::Generate));
 }
 
 fn unseen_config(experts: usize) -> LlamaConfig {
