@@ -20,7 +20,8 @@ use kiln::tpu::{with_mode, Mode};
 use kiln::{DeviceKind, Placement};
 use std::collections::BTreeMap;
 use support::{
-    assert_close, check_logits_and_loss, check_params, fixture_dir, register_tpu, rng_lock, temp_dir, tolerance,
+    assert_close, check_logits_and_loss, check_params, fixture_dir, nine_more_steps, register_tpu, rng_lock, temp_dir,
+    tolerance,
 };
 
 fn four_devices() {
@@ -91,32 +92,11 @@ fn check_fixture(spec: &str, recipe: Recipe, then: Then) {
         let mut curve = vec![loss.item::<f32>().unwrap()];
         opt.step().unwrap();
         check_params(name, &hub(model.named_parameters()), &g, "adamw_step1");
-        let step = |model: &LlamaForCausalLM, opt: &mut AdamW| -> kiln::Result<Tensor> {
-            opt.zero_grad();
-            let l = causal_lm_loss(&model.forward(&ids, None)?, &ids, None)?;
-            l.backward()?;
-            opt.step()?;
-            Ok(l)
-        };
-        if compiled {
-            let before = all_to_all_bytes();
-            let mut c = kiln::compile(mesh.device(), |_: &[Tensor]| Ok(vec![step(&model, &mut opt)?]));
-            for _ in 1..10 {
-                curve.push(c.call(&[]).unwrap()[0].item::<f32>().unwrap());
-            }
-            let s = c.stats();
-            assert_eq!(s.retraces, 0, "{s:?}");
-            assert!(s.replays >= 7, "{what}: the step replays once stable: {s:?}");
-            // Every call's program ran its exchanges (counted per run, replays included).
-            let per_call = (all_to_all_bytes() - before) / 9;
-            assert!(per_call > 0 && (all_to_all_bytes() - before) % 9 == 0, "{per_call}");
-        } else {
-            for _ in 1..10 {
-                curve.push(step(&model, &mut opt).unwrap().item::<f32>().unwrap());
-            }
-        }
-        let _ng = kiln::autograd::no_grad();
-        curve.push(causal_lm_loss(&model.forward(&ids, None).unwrap(), &ids, None).unwrap().item::<f32>().unwrap());
+        let before = all_to_all_bytes();
+        curve.extend(nine_more_steps(&what, &model, &mut opt, &ids, mesh.device(), compiled));
+        // Every step's program ran its exchanges (counted per run, replays included), and the
+        // last loss's forward its forward ones.
+        assert!(all_to_all_bytes() > before, "{what}");
         check_params(name, &hub(model.named_parameters()), &g, "adamw_step10");
         let (ca, cr) = tolerance(name, "loss_curve");
         let n = curve.len();

@@ -19,8 +19,8 @@ use kiln::prelude::*;
 use kiln::{distribute_tensor, init_device_mesh, DeviceKind, DeviceMesh, Placement};
 use std::collections::BTreeMap;
 use support::{
-    assert_close, check_logits_and_loss, check_params, fixture_dir, python_with_safetensors, register_tpu, temp_dir,
-    tolerance,
+    assert_close, check_logits_and_loss, check_params, fixture_dir, nine_more_steps, python_with_safetensors,
+    register_tpu, temp_dir, tolerance,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -131,30 +131,7 @@ fn check(name: &str, recipe: Recipe, shape: &[usize], compiled: bool) {
     check_params(name, &model.named_parameters(), &g, "adamw_step1");
     // Optimizer state and parameters keep the recipe's split.
     assert_eq!(root(&params["model.layers.0.self_attn.q_proj.weight"]), root(q));
-    let step = |model: &LlamaForCausalLM, opt: &mut AdamW| -> kiln::Result<Tensor> {
-        opt.zero_grad();
-        let l = causal_lm_loss(&model.forward(&ids, None)?, &ids, None)?;
-        l.backward()?;
-        opt.step()?;
-        Ok(l)
-    };
-    if compiled {
-        let mut c = kiln::compile(mesh.device(), |_: &[Tensor]| Ok(vec![step(&model, &mut opt)?]));
-        for _ in 1..10 {
-            curve.push(c.call(&[]).unwrap()[0].item::<f32>().unwrap());
-        }
-        let s = c.stats();
-        assert_eq!(s.retraces, 0, "{s:?}");
-        assert!(s.replays >= 7, "{what}: the step replays once stable: {s:?}");
-    } else {
-        for _ in 1..10 {
-            curve.push(step(&model, &mut opt).unwrap().item::<f32>().unwrap());
-        }
-    }
-    {
-        let _ng = kiln::autograd::no_grad();
-        curve.push(causal_lm_loss(&model.forward(&ids, None).unwrap(), &ids, None).unwrap().item::<f32>().unwrap());
-    }
+    curve.extend(nine_more_steps(&what, &model, &mut opt, &ids, mesh.device(), compiled));
     check_params(name, &model.named_parameters(), &g, "adamw_step10");
     let (ca, cr) = tolerance(name, "loss_curve");
     // As on one PJRT device (see hf_fixtures.rs): gradient elements that are

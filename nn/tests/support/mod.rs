@@ -25,6 +25,45 @@ pub fn check_logits_and_loss(
     loss
 }
 
+/// Steps 2 to 10 of the fixtures' AdamW schedule on `ids` (each step's
+/// loss), eagerly or captured by `kiln::compile` on `device` (which must
+/// replay, never retrace), then the loss after the last step.
+pub fn nine_more_steps(
+    what: &str,
+    model: &kiln::nn::models::LlamaForCausalLM,
+    opt: &mut kiln::nn::optim::AdamW,
+    ids: &Tensor,
+    device: Device,
+    compiled: bool,
+) -> Vec<f32> {
+    use kiln::nn::models::causal_lm_loss;
+    use kiln::nn::optim::Optimizer;
+    let step = |opt: &mut kiln::nn::optim::AdamW| -> kiln::Result<Tensor> {
+        opt.zero_grad();
+        let l = causal_lm_loss(&model.forward(ids, None)?, ids, None)?;
+        l.backward()?;
+        opt.step()?;
+        Ok(l)
+    };
+    let mut curve = vec![];
+    if compiled {
+        let mut c = kiln::compile(device, |_: &[Tensor]| Ok(vec![step(opt)?]));
+        for _ in 1..10 {
+            curve.push(c.call(&[]).unwrap()[0].item::<f32>().unwrap());
+        }
+        let s = c.stats();
+        assert_eq!(s.retraces, 0, "{what}: {s:?}");
+        assert!(s.replays >= 7, "{what}: the step replays once stable: {s:?}");
+    } else {
+        for _ in 1..10 {
+            curve.push(step(opt).unwrap().item::<f32>().unwrap());
+        }
+    }
+    let _ng = kiln::autograd::no_grad();
+    curve.push(causal_lm_loss(&model.forward(ids, None).unwrap(), ids, None).unwrap().item::<f32>().unwrap());
+    curve
+}
+
 /// `shared/fixtures/<name>` (reached from the crate directory).
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures").join(name)
