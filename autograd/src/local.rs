@@ -15,6 +15,10 @@ use std::sync::Arc;
 /// over named mesh axes. Gradients flow through the region: backward runs a
 /// second region that recomputes `f` and differentiates it per device.
 ///
+/// Inside a function traced by `kiln::compile`, the region becomes part of
+/// the captured program; it must then span the function's whole mesh, with
+/// inputs on that mesh.
+///
 /// Blocks must be of one shape on every device (dimensions split evenly).
 /// A `Replicate` output must really be equal on every device (after an
 /// `all_reduce`, say): kiln takes the first device's block for it, and its

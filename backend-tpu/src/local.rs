@@ -1,7 +1,9 @@
 //! Local regions on the PJRT backend (`Backend::local_map`, see Note [Local
 //! regions] in kiln-tensor's `collective.rs`): the function is traced once on
 //! stand-ins for the first device's blocks, and the trace runs on every
-//! device of the mesh as the body of one `sdy.manual_computation`.
+//! device of the mesh as the body of one `sdy.manual_computation`: a program
+//! of its own, or, inside a function `kiln::compile` traces, part of the
+//! captured program.
 use crate::backend::PjrtBackend;
 use crate::dist::{shard_arg, Shards};
 use crate::graph::{self, Arg, Graph, ParamSrc, PjrtBuffer};
