@@ -43,10 +43,15 @@ impl SwiGluMlp {
         let _c = ConstantScope::enter();
         let g = self.gate_proj.forward(x)?;
         let u = self.up_proj.forward(x)?;
-        let h = match g.dtype() {
-            DType::F32 | DType::F64 => g.silu_mul(&u)?,
-            _ => g.silu()?.mul(&u)?,
-        };
-        self.down_proj.forward(&h)
+        self.down_proj.forward(&silu_gate(&g, &u)?)
+    }
+}
+
+/// SwiGLU's gate `silu(g) * u`: one fused pass in float32 and float64; half
+/// precision rounds `silu` before the product, as transformers does.
+pub(crate) fn silu_gate(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    match g.dtype() {
+        DType::F32 | DType::F64 => g.silu_mul(u),
+        _ => g.silu()?.mul(u),
     }
 }

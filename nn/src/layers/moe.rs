@@ -1,5 +1,6 @@
 //! Qwen3-MoE's sparse mixture-of-experts block (`Qwen3MoeSparseMoeBlock`),
 //! and [`FeedForward`], a decoder layer's MLP: dense SwiGLU or sparse experts.
+use super::mlp::silu_gate;
 use super::{Linear, SwiGluMlp};
 use crate::module::{join_name, Module};
 use kiln_tensor::trace::ConstantScope;
@@ -123,19 +124,12 @@ impl SparseMoeBlock {
             ));
         }
         let _g = kiln_autograd::no_grad();
-        let stack = |w: &dyn Fn(&SwiGluMlp) -> &Tensor| -> Result<Tensor> {
-            let ws: Vec<&Tensor> = modules.iter().map(w).collect();
-            let t = Tensor::stack(&ws, 0)?.detach();
-            if ws.first().is_some_and(|w| w.requires_grad()) {
-                t.requires_grad_(true)?;
-            }
-            Ok(t)
-        };
-        let stacked = StackedExperts {
-            gate_proj: stack(&|m| &m.gate_proj.weight)?,
-            up_proj: stack(&|m| &m.up_proj.weight)?,
-            down_proj: stack(&|m| &m.down_proj.weight)?,
-        };
+        let requires_grad = modules.first().is_some_and(|m| m.gate_proj.weight.requires_grad());
+        let [gate_proj, up_proj, down_proj] = self.projection_weights()?.map(|w| w.detach());
+        for w in [&gate_proj, &up_proj, &down_proj] {
+            w.requires_grad_(requires_grad)?;
+        }
+        let stacked = StackedExperts { gate_proj, up_proj, down_proj };
         self.experts = Experts::Stacked(stacked);
         Ok(())
     }
@@ -238,26 +232,23 @@ impl SparseMoeBlock {
         let ones = Tensor::ones(&[n * k], (DType::I64, dev))?;
         let sizes = Tensor::zeros(&[e], (DType::I64, dev))?.index_add(0, &slots, &ones)?;
         let rows = x2.index_select(0, &tokens)?;
-        // `[E, in, out]`: each expert's `W.T`, stacked.
-        let stacked = |w: &dyn Fn(&SwiGluMlp) -> &Tensor, p: usize| -> Result<Tensor> {
-            match &self.experts {
-                Experts::Stacked(s) => s.weights()[p].transpose(-1, -2),
-                Experts::Modules(m) => {
-                    let ws: Vec<&Tensor> = m.iter().map(w).collect();
-                    Tensor::stack(&ws, 0)?.transpose(-1, -2)
-                }
-            }
-        };
-        let g = rows.grouped_mm(&stacked(&|m| &m.gate_proj.weight, 0)?, &sizes)?;
-        let u = rows.grouped_mm(&stacked(&|m| &m.up_proj.weight, 1)?, &sizes)?;
-        let h = match g.dtype() {
-            DType::F32 | DType::F64 => g.silu_mul(&u)?,
-            _ => g.silu()?.mul(&u)?,
-        };
-        let y = h.grouped_mm(&stacked(&|m| &m.down_proj.weight, 2)?, &sizes)?;
+        let [g, u, d] = self.projection_weights()?;
+        let y = grouped_swiglu(&rows, [&g, &u, &d], &sizes)?;
         let w = weights.reshape_to(&[n * k])?.index_select(0, &order)?;
         let y = y.mul(&w.unsqueeze(-1)?)?;
         Tensor::zeros(&[n, hidden], (y.dtype(), dev))?.index_add(0, &tokens, &y)
+    }
+
+    /// Each projection's `[E, out, in]` weights: the stacked parameters, or
+    /// the experts' own stacked (a copy, through which gradients reach them).
+    fn projection_weights(&self) -> Result<[Tensor; 3]> {
+        match &self.experts {
+            Experts::Stacked(s) => Ok(s.weights().map(|w| w.clone())),
+            Experts::Modules(m) => {
+                let stack = |w: fn(&SwiGluMlp) -> &Tensor| Tensor::stack(&m.iter().map(w).collect::<Vec<_>>(), 0);
+                Ok([stack(|m| &m.gate_proj.weight)?, stack(|m| &m.up_proj.weight)?, stack(|m| &m.down_proj.weight)?])
+            }
+        }
     }
 
     /// Experts kept quantized (or with biases) one at a time: tokens grouped
@@ -296,6 +287,16 @@ impl SparseMoeBlock {
         }
         Ok(out)
     }
+}
+
+/// The experts' SwiGLU on `rows` grouped by expert (`sizes`, Note [Grouped
+/// experts]): three grouped products with each projection's `[E, out, in]`
+/// weights; rows past the last group give zeros.
+fn grouped_swiglu(rows: &Tensor, w: [&Tensor; 3], sizes: &Tensor) -> Result<Tensor> {
+    let [wg, wu, wd] = w;
+    let g = rows.grouped_mm(&wg.transpose(-1, -2)?, sizes)?;
+    let u = rows.grouped_mm(&wu.transpose(-1, -2)?, sizes)?;
+    silu_gate(&g, &u)?.grouped_mm(&wd.transpose(-1, -2)?, sizes)
 }
 
 /// A decoder layer's MLP: Llama's and Qwen3's dense SwiGLU, or Qwen3-MoE's

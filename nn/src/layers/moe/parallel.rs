@@ -155,14 +155,7 @@ fn exchange(
     let (_, by_expert) = key.reshape_to(&[p * cap])?.sort_stable(0, false)?;
     let rows = recv.reshape_to(&[p * cap, hidden])?.index_select(0, &by_expert)?;
     let sizes = got.sum_dim(0, false)?;
-    let [wg, wu, wd] = w;
-    let g = rows.grouped_mm(&wg.transpose(-1, -2)?, &sizes)?;
-    let u = rows.grouped_mm(&wu.transpose(-1, -2)?, &sizes)?;
-    let h = match g.dtype() {
-        DType::F32 | DType::F64 => g.silu_mul(&u)?,
-        _ => g.silu()?.mul(&u)?,
-    };
-    let y = h.grouped_mm(&wd.transpose(-1, -2)?, &sizes)?;
+    let y = super::grouped_swiglu(&rows, w, &sizes)?;
     // 4. Back in received order, back to the tokens' devices, into the tokens.
     let back = Tensor::zeros(&[p * cap, hidden], (y.dtype(), dev))?.index_add(0, &by_expert, &y)?;
     let back = all_to_all(&back.reshape_to(&[p, cap, hidden])?, 0, 0, axis)?;
