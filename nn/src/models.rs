@@ -7,5 +7,5 @@ mod llama;
 pub use config::{LlamaConfig, ModelType, MoeConfig};
 pub use llama::{
     causal_lm_loss, load_balancing_loss, DecoderLayer, KvCache, LlamaForCausalLM, LlamaModel, PretrainedOptions,
-    QuantizedLoad,
+    QuantizedLoad, ResidualNorm, ResidualNormFn,
 };

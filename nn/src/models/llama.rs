@@ -13,6 +13,7 @@ use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::Arc;
 
 /// How a parameter starts when a model is built from scratch.
 #[derive(Debug, Clone, Copy)]
@@ -79,6 +80,27 @@ pub struct DecoderLayer {
     pub post_attention_layernorm: RmsNorm,
     /// The MLP: dense SwiGLU, or sparse experts in Qwen3-MoE's sparse layers.
     pub mlp: FeedForward,
+    /// A fused residual add and post-attention norm replacing the block's two
+    /// ops (none: the built-in ones).
+    #[module(skip)]
+    pub residual_norm: Option<ResidualNorm>,
+}
+
+/// A fused residual add and RMS normalisation for the decoder block, such as
+/// a custom op ([`kiln_tensor::CustomOp`]): given the block's input `x`, the
+/// attention's output `a` and the post-attention norm, returns `(x + a,
+/// norm(x + a))`. Set it on every layer with
+/// [`LlamaForCausalLM::set_residual_norm`].
+#[derive(Clone)]
+pub struct ResidualNorm(pub ResidualNormFn);
+
+/// The function a [`ResidualNorm`] holds.
+pub type ResidualNormFn = Arc<dyn Fn(&Tensor, &Tensor, &RmsNorm) -> Result<(Tensor, Tensor)> + Send + Sync>;
+
+impl std::fmt::Debug for ResidualNorm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ResidualNorm(..)")
+    }
 }
 
 impl DecoderLayer {
@@ -129,7 +151,7 @@ impl DecoderLayer {
             }
             None => FeedForward::Dense(swiglu(src, &mp, i, cfg.mlp_bias)?),
         };
-        Ok(DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp })
+        Ok(DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp, residual_norm: None })
     }
 
     /// The block on `x: [B, T, hidden]` (see [`Attention::forward`] for the rest);
@@ -143,6 +165,17 @@ impl DecoderLayer {
         acts: Option<(&mut BTreeMap<String, Tensor>, usize)>,
     ) -> Result<Tensor> {
         self.forward_taps(x, rope, mask, cache, acts, None)
+    }
+
+    /// `(x + a, post_attention_layernorm(x + a))`, through the layer's
+    /// [`ResidualNorm`] when it has one.
+    pub(crate) fn add_and_norm(&self, x: &Tensor, a: &Tensor) -> Result<(Tensor, Tensor)> {
+        if let Some(f) = &self.residual_norm {
+            return (f.0)(x, a, &self.post_attention_layernorm);
+        }
+        let x1 = x.add(a)?;
+        let h2 = self.post_attention_layernorm.forward(&x1)?;
+        Ok((x1, h2))
     }
 
     /// [`DecoderLayer::forward`], also appending a sparse MLP's router
@@ -159,8 +192,7 @@ impl DecoderLayer {
         let _c = ConstantScope::enter();
         let h = self.input_layernorm.forward(x)?;
         let a = self.self_attn.forward(&h, rope, mask, cache)?;
-        let x1 = x.add(&a)?;
-        let h2 = self.post_attention_layernorm.forward(&x1)?;
+        let (x1, h2) = self.add_and_norm(x, &a)?;
         let m = match (&self.mlp, router) {
             (FeedForward::Sparse(b), Some(r)) => {
                 let (m, logits) = b.forward_with_router_logits(&h2)?;
@@ -419,6 +451,16 @@ impl LlamaForCausalLM {
             Some(linear(src, "lm_head", cfg.vocab_size, cfg.hidden_size, false)?)
         };
         Ok(LlamaForCausalLM { model, lm_head, config: cfg.clone(), mixed_precision: None })
+    }
+
+    /// Every decoder layer adds its residual and applies its post-attention
+    /// norm through `f` (a fused op, such as a custom op); `None` restores
+    /// the built-in ops. `f` must compute what they compute: the fixtures'
+    /// and checkpoints' numbers rest on it.
+    pub fn set_residual_norm(&mut self, f: Option<ResidualNorm>) {
+        for layer in &mut self.model.layers {
+            layer.residual_norm = f.clone();
+        }
     }
 
     /// A randomly initialised model for training from scratch, drawn from the

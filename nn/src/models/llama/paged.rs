@@ -98,8 +98,7 @@ impl LlamaForCausalLM {
 fn layer_paged(layer: &DecoderLayer, x: &Tensor, step: &Step<'_>, cache: &PagedKvCache, i: usize) -> Result<Tensor> {
     let h = layer.input_layernorm.forward(x)?;
     let a = attention_paged(&layer.self_attn, &h, step, cache, i)?;
-    let x1 = x.add(&a)?;
-    let h2 = layer.post_attention_layernorm.forward(&x1)?;
+    let (x1, h2) = layer.add_and_norm(x, &a)?;
     x1.add(&layer.mlp.forward(&h2)?)
 }
 
