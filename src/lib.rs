@@ -25,8 +25,9 @@ pub use kiln_nn as nn;
 pub use kiln_tensor as tensor;
 pub use kiln_tensor::{
     constant, default_generator, distribute_tensor, init_device_mesh, is_grad_enabled, manual_seed, register_backend,
-    registered_devices, set_grad_enabled, Backend, DType, Device, DeviceKind, DeviceMesh, Error, Generator, HostScalar,
-    Layout, Op, Operand, PartialOp, Placement, Result, Scalar, Tensor, TensorOptions,
+    registered_devices, set_grad_enabled, Backend, CustomOp, DType, Device, DeviceKind, DeviceMesh, Error, Generator,
+    HostBuffer, HostElement, HostInput, HostScalar, Layout, Lowering, Meta, Op, Operand, PartialOp, Placement, Result,
+    Scalar, Tensor, TensorOptions,
 };
 pub use kiln_tpu as tpu;
 

@@ -101,6 +101,9 @@ fn transpose_last(t: &Tensor) -> Result<Tensor> {
 pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
     let n = ctx.edges.len();
     let mut out: Vec<Option<Tensor>> = vec![None; n];
+    if let Op::Custom(c) = ctx.op {
+        return custom_backward(ctx, c, grads);
+    }
     let g = match grads.first() {
         Some(Some(g)) => g.clone(),
         // Only attention's log-sum-exp output got a gradient: `out`'s is zero.
@@ -591,6 +594,8 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                 "paged attention has no gradient (it serves inference)",
             ));
         }
+        // Answered before the gradient of the first output is looked at.
+        Op::Custom(_) => {}
         // A collective's adjoint carries the gradient back (Note [Local regions]).
         Op::Collective(c) => {
             if ctx.needs(0) {
@@ -599,6 +604,23 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
         }
     }
     Ok(out)
+}
+
+/// A custom op applied through `Tensor::apply` (not `Tensor::apply_custom`,
+/// which keeps its outputs): the outputs are recomputed from the saved
+/// inputs, then the op's own gradient runs (Note [Custom ops]).
+fn custom_backward(
+    ctx: &Ctx<'_>,
+    c: &kiln_tensor::custom::CustomOpRef,
+    grads: &[Option<Tensor>],
+) -> Result<Vec<Option<Tensor>>> {
+    let inputs = (0..ctx.edges.len()).map(|i| ctx.saved(i).cloned()).collect::<Result<Vec<_>>>()?;
+    let outputs = {
+        let _off = kiln_tensor::GradModeGuard::set(false);
+        Tensor::apply(ctx.op.clone(), &inputs.iter().collect::<Vec<_>>())?.into_vec()
+    };
+    let needed: Vec<bool> = ctx.edges.iter().map(|e| e.requires_grad).collect();
+    c.gradients(&inputs, &outputs, grads, &needed)
 }
 
 /// The gradient of `softmax` / `log_softmax` along `dim`, from the input `x`.

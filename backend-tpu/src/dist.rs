@@ -200,7 +200,7 @@ pub(crate) fn constrain(
     // a scatter that replaces (XLA aborts on it) and the NaN-aware max and
     // min (an "unsupported reduction computation"). Their inputs get the
     // sharding they need spelled out even when `view` says they already have
-    // it: a view of part of a split storage carries whatever sharding the
+    // it (a custom op's function sees whole tensors): a view of part of a split storage carries whatever sharding the
     // partitioner propagates through the slicing (a split row sliced out
     // stays split), not `view`. Other ops take a view as it comes.
     let l = t.layout();
@@ -213,6 +213,7 @@ pub(crate) fn constrain(
             | Op::ArgReduce { .. }
             | Op::LogSumExp { .. }
             | Op::Softmax { .. }
+            | Op::Custom(_)
     );
     if need == view && (whole || !unsplittable) {
         (v, need)

@@ -102,6 +102,13 @@ pub struct Meta {
     pub dtype: DType,
 }
 
+impl Meta {
+    /// The meta of a tensor of `shape` and `dtype`.
+    pub fn new(shape: &[usize], dtype: DType) -> Meta {
+        Meta { shape: shape.into(), dtype }
+    }
+}
+
 /// A backend executes primitive ops on its devices. View ops never reach it:
 /// they are `Layout` transforms, so every backend reads strided inputs
 /// (`Tensor::layout()` over `Tensor::storage()`).

@@ -33,6 +33,24 @@ pub enum Category {
 }
 
 impl DType {
+    /// The MLIR element type (bool is `i1`, uint8 `ui8`, float8 `f8E4M3FN` / `f8E5M2`).
+    pub fn mlir_name(self) -> &'static str {
+        match self {
+            DType::Bool => "i1",
+            DType::U8 => "ui8",
+            DType::I8 => "i8",
+            DType::I16 => "i16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F8E5M2 => "f8E5M2",
+            DType::F8E4M3FN => "f8E4M3FN",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        }
+    }
+
     /// Every dtype, in promotion-lattice order.
     pub const ALL: [DType; 12] = [
         DType::Bool,

@@ -21,6 +21,7 @@ pub mod collective;
 mod composite;
 mod convert;
 mod create;
+pub mod custom;
 pub mod device;
 mod display;
 mod distributed;
@@ -55,6 +56,7 @@ pub use autocast::{autocast, autocast_dtype, AutocastGuard};
 pub use composite::{rms_norm_grads, CrossEntropy, Reduction};
 pub use convert::{reading_via, TensorData};
 pub use create::TensorOptions;
+pub use custom::{CustomOp, HostInput, Lowering};
 pub use device::{
     backend_for, capture, check_assign, is_registered, register_backend, registered_devices, Backend, CaptureFn,
     Captured, Device, DeviceKind, LocalFn, Meta,

@@ -502,6 +502,9 @@ pub enum Op {
     PagedAttention {
         scale: f64,
     },
+    /// An op defined outside kiln through [`crate::CustomOp`] (Note [Custom
+    /// ops] in `custom.rs`): its inputs, outputs and homes are its own.
+    Custom(crate::custom::CustomOpRef),
 }
 
 impl Op {
@@ -554,10 +557,11 @@ impl Op {
             Op::Dequantize(_) => "dequantize",
             Op::QuantMatMul(_) => "quant_matmul",
             Op::PagedAttention { .. } => "paged_attention",
+            Op::Custom(c) => c.name(),
         }
     }
 
-    /// Number of inputs the op takes (`None`: any number, for `Cat`).
+    /// Number of inputs the op takes (`None`: any number, for `Cat` and custom ops).
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
             Op::Full { .. } | Op::Arange { .. } => 0,
@@ -572,14 +576,15 @@ impl Op {
             Op::RmsNormBackward { .. } => 4,
             Op::Attention { .. } | Op::Rotary | Op::CrossEntropyBackward { .. } => 3,
             Op::AttentionBackward { .. } | Op::PagedAttention { .. } => 6,
-            Op::Cat { .. } => return None,
+            Op::Cat { .. } | Op::Custom(_) => return None,
         })
     }
 
     /// Whether the op accepts float8 inputs: casts, pure data movement
-    /// (copies, views, concatenation, selection, writes) and the quantized
-    /// weight ops, which decode float8 codes and scales. Anything else that
-    /// computes with the values refuses them, as PyTorch's float8 does.
+    /// (copies, views, concatenation, selection, writes), the quantized
+    /// weight ops, which decode float8 codes and scales, and custom ops, whose
+    /// own `infer` decides. Anything else that computes with the values
+    /// refuses them, as PyTorch's float8 does.
     pub fn moves_float8(&self) -> bool {
         matches!(
             self,
@@ -592,6 +597,7 @@ impl Op {
                 | Op::Gather { .. }
                 | Op::Dequantize(_)
                 | Op::QuantMatMul(_)
+                | Op::Custom(_)
         )
     }
 }

@@ -37,25 +37,11 @@ mod tests;
 pub(crate) use copy::{assign, materialize};
 pub(crate) use index::nonzero;
 
-use kiln_tensor::{DType, Error, HostBuffer, HostElement, Layout, Meta, Op, Result};
+use kiln_tensor::{Error, HostBuffer, HostElement, Layout, Meta, Op, Result};
 
-/// A read-only strided input: a host buffer and the layout viewing it.
-#[derive(Clone, Copy)]
-pub(crate) struct Input<'a> {
-    pub buf: &'a HostBuffer,
-    pub layout: &'a Layout,
-}
-
-impl<'a> Input<'a> {
-    pub fn dtype(&self) -> DType {
-        self.buf.dtype()
-    }
-    /// The typed storage (the whole buffer; index it through `layout`).
-    pub fn slice<T: HostElement>(&self) -> Result<&'a [T]> {
-        T::slice(self.buf)
-            .ok_or_else(|| Error::backend("cpu", format!("expected a {} buffer, got {}", T::DTYPE, self.buf.dtype())))
-    }
-}
+/// A read-only strided input: a host buffer and the layout viewing it (the
+/// type custom ops' CPU kernels receive).
+pub(crate) use kiln_tensor::HostInput as Input;
 
 /// Runs one primitive on strided inputs, returning one contiguous buffer per output.
 pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<HostBuffer>> {
@@ -97,6 +83,7 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
         Op::Attention { scale, causal } => attention::forward(ins, *scale, *causal)?,
         Op::AttentionBackward { scale, causal } => attention::backward(ins, *scale, *causal)?,
         Op::PagedAttention { scale } => vec![paged::paged_attention(ins, *scale)?],
+        Op::Custom(c) => c.cpu(ins, outs)?,
         Op::Cat { dim } => vec![copy::cat(ins, *dim, out(0)?)?],
         Op::Gather { dim } => vec![index::gather(&ins[0], &ins[1], *dim)?],
         Op::Scatter { dim, reduce } => vec![index::scatter(&ins[0], &ins[1], &ins[2], *dim, *reduce)?],
@@ -128,7 +115,12 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
             ))
         }
     };
-    debug_assert_eq!(bufs.len(), outs.len(), "{name}: output count");
+    if bufs.len() != outs.len() {
+        return Err(Error::backend(
+            "cpu",
+            format!("{name}: kernel produced {} outputs, {} expected", bufs.len(), outs.len()),
+        ));
+    }
     for (b, m) in bufs.iter().zip(outs) {
         if b.dtype() != m.dtype || b.len() != kiln_tensor::numel(&m.shape) {
             return Err(Error::backend(

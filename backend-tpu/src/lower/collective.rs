@@ -79,7 +79,7 @@ pub fn manual_computation(
     b: &mut Builder,
     operands: &[&Val],
     in_shardings: &[Sharding],
-    body: Builder,
+    mut body: Builder,
     body_outs: &[Val],
     out_shardings: &[Sharding],
     out_tys: &[Ty],
@@ -90,6 +90,7 @@ pub fn manual_computation(
     if body.args.len() != operands.len() || in_shardings.len() != operands.len() {
         return Err(Error::backend("pjrt", "a local region's arguments do not match its operands"));
     }
+    b.take_funcs(&mut body);
     // The body's names get their own prefix, so they cannot meet the program's.
     let rename = |s: &str| s.replace("%v", "%lv").replace("%a", "%la");
     let mut region = String::new();

@@ -5,6 +5,7 @@
 //! [`read_module`] and [`assign_module`] assemble whole programs. Nothing here
 //! needs a device, so every lowering has golden-text tests.
 mod collective;
+mod custom;
 mod grouped;
 mod ops;
 mod paged;
@@ -40,34 +41,10 @@ impl Ty {
     }
     /// `tensor<2x3xf32>`.
     pub fn mlir(&self) -> String {
-        let mut s = String::from("tensor<");
-        for d in &self.shape {
-            let _ = write!(s, "{d}x");
-        }
-        s.push_str(elem_type(self.dtype));
-        s.push('>');
-        s
+        kiln_tensor::custom::mlir_type(&self.shape, self.dtype)
     }
     pub fn with_dtype(&self, dtype: DType) -> Ty {
         Ty { shape: self.shape.clone(), dtype }
-    }
-}
-
-/// The MLIR element type of a dtype (bool is `i1`, uint8 `ui8`).
-pub fn elem_type(d: DType) -> &'static str {
-    match d {
-        DType::Bool => "i1",
-        DType::U8 => "ui8",
-        DType::I8 => "i8",
-        DType::I16 => "i16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::F8E5M2 => "f8E5M2",
-        DType::F8E4M3FN => "f8E4M3FN",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F32 => "f32",
-        DType::F64 => "f64",
     }
 }
 
@@ -235,12 +212,22 @@ pub struct Builder {
     arg_shardings: Vec<Option<Sharding>>,
     /// `(argument, output)` pairs: the argument's buffer is donated to the output.
     aliases: Vec<(usize, usize)>,
+    /// Private functions of the module (custom ops' lowerings): symbol, then
+    /// signature and body.
+    funcs: Vec<(String, String)>,
 }
 
 impl Builder {
     /// A builder for a function of the given argument types, and the arguments as values.
     pub fn new(args: &[Ty]) -> (Builder, Vec<Val>) {
-        let mut b = Builder { body: String::new(), next: 0, args: vec![], arg_shardings: vec![], aliases: vec![] };
+        let mut b = Builder {
+            body: String::new(),
+            next: 0,
+            args: vec![],
+            arg_shardings: vec![],
+            aliases: vec![],
+            funcs: vec![],
+        };
         let vals = args.iter().map(|t| b.add_arg(t.clone())).collect();
         (b, vals)
     }
@@ -333,6 +320,21 @@ impl Builder {
         self.op("sdy.sharding_constraint", &[x], &attrs, x.ty.clone())
     }
 
+    /// Adds the private function `@sym` (its signature and body in `text`)
+    /// to the module, once.
+    pub fn add_func(&mut self, sym: &str, text: &str) {
+        if !self.funcs.iter().any(|(s, _)| s == sym) {
+            self.funcs.push((sym.to_string(), text.to_string()));
+        }
+    }
+
+    /// Takes the private functions of `other` (a region's body) into this module.
+    pub fn take_funcs(&mut self, other: &mut Builder) {
+        for (sym, text) in std::mem::take(&mut other.funcs) {
+            self.add_func(&sym, &text);
+        }
+    }
+
     /// Donates argument `arg`'s buffer to output `out` (same type): the program
     /// may write the output in place (`tf.aliasing_output`), and the caller must
     /// not use the argument's buffer afterwards.
@@ -419,8 +421,10 @@ impl Builder {
             None => (1, String::new()),
             Some(m) => (m.devices().len(), format!("  {}\n", shard::mesh_decl(m))),
         };
+        let funcs: String =
+            self.funcs.iter().map(|(sym, text)| format!("  func.func private @{sym}{text}\n")).collect();
         Ok(format!(
-            "module @kiln attributes {{mhlo.num_partitions = {partitions} : i32, mhlo.num_replicas = 1 : i32}} {{\n{decl}  func.func public @main({}) -> ({}) {{\n{}    \"func.return\"({}) : ({}) -> ()\n  }}\n}}\n",
+            "module @kiln attributes {{mhlo.num_partitions = {partitions} : i32, mhlo.num_replicas = 1 : i32}} {{\n{decl}  func.func public @main({}) -> ({}) {{\n{}    \"func.return\"({}) : ({}) -> ()\n  }}\n{funcs}}}\n",
             args.join(", "),
             results.join(", "),
             body,

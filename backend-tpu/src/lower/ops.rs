@@ -56,6 +56,7 @@ pub fn lower_op(b: &mut Builder, op: &Op, x: &[Val], outs: &[Meta]) -> Result<Lo
     let out = |i: usize| -> Ty { Ty::new(&outs[i].shape, outs[i].dtype) };
     let one = |v: Val| -> Result<Lowered> { Ok((vec![v], vec![])) };
     match op {
+        Op::Custom(c) => super::custom::lower(b, c, x, outs),
         Op::Full { shape, value, dtype } => {
             let lit = match *value {
                 Scalar::Bool(v) => Lit::B(v),

@@ -435,8 +435,24 @@ impl Client {
         a.program = &p;
         a.compile_options = opts.as_ptr() as *const _;
         a.compile_options_size = opts.len();
-        self.api.call("Client_Compile", self.api.t().client_compile, &mut a)?;
+        self.api.call("Client_Compile", self.api.t().client_compile, &mut a).map_err(|e| custom_context(e, mlir))?;
         Executable::own(self, a.executable)
+    }
+}
+
+/// A compile error of a program holding custom ops' lowerings (Note [Custom
+/// ops]) names them: their text was written outside kiln.
+fn custom_context(e: Error, mlir: &str) -> Error {
+    const MARK: &str = "func.func private @kiln_custom_";
+    let ops: Vec<&str> =
+        mlir.match_indices(MARK).filter_map(|(i, _)| mlir[i + MARK.len()..].split('(').next()).collect();
+    if ops.is_empty() {
+        return e;
+    }
+    let note = format!(" (the program calls the StableHLO lowerings of custom ops: {})", ops.join(", "));
+    match e {
+        Error::Backend { backend, msg } => Error::Backend { backend, msg: msg + &note },
+        e => e,
     }
 }
 

@@ -436,6 +436,7 @@ impl Op {
                 smallvec![meta(&x.shape, dt)]
             }
             Op::PagedAttention { .. } => crate::paged::paged_attention_meta(inputs)?,
+            Op::Custom(c) => c.infer(inputs)?.into_iter().collect(),
             Op::GroupedMatMul => crate::grouped::grouped_mm_meta(inputs)?,
             Op::Dequantize(spec) => {
                 let [out, inp] =
