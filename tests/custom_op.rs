@@ -6,6 +6,8 @@
 #[path = "../examples/support/add_rms_norm.rs"]
 mod add_rms_norm;
 mod common;
+#[path = "../examples/custom_op.rs"]
+mod readme_example;
 
 use add_rms_norm::{add_rms_norm, AddRmsNorm};
 use common::assert_err;
@@ -340,4 +342,10 @@ fn custom_calls_reach_the_plugins_kernels() {
     let got = Tensor::apply_custom(&op, &[&x.to_device(Device::Tpu(0)).unwrap()]).unwrap();
     assert_eq!(got[0].to_vec::<f32>().unwrap(), want[0].to_vec::<f32>().unwrap());
     assert_eq!(got[1].to_vec::<i32>().unwrap(), want[1].to_vec::<i32>().unwrap());
+}
+
+#[test]
+fn the_readme_example_runs() {
+    common::devices();
+    readme_example::main().unwrap();
 }
