@@ -199,3 +199,15 @@ fn autograd_inside_the_traced_function() {
         },
     );
 }
+
+#[test]
+fn returned_views_of_results() {
+    common::devices();
+    // A returned view holds its storage twice (itself and its base): it is
+    // still a result, not state.
+    check(
+        "reshaped_argmax_and_transposed_product",
+        |s| vec![input(&[2, 3], s)],
+        |x| Ok(vec![x[0].argmax(Some(-1), true)?.reshape(&[2])?, x[0].mul(2.0)?.t()?]),
+    );
+}

@@ -532,7 +532,11 @@ fn build(
         if !holds {
             continue;
         }
-        let returned_refs = returned.iter().filter(|t| Arc::ptr_eq(t.storage(), &st)).count();
+        // A returned view holds the storage twice: itself and its base.
+        let returned_refs: usize = returned
+            .iter()
+            .map(|t| [Some(t), t.base()].into_iter().flatten().filter(|x| Arc::ptr_eq(x.storage(), &st)).count())
+            .sum();
         // Our upgrade holds one reference; anything beyond the returned tensors is state.
         let state = Arc::strong_count(&st) - 1 > returned_refs;
         let input = inputs.iter().position(|t| Arc::ptr_eq(t.storage(), &st));
