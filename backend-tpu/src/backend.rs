@@ -361,7 +361,7 @@ impl PjrtBackend {
     }
 
     /// The CPU backend's error for a failed check, naming the offending value.
-    fn check_error(&self, name: &'static str, c: &Check, inputs: &[&Tensor]) -> Error {
+    pub(crate) fn check_error(&self, name: &'static str, c: &Check, inputs: &[&Tensor]) -> Error {
         match c {
             Check::ZeroDivision => Error::invalid(name, "ZeroDivisionError: integer division or modulo by zero"),
             Check::NegativePower => Error::invalid(name, "Integers to negative integer powers are not allowed."),

@@ -12,6 +12,8 @@ use kiln_tensor::trace::WatchRead;
 use kiln_tensor::{DType, Device, Error, Layout, Result, Storage, StorageData, Tensor};
 use std::sync::{Arc, Weak};
 
+pub mod export;
+
 // Note [Capture]
 // ~~~~~~~~~~~~~~
 // `Compiled::call` traces the function the first time it sees a set of input

@@ -24,6 +24,7 @@ mod process_group;
 pub mod store;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
+pub use capture::export::{ArgKind, ExportedProgram, Flat, Program, ResultKind};
 pub use capture::{compile, CaptureStats, Compiled};
 pub use graph::is_tracing;
 pub use host_values::HostValues;

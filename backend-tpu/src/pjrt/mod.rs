@@ -666,7 +666,8 @@ impl Drop for Buffer {
     }
 }
 
-/// The plugin's name for an error-free attribute listing (used in diagnostics).
+/// The plugin's attributes as `name=value` pairs (lists joined by dots:
+/// `stablehlo_current_version=1.20.0`), or empty when it has none.
 pub fn describe(api: &Api) -> String {
     let mut a = ffi::PJRT_Plugin_Attributes_Args::new();
     if api.call("Plugin_Attributes", api.t().plugin_attributes, &mut a).is_err() || a.attributes.is_null() {
@@ -689,6 +690,11 @@ pub fn describe(api: &Api) -> String {
             ffi::NAMED_VALUE_INT64 => unsafe { at.value.int64_value.to_string() },
             // SAFETY: as above.
             ffi::NAMED_VALUE_BOOL => unsafe { at.value.bool_value.to_string() },
+            // SAFETY: as above; the list holds `value_size` integers.
+            ffi::NAMED_VALUE_INT64_LIST => unsafe {
+                let v = std::slice::from_raw_parts(at.value.int64_array_value, at.value_size);
+                v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(".")
+            },
             _ => continue,
         };
         out.push(format!("{name}={value}"));

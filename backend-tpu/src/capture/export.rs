@@ -1,0 +1,205 @@
+//! What `kiln::export` needs of the backend (Note \[Export\] in the facade's
+//! `export.rs`): a traced program with the meaning of each of its arguments
+//! and results, and programs loaded back from their text.
+use super::{replay, Compiled, Return, Sink, Source, Trace};
+use crate::graph::{Arg, PjrtBuffer};
+use kiln_tensor::{DType, Device, Error, HostBuffer, Layout, Result, Storage, StorageData, Tensor};
+use std::sync::{Arc, Weak};
+
+/// What an argument of an exported program is.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ArgKind {
+    /// Input `usize` of the function (its whole, contiguous storage).
+    Input(usize),
+    /// State the function reads (a parameter, a cache): its value when traced.
+    State(HostBuffer),
+    /// A constant of the trace.
+    Constant(HostBuffer),
+}
+
+/// What a result of an exported program is.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResultKind {
+    /// A value the function computes (see [`ExportedProgram::returns`] for
+    /// the returned ones).
+    Fresh,
+    /// The new value of state argument `usize`, which the function writes in place.
+    UpdatesArg(usize),
+    /// State the function creates without reading it (a cache it fills): the
+    /// program computes it on every call, so its value is not kept.
+    Discarded,
+    /// A device-side check (a bool): false fails the call with this message.
+    Check(String),
+}
+
+/// An argument or result (flat: 1-D, or a scalar): its kind, dtype and shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Flat<K> {
+    pub kind: K,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+/// A function traced for export: its one-device StableHLO program, whose
+/// arguments and results are flat (1-D) buffers, and the function's returned
+/// tensors as views of the results.
+#[derive(Debug, Clone)]
+pub struct ExportedProgram {
+    pub text: String,
+    pub args: Vec<Flat<ArgKind>>,
+    pub results: Vec<Flat<ResultKind>>,
+    /// Returned tensor `i` is result `returns[i].0` viewed through `returns[i].1`.
+    pub returns: Vec<(usize, Layout)>,
+}
+
+const EXPORT: &str = "export";
+
+fn host(arg: &Arg) -> Result<(HostBuffer, DType, Vec<usize>)> {
+    let Arg::One(b) = arg else {
+        return Err(Error::invalid(EXPORT, "programs over device meshes cannot be exported yet"));
+    };
+    let mut bytes = vec![0u8; b.numel() * b.dtype().size_in_bytes()];
+    b.copy_to_host(&mut bytes)?;
+    Ok((HostBuffer::from_le_bytes(b.dtype(), &bytes)?, b.dtype(), b.dims().to_vec()))
+}
+
+impl<F> Compiled<F>
+where
+    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+{
+    /// Traces the function on `inputs` for export and runs it once (its
+    /// effects on state are those of one call); returns the program and the
+    /// call's results. Inputs must be whole contiguous tensors, and the
+    /// function may write only state it reads.
+    pub fn trace_for_export(&mut self, inputs: &[Tensor]) -> Result<(ExportedProgram, Vec<Tensor>)> {
+        let backend = crate::backend()?;
+        if let Device::Mesh(_) = self.device {
+            return Err(Error::invalid(EXPORT, "programs over device meshes cannot be exported yet"));
+        }
+        for (i, t) in inputs.iter().enumerate() {
+            let l = t.layout();
+            if t.device() != self.device {
+                return Err(Error::device(EXPORT, format!("input {i} is on {}, not {}", t.device(), self.device)));
+            }
+            if !l.is_contiguous() || l.offset() != 0 || l.numel() != t.storage().len() {
+                return Err(Error::invalid(
+                    EXPORT,
+                    format!(
+                        "input {i} is a view; export takes whole contiguous tensors (call .contiguous() on a copy)"
+                    ),
+                ));
+            }
+        }
+        self.stats.calls += 1;
+        self.stats.traces += 1;
+        let (trace, sig, args) = self.trace(backend, inputs)?;
+        let program = program_of(backend, &trace, sig.text, &args);
+        // The call runs whether or not it can be exported: the storages it
+        // wrote hold the trace's values until then.
+        let outs = replay(backend, &trace, inputs, self.device, Some(args))?;
+        Ok((program?, outs))
+    }
+}
+
+fn program_of(backend: &crate::PjrtBackend, t: &Trace, text: String, args: &[Arg]) -> Result<ExportedProgram> {
+    if let Some(first) = t.host.first() {
+        return Err(Error::invalid(
+            EXPORT,
+            format!("the function reads a host value of its own code ({first}), which an exported program would freeze; declare it with kiln::constant or pass it as an input"),
+        ));
+    }
+    let mut flat_args = vec![];
+    for (src, arg) in t.sources.iter().zip(args) {
+        let (value, dtype, shape) = host(arg)?;
+        let kind = match src {
+            Source::Input(i) => ArgKind::Input(*i),
+            Source::State(_) => ArgKind::State(value),
+            Source::Constant(_) => ArgKind::Constant(value),
+        };
+        flat_args.push(Flat { kind, dtype, shape });
+    }
+    let mut results = vec![];
+    for (i, sink) in t.sinks.iter().enumerate() {
+        let kind = match sink {
+            Sink::Fresh => ResultKind::Fresh,
+            Sink::State(w) => {
+                match t.sources.iter().position(|s| matches!(s, Source::State(r) if Weak::ptr_eq(r, w))) {
+                    Some(k) => ResultKind::UpdatesArg(k),
+                    None => ResultKind::Discarded,
+                }
+            }
+            Sink::Input(k) => {
+                return Err(Error::invalid(
+                    EXPORT,
+                    format!("the function writes its input {k} in place; an exported function returns its results"),
+                ))
+            }
+        };
+        let (dtype, shape) = &t.out_meta[i];
+        results.push(Flat { kind, dtype: *dtype, shape: shape.clone() });
+    }
+    for (c, name) in &t.checks {
+        let msg = backend.check_error(name, c, &[]).to_string();
+        results.push(Flat { kind: ResultKind::Check(msg), dtype: DType::Bool, shape: vec![] });
+    }
+    let mut returns = vec![];
+    for (i, r) in t.returns.iter().enumerate() {
+        match r {
+            Return::Output(k, layout) => returns.push((*k, layout.clone())),
+            _ => {
+                return Err(Error::invalid(
+                    EXPORT,
+                    format!("output {i} of the function is one of its inputs or state, not a value it computes; return a computed value (a copy)"),
+                ))
+            }
+        }
+    }
+    Ok(ExportedProgram { text, args: flat_args, results, returns })
+}
+
+/// A program loaded back from its text (an exported one), compiled for one
+/// device; it runs on flat tensors and returns flat tensors.
+pub struct Program {
+    exe: Arc<crate::pjrt::Executable>,
+    device: Device,
+    results: Vec<(DType, Vec<usize>)>,
+}
+
+impl Program {
+    /// Compiles `text` (through the compile cache) for `device`; `results`
+    /// are the dtype and shape of each result.
+    pub fn compile(device: Device, text: &str, results: &[(DType, Vec<usize>)]) -> Result<Program> {
+        let backend = crate::backend()?;
+        if !matches!(device, Device::Tpu(_)) {
+            return Err(Error::device(EXPORT, format!("exported programs run on PJRT devices, not {device}")));
+        }
+        let exe = backend.executable(text)?;
+        Ok(Program { exe, device, results: results.to_vec() })
+    }
+
+    /// Runs the program on `args` (whole flat tensors on the program's
+    /// device, of its argument types); nothing is donated.
+    pub fn run(&self, args: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let backend = crate::backend()?;
+        let mut bufs = vec![];
+        for (i, t) in args.iter().enumerate() {
+            if t.device() != self.device {
+                return Err(Error::device(EXPORT, format!("argument {i} is on {}, not {}", t.device(), self.device)));
+            }
+            bufs.push(backend.buffer_of(t)?);
+        }
+        let refs: Vec<&crate::pjrt::Buffer> = bufs.iter().map(|b| &**b).collect();
+        let keep: Vec<i64> = (0..refs.len() as i64).collect();
+        let (outs, event) = self.exe.execute_with(&refs, self.device.index(), &self.results, &keep)?;
+        backend.count_execution();
+        backend.queue_event("an exported program", event)?;
+        outs.into_iter()
+            .zip(&self.results)
+            .map(|(b, (dtype, shape))| {
+                let data = StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(b))));
+                let st = Storage::new(data, *dtype, shape.iter().product(), self.device);
+                Tensor::from_storage(Arc::new(st), Layout::contiguous(shape))
+            })
+            .collect()
+    }
+}
