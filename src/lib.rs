@@ -31,6 +31,9 @@ pub use kiln_tensor::{
 };
 pub use kiln_tpu as tpu;
 
+pub mod export;
+pub use export::export;
+
 /// Registers the built-in backends (the CPU one). Called automatically at
 /// start-up; calling it again does nothing.
 pub fn init() {

@@ -1,0 +1,407 @@
+//! Exported programs (`jax.export`'s role): [`export()`](crate::export())
+//! writes a compiled function as a directory that runs without the
+//! function's code, [`load`] runs it (Note \[Export\]).
+use crate::nn::io::{load_safetensors, save_safetensors};
+use crate::tpu::{ArgKind, Compiled, Program, ResultKind};
+use crate::{DType, Device, Error, Layout, Result, Tensor};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+// Note [Export]
+// ~~~~~~~~~~~~~
+// `kiln::export(&mut compiled, &inputs, dir)` traces a function compiled by
+// `kiln::compile` on example inputs (the call's effects happen, as for any
+// call) and writes a directory from which the function runs with no Rust
+// code of its own:
+//
+// * `program.mlir`: the one-device StableHLO module, MLIR text in the generic
+//   op form kiln emits. PJRT plugins and IREE parse it; kiln holds no MLIR
+//   library, so it does not write the bytecode of StableHLO's portable
+//   artifacts, and records instead the StableHLO version of the plugin that
+//   compiled the program. Arguments and results are flat (1-D) buffers, as
+//   every kiln program's are (Note [Views of flat buffers]).
+// * `weights.safetensors`: what the program reads besides the inputs, flat:
+//   `state.{k}` (parameters, caches: what they held before the call) and
+//   `const.{k}` (the trace's constants), `k` the argument's position.
+// * `manifest.json`: the format and kiln versions, the plugin, each argument
+//   (input i, state or constant; dtype, shape), each result (computed, the
+//   new value of state argument k, state the function creates without
+//   reading it (a cache it fills, which the program computes on every call:
+//   "discarded"), or a device-side check with its message),
+//   each returned tensor (result, shape, strides, offset, dtype), the
+//   inputs' shapes and dtypes, the placement (one device), and the SHA-256 of
+//   the program and the weights.
+//
+// `export::load(dir, device)` checks the format, both checksums and the
+// manifest against the weights, uploads the weights and compiles the program
+// (through the compile cache). `Exported::call` checks the inputs' shapes
+// and dtypes, runs the program, fails on a false check, keeps the new values
+// of state the function writes (a KV cache carries over to the next call)
+// and returns the tensors. A function that writes its inputs, returns an
+// input or state unchanged, or reads an undeclared host value is refused at
+// export: the artifact could not reproduce it.
+
+const FORMAT: &str = "kiln-export";
+const FORMAT_VERSION: u64 = 1;
+const PROGRAM: &str = "program.mlir";
+const WEIGHTS: &str = "weights.safetensors";
+const MANIFEST: &str = "manifest.json";
+const OP: &str = "export";
+
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::invalid(OP, msg.into())
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn io(path: &Path, e: std::io::Error) -> Error {
+    invalid(format!("{}: {e}", path.display()))
+}
+
+/// Exports `compiled` traced on `inputs` (whole contiguous tensors on its
+/// device) to `dir` (created if needed; its three files are replaced), and
+/// returns the call's results (Note \[Export\]).
+pub fn export<F>(compiled: &mut Compiled<F>, inputs: &[Tensor], dir: impl AsRef<Path>) -> Result<Vec<Tensor>>
+where
+    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
+{
+    let dir = dir.as_ref();
+    let (program, outs) = compiled.trace_for_export(inputs)?;
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let mut weights = BTreeMap::new();
+    let mut args = vec![];
+    for (k, a) in program.args.iter().enumerate() {
+        let (kind, value) = match &a.kind {
+            ArgKind::Input(i) => (json!({"kind": "input", "index": i}), None),
+            ArgKind::State(v) => {
+                (json!({"kind": "state", "name": format!("state.{k}")}), Some((format!("state.{k}"), v)))
+            }
+            ArgKind::Constant(v) => {
+                (json!({"kind": "constant", "name": format!("const.{k}")}), Some((format!("const.{k}"), v)))
+            }
+        };
+        if let Some((name, v)) = value {
+            weights.insert(name, Tensor::from_host(v.clone(), &a.shape, Device::Cpu)?);
+        }
+        let mut e = kind;
+        e["dtype"] = json!(a.dtype.to_string());
+        e["shape"] = json!(a.shape);
+        args.push(e);
+    }
+    let results: Vec<Value> = program
+        .results
+        .iter()
+        .map(|r| {
+            let mut e = match &r.kind {
+                ResultKind::Fresh => json!({"kind": "computed"}),
+                ResultKind::UpdatesArg(k) => json!({"kind": "updates", "argument": k}),
+                ResultKind::Discarded => json!({"kind": "discarded"}),
+                ResultKind::Check(msg) => json!({"kind": "check", "message": msg}),
+            };
+            e["dtype"] = json!(r.dtype.to_string());
+            e["shape"] = json!(r.shape);
+            e
+        })
+        .collect();
+    let returns: Vec<Value> = program
+        .returns
+        .iter()
+        .map(|(r, l)| {
+            json!({"result": r, "shape": l.shape(), "strides": l.strides(), "offset": l.offset(), "dtype": program.results[*r].dtype.to_string()})
+        })
+        .collect();
+    let input_meta: Vec<Value> =
+        inputs.iter().map(|t| json!({"shape": t.shape(), "dtype": t.dtype().to_string()})).collect();
+    let weights_path = dir.join(WEIGHTS);
+    save_safetensors(&weights_path, &weights, None)?;
+    let weights_bytes = std::fs::read(&weights_path).map_err(|e| io(&weights_path, e))?;
+    let backend = crate::tpu::backend()?;
+    let client = backend.client();
+    let manifest = json!({
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kiln_version": env!("CARGO_PKG_VERSION"),
+        "program": {"file": PROGRAM, "sha256": sha256_hex(program.text.as_bytes()), "form": "StableHLO, MLIR text (generic op form)"},
+        "weights": {"file": WEIGHTS, "sha256": sha256_hex(&weights_bytes)},
+        "traced_on": {"platform": client.platform(), "platform_version": client.platform_version(), "plugin": crate::tpu::pjrt::describe(client.api())},
+        "placement": "one device",
+        "inputs": input_meta,
+        "arguments": args,
+        "results": results,
+        "outputs": returns,
+    });
+    crate::nn::io::write_atomic(&dir.join(PROGRAM), |w| w.write_all(program.text.as_bytes()))?;
+    let text = serde_json::to_string_pretty(&manifest).map_err(|e| invalid(e.to_string()))?;
+    crate::nn::io::write_atomic(&dir.join(MANIFEST), |w| w.write_all(text.as_bytes()))?;
+    Ok(outs)
+}
+
+/// One argument of a loaded program.
+enum LoadedArg {
+    Input(usize),
+    Weight(Tensor),
+}
+
+/// A returned tensor: a result viewed through a layout.
+struct Output {
+    result: usize,
+    layout: Layout,
+}
+
+/// An exported program loaded on a device (see [`load`]).
+pub struct Exported {
+    program: Program,
+    device: Device,
+    args: Vec<LoadedArg>,
+    inputs: Vec<(Vec<usize>, DType)>,
+    results: Vec<ResultKind>,
+    outputs: Vec<Output>,
+    manifest: Value,
+}
+
+fn field<'a>(v: &'a Value, key: &str, what: &str) -> Result<&'a Value> {
+    v.get(key).ok_or_else(|| invalid(format!("manifest: {what} has no {key:?}")))
+}
+
+fn usize_of(v: &Value, key: &str, what: &str) -> Result<usize> {
+    field(v, key, what)?
+        .as_u64()
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| invalid(format!("manifest: {what}'s {key:?} is not a count")))
+}
+
+fn str_of<'a>(v: &'a Value, key: &str, what: &str) -> Result<&'a str> {
+    field(v, key, what)?.as_str().ok_or_else(|| invalid(format!("manifest: {what}'s {key:?} is not a string")))
+}
+
+fn dims_of(v: &Value, key: &str, what: &str) -> Result<Vec<usize>> {
+    let a =
+        field(v, key, what)?.as_array().ok_or_else(|| invalid(format!("manifest: {what}'s {key:?} is not a list")))?;
+    a.iter()
+        .map(|x| x.as_u64().and_then(|n| usize::try_from(n).ok()))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| invalid(format!("manifest: {what}'s {key:?} holds something else than counts")))
+}
+
+fn dtype_of(v: &Value, what: &str) -> Result<DType> {
+    let s = str_of(v, "dtype", what)?;
+    DType::from_name(s).ok_or_else(|| invalid(format!("manifest: {what} has an unknown dtype {s:?}")))
+}
+
+fn list<'a>(m: &'a Value, key: &str) -> Result<&'a Vec<Value>> {
+    field(m, key, "the manifest")?.as_array().ok_or_else(|| invalid(format!("manifest: {key:?} is not a list")))
+}
+
+/// Reads `dir/name`, checking its SHA-256 against the manifest's.
+fn checked_file(dir: &Path, entry: &Value, what: &str) -> Result<Vec<u8>> {
+    let name = str_of(entry, "file", what)?;
+    if name.contains(['/', '\\']) || name == ".." {
+        return Err(invalid(format!("manifest: {what} file {name:?} is not a file name in the directory")));
+    }
+    let path = dir.join(name);
+    let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+    if sha256_hex(&bytes) != str_of(entry, "sha256", what)? {
+        return Err(invalid(format!(
+            "{} does not match its checksum in the manifest (modified or corrupt)",
+            path.display()
+        )));
+    }
+    Ok(bytes)
+}
+
+/// Checks that the program's `@main` takes and returns the flat types the
+/// manifest lists: the backend describes the results to the plugin by them.
+fn check_signature(text: &str, args: &[(DType, Vec<usize>)], results: &[(DType, Vec<usize>)]) -> Result<()> {
+    let ty = |(d, shape): &(DType, Vec<usize>)| crate::tensor::custom::mlir_type(shape, *d);
+    let main = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("func.func public @main("))
+        .ok_or_else(|| invalid("the program has no public @main function"))?;
+    let (params, rest) = main.split_once(") -> (").ok_or_else(|| invalid("the program's @main has no result list"))?;
+    let want: Vec<String> = results.iter().map(ty).collect();
+    let list =
+        rest.trim_end().strip_suffix(") {").ok_or_else(|| invalid("the program's @main is not in kiln's form"))?;
+    let got: Vec<&str> = list.split(", ").filter(|t| !t.is_empty()).collect();
+    let mut ok = got == want;
+    for (i, a) in args.iter().enumerate() {
+        ok &= params.contains(&format!("%a{i}: {}", ty(a)));
+    }
+    ok &= !params.contains(&format!("%a{}: ", args.len()));
+    if !ok {
+        return Err(invalid("the program's arguments or results do not match the manifest"));
+    }
+    Ok(())
+}
+
+/// Loads an exported program from `dir` onto `device` (a PJRT device),
+/// checking the manifest, the files' checksums and the weights against the
+/// manifest (Note \[Export\]).
+pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<Exported> {
+    let dir = dir.as_ref();
+    let path = dir.join(MANIFEST);
+    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
+    let m: Value = serde_json::from_str(&text).map_err(|e| invalid(format!("{}: {e}", path.display())))?;
+    if m.get("format").and_then(Value::as_str) != Some(FORMAT) {
+        return Err(invalid(format!("{} is not a kiln export manifest", path.display())));
+    }
+    let version = usize_of(&m, "format_version", "the manifest")?;
+    if version as u64 != FORMAT_VERSION {
+        return Err(invalid(format!("export format version {version}; this kiln reads version {FORMAT_VERSION}")));
+    }
+    let program_bytes = checked_file(dir, field(&m, "program", "the manifest")?, "the program")?;
+    let program_text = String::from_utf8(program_bytes).map_err(|_| invalid("the program is not UTF-8 text"))?;
+    checked_file(dir, field(&m, "weights", "the manifest")?, "the weights")?;
+    let weights = load_safetensors(dir.join(WEIGHTS))?;
+    let inputs = list(&m, "inputs")?
+        .iter()
+        .enumerate()
+        .map(|(i, v)| Ok((dims_of(v, "shape", &format!("input {i}"))?, dtype_of(v, &format!("input {i}"))?)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut args = vec![];
+    let mut arg_types = vec![];
+    for (k, a) in list(&m, "arguments")?.iter().enumerate() {
+        let what = format!("argument {k}");
+        let (dtype, shape) = (dtype_of(a, &what)?, dims_of(a, "shape", &what)?);
+        let len: usize = shape.iter().product();
+        arg_types.push((dtype, shape.clone()));
+        args.push(match str_of(a, "kind", &what)? {
+            "input" => {
+                let i = usize_of(a, "index", &what)?;
+                let (shape, dt) = inputs
+                    .get(i)
+                    .ok_or_else(|| invalid(format!("manifest: {what} is input {i}, which is not listed")))?;
+                if *dt != dtype || shape.iter().product::<usize>() != len {
+                    return Err(invalid(format!("manifest: {what} does not match input {i}")));
+                }
+                LoadedArg::Input(i)
+            }
+            "state" | "constant" => {
+                let name = str_of(a, "name", &what)?;
+                let w = weights.get(name).ok_or_else(|| invalid(format!("the weights have no {name:?} ({what})")))?;
+                if w.dtype() != dtype || w.shape() != [len] {
+                    return Err(invalid(format!(
+                        "weight {name:?} is {} {:?}; the manifest says {dtype} [{len}]",
+                        w.dtype(),
+                        w.shape()
+                    )));
+                }
+                LoadedArg::Weight(w.to_device(device)?)
+            }
+            other => return Err(invalid(format!("manifest: {what} has an unknown kind {other:?}"))),
+        });
+    }
+    let mut results = vec![];
+    let mut result_types = vec![];
+    for (k, r) in list(&m, "results")?.iter().enumerate() {
+        let what = format!("result {k}");
+        let (dtype, shape) = (dtype_of(r, &what)?, dims_of(r, "shape", &what)?);
+        result_types.push((dtype, shape.clone()));
+        results.push(match str_of(r, "kind", &what)? {
+            "computed" => ResultKind::Fresh,
+            "updates" => {
+                let a = usize_of(r, "argument", &what)?;
+                if !matches!(args.get(a), Some(LoadedArg::Weight(_))) || arg_types[a] != (dtype, shape) {
+                    return Err(invalid(format!(
+                        "manifest: {what} updates argument {a}, which is no state of its type"
+                    )));
+                }
+                ResultKind::UpdatesArg(a)
+            }
+            "check" => ResultKind::Check(str_of(r, "message", &what)?.to_string()),
+            "discarded" => ResultKind::Discarded,
+            other => return Err(invalid(format!("manifest: {what} has an unknown kind {other:?}"))),
+        });
+    }
+    let mut outputs = vec![];
+    for (i, o) in list(&m, "outputs")?.iter().enumerate() {
+        let what = format!("output {i}");
+        let result = usize_of(o, "result", &what)?;
+        let layout = Layout::new(
+            dims_of(o, "shape", &what)?.into(),
+            dims_of(o, "strides", &what)?.into(),
+            usize_of(o, "offset", &what)?,
+        );
+        match results.get(result) {
+            Some(ResultKind::Check(_)) | None => {
+                return Err(invalid(format!("manifest: {what} is result {result}, which is not a value")))
+            }
+            Some(_) => layout.check_bounds("export", result_types[result].1.iter().product())?,
+        }
+        outputs.push(Output { result, layout });
+    }
+    check_signature(&program_text, &arg_types, &result_types)?;
+    let program = Program::compile(device, &program_text, &result_types)?;
+    Ok(Exported { program, device, args, inputs, results, outputs, manifest: m })
+}
+
+impl std::fmt::Debug for Exported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exported").field("device", &self.device).field("inputs", &self.inputs).finish_non_exhaustive()
+    }
+}
+
+impl Exported {
+    /// The manifest (see Note \[Export\]).
+    pub fn manifest(&self) -> &Value {
+        &self.manifest
+    }
+
+    /// The inputs' shapes and dtypes.
+    pub fn inputs(&self) -> &[(Vec<usize>, DType)] {
+        &self.inputs
+    }
+
+    /// Runs the program on `inputs` (any device and layout; moved and made
+    /// contiguous as needed), returning the function's outputs; state the
+    /// function writes keeps its new value for the next call.
+    pub fn call(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        if inputs.len() != self.inputs.len() {
+            return Err(invalid(format!(
+                "the exported function takes {} inputs, got {}",
+                self.inputs.len(),
+                inputs.len()
+            )));
+        }
+        let device = self.device;
+        let mut flat = vec![];
+        for (i, (t, (shape, dtype))) in inputs.iter().zip(&self.inputs).enumerate() {
+            if t.shape() != shape.as_slice() || t.dtype() != *dtype {
+                return Err(Error::shape(
+                    OP,
+                    format!(
+                        "input {i} is {} {:?}; the exported function takes {dtype} {shape:?}",
+                        t.dtype(),
+                        t.shape()
+                    ),
+                ));
+            }
+            flat.push(t.to_device(device)?.contiguous()?.reshape(&[t.numel() as isize])?.contiguous()?);
+        }
+        let args: Vec<&Tensor> = self
+            .args
+            .iter()
+            .map(|a| match a {
+                LoadedArg::Input(i) => &flat[*i],
+                LoadedArg::Weight(w) => w,
+            })
+            .collect();
+        let outs = self.program.run(&args)?;
+        for (r, o) in self.results.iter().zip(&outs) {
+            if let ResultKind::Check(msg) = r {
+                if !o.to_vec::<bool>()?.first().copied().unwrap_or(false) {
+                    return Err(invalid(msg.clone()));
+                }
+            }
+        }
+        for (r, o) in self.results.iter().zip(&outs) {
+            if let ResultKind::UpdatesArg(a) = r {
+                self.args[*a] = LoadedArg::Weight(o.clone());
+            }
+        }
+        self.outputs.iter().map(|o| Tensor::from_storage(outs[o.result].storage().clone(), o.layout.clone())).collect()
+    }
+}

@@ -1,0 +1,240 @@
+//! `kiln::export` (Note [Export]): the llama fixture's forward and a greedy
+//! decode step exported from this process and run by `kiln-run`, a second
+//! binary with no model code, with the golden logits and tokens; state a
+//! function writes carried across calls; the manifest checked on load; and
+//! the functions an artifact could not reproduce refused at export.
+// Calls pass `&[x.clone()]`: the inputs are reused across calls.
+#![allow(clippy::cloned_ref_to_slice_refs)]
+mod common;
+
+use common::assert_err;
+use kiln::nn::io::{load_safetensors, save_safetensors};
+use kiln::nn::models::LlamaForCausalLM;
+use kiln::prelude::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures").join(name)
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln-export-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.shape(), b.shape());
+    let (a, b) = (common::f64s(a), common::f64s(b));
+    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+/// Runs `kiln-run` on `dir` with `inputs`, returning its outputs.
+fn kiln_run(dir: &Path, inputs: &[Tensor], scratch: &Path) -> Vec<Tensor> {
+    let m: BTreeMap<String, Tensor> =
+        inputs.iter().enumerate().map(|(i, t)| (format!("input.{i}"), t.clone())).collect();
+    let (inp, out) = (scratch.join("in.safetensors"), scratch.join("out.safetensors"));
+    save_safetensors(&inp, &m, None).unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_kiln-run"))
+        .arg(dir)
+        .args(["--inputs", inp.to_str().unwrap(), "--out", out.to_str().unwrap()])
+        .status()
+        .expect("kiln-run starts");
+    assert!(status.success(), "kiln-run failed on {}", dir.display());
+    let got = load_safetensors(&out).unwrap();
+    (0..got.len()).map(|i| got[&format!("output.{i}")].clone()).collect()
+}
+
+#[test]
+fn llama_forward_and_greedy_step_run_from_a_second_process() {
+    common::devices();
+    let tpu = Device::Tpu(0);
+    let g = load_safetensors(fixture("llama").join("golden.safetensors")).unwrap();
+    let model = LlamaForCausalLM::from_pretrained(fixture("llama"), DType::F32, tpu).unwrap();
+    let scratch = temp_dir("llama");
+
+    // The forward: token ids in, logits out.
+    let forward_dir = scratch.join("forward");
+    // Inference: no autograd graph is recorded (its tensors would outlive the trace).
+    let _no_grad = kiln::autograd::no_grad();
+    let mut forward = kiln::compile(tpu, |t: &[Tensor]| Ok(vec![model.forward(&t[0], None)?]));
+    let ids = g["input_ids"].clone();
+    let here = kiln::export(&mut forward, &[ids.to_device(tpu).unwrap()], &forward_dir).unwrap();
+    let there = kiln_run(&forward_dir, &[ids.clone()], &scratch);
+    assert_eq!(there.len(), 1);
+    let e_here = max_abs_diff(&there[0], &here[0].to_device(Device::Cpu).unwrap());
+    let e_golden = max_abs_diff(&there[0], &g["logits"]);
+    assert!(e_here <= 1e-6, "logits of the exported forward vs this process: {e_here:.2e}");
+    assert!(e_golden <= 2e-4, "logits of the exported forward vs the fixture: {e_golden:.2e}");
+    println!("exported llama forward in a second process: logits within {e_here:.2e} of this process, {e_golden:.2e} of transformers");
+
+    // The greedy decode step on a fixed window: (ids padded on the right,
+    // the position of the last real token) -> the next token. A causal model
+    // ignores the padding after the position.
+    let (prompt, want) = (&g["generate.prompt"], &g["generate.output"]);
+    let (batch, window) = (want.shape()[0], want.shape()[1]);
+    let step_dir = scratch.join("greedy_step");
+    let mut step = kiln::compile(tpu, |t: &[Tensor]| {
+        let logits = model.forward(&t[0], None)?;
+        let last = logits.index_select(1, &t[1])?;
+        Ok(vec![last.argmax(Some(-1), false)?.reshape(&[-1])?])
+    });
+    let mut rows: Vec<Vec<i64>> =
+        (0..batch).map(|b| prompt.select(0, b as isize).unwrap().to_vec::<i64>().unwrap()).collect();
+    let padded = |rows: &[Vec<i64>]| {
+        let v: Vec<i64> =
+            rows.iter().flat_map(|r| r.iter().copied().chain(std::iter::repeat(0)).take(window)).collect();
+        Tensor::from_vec(v, &[batch, window]).unwrap()
+    };
+    let pos = |n: usize| Tensor::from_vec(vec![n as i64 - 1], &[1]).unwrap();
+    let example = [padded(&rows).to_device(tpu).unwrap(), pos(rows[0].len()).to_device(tpu).unwrap()];
+    kiln::export(&mut step, &example, &step_dir).unwrap();
+    while rows[0].len() < window {
+        let next = kiln_run(&step_dir, &[padded(&rows), pos(rows[0].len())], &scratch)[0].to_vec::<i64>().unwrap();
+        for (r, t) in rows.iter_mut().zip(next) {
+            r.push(t);
+        }
+    }
+    assert_eq!(
+        rows.concat(),
+        want.to_vec::<i64>().unwrap(),
+        "greedy tokens of the exported step, run by kiln-run, vs transformers"
+    );
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+#[test]
+fn state_a_function_writes_carries_over_and_checks_stay() {
+    common::devices();
+    let tpu = Device::Tpu(0);
+    let dir = temp_dir("state");
+    // A running sum (state read and written) and an index check.
+    let acc = Tensor::zeros(&[3], (DType::F32, tpu)).unwrap();
+    let table = Tensor::new([10.0f32, 20.0, 30.0]).unwrap().to_device(tpu).unwrap();
+    let mut f = kiln::compile(tpu, |t: &[Tensor]| {
+        acc.add_(&t[0])?;
+        Ok(vec![kiln::constant(|| acc.mul(2.0))?, table.index_select(0, &t[1])?])
+    });
+    let x = Tensor::new([1.0f32, 2.0, 3.0]).unwrap();
+    let i = Tensor::new([2i64]).unwrap();
+    kiln::export(&mut f, &[x.to_device(tpu).unwrap(), i.to_device(tpu).unwrap()], &dir).unwrap();
+    let mut loaded = kiln::export::load(&dir, tpu).unwrap();
+    // The artifact starts from the state before the exporting call.
+    let first = loaded.call(&[x.clone(), i.clone()]).unwrap();
+    assert_eq!(first[0].to_vec::<f32>().unwrap(), vec![2.0, 4.0, 6.0]);
+    assert_eq!(first[1].to_vec::<f32>().unwrap(), vec![30.0]);
+    let second = loaded.call(&[x.clone(), Tensor::new([0i64]).unwrap()]).unwrap();
+    assert_eq!(second[0].to_vec::<f32>().unwrap(), vec![4.0, 8.0, 12.0], "the sum carries over");
+    assert_eq!(second[1].to_vec::<f32>().unwrap(), vec![10.0]);
+    // The program's device-side check survives export.
+    assert_err(loaded.call(&[x.clone(), Tensor::new([3i64]).unwrap()]), &["index_select", "out of bounds"]);
+    // Inputs of another shape or dtype.
+    assert_err(loaded.call(&[Tensor::new([1.0f32, 2.0]).unwrap(), i.clone()]), &["input 0", "[3]"]);
+    assert_err(loaded.call(&[x.clone()]), &["takes 2 inputs"]);
+    // The manifest says what the program is.
+    let m = loaded.manifest();
+    assert_eq!(m["format"], "kiln-export");
+    assert!(m["traced_on"]["plugin"].as_str().unwrap().contains("stablehlo_current_version"), "{m}");
+    let kinds: Vec<&str> = m["arguments"].as_array().unwrap().iter().map(|a| a["kind"].as_str().unwrap()).collect();
+    assert!(kinds.contains(&"state") && kinds.contains(&"input"), "{kinds:?}");
+    // A modified file is refused.
+    let program = dir.join("program.mlir");
+    let text = std::fs::read_to_string(&program).unwrap();
+    std::fs::write(&program, text.replace("stablehlo.add", "stablehlo.subtract")).unwrap();
+    assert_err(kiln::export::load(&dir, tpu), &["program.mlir", "checksum"]);
+    std::fs::write(&program, &text).unwrap();
+    // A manifest whose types disagree with the program's.
+    let manifest = dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    let k = m["results"].as_array().unwrap().iter().position(|r| r["kind"] == "computed").unwrap();
+    m["results"][k]["shape"] = serde_json::json!([4]);
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    assert_err(kiln::export::load(&dir, tpu), &["do not match the manifest"]);
+    std::fs::write(dir.join("manifest.json"), "{}").unwrap();
+    assert_err(kiln::export::load(&dir, tpu), &["not a kiln export manifest"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn functions_an_artifact_cannot_reproduce_are_refused() {
+    common::devices();
+    let tpu = Device::Tpu(0);
+    let dir = temp_dir("refused");
+    let x = Tensor::new([1.0f32, 2.0]).unwrap().to_device(tpu).unwrap();
+    let mut writes_input = kiln::compile(tpu, |t: &[Tensor]| {
+        kiln::constant(|| t[0].mul_(2.0))?;
+        Ok(vec![t[0].sum()?])
+    });
+    assert_err(kiln::export(&mut writes_input, &[x.clone()], &dir), &["writes its input 0"]);
+    let mut returns_input = kiln::compile(tpu, |t: &[Tensor]| Ok(vec![t[0].clone()]));
+    assert_err(kiln::export(&mut returns_input, &[x.clone()], &dir), &["output 0", "not a value it computes"]);
+    let scale = 3.0f32;
+    let mut host_value = kiln::compile(tpu, |t: &[Tensor]| {
+        let s = Tensor::new([scale]).unwrap().to_device(tpu)?;
+        Ok(vec![t[0].mul(&s)?])
+    });
+    assert_err(kiln::export(&mut host_value, &[x.clone()], &dir), &["host value"]);
+    let view = Tensor::new([1.0f32, 2.0, 3.0, 4.0]).unwrap().to_device(tpu).unwrap().narrow(0, 1, 2).unwrap();
+    let mut f = kiln::compile(tpu, |t: &[Tensor]| Ok(vec![t[0].neg()?]));
+    assert_err(kiln::export(&mut f, &[view], &dir), &["input 0 is a view"]);
+    assert_err(kiln::export::load(dir.join("missing"), tpu), &["manifest.json"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The python of a virtual environment with IREE's compiler and runtime
+/// (`scripts/setup-iree-venv` creates it on first use, from PyPI).
+fn python_with_iree() -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-iree-venv");
+    let out = Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[test]
+fn the_exported_llama_runs_in_iree() {
+    common::devices();
+    let tpu = Device::Tpu(0);
+    let g = load_safetensors(fixture("llama").join("golden.safetensors")).unwrap();
+    let model = LlamaForCausalLM::from_pretrained(fixture("llama"), DType::F32, tpu).unwrap();
+    let scratch = temp_dir("iree");
+    let dir = scratch.join("forward");
+    let _no_grad = kiln::autograd::no_grad();
+    let mut forward = kiln::compile(tpu, |t: &[Tensor]| Ok(vec![model.forward(&t[0], None)?]));
+    let ids = g["input_ids"].clone();
+    let here =
+        kiln::export(&mut forward, &[ids.to_device(tpu).unwrap()], &dir).unwrap()[0].to_device(Device::Cpu).unwrap();
+    let (inp, out) = (scratch.join("in.safetensors"), scratch.join("out.safetensors"));
+    save_safetensors(&inp, &BTreeMap::from([("input.0".to_string(), ids)]), None).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/run_in_iree.py");
+    let run = Command::new(python_with_iree()).arg(&script).args([&dir, &inp, &out]).output().expect("python starts");
+    assert!(run.status.success(), "IREE run failed:\n{}", String::from_utf8_lossy(&run.stderr));
+    let iree = load_safetensors(&out).unwrap()["output.0"].clone();
+    let (e_kiln, e_golden) = (max_abs_diff(&iree, &here), max_abs_diff(&iree, &g["logits"]));
+    assert!(e_kiln <= 1e-4, "IREE's logits vs kiln's: {e_kiln:.2e}");
+    assert!(e_golden <= 2e-4, "IREE's logits vs the fixture: {e_golden:.2e}");
+    println!("exported llama forward in IREE (llvm-cpu): logits within {e_kiln:.2e} of kiln's, {e_golden:.2e} of transformers");
+
+    // A program with a device-side check (index_select's bounds) and an
+    // integer result: the greedy step's first token.
+    let step_dir = scratch.join("step");
+    let mut step = kiln::compile(tpu, |t: &[Tensor]| {
+        let last = model.forward(&t[0], None)?.index_select(1, &t[1])?;
+        Ok(vec![last.argmax(Some(-1), false)?.reshape(&[-1])?])
+    });
+    let (prompt, want) = (&g["generate.prompt"], &g["generate.output"]);
+    let pos = Tensor::from_vec(vec![prompt.shape()[1] as i64 - 1], &[1]).unwrap();
+    let inputs = [prompt.to_device(tpu).unwrap(), pos.to_device(tpu).unwrap()];
+    kiln::export(&mut step, &inputs, &step_dir).unwrap();
+    let m = BTreeMap::from([("input.0".to_string(), prompt.clone()), ("input.1".to_string(), pos)]);
+    save_safetensors(&inp, &m, None).unwrap();
+    let run =
+        Command::new(python_with_iree()).arg(&script).args([&step_dir, &inp, &out]).output().expect("python starts");
+    assert!(run.status.success(), "IREE run failed:\n{}", String::from_utf8_lossy(&run.stderr));
+    let next = load_safetensors(&out).unwrap()["output.0"].to_vec::<i64>().unwrap();
+    let first: Vec<i64> = want.select(1, prompt.shape()[1] as isize).unwrap().to_vec::<i64>().unwrap();
+    assert_eq!(next, first, "the greedy step's tokens in IREE vs transformers");
+    let _ = std::fs::remove_dir_all(&scratch);
+}
