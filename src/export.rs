@@ -121,13 +121,20 @@ where
     let weights_bytes = std::fs::read(&weights_path).map_err(|e| io(&weights_path, e))?;
     let backend = crate::tpu::backend()?;
     let client = backend.client();
+    let plugin = crate::tpu::pjrt::describe(client.api());
+    // The StableHLO version of the plugin that compiled the program (its `stablehlo_current_version`).
+    let stablehlo = plugin
+        .split(", ")
+        .find_map(|kv| kv.strip_prefix("stablehlo_current_version="))
+        .unwrap_or("unknown")
+        .to_string();
     let manifest = json!({
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "kiln_version": env!("CARGO_PKG_VERSION"),
-        "program": {"file": PROGRAM, "sha256": sha256_hex(program.text.as_bytes()), "form": "StableHLO, MLIR text (generic op form)"},
+        "program": {"file": PROGRAM, "sha256": sha256_hex(program.text.as_bytes()), "form": "StableHLO, MLIR text (generic op form)", "stablehlo_version": stablehlo},
         "weights": {"file": WEIGHTS, "sha256": sha256_hex(&weights_bytes)},
-        "traced_on": {"platform": client.platform(), "platform_version": client.platform_version(), "plugin": crate::tpu::pjrt::describe(client.api())},
+        "traced_on": {"platform": client.platform(), "platform_version": client.platform_version(), "plugin": plugin},
         "placement": "one device",
         "inputs": input_meta,
         "arguments": args,
@@ -379,7 +386,10 @@ impl Exported {
                     ),
                 ));
             }
-            flat.push(t.to_device(device)?.contiguous()?.reshape(&[t.numel() as isize])?.contiguous()?);
+            let f = t.to_device(device)?.reshape(&[t.numel() as isize])?;
+            // The program reads the whole storage: a view of a larger one is copied.
+            let whole = f.layout().is_contiguous() && f.layout().offset() == 0 && f.storage().len() == f.numel();
+            flat.push(if whole { f } else { f.deep_clone()? });
         }
         let args: Vec<&Tensor> = self
             .args

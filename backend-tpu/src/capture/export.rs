@@ -186,6 +186,10 @@ impl Program {
             if t.device() != self.device {
                 return Err(Error::device(EXPORT, format!("argument {i} is on {}, not {}", t.device(), self.device)));
             }
+            let l = t.layout();
+            if !l.is_contiguous() || l.offset() != 0 || l.numel() != t.storage().len() {
+                return Err(Error::invalid(EXPORT, format!("argument {i} is not a whole contiguous tensor")));
+            }
             bufs.push(backend.buffer_of(t)?);
         }
         let refs: Vec<&crate::pjrt::Buffer> = bufs.iter().map(|b| &**b).collect();
