@@ -179,15 +179,17 @@ fn fuses_under_defer_and_shows_in_profiles() {
     assert!(rows.iter().any(|r| r.op == "add_rms_norm" && r.shapes == "[4, 8] [4, 8] [8]"), "{rows:?}");
 }
 
+/// A 4-device mesh and x, residual [8, 16] and weight [16] on the CPU.
+fn mesh_and_inputs() -> (kiln::DeviceMesh, Tensor, Tensor, Tensor) {
+    let mesh = kiln::init_device_mesh(kiln::DeviceKind::Tpu, &[4], &["dp"]).unwrap();
+    let cpu = |shape: &[usize], seed| input(shape, seed, DType::F32, Device::Cpu);
+    (mesh, cpu(&[8, 16], 1), cpu(&[8, 16], 2), cpu(&[16], 3))
+}
+
 #[test]
 fn distributed_inputs_are_gathered_whole() {
     common::devices();
-    let mesh = kiln::init_device_mesh(kiln::DeviceKind::Tpu, &[4], &["dp"]).unwrap();
-    let (x, r, w) = (
-        input(&[8, 16], 1, DType::F32, Device::Cpu),
-        input(&[8, 16], 2, DType::F32, Device::Cpu),
-        input(&[16], 3, DType::F32, Device::Cpu),
-    );
+    let (mesh, x, r, w) = mesh_and_inputs();
     let split = |t: &Tensor| kiln::distribute_tensor(t, &mesh, &[kiln::Placement::Shard(0)]).unwrap();
     let rep = kiln::distribute_tensor(&w, &mesh, &[kiln::Placement::Replicate]).unwrap();
     let (h, y) = add_rms_norm(&split(&x), &split(&r), &rep, EPS).unwrap();
@@ -199,12 +201,7 @@ fn distributed_inputs_are_gathered_whole() {
 #[test]
 fn runs_in_local_regions_eagerly_and_compiled() {
     common::devices();
-    let mesh = kiln::init_device_mesh(kiln::DeviceKind::Tpu, &[4], &["dp"]).unwrap();
-    let (x, r, w) = (
-        input(&[8, 16], 1, DType::F32, Device::Cpu),
-        input(&[8, 16], 2, DType::F32, Device::Cpu),
-        input(&[16], 3, DType::F32, Device::Cpu),
-    );
+    let (mesh, x, r, w) = mesh_and_inputs();
     let (hw, yw) = add_rms_norm(&x, &r, &w, EPS).unwrap();
     let (split, rep) = (vec![kiln::Placement::Shard(0)], vec![kiln::Placement::Replicate]);
     let region = |t: &[Tensor]| -> Result<Vec<Tensor>> {

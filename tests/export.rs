@@ -48,12 +48,25 @@ fn kiln_run(dir: &Path, inputs: &[Tensor], scratch: &Path) -> Vec<Tensor> {
     (0..got.len()).map(|i| got[&format!("output.{i}")].clone()).collect()
 }
 
-#[test]
-fn llama_forward_and_greedy_step_run_from_a_second_process() {
+/// `tpu:0`, the llama fixture's golden values and its model there.
+fn llama_on_tpu() -> (Device, BTreeMap<String, Tensor>, LlamaForCausalLM) {
     common::devices();
     let tpu = Device::Tpu(0);
     let g = load_safetensors(fixture("llama").join("golden.safetensors")).unwrap();
-    let model = LlamaForCausalLM::from_pretrained(fixture("llama"), DType::F32, tpu).unwrap();
+    (tpu, g, LlamaForCausalLM::from_pretrained(fixture("llama"), DType::F32, tpu).unwrap())
+}
+
+/// The greedy decode step on a fixed window: (ids padded on the right, the
+/// position of the last real token) -> each row's next token. A causal model
+/// ignores the padding after the position.
+fn greedy_step(model: &LlamaForCausalLM, t: &[Tensor]) -> Result<Vec<Tensor>> {
+    let last = model.forward(&t[0], None)?.index_select(1, &t[1])?;
+    Ok(vec![last.argmax(Some(-1), false)?.reshape(&[-1])?])
+}
+
+#[test]
+fn llama_forward_and_greedy_step_run_from_a_second_process() {
+    let (tpu, g, model) = llama_on_tpu();
     let scratch = temp_dir("llama");
 
     // The forward: token ids in, logits out.
@@ -71,17 +84,11 @@ fn llama_forward_and_greedy_step_run_from_a_second_process() {
     assert!(e_golden <= 2e-4, "logits of the exported forward vs the fixture: {e_golden:.2e}");
     println!("exported llama forward in a second process: logits within {e_here:.2e} of this process, {e_golden:.2e} of transformers");
 
-    // The greedy decode step on a fixed window: (ids padded on the right,
-    // the position of the last real token) -> the next token. A causal model
-    // ignores the padding after the position.
+    // The greedy decode step, one token per run of kiln-run.
     let (prompt, want) = (&g["generate.prompt"], &g["generate.output"]);
     let (batch, window) = (want.shape()[0], want.shape()[1]);
     let step_dir = scratch.join("greedy_step");
-    let mut step = kiln::compile(tpu, |t: &[Tensor]| {
-        let logits = model.forward(&t[0], None)?;
-        let last = logits.index_select(1, &t[1])?;
-        Ok(vec![last.argmax(Some(-1), false)?.reshape(&[-1])?])
-    });
+    let mut step = kiln::compile(tpu, |t: &[Tensor]| greedy_step(&model, t));
     let mut rows: Vec<Vec<i64>> =
         (0..batch).map(|b| prompt.select(0, b as isize).unwrap().to_vec::<i64>().unwrap()).collect();
     let padded = |rows: &[Vec<i64>]| {
@@ -198,10 +205,7 @@ fn python_with_iree() -> String {
 
 #[test]
 fn the_exported_llama_runs_in_iree() {
-    common::devices();
-    let tpu = Device::Tpu(0);
-    let g = load_safetensors(fixture("llama").join("golden.safetensors")).unwrap();
-    let model = LlamaForCausalLM::from_pretrained(fixture("llama"), DType::F32, tpu).unwrap();
+    let (tpu, g, model) = llama_on_tpu();
     let scratch = temp_dir("iree");
     let dir = scratch.join("forward");
     let _no_grad = kiln::autograd::no_grad();
@@ -223,10 +227,7 @@ fn the_exported_llama_runs_in_iree() {
     // A program with a device-side check (index_select's bounds) and an
     // integer result: the greedy step's first token.
     let step_dir = scratch.join("step");
-    let mut step = kiln::compile(tpu, |t: &[Tensor]| {
-        let last = model.forward(&t[0], None)?.index_select(1, &t[1])?;
-        Ok(vec![last.argmax(Some(-1), false)?.reshape(&[-1])?])
-    });
+    let mut step = kiln::compile(tpu, |t: &[Tensor]| greedy_step(&model, t));
     let (prompt, want) = (&g["generate.prompt"], &g["generate.output"]);
     let pos = Tensor::from_vec(vec![prompt.shape()[1] as i64 - 1], &[1]).unwrap();
     let inputs = [prompt.to_device(tpu).unwrap(), pos.to_device(tpu).unwrap()];
