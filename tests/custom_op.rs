@@ -346,3 +346,37 @@ fn the_readme_example_runs() {
     common::devices();
     readme_example::main().unwrap();
 }
+
+/// An op whose gradient has the wrong shape or dtype.
+struct WrongGradient {
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+impl CustomOp for WrongGradient {
+    fn name(&self) -> &'static str {
+        "wrong_gradient"
+    }
+    fn infer(&self, inputs: &[Meta]) -> Result<Vec<Meta>> {
+        Ok(vec![inputs[0].clone()])
+    }
+    fn cpu(&self, inputs: &[HostInput<'_>], _: &[Meta]) -> Result<Vec<HostBuffer>> {
+        Ok(vec![HostBuffer::F32(inputs[0].contiguous::<f32>()?.into_owned())])
+    }
+    fn backward(&self, _: &[Tensor], _: &[Tensor], _: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(Tensor::zeros(&self.shape, self.dtype)?)])
+    }
+}
+
+#[test]
+fn gradients_of_the_wrong_shape_or_dtype_are_errors() {
+    let x = leaf(&Tensor::new([1.0f32, 2.0, 3.0]).unwrap());
+    for (op, want) in [
+        (WrongGradient { dtype: DType::F64, shape: vec![3] }, "dtype float64"),
+        (WrongGradient { dtype: DType::F32, shape: vec![2] }, "shape [2]"),
+    ] {
+        let op: Arc<dyn CustomOp> = Arc::new(op);
+        let y = Tensor::apply_custom(&op, &[&x]).unwrap();
+        assert_err(y[0].sum().unwrap().backward(), &["wrong_gradient", want]);
+    }
+}

@@ -33,7 +33,8 @@ use std::sync::Arc;
 // autograd node that keeps the outputs (detached, with their versions), so the
 // gradient reads them instead of recomputing the forward; an output written
 // in place before backward is an error, as for PyTorch's saved tensors. The
-// gradient is checked: one entry per input, each of its input's shape. Under
+// gradient is checked: one entry per input, each of its input's shape and
+// dtype. Under
 // `create_graph` the gradient's own ops are recorded, so it differentiates
 // again when it is made of differentiable ops. Applied through
 // `Tensor::apply` instead, the op's rule recomputes the outputs first.
@@ -189,8 +190,8 @@ impl CustomOpRef {
         Ok(outs)
     }
 
-    /// `backward`, checked: one gradient per input, each of its input's shape,
-    /// kept only for inputs that need one.
+    /// `backward`, checked: one gradient per input, each of its input's shape
+    /// and dtype, kept only for inputs that need one.
     pub fn gradients(
         &self,
         inputs: &[Tensor],
@@ -218,6 +219,10 @@ impl CustomOpRef {
                         g.shape(),
                         x.shape()
                     ),
+                )),
+                Some(g) if g.dtype() != x.dtype() => Err(Error::dtype(
+                    name,
+                    format!("backward gave input {i} a gradient of dtype {}, its dtype is {}", g.dtype(), x.dtype()),
                 )),
                 g => Ok(g.filter(|_| need)),
             })
