@@ -5,6 +5,8 @@
 //! the functions an artifact could not reproduce refused at export.
 // Calls pass `&[x.clone()]`: the inputs are reused across calls.
 #![allow(clippy::cloned_ref_to_slice_refs)]
+#[path = "../examples/support/add_rms_norm.rs"]
+mod add_rms_norm;
 mod common;
 
 use common::assert_err;
@@ -240,5 +242,42 @@ fn the_exported_llama_runs_in_iree() {
     let next = load_safetensors(&out).unwrap()["output.0"].to_vec::<i64>().unwrap();
     let first: Vec<i64> = want.select(1, prompt.shape()[1] as isize).unwrap().to_vec::<i64>().unwrap();
     assert_eq!(next, first, "the greedy step's tokens in IREE vs transformers");
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// A program holding a custom op's function (Note [Custom ops]) exports and
+/// runs like any other: loaded back, and in IREE.
+#[test]
+fn custom_ops_export_and_run_in_iree() {
+    common::devices();
+    let tpu = Device::Tpu(0);
+    let scratch = temp_dir("custom");
+    let dir = scratch.join("fused");
+    let vals = |n: usize, seed: f32| (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect::<Vec<f32>>();
+    let x = Tensor::from_vec(vals(24, 0.1), &[3, 8]).unwrap();
+    let r = Tensor::from_vec(vals(24, 0.7), &[3, 8]).unwrap();
+    let w = Tensor::from_vec(vals(8, 1.3), &[8]).unwrap().to_device(tpu).unwrap();
+    let mut f = kiln::compile(tpu, |t: &[Tensor]| {
+        let (h, y) = add_rms_norm::add_rms_norm(&t[0], &t[1], &w, 1e-6)?;
+        Ok(vec![h, y])
+    });
+    let here = kiln::export(&mut f, &[x.to_device(tpu).unwrap(), r.to_device(tpu).unwrap()], &dir).unwrap();
+    assert!(std::fs::read_to_string(dir.join("program.mlir"))
+        .unwrap()
+        .contains("func.func private @kiln_custom_add_rms_norm_"));
+    let mut loaded = kiln::export::load(&dir, tpu).unwrap();
+    let again = loaded.call(&[x.clone(), r.clone()]).unwrap();
+    let (inp, out) = (scratch.join("in.safetensors"), scratch.join("out.safetensors"));
+    let m = BTreeMap::from([("input.0".to_string(), x), ("input.1".to_string(), r)]);
+    save_safetensors(&inp, &m, None).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/run_in_iree.py");
+    let run = Command::new(python_with_iree()).arg(&script).args([&dir, &inp, &out]).output().expect("python starts");
+    assert!(run.status.success(), "IREE run failed:\n{}", String::from_utf8_lossy(&run.stderr));
+    let iree = load_safetensors(&out).unwrap();
+    for i in 0..2 {
+        let want = here[i].to_device(Device::Cpu).unwrap();
+        assert!(max_abs_diff(&again[i].to_device(Device::Cpu).unwrap(), &want) == 0.0, "output {i} loaded back");
+        assert!(max_abs_diff(&iree[&format!("output.{i}")], &want) <= 1e-5, "output {i} in IREE");
+    }
     let _ = std::fs::remove_dir_all(&scratch);
 }
