@@ -126,10 +126,17 @@ impl ProcessGroup {
         self.store.put(&format!("kiln/barrier/{name}/in/{}", self.rank), b"")?;
         wait_all("in", 0..self.world_size)?;
         if self.rank == 0 {
-            wait_all("out", 1..self.world_size)
-        } else {
-            self.store.put(&format!("kiln/barrier/{name}/out/{}", self.rank), b"")
+            return wait_all("out", 1..self.world_size);
         }
+        // Every rank has reached the barrier (the "in" keys say so). Rank 0
+        // may exit, closing the store, as soon as it reads this key, possibly
+        // before the store's reply to this put is sent: a put that fails now
+        // has either reached rank 0 or makes rank 0 fail by its timeout, so
+        // this rank's barrier has passed either way.
+        if let Err(e) = self.store.put(&format!("kiln/barrier/{name}/out/{}", self.rank), b"") {
+            tracing::debug!(target: "kiln::pjrt", barrier = name, error = %e, "the store closed after the barrier");
+        }
+        Ok(())
     }
 }
 
