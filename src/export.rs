@@ -54,12 +54,24 @@ fn invalid(msg: impl Into<String>) -> Error {
     Error::invalid(OP, msg.into())
 }
 
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    hex(&Sha256::digest(bytes))
 }
 
 fn io(path: &Path, e: std::io::Error) -> Error {
     invalid(format!("{}: {e}", path.display()))
+}
+
+/// The SHA-256 of a file, read in pieces (weights can be large).
+fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = std::fs::File::open(path).map_err(|e| io(path, e))?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h).map_err(|e| io(path, e))?;
+    Ok(hex(&h.finalize()))
 }
 
 /// Exports `compiled` traced on `inputs` (whole contiguous tensors on its
@@ -118,7 +130,7 @@ where
         inputs.iter().map(|t| json!({"shape": t.shape(), "dtype": t.dtype().to_string()})).collect();
     let weights_path = dir.join(WEIGHTS);
     save_safetensors(&weights_path, &weights, None)?;
-    let weights_bytes = std::fs::read(&weights_path).map_err(|e| io(&weights_path, e))?;
+    let weights_sha = sha256_file(&weights_path)?;
     let backend = crate::tpu::backend()?;
     let client = backend.client();
     let plugin = crate::tpu::pjrt::describe(client.api());
@@ -133,7 +145,7 @@ where
         "format_version": FORMAT_VERSION,
         "kiln_version": env!("CARGO_PKG_VERSION"),
         "program": {"file": PROGRAM, "sha256": sha256_hex(program.text.as_bytes()), "form": "StableHLO, MLIR text (generic op form)", "stablehlo_version": stablehlo},
-        "weights": {"file": WEIGHTS, "sha256": sha256_hex(&weights_bytes)},
+        "weights": {"file": WEIGHTS, "sha256": weights_sha},
         "traced_on": {"platform": client.platform(), "platform_version": client.platform_version(), "plugin": plugin},
         "placement": "one device",
         "inputs": input_meta,
@@ -203,21 +215,21 @@ fn list<'a>(m: &'a Value, key: &str) -> Result<&'a Vec<Value>> {
     field(m, key, "the manifest")?.as_array().ok_or_else(|| invalid(format!("manifest: {key:?} is not a list")))
 }
 
-/// Reads `dir/name`, checking its SHA-256 against the manifest's.
-fn checked_file(dir: &Path, entry: &Value, what: &str) -> Result<Vec<u8>> {
+/// The path of the file `entry` names in `dir`, checked against the
+/// manifest's SHA-256.
+fn checked_file(dir: &Path, entry: &Value, what: &str) -> Result<std::path::PathBuf> {
     let name = str_of(entry, "file", what)?;
     if name.contains(['/', '\\']) || name == ".." {
         return Err(invalid(format!("manifest: {what} file {name:?} is not a file name in the directory")));
     }
     let path = dir.join(name);
-    let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
-    if sha256_hex(&bytes) != str_of(entry, "sha256", what)? {
+    if sha256_file(&path)? != str_of(entry, "sha256", what)? {
         return Err(invalid(format!(
             "{} does not match its checksum in the manifest (modified or corrupt)",
             path.display()
         )));
     }
-    Ok(bytes)
+    Ok(path)
 }
 
 /// Checks that the program's `@main` takes and returns the flat types the
@@ -259,10 +271,10 @@ pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<Exported> {
     if version as u64 != FORMAT_VERSION {
         return Err(invalid(format!("export format version {version}; this kiln reads version {FORMAT_VERSION}")));
     }
-    let program_bytes = checked_file(dir, field(&m, "program", "the manifest")?, "the program")?;
+    let program_path = checked_file(dir, field(&m, "program", "the manifest")?, "the program")?;
+    let program_bytes = std::fs::read(&program_path).map_err(|e| io(&program_path, e))?;
     let program_text = String::from_utf8(program_bytes).map_err(|_| invalid("the program is not UTF-8 text"))?;
-    checked_file(dir, field(&m, "weights", "the manifest")?, "the weights")?;
-    let weights = load_safetensors(dir.join(WEIGHTS))?;
+    let weights = load_safetensors(checked_file(dir, field(&m, "weights", "the manifest")?, "the weights")?)?;
     let inputs = list(&m, "inputs")?
         .iter()
         .enumerate()

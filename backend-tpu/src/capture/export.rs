@@ -58,7 +58,7 @@ fn host(arg: &Arg) -> Result<(HostBuffer, DType, Vec<usize>)> {
     let Arg::One(b) = arg else {
         return Err(Error::invalid(EXPORT, "programs over device meshes cannot be exported yet"));
     };
-    let mut bytes = vec![0u8; b.numel() * b.dtype().size_in_bytes()];
+    let mut bytes = kiln_tensor::alloc::try_vec(EXPORT, &[b.numel() * b.dtype().size_in_bytes()], DType::U8, 0u8)?;
     b.copy_to_host(&mut bytes)?;
     Ok((HostBuffer::from_le_bytes(b.dtype(), &bytes)?, b.dtype(), b.dims().to_vec()))
 }
