@@ -200,9 +200,11 @@ pub(crate) fn constrain(
     // a scatter that replaces (XLA aborts on it) and the NaN-aware max and
     // min (an "unsupported reduction computation"). Their inputs get the
     // sharding they need spelled out even when `view` says they already have
-    // it (a custom op's function sees whole tensors): a view of part of a split storage carries whatever sharding the
+    // it: a view of part of a split storage carries whatever sharding the
     // partitioner propagates through the slicing (a split row sliced out
-    // stays split), not `view`. Other ops take a view as it comes.
+    // stays split), not `view`. A custom op's function is written for whole
+    // tensors, so its inputs are gathered the same way. Other ops take a view
+    // as it comes.
     let l = t.layout();
     let whole = l.is_contiguous() && l.offset() == 0 && t.shape() == shape;
     let unsplittable = matches!(
