@@ -2,7 +2,7 @@
 //! writes a compiled function as a directory that runs without the
 //! function's code, [`load`] runs it (Note \[Export\]).
 use crate::nn::io::{load_safetensors, save_safetensors};
-use crate::tpu::{ArgKind, Compiled, Program, ResultKind};
+use crate::tpu::{ArgKind, Compiled, ExportedProgram, Program, ResultKind};
 use crate::{DType, Device, Error, Layout, Result, Tensor};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -84,28 +84,24 @@ where
     let dir = dir.as_ref();
     let (program, outs) = compiled.trace_for_export(inputs)?;
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let ExportedProgram { text: program_text, args: program_args, results: program_results, returns } = program;
     let mut weights = BTreeMap::new();
     let mut args = vec![];
-    for (k, a) in program.args.iter().enumerate() {
-        let (kind, value) = match &a.kind {
+    for (k, a) in program_args.into_iter().enumerate() {
+        // The values move into the weights (no second copy of every parameter).
+        let (mut e, value) = match a.kind {
             ArgKind::Input(i) => (json!({"kind": "input", "index": i}), None),
-            ArgKind::State(v) => {
-                (json!({"kind": "state", "name": format!("state.{k}")}), Some((format!("state.{k}"), v)))
-            }
-            ArgKind::Constant(v) => {
-                (json!({"kind": "constant", "name": format!("const.{k}")}), Some((format!("const.{k}"), v)))
-            }
+            ArgKind::State(v) => (json!({"kind": "state", "name": format!("state.{k}")}), Some(v)),
+            ArgKind::Constant(v) => (json!({"kind": "constant", "name": format!("const.{k}")}), Some(v)),
         };
-        if let Some((name, v)) = value {
-            weights.insert(name, Tensor::from_host(v.clone(), &a.shape, Device::Cpu)?);
+        if let (Some(v), Some(name)) = (value, e["name"].as_str()) {
+            weights.insert(name.to_string(), Tensor::from_host(v, &a.shape, Device::Cpu)?);
         }
-        let mut e = kind;
         e["dtype"] = json!(a.dtype.to_string());
         e["shape"] = json!(a.shape);
         args.push(e);
     }
-    let results: Vec<Value> = program
-        .results
+    let results: Vec<Value> = program_results
         .iter()
         .map(|r| {
             let mut e = match &r.kind {
@@ -119,11 +115,10 @@ where
             e
         })
         .collect();
-    let returns: Vec<Value> = program
-        .returns
+    let returns: Vec<Value> = returns
         .iter()
         .map(|(r, l)| {
-            json!({"result": r, "shape": l.shape(), "strides": l.strides(), "offset": l.offset(), "dtype": program.results[*r].dtype.to_string()})
+            json!({"result": r, "shape": l.shape(), "strides": l.strides(), "offset": l.offset(), "dtype": program_results[*r].dtype.to_string()})
         })
         .collect();
     let input_meta: Vec<Value> =
@@ -144,7 +139,7 @@ where
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "kiln_version": env!("CARGO_PKG_VERSION"),
-        "program": {"file": PROGRAM, "sha256": sha256_hex(program.text.as_bytes()), "form": "StableHLO, MLIR text (generic op form)", "stablehlo_version": stablehlo},
+        "program": {"file": PROGRAM, "sha256": sha256_hex(program_text.as_bytes()), "form": "StableHLO, MLIR text (generic op form)", "stablehlo_version": stablehlo},
         "weights": {"file": WEIGHTS, "sha256": weights_sha},
         "traced_on": {"platform": client.platform(), "platform_version": client.platform_version(), "plugin": plugin},
         "placement": "one device",
@@ -153,7 +148,7 @@ where
         "results": results,
         "outputs": returns,
     });
-    crate::nn::io::write_atomic(&dir.join(PROGRAM), |w| w.write_all(program.text.as_bytes()))?;
+    crate::nn::io::write_atomic(&dir.join(PROGRAM), |w| w.write_all(program_text.as_bytes()))?;
     let text = serde_json::to_string_pretty(&manifest).map_err(|e| invalid(e.to_string()))?;
     crate::nn::io::write_atomic(&dir.join(MANIFEST), |w| w.write_all(text.as_bytes()))?;
     Ok(outs)
@@ -301,9 +296,9 @@ pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<Exported> {
             "state" | "constant" => {
                 let name = str_of(a, "name", &what)?;
                 let w = weights.get(name).ok_or_else(|| invalid(format!("the weights have no {name:?} ({what})")))?;
-                if w.dtype() != dtype || w.shape() != [len] {
+                if w.dtype() != dtype || w.shape() != shape.as_slice() {
                     return Err(invalid(format!(
-                        "weight {name:?} is {} {:?}; the manifest says {dtype} [{len}]",
+                        "weight {name:?} is {} {:?}; the manifest says {dtype} {shape:?}",
                         w.dtype(),
                         w.shape()
                     )));
