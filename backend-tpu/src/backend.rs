@@ -284,23 +284,45 @@ impl PjrtBackend {
     /// The executable for a program text compiled with `options` (a program
     /// over a mesh: `CompileOptions::spmd`), from the cache or compiled.
     pub fn executable_with(&self, text: &str, options: &CompileOptions) -> Result<Arc<Executable>> {
-        let found = |c: &ExecutableCache| {
-            c.get(text).and_then(|v| v.iter().find(|(o, _)| o == options).map(|(_, e)| e.clone()))
-        };
+        self.executable_keyed(text, options, || {
+            self.client.compile_with(text, options).map_err(|e| err(format!("{e}\nprogram:\n{text}")))
+        })
+    }
+
+    /// The executable of a StableHLO portable artifact (MLIR bytecode) for
+    /// one device, cached under a key naming the artifact's SHA-256.
+    pub fn executable_of_artifact(&self, bytes: &[u8]) -> Result<Arc<Executable>> {
+        let key = format!("// StableHLO portable artifact, sha256 {}", cache::sha256_hex(bytes));
+        let options = CompileOptions::single();
+        self.executable_keyed(&key, &options, || {
+            self.client.compile_code(bytes, &options).map_err(|e| err(format!("{e} (a portable artifact)")))
+        })
+    }
+
+    /// The executable cached under `key` (a program's text) with `options`,
+    /// or `compile`d and cached in memory and on disk.
+    fn executable_keyed(
+        &self,
+        key: &str,
+        options: &CompileOptions,
+        compile: impl FnOnce() -> Result<Executable>,
+    ) -> Result<Arc<Executable>> {
+        let found =
+            |c: &ExecutableCache| c.get(key).and_then(|v| v.iter().find(|(o, _)| o == options).map(|(_, e)| e.clone()));
         if let Some(e) = found(&self.cache.lock().unwrap_or_else(|e| e.into_inner())) {
             self.hits.fetch_add(1, Ordering::Relaxed);
-            tracing::trace!(target: "kiln::compile", bytes = text.len(), "executable cache hit");
+            tracing::trace!(target: "kiln::compile", bytes = key.len(), "executable cache hit");
             return Ok(e);
         }
         let compile = || {
             let t = std::time::Instant::now();
-            let exe = self.client.compile_with(text, options).map_err(|e| err(format!("{e}\nprogram:\n{text}")))?;
+            let exe = compile()?;
             let dt = t.elapsed();
             self.compiles.fetch_add(1, Ordering::Relaxed);
             self.compile_ns.fetch_add(dt.as_nanos() as u64, Ordering::Relaxed);
             tracing::debug!(
                 target: "kiln::compile",
-                bytes = text.len(),
+                bytes = key.len(),
                 partitions = options.partitions,
                 ms = dt.as_secs_f64() * 1e3,
                 "compiled a program"
@@ -308,7 +330,7 @@ impl PjrtBackend {
             Ok(exe)
         };
         let exe = Arc::new(match &self.disk {
-            Some(d) => d.get_or_compile(&self.client, text, options, compile)?,
+            Some(d) => d.get_or_compile(&self.client, key, options, compile)?,
             None => compile()?,
         });
         let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -316,7 +338,7 @@ impl PjrtBackend {
             // Another thread compiled it meanwhile: keep one executable per key.
             return Ok(e);
         }
-        c.entry(text.to_string()).or_default().push((options.clone(), exe.clone()));
+        c.entry(key.to_string()).or_default().push((options.clone(), exe.clone()));
         Ok(exe)
     }
 

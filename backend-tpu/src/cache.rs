@@ -66,8 +66,14 @@ fn cpu_features() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
-fn hex(d: &[u8]) -> String {
+/// Bytes as lower-case hexadecimal.
+pub fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The SHA-256 of `bytes` in hexadecimal.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
 }
 
 impl DiskCache {

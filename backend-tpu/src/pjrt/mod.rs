@@ -422,8 +422,14 @@ impl Client {
 
     /// Compiles a StableHLO module with the given options (Note [Compile options]).
     pub fn compile_with(self: &Arc<Self>, mlir: &str, options: &CompileOptions) -> Result<Executable> {
+        self.compile_code(mlir.as_bytes(), options).map_err(|e| custom_context(e, mlir))
+    }
+
+    /// Compiles a program in the plugin's "mlir" format: MLIR text, or MLIR
+    /// bytecode such as a StableHLO portable artifact.
+    pub fn compile_code(self: &Arc<Self>, code: &[u8], options: &CompileOptions) -> Result<Executable> {
         let format = b"mlir";
-        let mut code = mlir.as_bytes().to_vec();
+        let mut code = code.to_vec();
         let mut p = ffi::PJRT_Program::new();
         p.code = code.as_mut_ptr() as *mut _;
         p.code_size = code.len();
@@ -435,7 +441,7 @@ impl Client {
         a.program = &p;
         a.compile_options = opts.as_ptr() as *const _;
         a.compile_options_size = opts.len();
-        self.api.call("Client_Compile", self.api.t().client_compile, &mut a).map_err(|e| custom_context(e, mlir))?;
+        self.api.call("Client_Compile", self.api.t().client_compile, &mut a)?;
         Executable::own(self, a.executable)
     }
 }
