@@ -20,6 +20,7 @@ mod local;
 pub mod lower;
 mod mode;
 pub mod pjrt;
+pub mod portable;
 mod process_group;
 pub mod store;
 

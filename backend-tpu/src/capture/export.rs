@@ -169,12 +169,25 @@ impl Program {
     /// Compiles `text` (through the compile cache) for `device`; `results`
     /// are the dtype and shape of each result.
     pub fn compile(device: Device, text: &str, results: &[(DType, Vec<usize>)]) -> Result<Program> {
+        Self::on(device, results, |backend| backend.executable(text))
+    }
+
+    /// [`Program::compile`] of a StableHLO portable artifact (MLIR bytecode,
+    /// see [`crate::portable`]) instead of text.
+    pub fn compile_artifact(device: Device, bytes: &[u8], results: &[(DType, Vec<usize>)]) -> Result<Program> {
+        Self::on(device, results, |backend| backend.executable_of_artifact(bytes))
+    }
+
+    fn on(
+        device: Device,
+        results: &[(DType, Vec<usize>)],
+        exe: impl FnOnce(&crate::PjrtBackend) -> Result<Arc<crate::pjrt::Executable>>,
+    ) -> Result<Program> {
         let backend = crate::backend()?;
         if !matches!(device, Device::Tpu(_)) {
             return Err(Error::device(EXPORT, format!("exported programs run on PJRT devices, not {device}")));
         }
-        let exe = backend.executable(text)?;
-        Ok(Program { exe, device, results: results.to_vec() })
+        Ok(Program { exe: exe(backend)?, device, results: results.to_vec() })
     }
 
     /// Runs the program on `args` (whole flat tensors on the program's
