@@ -44,6 +44,10 @@ pub const TARGET: &str = "1.0.0";
 /// The portable artifact of `module`, a one-device program as kiln's lowering
 /// writes it; `Err` says what has no portable form.
 pub fn serialize(module: &str) -> Result<Vec<u8>, String> {
+    // Attributes and types are written null-terminated.
+    if module.contains('\0') {
+        return Err("the program text holds a NUL character".into());
+    }
     let m = parse::module(module)?;
     let funcs = vhlo::module(&m)?;
     bytecode::write(&m.attrs, &funcs, &format!("StableHLO_v{TARGET}"))
