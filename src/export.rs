@@ -2,6 +2,7 @@
 //! writes a compiled function as a directory that runs without the
 //! function's code, [`load`] runs it (Note \[Export\]).
 use crate::nn::io::{load_safetensors, save_safetensors};
+use crate::tpu::cache::{hex, sha256_hex};
 use crate::tpu::{ArgKind, Compiled, ExportedProgram, Program, ResultKind};
 use crate::{DType, Device, Error, Layout, Result, Tensor};
 use serde_json::{json, Value};
@@ -17,27 +18,32 @@ use std::path::Path;
 // code of its own:
 //
 // * `program.mlir`: the one-device StableHLO module, MLIR text in the generic
-//   op form kiln emits. PJRT plugins and IREE parse it; kiln holds no MLIR
-//   library, so it does not write the bytecode of StableHLO's portable
-//   artifacts, and records instead the StableHLO version of the plugin that
-//   compiled the program. Arguments and results are flat (1-D) buffers, as
-//   every kiln program's are (Note [Views of flat buffers]).
+//   op form kiln emits (PJRT plugins and IREE parse it). Arguments and
+//   results are flat (1-D) buffers, as every kiln program's are (Note [Views
+//   of flat buffers]).
+// * `program.mlirbc`: the same program as a StableHLO portable artifact (VHLO
+//   in MLIR bytecode, Note [Portable artifacts] in kiln-tpu), which StableHLO
+//   promises later versions read; `load` compiles it. A program with no
+//   portable form (a custom op's StableHLO written in the pretty form) has
+//   none, and the manifest says why.
 // * `weights.safetensors`: what the program reads besides the inputs, flat:
 //   `state.{k}` (parameters, caches: what they held before the call) and
 //   `const.{k}` (the trace's constants), `k` the argument's position.
-// * `manifest.json`: the format and kiln versions, the plugin, each argument
+// * `manifest.json`: the format and kiln versions, the plugin and its
+//   StableHLO version, the artifact's target StableHLO version, each argument
 //   (input i, state or constant; dtype, shape), each result (computed, the
 //   new value of state argument k, state the function creates without
 //   reading it (a cache it fills, which the program computes on every call:
 //   "discarded"), or a device-side check with its message),
 //   each returned tensor (result, shape, strides, offset, dtype), the
 //   inputs' shapes and dtypes, the placement (one device), and the SHA-256 of
-//   the program and the weights.
+//   the program, the artifact and the weights.
 //
-// `export::load(dir, device)` checks the format, both checksums and the
-// manifest against the weights, uploads the weights and compiles the program
-// (through the compile cache). `Exported::call` checks the inputs' shapes
-// and dtypes, runs the program, fails on a false check, keeps the new values
+// `export::load(dir, device)` checks the format, the checksums and the
+// manifest against the weights, uploads the weights and compiles the
+// portable artifact when there is one, else the text (through the compile
+// cache). `Exported::call` checks the inputs' shapes and dtypes, runs the
+// program, fails on a false check, keeps the new values
 // of state the function writes (a KV cache carries over to the next call)
 // and returns the tensors. A function that writes its inputs, returns an
 // input or state unchanged, or reads an undeclared host value is refused at
@@ -46,20 +52,13 @@ use std::path::Path;
 const FORMAT: &str = "kiln-export";
 const FORMAT_VERSION: u64 = 1;
 const PROGRAM: &str = "program.mlir";
+const ARTIFACT: &str = "program.mlirbc";
 const WEIGHTS: &str = "weights.safetensors";
 const MANIFEST: &str = "manifest.json";
 const OP: &str = "export";
 
 fn invalid(msg: impl Into<String>) -> Error {
     Error::invalid(OP, msg.into())
-}
-
-fn hex(digest: &[u8]) -> String {
-    digest.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
 }
 
 fn io(path: &Path, e: std::io::Error) -> Error {
@@ -135,11 +134,23 @@ where
         .find_map(|kv| kv.strip_prefix("stablehlo_current_version="))
         .unwrap_or("unknown")
         .to_string();
+    // The portable artifact, when every op of the program has a VHLO form.
+    let artifact = crate::tpu::portable::serialize(&program_text);
+    let portable = match &artifact {
+        Ok(bytes) => json!({
+            "file": ARTIFACT,
+            "sha256": sha256_hex(bytes),
+            "form": "StableHLO portable artifact (VHLO, MLIR bytecode)",
+            "stablehlo_target_version": crate::tpu::portable::TARGET,
+        }),
+        Err(why) => json!({"unavailable": why}),
+    };
     let manifest = json!({
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "kiln_version": env!("CARGO_PKG_VERSION"),
         "program": {"file": PROGRAM, "sha256": sha256_hex(program_text.as_bytes()), "form": "StableHLO, MLIR text (generic op form)", "stablehlo_version": stablehlo},
+        "portable": portable,
         "weights": {"file": WEIGHTS, "sha256": weights_sha},
         "traced_on": {"platform": client.platform(), "platform_version": client.platform_version(), "plugin": plugin},
         "placement": "one device",
@@ -149,6 +160,14 @@ where
         "outputs": returns,
     });
     crate::nn::io::write_atomic(&dir.join(PROGRAM), |w| w.write_all(program_text.as_bytes()))?;
+    match &artifact {
+        Ok(bytes) => crate::nn::io::write_atomic(&dir.join(ARTIFACT), |w| w.write_all(bytes))?,
+        // An artifact of an earlier export of another function must not stay beside this one.
+        Err(_) => match std::fs::remove_file(dir.join(ARTIFACT)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&dir.join(ARTIFACT), e)),
+            _ => {}
+        },
+    }
     let text = serde_json::to_string_pretty(&manifest).map_err(|e| invalid(e.to_string()))?;
     crate::nn::io::write_atomic(&dir.join(MANIFEST), |w| w.write_all(text.as_bytes()))?;
     Ok(outs)
@@ -348,7 +367,16 @@ pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<Exported> {
         outputs.push(Output { result, layout });
     }
     check_signature(&program_text, &arg_types, &result_types)?;
-    let program = Program::compile(device, &program_text, &result_types)?;
+    // The portable artifact when there is one (a later plugin reads it as
+    // this one did), else the text.
+    let program = match m.get("portable").filter(|p| p.get("file").is_some()) {
+        Some(entry) => {
+            let path = checked_file(dir, entry, "the portable artifact")?;
+            let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+            Program::compile_artifact(device, &bytes, &result_types)?
+        }
+        None => Program::compile(device, &program_text, &result_types)?,
+    };
     Ok(Exported { program, device, args, inputs, results, outputs, manifest: m })
 }
 
