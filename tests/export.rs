@@ -196,13 +196,26 @@ fn functions_an_artifact_cannot_reproduce_are_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The python of a virtual environment with IREE's compiler and runtime
-/// (`scripts/setup-iree-venv` creates it on first use, from PyPI).
+/// The python of the virtual environment a setup script creates on first use
+/// (from PyPI) and prints; once per process, so that tests running side by
+/// side do not install into one environment at once.
+fn python_from(script: &str) -> String {
+    static PYTHONS: std::sync::Mutex<BTreeMap<String, String>> = std::sync::Mutex::new(BTreeMap::new());
+    let mut known = PYTHONS.lock().unwrap_or_else(|e| e.into_inner());
+    known
+        .entry(script.to_string())
+        .or_insert_with(|| {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts").join(script);
+            let out = Command::new(&path).output().unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(out.status.success(), "{} failed:\n{}", path.display(), String::from_utf8_lossy(&out.stderr));
+            String::from_utf8(out.stdout).unwrap().lines().last().unwrap_or_default().trim().to_string()
+        })
+        .clone()
+}
+
+/// The python of the environment with IREE's compiler and runtime.
 fn python_with_iree() -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-iree-venv");
-    let out = Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
+    python_from("setup-iree-venv")
 }
 
 #[test]
@@ -288,17 +301,10 @@ fn custom_ops_export_and_run_in_iree() {
     let _ = std::fs::remove_dir_all(&scratch);
 }
 
-/// The python of the virtual environment with JAX (`scripts/setup-jax-venv`
-/// creates it on first use, from PyPI): its jaxlib holds StableHLO's own
+/// The python of the environment with JAX: its jaxlib holds StableHLO's own
 /// serialization.
-fn python_with_jax() -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-jax-venv");
-    let out = Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    let venv = std::env::var_os("KILN_JAX_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/kiln/jax-venv"));
-    venv.join("bin/python")
+fn python_with_jax() -> String {
+    python_from("setup-jax-venv")
 }
 
 /// Exports `f` on `inputs` to `dir`, runs the export in a second process
