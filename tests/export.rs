@@ -307,6 +307,17 @@ fn python_with_jax() -> String {
     python_from("setup-jax-venv")
 }
 
+/// Runs `tests/check_portable.py` (jaxlib's StableHLO) on export directories.
+fn check_portable(dirs: &[PathBuf]) {
+    let run = Command::new(python_with_jax())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_portable.py"))
+        .args(dirs)
+        .output()
+        .expect("python starts");
+    assert!(run.status.success(), "check_portable.py failed:\n{}", String::from_utf8_lossy(&run.stderr));
+    print!("{}", String::from_utf8_lossy(&run.stdout));
+}
+
 /// Exports `f` on `inputs` to `dir`, runs the export in a second process
 /// (which compiles the portable artifact) and returns the outputs of both.
 fn export_and_run<F>(f: &mut kiln::Compiled<F>, inputs: &[Tensor], dir: &Path) -> (Vec<Tensor>, Vec<Tensor>)
@@ -417,13 +428,7 @@ fn portable_artifacts_run_and_equal_stablehlos_own() {
     same("attention, grouped products, random numbers", &here, &there);
     dirs.push(dir);
 
-    let run = Command::new(python_with_jax())
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_portable.py"))
-        .args(&dirs)
-        .output()
-        .expect("python starts");
-    assert!(run.status.success(), "check_portable.py failed:\n{}", String::from_utf8_lossy(&run.stderr));
-    print!("{}", String::from_utf8_lossy(&run.stdout));
+    check_portable(&dirs);
 
     // The artifact is what load compiles: a modified one is refused by its
     // checksum, and one whose checksum was updated too fails to compile.
@@ -467,12 +472,6 @@ fn hand_written_programs_serialize_as_stablehlo_does() {
         std::fs::write(dir.join("manifest.json"), manifest.to_string()).unwrap();
         dirs.push(dir);
     }
-    let run = Command::new(python_with_jax())
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_portable.py"))
-        .args(&dirs)
-        .output()
-        .expect("python starts");
-    assert!(run.status.success(), "check_portable.py failed:\n{}", String::from_utf8_lossy(&run.stderr));
-    print!("{}", String::from_utf8_lossy(&run.stdout));
+    check_portable(&dirs);
     let _ = std::fs::remove_dir_all(&scratch);
 }
