@@ -229,21 +229,42 @@ fn list<'a>(m: &'a Value, key: &str) -> Result<&'a Vec<Value>> {
     field(m, key, "the manifest")?.as_array().ok_or_else(|| invalid(format!("manifest: {key:?} is not a list")))
 }
 
-/// The path of the file `entry` names in `dir`, checked against the
-/// manifest's SHA-256.
-fn checked_file(dir: &Path, entry: &Value, what: &str) -> Result<std::path::PathBuf> {
+/// The path of the file `entry` names in `dir`.
+fn entry_path(dir: &Path, entry: &Value, what: &str) -> Result<std::path::PathBuf> {
     let name = str_of(entry, "file", what)?;
     if name.contains(['/', '\\']) || name == ".." {
         return Err(invalid(format!("manifest: {what} file {name:?} is not a file name in the directory")));
     }
-    let path = dir.join(name);
-    if sha256_file(&path)? != str_of(entry, "sha256", what)? {
+    Ok(dir.join(name))
+}
+
+/// Fails unless `digest` is the manifest's SHA-256 for `path`.
+fn check_digest(path: &Path, digest: &str, entry: &Value, what: &str) -> Result<()> {
+    if digest != str_of(entry, "sha256", what)? {
         return Err(invalid(format!(
             "{} does not match its checksum in the manifest (modified or corrupt)",
             path.display()
         )));
     }
+    Ok(())
+}
+
+/// The path of the file `entry` names in `dir`, checked against the
+/// manifest's SHA-256 reading it in pieces (the weights: read again by
+/// their loader).
+fn checked_file(dir: &Path, entry: &Value, what: &str) -> Result<std::path::PathBuf> {
+    let path = entry_path(dir, entry, what)?;
+    check_digest(&path, &sha256_file(&path)?, entry, what)?;
     Ok(path)
+}
+
+/// The bytes of the file `entry` names in `dir` (the program, the
+/// artifact), read once and checked against the manifest's SHA-256.
+fn checked_bytes(dir: &Path, entry: &Value, what: &str) -> Result<Vec<u8>> {
+    let path = entry_path(dir, entry, what)?;
+    let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+    check_digest(&path, &sha256_hex(&bytes), entry, what)?;
+    Ok(bytes)
 }
 
 /// Checks that the program's `@main` takes and returns the flat types the
@@ -285,8 +306,7 @@ pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<Exported> {
     if version as u64 != FORMAT_VERSION {
         return Err(invalid(format!("export format version {version}; this kiln reads version {FORMAT_VERSION}")));
     }
-    let program_path = checked_file(dir, field(&m, "program", "the manifest")?, "the program")?;
-    let program_bytes = std::fs::read(&program_path).map_err(|e| io(&program_path, e))?;
+    let program_bytes = checked_bytes(dir, field(&m, "program", "the manifest")?, "the program")?;
     let program_text = String::from_utf8(program_bytes).map_err(|_| invalid("the program is not UTF-8 text"))?;
     let weights = load_safetensors(checked_file(dir, field(&m, "weights", "the manifest")?, "the weights")?)?;
     let inputs = list(&m, "inputs")?
@@ -371,8 +391,7 @@ pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<Exported> {
     // this one did), else the text.
     let program = match m.get("portable").filter(|p| p.get("file").is_some()) {
         Some(entry) => {
-            let path = checked_file(dir, entry, "the portable artifact")?;
-            let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+            let bytes = checked_bytes(dir, entry, "the portable artifact")?;
             Program::compile_artifact(device, &bytes, &result_types)?
         }
         None => Program::compile(device, &program_text, &result_types)?,
