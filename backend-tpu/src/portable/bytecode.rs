@@ -3,7 +3,7 @@
 //! and types are written in their textual form (the format's "assembly
 //! format fallback"), which every reader parses with the dialect's own
 //! parser; everything else is the binary encoding.
-use super::vhlo::{VOp, VRegion};
+use super::parse::{Op, Region};
 use std::collections::HashMap;
 
 /// The bytecode version written: the one StableHLO's own portable artifacts
@@ -106,7 +106,7 @@ impl Scope {
 
 /// The number of values a region defines directly: its arguments and the
 /// results of its own ops.
-fn region_values(r: &VRegion) -> u64 {
+fn region_values(r: &Region) -> u64 {
     (r.args.len() + r.ops.iter().map(|o| o.results.len()).sum::<usize>()) as u64
 }
 
@@ -117,7 +117,7 @@ fn dict(attrs: &[(String, String)]) -> String {
 
 /// The bytecode of `builtin.module` holding `funcs`, with the module's own
 /// attributes `module_attrs` (text, builtin syntax), produced by `producer`.
-pub(crate) fn write(module_attrs: &[(String, String)], funcs: &[VOp], producer: &str) -> Result<Vec<u8>, String> {
+pub(crate) fn write(module_attrs: &[(String, String)], funcs: &[Op], producer: &str) -> Result<Vec<u8>, String> {
     let mut t = Tables::default();
     for d in DIALECTS {
         t.string(d);
@@ -218,7 +218,7 @@ pub(crate) fn write(module_attrs: &[(String, String)], funcs: &[VOp], producer: 
 }
 
 /// Writes op `o`, then its regions.
-fn op(ir: &mut Vec<u8>, t: &mut Tables, scope: &mut Scope, o: &VOp, loc: u64) -> Result<(), String> {
+fn op(ir: &mut Vec<u8>, t: &mut Tables, scope: &mut Scope, o: &Op, loc: u64) -> Result<(), String> {
     let name = t.op_name(&o.name)?;
     varint(ir, name);
     let mut mask = 0;
@@ -267,7 +267,7 @@ fn op(ir: &mut Vec<u8>, t: &mut Tables, scope: &mut Scope, o: &VOp, loc: u64) ->
     Ok(())
 }
 
-fn region(ir: &mut Vec<u8>, t: &mut Tables, scope: &mut Scope, base: u64, r: &VRegion, loc: u64) -> Result<(), String> {
+fn region(ir: &mut Vec<u8>, t: &mut Tables, scope: &mut Scope, base: u64, r: &Region, loc: u64) -> Result<(), String> {
     varint(ir, 1);
     varint(ir, region_values(r));
     let mut names = HashMap::new();

@@ -27,7 +27,8 @@ pub(crate) struct Func {
     pub body: Vec<Op>,
 }
 
-/// An operation in the generic form.
+/// An operation in the generic form (StableHLO as parsed, VHLO once
+/// converted).
 #[derive(Debug)]
 pub(crate) struct Op {
     /// The values it defines: `%v` or, for `%v:2`, `%v#0` and `%v#1`.

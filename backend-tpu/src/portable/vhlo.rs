@@ -2,25 +2,10 @@
 //! artifacts]): every op becomes its `_v1` form as StableHLO 1.0.0 defines
 //! it, with the attributes VHLO spells out (defaults included, as
 //! `stablehlo-legalize-to-vhlo` adds them) in VHLO's attribute syntax.
-use super::parse::{Func, Module, Op};
-
-/// A VHLO op: the parsed op with its name, attributes and types converted.
-#[derive(Debug)]
-pub(crate) struct VOp {
-    pub name: String,
-    pub results: Vec<String>,
-    pub result_types: Vec<String>,
-    pub operands: Vec<String>,
-    pub attrs: Vec<(String, String)>,
-    pub regions: Vec<VRegion>,
-}
-
-/// A region of one block with its arguments' VHLO types.
-#[derive(Debug)]
-pub(crate) struct VRegion {
-    pub args: Vec<(String, String)>,
-    pub ops: Vec<VOp>,
-}
+//!
+//! The result keeps the parsed form (`Op`, `Region`): names, attributes and
+//! types are VHLO's.
+use super::parse::{Func, Module, Op, Region};
 
 /// The StableHLO ops whose `_v1` form StableHLO 1.0.0 reads and whose
 /// attributes this conversion knows.
@@ -103,13 +88,14 @@ const V1_OPS: &[&str] = &[
     "xor",
 ];
 
-/// Converts a parsed module; the module's own attributes stay as written.
-pub(crate) fn module(m: &Module) -> Result<Vec<VOp>, String> {
+/// Converts a parsed module's functions; its own attributes stay as written.
+pub(crate) fn module(m: &Module) -> Result<Vec<Op>, String> {
     m.funcs.iter().map(func).collect()
 }
 
-fn func(f: &Func) -> Result<VOp, String> {
-    let args: Vec<String> = f.args.iter().map(|(_, t)| ty(t)).collect::<Result<_, _>>()?;
+fn func(f: &Func) -> Result<Op, String> {
+    let body = region(&f.args, &f.body)?;
+    let args: Vec<&str> = body.args.iter().map(|(_, t)| t.as_str()).collect();
     let results: Vec<String> = f.results.iter().map(|t| ty(t)).collect::<Result<_, _>>()?;
     let fty = format!("#vhlo.type_v1<!vhlo.func_v1<({}) -> {}>>", args.join(", "), results.join(", "));
     let arg_attrs = if f.arg_attrs.iter().all(Vec::is_empty) {
@@ -135,8 +121,7 @@ fn func(f: &Func) -> Result<VOp, String> {
         ("sym_name".into(), format!("#vhlo.string_v1<\"{}\">", f.name)),
         ("sym_visibility".into(), format!("#vhlo.string_v1<\"{}\">", if f.public { "public" } else { "private" })),
     ];
-    let body = VRegion { args: convert_args(&f.args)?, ops: f.body.iter().map(op).collect::<Result<_, _>>()? };
-    Ok(VOp {
+    Ok(Op {
         name: "vhlo.func_v1".into(),
         results: vec![],
         result_types: vec![],
@@ -146,11 +131,15 @@ fn func(f: &Func) -> Result<VOp, String> {
     })
 }
 
-fn convert_args(args: &[(String, String)]) -> Result<Vec<(String, String)>, String> {
-    args.iter().map(|(n, t)| Ok((n.clone(), ty(t)?))).collect()
+/// The region of arguments `args` and operations `ops`, converted.
+fn region(args: &[(String, String)], ops: &[Op]) -> Result<Region, String> {
+    Ok(Region {
+        args: args.iter().map(|(n, t)| Ok((n.clone(), ty(t)?))).collect::<Result<_, String>>()?,
+        ops: ops.iter().map(op).collect::<Result<_, _>>()?,
+    })
 }
 
-fn op(o: &Op) -> Result<VOp, String> {
+fn op(o: &Op) -> Result<Op, String> {
     let name = match o.name.as_str() {
         "func.return" | "stablehlo.return" => "vhlo.return_v1".to_string(),
         "func.call" => "vhlo.call_v1".to_string(),
@@ -166,18 +155,13 @@ fn op(o: &Op) -> Result<VOp, String> {
     }
     defaults(short, o, &mut attrs)?;
     attrs.sort();
-    let regions = o
-        .regions
-        .iter()
-        .map(|r| Ok(VRegion { args: convert_args(&r.args)?, ops: r.ops.iter().map(op).collect::<Result<_, _>>()? }))
-        .collect::<Result<_, String>>()?;
-    Ok(VOp {
+    Ok(Op {
         name,
         results: o.results.clone(),
         result_types: o.result_types.iter().map(|t| ty(t)).collect::<Result<_, _>>()?,
         operands: o.operands.clone(),
         attrs,
-        regions,
+        regions: o.regions.iter().map(|r| region(&r.args, &r.ops)).collect::<Result<_, _>>()?,
     })
 }
 
