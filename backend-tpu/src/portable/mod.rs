@@ -107,6 +107,12 @@ mod tests {
     %v1 = "stablehlo.gather"(%a0, %i) {dimension_numbers = #stablehlo.gather<offset_dims = [1], operand_batching_dims = [0], start_indices_batching_dims = [0], start_index_map = [0], index_vector_dim = 1>, slice_sizes = array<i64: 1, 4>} : (tensor<2x4xf32>, tensor<2x1xi64>) -> tensor<2x4xf32>"#,
             "batching dimensions",
         );
+        // A field the conversion does not know is refused, not dropped.
+        refused(
+            "tensor<4x4xf32>",
+            r#"    %v1 = "stablehlo.dot_general"(%a0, %a0) {dot_dimension_numbers = #stablehlo.dot<lhs_contracting_dimensions = [1], rhs_contracting_dimensions = [0], lhs_ragged_dimensions = [0]>} : (tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>"#,
+            "field lhs_ragged_dimensions",
+        );
         refused(
             t,
             r#"    %v1 = "stablehlo.add"(%a0, %nope) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>"#,

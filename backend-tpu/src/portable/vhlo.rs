@@ -218,39 +218,32 @@ fn defaults(op: &str, o: &Op, attrs: &mut Vec<(String, String)>) -> Result<(), S
 fn attribute(op: &str, k: &str, v: &str) -> Result<Vec<(String, String)>, String> {
     let one = |x: String| Ok(vec![(k.to_string(), x)]);
     match (op, k) {
-        ("dot_general", "dot_dimension_numbers") => {
-            let f = fields(v, "#stablehlo.dot<")?;
-            [
+        ("dot_general", "dot_dimension_numbers") => struct_attr(
+            v,
+            "#stablehlo.dot<",
+            &[
                 "lhs_batching_dimensions",
                 "rhs_batching_dimensions",
                 "lhs_contracting_dimensions",
                 "rhs_contracting_dimensions",
-            ]
-            .iter()
-            .map(|n| Ok((n.to_string(), i64_tensor(&field_list(&f, n)?))))
-            .collect()
-        }
-        ("gather", "dimension_numbers") => {
-            let f = fields(v, "#stablehlo.gather<")?;
-            batching_free(&f, &["operand_batching_dims", "start_indices_batching_dims"])?;
-            let mut out: Vec<(String, String)> = ["offset_dims", "collapsed_slice_dims", "start_index_map"]
-                .iter()
-                .map(|n| Ok((n.to_string(), i64_tensor(&field_list(&f, n)?))))
-                .collect::<Result<_, String>>()?;
-            out.push(("index_vector_dim".into(), field_int(&f, "index_vector_dim")?));
-            Ok(out)
-        }
-        ("scatter", "scatter_dimension_numbers") => {
-            let f = fields(v, "#stablehlo.scatter<")?;
-            batching_free(&f, &["input_batching_dims", "scatter_indices_batching_dims"])?;
-            let mut out: Vec<(String, String)> =
-                ["update_window_dims", "inserted_window_dims", "scatter_dims_to_operand_dims"]
-                    .iter()
-                    .map(|n| Ok((n.to_string(), i64_tensor(&field_list(&f, n)?))))
-                    .collect::<Result<_, String>>()?;
-            out.push(("index_vector_dim".into(), field_int(&f, "index_vector_dim")?));
-            Ok(out)
-        }
+            ],
+            &[],
+            &[],
+        ),
+        ("gather", "dimension_numbers") => struct_attr(
+            v,
+            "#stablehlo.gather<",
+            &["offset_dims", "collapsed_slice_dims", "start_index_map"],
+            &["index_vector_dim"],
+            &["operand_batching_dims", "start_indices_batching_dims"],
+        ),
+        ("scatter", "scatter_dimension_numbers") => struct_attr(
+            v,
+            "#stablehlo.scatter<",
+            &["update_window_dims", "inserted_window_dims", "scatter_dims_to_operand_dims"],
+            &["index_vector_dim"],
+            &["input_batching_dims", "scatter_indices_batching_dims"],
+        ),
         ("custom_call", "api_version") => {
             let n = v.split(':').next().unwrap_or_default().trim();
             let name = match n {
@@ -349,13 +342,33 @@ fn field_int(f: &[(String, String)], name: &str) -> Result<String, String> {
     Ok(format!("#vhlo.integer_v1<{n} : i64>"))
 }
 
-fn batching_free(f: &[(String, String)], names: &[&str]) -> Result<(), String> {
-    for n in names {
-        if !field_list(f, n)?.is_empty() {
+/// The fields of struct attribute `v` (`prefix...>`) as VHLO attributes of
+/// their own: `lists` as i64 tensors, `ints` as integers. The `batching`
+/// lists have no VHLO 1.0.0 form and must be empty; any other field is an
+/// error (never dropped).
+fn struct_attr(
+    v: &str,
+    prefix: &str,
+    lists: &[&str],
+    ints: &[&str],
+    batching: &[&str],
+) -> Result<Vec<(String, String)>, String> {
+    let f = fields(v, prefix)?;
+    let known = |k: &str| lists.contains(&k) || ints.contains(&k) || batching.contains(&k);
+    if let Some((k, _)) = f.iter().find(|(k, _)| !known(k)) {
+        return Err(format!("field {k} has no VHLO 1.0.0 form kiln writes"));
+    }
+    for n in batching {
+        if !field_list(&f, n)?.is_empty() {
             return Err(format!("{n} (batching dimensions) has no VHLO 1.0.0 form"));
         }
     }
-    Ok(())
+    let mut out: Vec<(String, String)> =
+        lists.iter().map(|n| Ok((n.to_string(), i64_tensor(&field_list(&f, n)?)))).collect::<Result<_, String>>()?;
+    for n in ints {
+        out.push((n.to_string(), field_int(&f, n)?));
+    }
+    Ok(out)
 }
 
 /// Splits at top-level commas (outside brackets and strings).
