@@ -104,12 +104,6 @@ impl Scope {
     }
 }
 
-/// The number of values a region defines directly: its arguments and the
-/// results of its own ops.
-fn region_values(r: &Region) -> u64 {
-    (r.args.len() + r.ops.iter().map(|o| o.results.len()).sum::<usize>()) as u64
-}
-
 fn dict(attrs: &[(String, String)]) -> String {
     let items: Vec<String> = attrs.iter().map(|(k, v)| format!("{k} = {v}")).collect();
     format!("{{{}}}", items.join(", "))
@@ -156,23 +150,14 @@ pub(crate) fn write(module_attrs: &[(String, String)], funcs: &[Op], producer: &
     for (i, _) in DIALECTS.iter().enumerate() {
         varint(&mut ds, (i as u64) << 1);
     }
-    for d in 0..DIALECTS.len() as u64 {
-        let names: Vec<u64> = t.op_names.iter().filter(|(od, _)| *od == d).map(|(_, s)| *s).collect();
-        if names.is_empty() {
-            continue;
-        }
-        varint(&mut ds, d);
-        varint(&mut ds, names.len() as u64);
-        for s in names {
+    // Op names are numbered in the order the groups list them; a group per
+    // run of one dialect keeps the interning order (a dialect may have several).
+    for run in t.op_names.chunk_by(|a, b| a.0 == b.0) {
+        varint(&mut ds, run[0].0);
+        varint(&mut ds, run.len() as u64);
+        for &(_, s) in run {
             varint(&mut ds, s);
         }
-    }
-    // Op name indices in the IR count in the order the dialect section lists
-    // them, which groups by dialect: renumber if the interning order differs.
-    let mut order: Vec<usize> = (0..t.op_names.len()).collect();
-    order.sort_by_key(|&i| t.op_names[i].0);
-    if order.iter().enumerate().any(|(k, &i)| k != i) {
-        return Err("internal: op names must be interned dialect by dialect".into());
     }
 
     // Attributes and types as text, each null-terminated, in one group.
@@ -268,20 +253,17 @@ fn op(ir: &mut Vec<u8>, t: &mut Tables, scope: &mut Scope, o: &Op, loc: u64) -> 
 }
 
 fn region(ir: &mut Vec<u8>, t: &mut Tables, scope: &mut Scope, base: u64, r: &Region, loc: u64) -> Result<(), String> {
-    varint(ir, 1);
-    varint(ir, region_values(r));
+    // The values the region defines directly (its arguments, its own ops'
+    // results), numbered from `base`.
     let mut names = HashMap::new();
-    let mut next = base;
-    for (n, _) in &r.args {
-        names.insert(n.clone(), next);
-        next += 1;
-    }
-    for o in &r.ops {
-        for n in &o.results {
-            names.insert(n.clone(), next);
-            next += 1;
+    let defined = r.args.iter().map(|(n, _)| n).chain(r.ops.iter().flat_map(|o| &o.results));
+    for (k, n) in defined.enumerate() {
+        if names.insert(n.clone(), base + k as u64).is_some() {
+            return Err(format!("value {n} is defined twice in one region"));
         }
     }
+    varint(ir, 1);
+    varint(ir, names.len() as u64);
     varint(ir, ((r.ops.len() as u64) << 1) | u64::from(!r.args.is_empty()));
     if !r.args.is_empty() {
         varint(ir, r.args.len() as u64);

@@ -118,6 +118,12 @@ mod tests {
             r#"    %v1 = "stablehlo.add"(%a0, %nope) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>"#,
             "%nope",
         );
+        refused(
+            t,
+            r#"    %v1 = "stablehlo.abs"(%a0) : (tensor<4xf32>) -> tensor<4xf32>
+    %v1 = "stablehlo.negate"(%a0) : (tensor<4xf32>) -> tensor<4xf32>"#,
+            "%v1 is defined twice",
+        );
     }
 
     fn enc(v: u64) -> Vec<u8> {
