@@ -124,6 +124,14 @@ mod tests {
     %v1 = "stablehlo.negate"(%a0) : (tensor<4xf32>) -> tensor<4xf32>"#,
             "%v1 is defined twice",
         );
+        refused(
+            t,
+            r#"    %v1:99999999999999 = "stablehlo.abs"(%a0) : (tensor<4xf32>) -> tensor<4xf32>"#,
+            "result count",
+        );
+        // Regions nested past the bound: an error, not a stack overflow.
+        let open = r#""stablehlo.while"() ({ "#.repeat(100_000);
+        refused(t, &format!("    %v1 = {open}"), "nested at most 64 deep");
     }
 
     fn enc(v: u64) -> Vec<u8> {

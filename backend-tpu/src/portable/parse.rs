@@ -49,7 +49,7 @@ pub(crate) struct Region {
 
 /// Parses `text`; an error names what was expected and the text there.
 pub(crate) fn module(text: &str) -> Result<Module, String> {
-    let mut p = Parser { s: text.as_bytes(), i: 0 };
+    let mut p = Parser { s: text.as_bytes(), i: 0, depth: 0 };
     p.keyword("module")?;
     let mut attrs = Vec::new();
     if p.peek() == Some(b'@') {
@@ -70,9 +70,15 @@ pub(crate) fn module(text: &str) -> Result<Module, String> {
     Ok(Module { attrs, funcs })
 }
 
+/// Regions nest at most this deep (kiln's programs nest a few levels; the
+/// bound keeps the recursive reader and writer off the stack's end).
+const MAX_DEPTH: usize = 64;
+
 struct Parser<'a> {
     s: &'a [u8],
     i: usize,
+    /// Regions open at the current position.
+    depth: usize,
 }
 
 impl Parser<'_> {
@@ -294,6 +300,10 @@ impl Parser<'_> {
             let name = self.value()?;
             if self.try_byte(b':') {
                 let n: usize = self.ident().parse().map_err(|_| self.error("a result count"))?;
+                // Each result has a type in the text: a count beyond its length is malformed.
+                if n > self.s.len() {
+                    return Err(self.error("a result count within the text's length"));
+                }
                 results.extend((0..n).map(|k| format!("{name}#{k}")));
             } else {
                 results.push(name);
@@ -346,6 +356,16 @@ impl Parser<'_> {
     }
 
     fn region(&mut self) -> Result<Region, String> {
+        if self.depth == MAX_DEPTH {
+            return Err(self.error(&format!("regions nested at most {MAX_DEPTH} deep")));
+        }
+        self.depth += 1;
+        let r = self.region_body();
+        self.depth -= 1;
+        r
+    }
+
+    fn region_body(&mut self) -> Result<Region, String> {
         self.expect(b'{')?;
         let mut args = Vec::new();
         if self.peek() == Some(b'^') {
