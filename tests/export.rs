@@ -444,6 +444,13 @@ fn portable_artifacts_run_and_equal_stablehlos_own() {
     let resigned = manifest.replace(&kiln::tpu::cache::sha256_hex(&good), &kiln::tpu::cache::sha256_hex(&bad));
     std::fs::write(dir.join("manifest.json"), resigned).unwrap();
     assert_err(kiln::export::load(&dir, tpu), &["portable artifact"]);
+    // An empty artifact, re-signed too: an error from the plugin, not a crash.
+    std::fs::write(&path, b"").unwrap();
+    let resigned = std::fs::read_to_string(dir.join("manifest.json"))
+        .unwrap()
+        .replace(&kiln::tpu::cache::sha256_hex(&bad), &kiln::tpu::cache::sha256_hex(b""));
+    std::fs::write(dir.join("manifest.json"), resigned).unwrap();
+    assert_err(kiln::export::load(&dir, tpu), &["portable artifact"]);
     let _ = std::fs::remove_dir_all(&scratch);
 }
 
