@@ -450,16 +450,13 @@ fn the_rms_norm_primitive_differentiates_its_rstd() {
     }
 }
 
-/// Held by the tests that switch batch invariance (a process-wide setting).
-static INVARIANCE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// The CPU kernel's in-place way for decoding rows (batch invariance off)
 /// against its gathered way (checked above against attention), at head
 /// sizes past one vector of lanes, with grouped heads, one sequence alone
 /// (its heads split across threads) and many at once.
 #[test]
 fn paged_attention_direct_rows_equal_gathered_rows() {
-    let _one = INVARIANCE.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = common::batch_invariance(false);
     let (h, hk, d, bs, blocks) = (6usize, 3usize, 24usize, 4usize, 64usize);
     let kc = input(&[blocks, bs, hk, d], 1, DType::F32, Device::Cpu);
     let vc = input(&[blocks, bs, hk, d], 2, DType::F32, Device::Cpu);
@@ -486,7 +483,6 @@ fn paged_attention_direct_rows_equal_gathered_rows() {
         let err = gathered.iter().zip(&direct).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(err < 1e-5, "{seqs:?}: direct rows differ from gathered rows by {err}");
     }
-    kiln::tensor::set_batch_invariant(false);
 }
 
 /// A pool holding the keys (or values) `x [L, Hk, D]` of each sequence at the
@@ -510,9 +506,8 @@ fn paged_pool(seqs: &[Tensor], tables: &[Vec<i64>], blocks: usize, bs: usize, de
 /// invariance on. Bad metadata is an error naming the value, on every device.
 #[test]
 fn paged_attention_matches_contiguous_attention() {
-    let _one = INVARIANCE.lock().unwrap_or_else(|e| e.into_inner());
-    // Before the reference is computed (no other test of this process depends on it).
-    kiln::tensor::set_batch_invariant(true);
+    // On before the reference is computed.
+    let _one = common::batch_invariance(true);
     let (h, hk, d, bs, blocks) = (4usize, 2usize, 8usize, 4usize, 12usize);
     // (context length, new rows, block table)
     let seqs: Vec<(usize, usize, Vec<i64>)> = vec![

@@ -45,12 +45,34 @@ static INIT: Mutex<()> = Mutex::new(());
 /// `KILN_PJRT_CPU_DEVICES=N` sets the number of devices of the XLA:CPU plugin
 /// (its `cpu_device_count` option; other plugins ignore the variable).
 pub fn register() -> Result<()> {
-    start(None)
+    start(None, None)
+}
+
+/// [`register`] with `n` devices on the XLA:CPU plugin (in place of
+/// `KILN_PJRT_CPU_DEVICES`, which a multi-threaded program cannot set
+/// safely); other plugins ignore the count. A later call asking for another
+/// count than the registered backend has is an error (the count is fixed
+/// when the client starts).
+pub fn register_with_cpu_devices(n: usize) -> Result<()> {
+    if n == 0 {
+        return Err(Error::invalid("register", "the number of XLA:CPU devices must be positive, got 0"));
+    }
+    start(None, Some(n))?;
+    let b = backend()?;
+    let have = b.client().device_count();
+    if b.client().platform().eq_ignore_ascii_case("cpu") && have != n {
+        return Err(Error::invalid(
+            "register",
+            format!("the PJRT backend already started with {have} XLA:CPU devices; {n} were asked for"),
+        ));
+    }
+    Ok(())
 }
 
 /// Loads the plugin and registers the backend (once), as one process of a
-/// process group when `group` is given (see `process_group.rs`).
-fn start(group: Option<&process_group::Joined>) -> Result<()> {
+/// process group when `group` is given (see `process_group.rs`), with
+/// `cpu_devices` XLA:CPU devices when given (else `KILN_PJRT_CPU_DEVICES`).
+fn start(group: Option<&process_group::Joined>, cpu_devices: Option<usize>) -> Result<()> {
     if BACKEND.get().is_some() {
         return match group {
             None => Ok(()),
@@ -69,13 +91,18 @@ fn start(group: Option<&process_group::Joined>) -> Result<()> {
     let api = pjrt::Api::load(&path)?;
     let xla_cpu = path.to_string_lossy().contains("cpu");
     let mut opts = vec![];
-    if let Ok(n) = std::env::var("KILN_PJRT_CPU_DEVICES") {
-        let n: i64 = n
-            .parse()
-            .map_err(|_| Error::invalid("register", format!("KILN_PJRT_CPU_DEVICES={n:?} is not a number")))?;
-        if xla_cpu {
-            opts.push(("cpu_device_count", pjrt::OptionValue::Int(n)));
-        }
+    let count: Option<i64> = match cpu_devices {
+        Some(n) => Some(n as i64),
+        None => match std::env::var("KILN_PJRT_CPU_DEVICES") {
+            Ok(n) => Some(
+                n.parse()
+                    .map_err(|_| Error::invalid("register", format!("KILN_PJRT_CPU_DEVICES={n:?} is not a number")))?,
+            ),
+            Err(_) => None,
+        },
+    };
+    if let (Some(n), true) = (count, xla_cpu) {
+        opts.push(("cpu_device_count", pjrt::OptionValue::Int(n)));
     }
     let store = group.map(|g| {
         opts.extend(process_group::client_options(g, xla_cpu));

@@ -192,7 +192,7 @@ pub fn init_process_group(opts: ProcessGroupOptions) -> Result<&'static ProcessG
             )));
         }
     }
-    crate::start(Some(&Joined { rank: opts.rank, world_size: opts.world_size, store }))?;
+    crate::start(Some(&Joined { rank: opts.rank, world_size: opts.world_size, store }), None)?;
     let client = crate::backend()?.client().clone();
     let mine: Vec<i64> = (0..client.device_count()).map(|i| client.device_id(i)).collect::<Result<_>>()?;
     let bytes: Vec<u8> = mine.iter().flat_map(|d| d.to_le_bytes()).collect();

@@ -20,14 +20,12 @@ use kiln::tpu::{with_mode, Mode};
 use kiln::{DeviceKind, Placement};
 use std::collections::BTreeMap;
 use support::{
-    assert_close, check_logits_and_loss, check_params, fixture_dir, nine_more_steps, register_tpu, rng_lock, temp_dir,
-    tolerance,
+    assert_close, check_logits_and_loss, check_params, fixture_dir, nine_more_steps, register_tpu_with_devices,
+    rng_lock, temp_dir, tolerance,
 };
 
 fn four_devices() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| std::env::set_var("KILN_PJRT_CPU_DEVICES", "4"));
-    register_tpu();
+    register_tpu_with_devices(4);
 }
 
 /// Named parameters (or their gradients) under the Hub's per-expert names.

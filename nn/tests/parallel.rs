@@ -4,7 +4,7 @@
 //! values (logits, loss, every gradient, the global gradient norm clipping
 //! uses, AdamW steps 1 and 10, the loss curve) eagerly (Strict, Debug and
 //! DeferAndFuse mode) and with the AdamW steps captured by `kiln::compile`,
-//! on four devices and on eight (`KILN_PJRT_CPU_DEVICES=8`, set by this
+//! on four devices and on eight (`kiln::tpu::register_with_cpu_devices(8)`, by this
 //! binary before the backend starts); and sharded checkpoints, saved shard by
 //! shard and resumed on other meshes, other recipes and one device.
 mod support;
@@ -20,7 +20,7 @@ use kiln::{distribute_tensor, init_device_mesh, DeviceKind, DeviceMesh, Placemen
 use std::collections::BTreeMap;
 use support::{
     assert_close, check_logits_and_loss, check_params, fixture_dir, nine_more_steps, python_with_safetensors,
-    register_tpu, temp_dir, tolerance,
+    register_tpu_with_devices, temp_dir, tolerance,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -67,10 +67,7 @@ impl Recipe {
 
 /// Registers the PJRT backend with eight XLA:CPU devices.
 fn eight_devices() {
-    // Every test of this binary asks for the same count, once, before the backend starts.
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| std::env::set_var("KILN_PJRT_CPU_DEVICES", "8"));
-    register_tpu();
+    register_tpu_with_devices(8);
 }
 
 /// Loads fixture `name` onto a mesh of `shape` ("dp" and/or "tp" axes),

@@ -137,7 +137,11 @@ fn check_mesh_shape(kind: DeviceKind, shape: &[usize], names: &[&str]) -> Result
         return Err(Error::device(OP, format!("the {} backend has no device meshes", backend.name())));
     }
     let have = backend.device_count();
-    let hint = if kind == DeviceKind::Tpu { " (KILN_PJRT_CPU_DEVICES sets the number of XLA:CPU devices)" } else { "" };
+    let hint = if kind == DeviceKind::Tpu {
+        " (KILN_PJRT_CPU_DEVICES or kiln::tpu::register_with_cpu_devices sets the number of XLA:CPU devices)"
+    } else {
+        ""
+    };
     match shape.iter().try_fold(1usize, |a, &s| a.checked_mul(s)) {
         Some(n) if n <= have => Ok((backend, n)),
         n => Err(Error::device(

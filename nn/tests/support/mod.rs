@@ -7,6 +7,16 @@ use std::path::PathBuf;
 #[path = "../../../tests/common/pjrt_plugin.rs"]
 mod pjrt_plugin;
 
+#[path = "../../../tests/common/child.rs"]
+mod child;
+#[allow(unused_imports)] // each test binary uses a different subset
+pub use child::run_ignored_test_in_child;
+
+#[path = "../../../tests/common/invariance.rs"]
+mod invariance;
+#[allow(unused_imports)]
+pub use invariance::batch_invariance;
+
 /// The logits of `model` on `ids` and their causal-LM loss, checked against
 /// fixture `name`'s golden values (`g`) with its tolerances; returns the loss.
 pub fn check_logits_and_loss(
@@ -127,11 +137,20 @@ pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
 /// Registers the PJRT backend on the XLA:CPU plugin, fetching the plugin first
 /// (`scripts/fetch-pjrt-plugin`) when neither `KILN_PJRT_PLUGIN` nor the cache holds one.
 pub fn register_tpu() {
+    fetch_pjrt_plugin();
+    kiln::tpu::register().unwrap_or_else(|e| panic!("registering the PJRT backend: {e}"));
+}
+
+/// [`register_tpu`] with `n` XLA:CPU devices (every test of a binary must ask
+/// for the same count: the first registration fixes it).
+pub fn register_tpu_with_devices(n: usize) {
+    fetch_pjrt_plugin();
+    kiln::tpu::register_with_cpu_devices(n).unwrap_or_else(|e| panic!("registering the PJRT backend: {e}"));
+}
+
+fn fetch_pjrt_plugin() {
     static READY: std::sync::Once = std::sync::Once::new();
-    READY.call_once(|| {
-        pjrt_plugin::fetch_pjrt_plugin_unless(kiln::tpu::pjrt::find_plugin().is_ok());
-        kiln::tpu::register().unwrap_or_else(|e| panic!("registering the PJRT backend: {e}"));
-    });
+    READY.call_once(|| pjrt_plugin::fetch_pjrt_plugin_unless(kiln::tpu::pjrt::find_plugin().is_ok()));
 }
 
 /// A fresh, empty directory under the system's temporary directory, named for
