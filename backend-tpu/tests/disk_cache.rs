@@ -10,11 +10,9 @@ use std::process::Command;
 
 /// Runs in a child process: compiles (or loads) two programs, prints the counters.
 #[test]
-#[ignore]
+#[ignore = "a child process of the tests below"]
 fn child() {
-    if std::env::var_os("KILN_DISK_CACHE_CHILD").is_none() {
-        return;
-    }
+    assert!(std::env::var_os("KILN_DISK_CACHE_CHILD").is_some(), "run by the tests of this file, with a cache dir");
     kiln_cpu::register();
     kiln_tpu::register().unwrap();
     let x = Tensor::arange(0.0, 12.0, 1.0, (DType::F32, Device::Tpu(0))).unwrap().reshape(&[3, 4]).unwrap();
