@@ -1,5 +1,5 @@
 //! Autoregressive generation with a KV cache: greedy decoding, temperature,
-//! top-k and top-p sampling on the model's device, drawn from a generator
+//! top-k, top-p and min-p sampling on the model's device, drawn from a generator
 //! there (its default one, or one seeded for the call).
 use crate::models::LlamaForCausalLM;
 use kiln_tensor::generator::default_generator;
@@ -7,7 +7,7 @@ use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Error, Generator, Result, Tensor};
 
 /// How each next token is chosen (transformers' order: temperature, then
-/// top-k, then top-p, then a draw from what is left).
+/// top-k, then top-p, then min-p, then a draw from what is left).
 ///
 /// ```
 /// use kiln::nn::generate::Sampling;
@@ -24,6 +24,9 @@ pub struct Sampling {
     /// Keep the smallest set of most likely tokens whose probability reaches
     /// `top_p` (1.0: no limit).
     pub top_p: f64,
+    /// Keep only the tokens at least `min_p` times as likely as the most
+    /// likely one (0.0: no limit; transformers' `MinPLogitsWarper`).
+    pub min_p: f64,
     /// Draws from a generator seeded with it (on the model's device) instead
     /// of the device's default generator: the same seed gives the same tokens
     /// on every device.
@@ -45,7 +48,15 @@ impl Default for Sampling {
 impl Sampling {
     /// Greedy decoding: always the most likely token (the first on ties).
     pub fn greedy() -> Sampling {
-        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, eos_token_ids: vec![], use_cache: true }
+        Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+            eos_token_ids: vec![],
+            use_cache: true,
+        }
     }
 
     /// Sampling at `temperature` (> 0) from the whole distribution.
@@ -62,6 +73,12 @@ impl Sampling {
     /// With nucleus (top-p) filtering.
     pub fn with_top_p(mut self, p: f64) -> Sampling {
         self.top_p = p;
+        self
+    }
+
+    /// With min-p filtering.
+    pub fn with_min_p(mut self, p: f64) -> Sampling {
+        self.min_p = p;
         self
     }
 
@@ -92,13 +109,16 @@ impl Sampling {
         self.check_for("generate")
     }
 
-    /// Checks temperature and top-p, errors naming `op`.
+    /// Checks temperature, top-p and min-p, errors naming `op`.
     pub(crate) fn check_for(&self, op: &'static str) -> Result<()> {
         if self.temperature.is_nan() || self.temperature < 0.0 || self.temperature.is_infinite() {
             return Err(Error::invalid(op, format!("temperature must be >= 0, got {}", self.temperature)));
         }
         if self.top_p.is_nan() || self.top_p <= 0.0 || self.top_p > 1.0 {
             return Err(Error::invalid(op, format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(Error::invalid(op, format!("min_p must be in [0, 1], got {}", self.min_p)));
         }
         Ok(())
     }
@@ -188,9 +208,17 @@ pub fn generate(
 }
 
 /// The next token of each row of `logits: [B, V]` (int64 `[B]`), computed on
-/// the logits' device: greedy argmax, or transformers' warpers (temperature,
-/// top-k, top-p) and a draw from what is left.
+/// the logits' device: greedy argmax, or a draw from the softmax of
+/// [`warp_logits`].
 pub fn choose(logits: &Tensor, s: &Sampling, generator: &Generator) -> Result<Tensor> {
+    check_logits(logits, s)?;
+    if s.is_greedy() {
+        return logits.argmax(Some(-1), false);
+    }
+    generator.multinomial(&warp_logits(logits, s)?.softmax(-1)?, 1, true)?.squeeze_dim(-1)
+}
+
+fn check_logits(logits: &Tensor, s: &Sampling) -> Result<()> {
     s.check()?;
     if logits.ndim() != 2 || !logits.dtype().is_float() {
         return Err(Error::shape(
@@ -198,8 +226,23 @@ pub fn choose(logits: &Tensor, s: &Sampling, generator: &Generator) -> Result<Te
             format!("expected logits [B, V] of a floating dtype, got {:?} {}", logits.shape(), logits.dtype()),
         ));
     }
-    if s.is_greedy() {
-        return logits.argmax(Some(-1), false);
+    Ok(())
+}
+
+/// The float32 logits a sampled token is drawn from (`softmax` of them):
+/// `logits: [B, V]` divided by the temperature, then every token that
+/// top-k, top-p or min-p removes set to `-inf`, as transformers'
+/// `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper` and
+/// `MinPLogitsWarper` do in that order (ties at a boundary are kept, the most
+/// likely token always is). A temperature of 0 is an error here: greedy
+/// decoding does not sample.
+pub fn warp_logits(logits: &Tensor, s: &Sampling) -> Result<Tensor> {
+    check_logits(logits, s)?;
+    if s.temperature == 0.0 {
+        return Err(Error::invalid(
+            "generate",
+            "warp_logits: a temperature of 0 is greedy decoding, which has no distribution",
+        ));
     }
     let v = logits.shape()[1];
     let masked = f64::NEG_INFINITY;
@@ -219,5 +262,12 @@ pub fn choose(logits: &Tensor, s: &Sampling, generator: &Generator) -> Result<Te
         let drop = Tensor::zeros(x.shape(), (DType::Bool, x.device()))?.scatter(-1, &order, &drop_sorted)?;
         x = x.masked_fill(&drop, masked)?;
     }
-    generator.multinomial(&x.softmax(-1)?, 1, true)?.squeeze_dim(-1)
+    if s.min_p > 0.0 {
+        // transformers' MinPLogitsWarper: drop the tokens whose probability is
+        // below min_p times the largest (which is always kept).
+        let probs = x.softmax(-1)?;
+        let top = probs.amax(-1, true)?;
+        x = x.masked_fill(&probs.lt(&top.mul(s.min_p)?)?, masked)?;
+    }
+    Ok(x)
 }

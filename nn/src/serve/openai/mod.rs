@@ -6,8 +6,8 @@
 //!
 //! Requests and answers follow the OpenAI API: `max_tokens` (and
 //! `max_completion_tokens`), `temperature` (default 1; 0 is greedy), `top_p`,
-//! `seed`, `stop` (a string or a list), `stream`, and vLLM's `top_k`
-//! extension; `n` must be 1. Errors come back with OpenAI's status codes and
+//! `seed`, `stop` (a string or a list), `stream`, and vLLM's `top_k` and
+//! `min_p` extensions; `n` must be 1. Errors come back with OpenAI's status codes and
 //! `{"error": {"message", "type", "param", "code"}}` body: 400 for malformed
 //! JSON and bad values (`context_length_exceeded` when the prompt and
 //! `max_tokens` exceed the context), 404 `model_not_found`, 429 when the
@@ -136,6 +136,7 @@ struct Params {
     temperature: Option<f64>,
     top_p: Option<f64>,
     top_k: Option<i64>,
+    min_p: Option<f64>,
     n: Option<i64>,
     stream: Option<bool>,
     stop: Option<Stop>,
@@ -264,8 +265,15 @@ fn job(
         Some(k) => k.max(0) as usize,
         None => 0,
     };
-    let mut sampling =
-        if t == 0.0 { Sampling::greedy() } else { Sampling::sample(t).with_top_p(top_p).with_top_k(top_k) };
+    let min_p = p.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(Box::new(bad_request(format!("min_p must be in [0, 1], got {min_p}"), Some("min_p"))));
+    }
+    let mut sampling = if t == 0.0 {
+        Sampling::greedy()
+    } else {
+        Sampling::sample(t).with_top_p(top_p).with_top_k(top_k).with_min_p(min_p)
+    };
     sampling.seed = p.seed;
     let stops: Vec<String> = match &p.stop {
         None => vec![],
