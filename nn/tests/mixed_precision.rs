@@ -86,20 +86,42 @@ fn curve(dev: Device, compiled: bool, fsdp: bool) -> (Vec<f64>, Tensor) {
 fn check(dev: Device, compiled: bool, fsdp: bool, what: &str) {
     let g = load_safetensors(fixture_dir("llama").join("golden_amp_bf16.safetensors")).unwrap();
     let want: Vec<f64> = g["amp.loss_curve"].to_vec_f64().unwrap();
-    let f32_curve: Vec<f64> = g["f32.loss_curve"].to_vec_f64().unwrap();
     let (got, logits) = curve(dev, compiled, fsdp);
     assert_eq!(logits.dtype(), DType::BF16, "{what}: the logits come out of a bf16 product");
+    // The loss curve cannot tell autocast from float32 (PyTorch's two
+    // differ by at most 3.2e-3, as much as its autocast with two attention
+    // kernels): it checks that training follows PyTorch's, within the
+    // fixture's suggested bound. The products are checked below, and the
+    // first logits here.
     let b = bound();
     for (i, (a, w)) in got.iter().zip(&want).enumerate() {
         assert!((a - w).abs() <= b, "{what}: step {i}: loss {a} vs PyTorch autocast {w} (bound {b})");
-        assert!((a - f32_curve[i]).abs() <= b, "{what}: step {i}: loss {a} vs the f32 run {}", f32_curve[i]);
     }
     let worst = got.iter().zip(&want).map(|(a, w)| (a - w).abs()).fold(0.0, f64::max);
+    // The first logits, against the fixture's own spread: PyTorch's float32
+    // logits rounded to bfloat16 (what float32 compute cast at the end gives)
+    // equal its autocast logits in `same_f32` places and are `mean_f32` from
+    // them on average; kiln's autocast logits must agree in more places, by 1%
+    // of the logits: a float32 computation differs from PyTorch's by ~2e-5,
+    // which moves ~0.1% of the logits across a bfloat16 rounding boundary
+    // (measured: 2124 vs 1408 of 8192; mean |diff| 6.2e-3 vs 7.9e-3).
     let l = logits.to_dtype(DType::F32).unwrap().to_vec_f64().unwrap();
-    let lw = g["amp.logits"].to_vec_f64().unwrap();
-    let lmax = l.iter().zip(&lw).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-    eprintln!("{what}: max |loss - PyTorch autocast| {worst:.2e}, max |first logits diff| {lmax:.2e}");
-    assert!(lmax < 0.1, "{what}: first logits differ from PyTorch autocast's by {lmax}");
+    let amp = g["amp.logits"].to_vec_f64().unwrap();
+    let f32_rounded = load_safetensors(fixture_dir("llama").join("golden.safetensors")).unwrap()["logits"]
+        .to_dtype(DType::BF16)
+        .and_then(|t| t.to_vec_f64())
+        .unwrap();
+    let mean = |a: &[f64]| a.iter().zip(&amp).map(|(x, y)| (x - y).abs()).sum::<f64>() / amp.len() as f64;
+    let same = |a: &[f64]| a.iter().zip(&amp).filter(|(x, y)| x == y).count();
+    let (same_kiln, same_f32, mean_kiln, mean_f32) = (same(&l), same(&f32_rounded), mean(&l), mean(&f32_rounded));
+    eprintln!(
+        "{what}: max |loss - PyTorch autocast| {worst:.2e}; first logits equal to PyTorch autocast's: {same_kiln} of {} (its f32 ones rounded: {same_f32}), mean |diff| {mean_kiln:.2e} ({mean_f32:.2e})",
+        amp.len()
+    );
+    assert!(
+        same_kiln > same_f32 + amp.len() / 100,
+        "{what}: the first logits are no nearer to PyTorch's autocast logits than its float32 ones are"
+    );
 }
 
 #[test]
@@ -149,4 +171,88 @@ fn autocast_rules() {
     };
     loss.backward().unwrap();
     assert_eq!(p.grad().unwrap().dtype(), DType::F32);
+}
+
+/// `x` (float32, CPU) rounded to bfloat16 and back: the values a bfloat16 product reads.
+fn bf16_values(x: &Tensor) -> Tensor {
+    x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap()
+}
+
+/// The bfloat16 values of `t` as integers in the order of the values, one
+/// apart for neighbouring bfloat16 numbers (a bfloat16 is the high half of its
+/// float32; negative values count down from zero).
+fn bf16_ordinals(t: &Tensor) -> Vec<i32> {
+    assert_eq!(t.dtype(), DType::BF16, "an autocast product is bfloat16");
+    let v = t.to_device(Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+    v.iter()
+        .map(|x| {
+            let bits = (x.to_bits() >> 16) as i32;
+            if bits & 0x8000 != 0 {
+                -(bits & 0x7fff)
+            } else {
+                bits
+            }
+        })
+        .collect()
+}
+
+/// Each autocast product (matmul, a batched matmul, linear) is the bfloat16
+/// rounding of the float32-accumulated product of its operands rounded to
+/// bfloat16: bit for bit on the CPU, within one bfloat16 ulp on PJRT (XLA
+/// picks its own summation order), in every mode and captured by
+/// `kiln::compile` in every mode; and it is not the product of the float32
+/// operands rounded at the end (those agree in about half of the elements,
+/// the right ones in all or nearly all). A bias joins the rounded product
+/// in bfloat16 (Note [Autocast]).
+#[test]
+fn autocast_products_round_their_operands_to_bf16() {
+    support::register_tpu();
+    let g = kiln::Generator::new(Device::Cpu).unwrap().manual_seed(17).unwrap();
+    let x = g.randn(&[3, 24, 96], DType::F32).unwrap();
+    let w = g.randn(&[80, 96], DType::F32).unwrap();
+    let b = g.randn(&[80], DType::F32).unwrap();
+    let y = g.randn(&[3, 96, 40], DType::F32).unwrap();
+    let ops = |x: &Tensor, w: &Tensor, b: &Tensor, y: &Tensor| -> kiln::Result<Vec<Tensor>> {
+        let _amp = kiln::tensor::autocast(DType::BF16)?;
+        Ok(vec![x.matmul(&w.t()?)?, x.matmul(y)?, x.linear(w, None)?, x.linear(w, Some(b))?])
+    };
+    // References on the CPU without autocast, from the float32 products of
+    // the given operands: rounded to bfloat16 (and the rounded bias added in
+    // bfloat16). `want` from the operands rounded first, `from_f32` from
+    // the float32 operands (a float32 computation cast at the end).
+    let products = |x: &Tensor, w: &Tensor, b: &Tensor, y: &Tensor| -> Vec<Vec<i32>> {
+        let bf16 = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
+        let xw = bf16(x.matmul(&w.t().unwrap()).unwrap());
+        let with_bias = xw.add(&bf16(b.clone())).unwrap();
+        [xw.clone(), bf16(x.matmul(y).unwrap()), xw, with_bias].iter().map(bf16_ordinals).collect()
+    };
+    let want = products(&bf16_values(&x), &bf16_values(&w), &bf16_values(&b), &bf16_values(&y));
+    let from_f32 = products(&x, &w, &b, &y);
+    let names = ["matmul x @ w.T", "batched matmul", "linear", "linear with bias"];
+    let check = |what: &str, got: Vec<Tensor>| {
+        let most = if what == "cpu" { 0 } else { 1 };
+        for ((name, g), (w, f)) in names.iter().zip(got.iter().map(bf16_ordinals)).zip(want.iter().zip(&from_f32)) {
+            let ulps = g.iter().zip(w).map(|(a, b)| (a - b).abs()).max().unwrap();
+            let exact = g.iter().zip(w).filter(|(a, b)| a == b).count();
+            let as_f32 = g.iter().zip(f).filter(|(a, b)| a == b).count();
+            eprintln!("{what} {name}: {exact}/{} exact, max {ulps} ulp; {as_f32} as the rounded f32 product", g.len());
+            assert!(ulps <= most, "{what} {name}: {ulps} bf16 ulps from the product of bf16 operands");
+            assert!(exact > as_f32, "{what} {name}: closer to the float32 product rounded at the end");
+        }
+    };
+    check("cpu", ops(&x, &w, &b, &y).unwrap());
+    let dev = Device::Tpu(0);
+    let on = |t: &Tensor| t.to_device(dev).unwrap();
+    let (xd, wd, bd, yd) = (on(&x), on(&w), on(&b), on(&y));
+    for mode in [kiln::tpu::Mode::Strict, kiln::tpu::Mode::Debug, kiln::tpu::Mode::Defer] {
+        kiln::tpu::set_mode(mode);
+        check(mode.name(), ops(&xd, &wd, &bd, &yd).unwrap());
+        let mut f = kiln::compile(dev, |a: &[Tensor]| ops(&a[0], &a[1], &a[2], &a[3]));
+        for _ in 0..3 {
+            let got = f.call(&[xd.clone(), wd.clone(), bd.clone(), yd.clone()]).unwrap();
+            check(&format!("compiled, {}", mode.name()), got);
+        }
+        assert!(f.stats().replays >= 1, "{:?}", f.stats());
+    }
+    kiln::tpu::set_mode(kiln::tpu::Mode::Strict);
 }
