@@ -7,7 +7,7 @@
 //! cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors \
 //!     [--dtype f32|bf16] [--steps N] [--lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1] \
 //!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled] \
-//!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp|ep|fsdp+ep] [--quantized dequant|dequant-bf16|keep]
+//!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp|ep|fsdp+ep] [--quantized dequant|dequant-bf16|keep] [--weights-only]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -58,6 +58,8 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
   --quantized Q        a quantized checkpoint (FP8, MXFP4, NVFP4): dequant (exactly, in float32), dequant-bf16
                        (rounded to bf16 first, as compressed-tensors decompresses) or keep (codes and scales
                        resident, a dequantizing matmul; those weights get no gradient) [default: dequant]
+  --weights-only       a checkpoint that quantizes activations too (W8A8, W4A4) runs its quantized weights
+                       on float activations (not transformers' forward for it; refused without this flag)
 ";
 
 struct Args {
@@ -74,6 +76,7 @@ struct Args {
     /// The mesh and the recipe (`--mesh`, `--parallel`).
     parallel: Option<(kiln::DeviceMesh, Recipe)>,
     quantized: QuantizedLoad,
+    weights_only: bool,
     precision: Option<MixedPrecisionPolicy>,
 }
 
@@ -96,12 +99,17 @@ fn parse_args() -> Args {
     let mut mesh_spec = None;
     let mut recipe = None;
     let mut quantized = QuantizedLoad::Dequantize { round_to: None };
+    let mut weights_only = false;
     let mut precision = None;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
             print!("{USAGE}");
             std::process::exit(0);
+        }
+        if flag == "--weights-only" {
+            weights_only = true;
+            continue;
         }
         let value = it.next().unwrap_or_else(|| fail(&format!("{flag} needs a value")));
         let num = |v: &str| v.parse::<f64>().unwrap_or_else(|_| fail(&format!("{flag}: {v:?} is not a number")));
@@ -172,6 +180,7 @@ fn parse_args() -> Args {
         compiled,
         parallel,
         quantized,
+        weights_only,
         precision,
     }
 }
@@ -225,7 +234,7 @@ fn main() {
 
 fn run(a: Args) -> Result<()> {
     let t0 = Instant::now();
-    let opts = PretrainedOptions { dtype: a.dtype, device: a.device, quantized: a.quantized };
+    let opts = PretrainedOptions::new(a.dtype, a.device).with_quantized(a.quantized).with_weights_only(a.weights_only);
     let mut model = LlamaForCausalLM::from_pretrained_with(&a.model, &opts)?;
     model.set_mixed_precision(a.precision)?;
     if let Some((mesh, recipe)) = &a.parallel {

@@ -39,7 +39,9 @@ fn tol(dir: &Path, key: &str) -> (f64, f64) {
 }
 
 fn logits(dir: &Path, quantized: QuantizedLoad, dev: Device) -> Tensor {
-    let opts = PretrainedOptions { dtype: DType::F32, device: dev, quantized };
+    // Activation-quantized fixtures (W8A8, W4A4) are checked here against
+    // transformers' weight-only dequantization: asked for explicitly.
+    let opts = PretrainedOptions::new(DType::F32, dev).with_quantized(quantized).with_weights_only(true);
     let model = LlamaForCausalLM::from_pretrained_with(dir, &opts).expect("from_pretrained_with");
     let ids = golden(dir)["input_ids"].to_device(dev).unwrap();
     let _g = kiln::autograd::no_grad();
@@ -102,7 +104,9 @@ fn kept_quantized_runs_on_pjrt_in_every_mode() {
         }
         kiln::tpu::set_mode(kiln::tpu::Mode::Strict);
         // Captured: one program, replayed.
-        let opts = PretrainedOptions { dtype: DType::F32, device: Device::Tpu(0), quantized: QuantizedLoad::Keep };
+        let opts = PretrainedOptions::new(DType::F32, Device::Tpu(0))
+            .with_quantized(QuantizedLoad::Keep)
+            .with_weights_only(true);
         let model = LlamaForCausalLM::from_pretrained_with(&dir, &opts).unwrap();
         let ids = golden(&dir)["input_ids"].to_device(Device::Tpu(0)).unwrap();
         let mut f = kiln::compile(Device::Tpu(0), |x: &[Tensor]| {
@@ -206,11 +210,42 @@ fn altered(
     dir
 }
 
+/// A checkpoint that quantizes activations (W8A8, W4A4) is refused by
+/// default, naming the scheme: kiln's forward would not be transformers'
+/// (whose `logits_fake_quant_activations` differ from the weight-only
+/// logits); `weights_only` loads it explicitly. Weight-only checkpoints load
+/// without it.
+#[test]
+fn activation_quantized_checkpoints_need_weights_only() {
+    for (name, what) in [
+        ("ct_fp8_channel", "\"strategy\":\"token\""),
+        ("ct_fp8_tensor", "\"strategy\":\"tensor\""),
+        ("ct_nvfp4_w4a4", "\"group_size\":16"),
+        ("modelopt_nvfp4", "W4A4"),
+    ] {
+        let dir = fixture_dir("quant").join(name);
+        let g = golden(&dir);
+        if let Some(fq) = g.get("logits_fake_quant_activations") {
+            let (worst, _) = support::compare(fq, &g["logits_dequant_f32_exact"], 0.0, 0.0);
+            assert!(worst > 1e-3, "{name}: weight-only and W+A logits differ ({worst})");
+        }
+        for quantized in [QuantizedLoad::Dequantize { round_to: None }, QuantizedLoad::Keep] {
+            let opts = PretrainedOptions::new(DType::F32, Device::Cpu).with_quantized(quantized);
+            let e = LlamaForCausalLM::from_pretrained_with(&dir, &opts).map(|_| ()).unwrap_err().to_string();
+            assert!(e.contains("quantizes activations too") && e.contains(what) && e.contains("weights_only"), "{e}");
+            LlamaForCausalLM::from_pretrained_with(&dir, &opts.with_weights_only(true)).unwrap();
+        }
+    }
+    for name in ["fp8_block", "ct_mxfp4", "ct_nvfp4"] {
+        LlamaForCausalLM::from_pretrained(fixture_dir("quant").join(name), DType::F32, Device::Cpu).unwrap();
+    }
+}
+
 #[test]
 fn malformed_quantized_checkpoints_are_clear_errors() {
-    let load = |dir: &Path| {
-        LlamaForCausalLM::from_pretrained(dir, DType::F32, Device::Cpu).map(|_| ()).unwrap_err().to_string()
-    };
+    // Weights only: the malformed weights are what is checked (a ModelOpt checkpoint quantizes activations).
+    let opts = PretrainedOptions::new(DType::F32, Device::Cpu).with_weights_only(true);
+    let load = |dir: &Path| LlamaForCausalLM::from_pretrained_with(dir, &opts).map(|_| ()).unwrap_err().to_string();
     let dir = altered("ct_nvfp4", "q-method", |c, _| c["quantization_config"]["quant_method"] = "awq".into());
     let e = load(&dir);
     assert!(e.contains("\"awq\" is not supported") && e.contains("compressed-tensors"), "{e}");
@@ -258,7 +293,7 @@ fn malformed_quantized_checkpoints_are_clear_errors() {
         .to_string();
     assert!(e.contains("not float8_e4m3fn"), "{e}");
     // A kept-quantized model refuses to save as a dense checkpoint.
-    let opts = PretrainedOptions { dtype: DType::F32, device: Device::Cpu, quantized: QuantizedLoad::Keep };
+    let opts = PretrainedOptions::new(DType::F32, Device::Cpu).with_quantized(QuantizedLoad::Keep);
     let m = LlamaForCausalLM::from_pretrained_with(fixture_dir("quant").join("ct_mxfp4"), &opts).unwrap();
     assert_eq!(m.named_parameters().len(), 3 + 2 * 2, "only embeddings, lm_head and norms stay parameters");
     let e = m.save_pretrained(temp_dir("q-save")).unwrap_err().to_string();
@@ -317,7 +352,7 @@ fn checkpoints_kiln_quantizes_read_back_everywhere() {
             let want = reference.forward(&ids, None).unwrap();
             let dq = LlamaForCausalLM::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
             assert_close(&format!("{what} dequantized"), &dq.forward(&ids, None).unwrap(), &want, 1e-5, 1e-5);
-            let opts = PretrainedOptions { dtype: DType::F32, device: Device::Cpu, quantized: QuantizedLoad::Keep };
+            let opts = PretrainedOptions::new(DType::F32, Device::Cpu).with_quantized(QuantizedLoad::Keep);
             let kept = LlamaForCausalLM::from_pretrained_with(&dir, &opts).unwrap();
             let got = kept.forward(&ids, None).unwrap();
             assert_close(&format!("{what} kept quantized"), &got, &want, 1e-4, 1e-5);

@@ -28,6 +28,11 @@
 // default) and are checked the same way. `input_scale`,
 // `input_global_scale`, `weight_shape`, `k_scale` / `v_scale` belong to
 // activation or KV-cache quantization: a weight-only loader reads past them.
+// A config that quantizes activations (compressed-tensors' `input_activations`,
+// ModelOpt's NVFP4 and FP8, which are W4A4 and W8A8) is recorded in
+// `QuantizationConfig::activations`: kiln computes with float activations, so
+// its forward is not the one transformers runs for such a checkpoint, and
+// `from_pretrained` refuses it unless asked for the weights alone.
 // Modules the config leaves unquantized (`ignore`, `exclude_modules`,
 // embeddings, norms, `lm_head`) are plain tensors and load as stored.
 mod gpt_oss;
@@ -59,6 +64,9 @@ pub struct QuantizationConfig {
     pub method: QuantMethod,
     /// Module names left unquantized, as the config lists them.
     pub ignore: Vec<String>,
+    /// What the config says of activation quantization, when it quantizes
+    /// activations too (e.g. `compressed-tensors input_activations {num_bits: 8, ...}`).
+    pub activations: Option<String>,
 }
 
 fn qerr(path: &Path, msg: impl std::fmt::Display) -> Error {
@@ -114,11 +122,12 @@ impl QuantizationConfig {
                 }
                 let block = usize_pair(q.get("weight_block_size"));
                 let ignore = strings(q.get("modules_to_not_convert"));
-                Ok(QuantizationConfig { method: QuantMethod::Fp8 { block }, ignore })
+                Ok(QuantizationConfig { method: QuantMethod::Fp8 { block }, ignore, activations: None })
             }
             "compressed-tensors" => {
                 let mut block = None;
                 let mut group = None;
+                let mut activations = None;
                 let groups = q.get("config_groups").and_then(|g| g.as_object());
                 for (name, g) in groups.into_iter().flatten() {
                     let format = g.get("format").or(q.get("format")).and_then(|f| f.as_str()).unwrap_or("");
@@ -137,12 +146,16 @@ impl QuantizationConfig {
                              supported (supported: float 8 and float 4)"
                         ));
                     }
+                    if let Some(a) = g.get("input_activations").filter(|a| !a.is_null()) {
+                        activations = Some(format!("compressed-tensors input_activations {a} (config group {name})"));
+                    }
                     block = block.or(usize_pair(w.get("block_structure")));
                     group = group.or(w.get("group_size").and_then(|g| g.as_u64()).map(|g| g as usize));
                 }
                 Ok(QuantizationConfig {
                     method: QuantMethod::CompressedTensors { block, group },
                     ignore: strings(q.get("ignore")),
+                    activations,
                 })
             }
             "modelopt" => {
@@ -165,7 +178,11 @@ fn modelopt(algo: &str, group: Option<&Value>, ignore: Vec<String>) -> std::resu
         return Err(format!("ModelOpt quant_algo {algo:?} is not supported (supported: NVFP4, FP8)"));
     }
     let group = group.and_then(|g| g.as_u64()).map(|g| g as usize);
-    Ok(QuantizationConfig { method: QuantMethod::ModelOpt { algo: algo.to_string(), group }, ignore })
+    let activations = Some(format!(
+        "ModelOpt {algo}, which quantizes activations ({})",
+        if algo == "NVFP4" { "W4A4" } else { "W8A8" }
+    ));
+    Ok(QuantizationConfig { method: QuantMethod::ModelOpt { algo: algo.to_string(), group }, ignore, activations })
 }
 
 /// One quantized Linear weight `[out, in]`: codes and block scales on the

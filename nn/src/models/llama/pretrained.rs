@@ -17,12 +17,37 @@ pub struct PretrainedOptions {
     pub device: Device,
     /// What happens to the weights of a quantized checkpoint.
     pub quantized: QuantizedLoad,
+    /// Accept a checkpoint that quantizes activations too (W8A8, W4A4:
+    /// compressed-tensors `input_activations`, ModelOpt NVFP4 / FP8) and run
+    /// its quantized weights on float activations. That is not the forward
+    /// transformers runs for it (which rounds every Linear's input through
+    /// the activation quantizer), so such a checkpoint is an error unless
+    /// this is set: "dequantize weights only", explicitly.
+    pub weights_only: bool,
 }
 
 impl PretrainedOptions {
-    /// `dtype` on `device`, quantized weights dequantized exactly.
+    /// `dtype` on `device`, quantized weights dequantized exactly, activation
+    /// quantization refused.
     pub fn new(dtype: DType, device: Device) -> PretrainedOptions {
-        PretrainedOptions { dtype, device, quantized: QuantizedLoad::Dequantize { round_to: None } }
+        PretrainedOptions {
+            dtype,
+            device,
+            quantized: QuantizedLoad::Dequantize { round_to: None },
+            weights_only: false,
+        }
+    }
+
+    /// With [`PretrainedOptions::quantized`] set.
+    pub fn with_quantized(mut self, quantized: QuantizedLoad) -> PretrainedOptions {
+        self.quantized = quantized;
+        self
+    }
+
+    /// With [`PretrainedOptions::weights_only`] set.
+    pub fn with_weights_only(mut self, on: bool) -> PretrainedOptions {
+        self.weights_only = on;
+        self
     }
 }
 
@@ -77,6 +102,15 @@ impl LlamaForCausalLM {
                 LlamaForCausalLM::from_weights(&config, &weights, dtype, device).map_err(at)?
             }
             Some(q) => {
+                if let (Some(a), false) = (&q.activations, opts.weights_only) {
+                    return Err(Error::invalid(
+                        "from_pretrained",
+                        format!(
+                            "{}: the checkpoint quantizes activations too ({a}); kiln runs quantized weights on float activations, which is not the forward transformers runs for it. Load it with PretrainedOptions::weights_only (hf_check --weights-only) to dequantize the weights only",
+                            dir.display()
+                        ),
+                    ));
+                }
                 let ck = load_quantized(dir, &q, None)?;
                 match opts.quantized {
                     QuantizedLoad::Dequantize { round_to } => {
