@@ -119,43 +119,72 @@ fn validation_loss(model: &LlamaForCausalLM, val: &TokenLoader, max_batches: usi
     Ok(total / n.max(1.0))
 }
 
-/// Exact-match accuracy of greedy answers to held-out problems; returns
-/// `(accuracy, examples)`. Prompts are `"\n{a}+{b}="` (a newline first, as
-/// problems appear in the training stream), batched by length.
+/// Exact-match accuracy of greedy answers to held-out problems, with its
+/// split by operand length and labelled examples.
+struct AdditionReport {
+    accuracy: f64,
+    /// `(digits of the longer operand, right, problems)`, by digits.
+    by_digits: Vec<(u32, usize, usize)>,
+    /// The first problems in held-out order (a random sample: held-out
+    /// problems are drawn at random), each with its answer and a label.
+    examples: Vec<String>,
+}
+
+/// Greedy answers to held-out `problems` (prompts `"\n{a}+{b}="`, a newline
+/// first as problems appear in the training stream, batched by length).
 fn addition_accuracy(
     model: &LlamaForCausalLM,
     tok: &dyn Tokenizer,
     task: &AdditionTask,
     problems: &[(u64, u64)],
-) -> Result<(f64, Vec<String>)> {
-    let mut by_len: BTreeMap<usize, Vec<(u64, u64, Vec<u32>)>> = BTreeMap::new();
-    for &(a, b) in problems {
+) -> Result<AdditionReport> {
+    let mut by_len: BTreeMap<usize, Vec<(usize, Vec<u32>)>> = BTreeMap::new();
+    for (i, &(a, b)) in problems.iter().enumerate() {
         let ids = tok.encode(&format!("\n{}", AdditionTask::prompt(a, b)))?;
-        by_len.entry(ids.len()).or_default().push((a, b, ids));
+        by_len.entry(ids.len()).or_default().push((i, ids));
     }
     let newline = tok.encode("\n")?.first().copied().map(i64::from);
     let sampling = Sampling::greedy().with_eos(&newline.into_iter().collect::<Vec<_>>());
-    let (mut right, mut examples) = (0usize, vec![]);
+    // Each problem's answer (up to its first newline) and whether it is right, in problem order.
+    let mut answers: Vec<(String, bool)> = vec![(String::new(), false); problems.len()];
     for (len, group) in by_len {
         for chunk in group.chunks(256) {
-            let ids: Vec<i64> = chunk.iter().flat_map(|(_, _, ids)| ids.iter().map(|&i| i as i64)).collect();
+            let ids: Vec<i64> = chunk.iter().flat_map(|(_, ids)| ids.iter().map(|&i| i as i64)).collect();
             let prompt = Tensor::from_vec(ids, &[chunk.len(), len])?.to_device(model.device())?;
             let out = generate(model, &prompt, task.digits as usize + 2, &sampling)?;
             let width = out.shape()[1];
             let out = out.to_vec::<i64>()?;
-            for (row, (a, b, _)) in chunk.iter().enumerate() {
+            for (row, (i, _)) in chunk.iter().enumerate() {
                 let new: Vec<u32> = out[row * width + len..(row + 1) * width].iter().map(|&t| t as u32).collect();
                 let text = tok.decode(&new)?;
-                let ok = AdditionTask::is_correct(*a, *b, &text);
-                right += ok as usize;
-                if examples.len() < 6 {
-                    let shown = text.split('\n').next().unwrap_or("");
-                    examples.push(format!("{a}+{b}={shown} {}", if ok { "(right)" } else { "(wrong)" }));
-                }
+                let (a, b) = problems[*i];
+                let ok = AdditionTask::is_correct(a, b, &text);
+                answers[*i] = (text.split('\n').next().unwrap_or("").to_string(), ok);
             }
         }
     }
-    Ok((right as f64 / problems.len().max(1) as f64, examples))
+    let digits = |n: u64| n.checked_ilog10().unwrap_or(0) + 1;
+    let mut by_digits: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
+    for (&(a, b), (_, ok)) in problems.iter().zip(&answers) {
+        let e = by_digits.entry(digits(a.max(b))).or_default();
+        e.0 += *ok as usize;
+        e.1 += 1;
+    }
+    let examples = problems
+        .iter()
+        .zip(&answers)
+        .take(8)
+        .map(|(&(a, b), (shown, ok))| {
+            let label = if *ok { "right".to_string() } else { format!("wrong, {} expected", a + b) };
+            format!("{a}+{b}={shown} ({label})")
+        })
+        .collect();
+    let right = answers.iter().filter(|(_, ok)| *ok).count();
+    Ok(AdditionReport {
+        accuracy: right as f64 / problems.len().max(1) as f64,
+        by_digits: by_digits.into_iter().map(|(d, (r, n))| (d, r, n)).collect(),
+        examples,
+    })
 }
 
 // ---- training ---------------------------------------------------------------------------------
@@ -381,9 +410,10 @@ fn run(mut args: Args) -> Result<()> {
             if let Some((task, held)) = &data.addition {
                 // Every held-out problem at the end, a sample of them on the way.
                 let n = if step == args.steps { held.len() } else { 200.min(held.len()) };
-                let (acc, examples) = addition_accuracy(&model, &*data.tokenizer, task, &held[..n])?;
+                let report = addition_accuracy(&model, &*data.tokenizer, task, &held[..n])?;
+                let acc = report.accuracy;
                 if step == args.steps {
-                    final_accuracy = Some((acc, examples));
+                    final_accuracy = Some(report);
                 }
                 rows.last_mut().expect("pushed above").accuracy = Some(acc);
                 line += &format!("  held-out accuracy {:.1}% ({n} problems)", 100.0 * acc);
@@ -450,13 +480,20 @@ fn run(mut args: Args) -> Result<()> {
         println!("final train loss {:.4}", r.loss);
     }
     if let Some((task, held)) = &data.addition {
-        let (acc, examples) = match final_accuracy {
+        let report = match final_accuracy {
             Some(r) => r,
             None => addition_accuracy(&model, &*data.tokenizer, task, held)?,
         };
-        println!("held-out accuracy (exact match, greedy): {:.1}% of {} problems", 100.0 * acc, held.len());
-        for e in examples {
-            println!("  {e}");
+        println!("held-out accuracy (exact match, greedy): {:.1}% of {} problems", 100.0 * report.accuracy, held.len());
+        let split: Vec<String> = report
+            .by_digits
+            .iter()
+            .map(|(d, r, n)| format!("{d}-digit {:.1}% of {n}", 100.0 * *r as f64 / *n as f64))
+            .collect();
+        println!("  by the longer operand: {}", split.join(", "));
+        println!("  a random sample of the held-out problems:");
+        for e in &report.examples {
+            println!("    {e}");
         }
     } else {
         let prompt = data.tokenizer.encode("\n")?;
