@@ -107,7 +107,7 @@ fn check(m: &LlamaForCausalLM, reqs: &[(u64, Request)], got: &[(Vec<i64>, Finish
 
 #[test]
 fn batched_requests_equal_generate_alone() {
-    kiln::tensor::set_batch_invariant(true);
+    let _invariant = support::batch_invariance(true);
     let m = model(0);
     // Small steps force chunked prefill; small blocks cross many block edges.
     let cfg = EngineConfig { block_size: 4, max_batched_tokens: 24, max_num_seqs: 4, ..Default::default() };
@@ -124,7 +124,7 @@ fn batched_requests_equal_generate_alone() {
 
 #[test]
 fn kept_quantized_models_serve_what_generate_gives() {
-    kiln::tensor::set_batch_invariant(true);
+    let _invariant = support::batch_invariance(true);
     for scheme in [QuantScheme::Nvfp4, QuantScheme::Fp8Block([16, 16])] {
         let mut m = model(3);
         quantize_model(&mut m, scheme).unwrap();
@@ -141,7 +141,7 @@ fn kept_quantized_models_serve_what_generate_gives() {
 /// while each row's product does not.
 #[test]
 fn moe_models_serve_what_generate_gives() {
-    kiln::tensor::set_batch_invariant(true);
+    let _invariant = support::batch_invariance(true);
     let m = moe_model();
     let ecfg = EngineConfig { block_size: 4, max_batched_tokens: 24, max_num_seqs: 4, ..Default::default() };
     let mut engine = Engine::new(m.clone(), ecfg).unwrap();
@@ -205,7 +205,7 @@ fn pjrt_decodes_through_one_captured_program_per_bucket() {
 /// decodes only a window of the latest tokens).
 #[test]
 fn stop_strings_end_a_request_at_the_token_that_completes_them() {
-    kiln::tensor::set_batch_invariant(true);
+    let _invariant = support::batch_invariance(true);
     let m = model(6);
     // Every third token decodes to nothing (as special tokens do), the others to one letter.
     let text = |t: &[i64]| -> String {
@@ -229,7 +229,7 @@ fn stop_strings_end_a_request_at_the_token_that_completes_them() {
 
 #[test]
 fn stop_tokens_end_a_request_and_free_its_place() {
-    kiln::tensor::set_batch_invariant(true);
+    let _invariant = support::batch_invariance(true);
     let m = model(1);
     let base = Request::new(prompt(12, 11), 30);
     let third = alone(&m, &base)[2];
@@ -245,7 +245,7 @@ fn stop_tokens_end_a_request_and_free_its_place() {
 /// and their tokens are still generate()'s.
 #[test]
 fn shared_prefixes_are_computed_once() {
-    kiln::tensor::set_batch_invariant(true);
+    let _invariant = support::batch_invariance(true);
     let m = model(2);
     let system = prompt(48, 21);
     let reqs: Vec<(u64, Request)> = (0..4)
@@ -274,7 +274,7 @@ fn shared_prefixes_are_computed_once() {
 /// recomputed, never crashed, and their tokens do not change.
 #[test]
 fn preemption_under_a_small_pool_keeps_the_tokens() {
-    kiln::tensor::set_batch_invariant(true);
+    let _invariant = support::batch_invariance(true);
     let m = model(3);
     let per_block = PagedKvCache::bytes_per_block(&m, 4);
     // 40 blocks of 4 positions: each request needs up to 28 blocks alone.
@@ -286,6 +286,75 @@ fn preemption_under_a_small_pool_keeps_the_tokens() {
     let got = serve(&mut engine, reqs.clone());
     check(&m, &reqs, &got);
     assert!(engine.stats().preemptions > 0, "{:?}", engine.stats());
+}
+
+/// Preemption with sampled requests and with shared prefix blocks: a
+/// preempted sequence keeps the tokens it drew and its generator's state
+/// (recomputing its keys draws nothing), and giving back blocks that other
+/// sequences share leaves theirs intact; every request's tokens are
+/// generate()'s alone.
+#[test]
+fn preemption_keeps_sampled_tokens_and_shared_prefixes() {
+    let _invariant = support::batch_invariance(true);
+    let m = model(6);
+    let per_block = PagedKvCache::bytes_per_block(&m, 4);
+    let system = prompt(24, 61);
+    let reqs: Vec<(u64, Request)> = (0..6)
+        .map(|i| {
+            let mut p = if i % 2 == 0 { system.clone() } else { vec![] };
+            p.extend(prompt(9 + 5 * i as usize, 70 + i));
+            let s = Sampling::sample(0.6 + 0.15 * i as f64).with_top_k(30).with_top_p(0.95).with_seed(80 + i);
+            (i, Request::new(p, 36).with_sampling(if i == 3 { Sampling::greedy() } else { s }))
+        })
+        .collect();
+    for sharing in [true, false] {
+        // 44 blocks of 4 positions: each request needs up to 24 blocks alone.
+        let cfg = EngineConfig {
+            block_size: 4,
+            kv_cache_bytes: 44 * per_block,
+            max_batched_tokens: 32,
+            prefix_sharing: sharing,
+            ..Default::default()
+        };
+        let mut engine = Engine::new(m.clone(), cfg).unwrap();
+        let got = serve(&mut engine, reqs.clone());
+        check(&m, &reqs, &got);
+        let st = engine.stats();
+        assert!(st.preemptions > 0, "sharing {sharing}: {st:?}");
+        assert_eq!(st.prefix_hit_tokens > 0, sharing, "sharing {sharing}: {st:?}");
+        assert_eq!(st.kv_blocks_used, 0, "every block comes back: {st:?}");
+    }
+}
+
+/// A model step that fails (sampling from NaN logits) ends every sequence
+/// of the step with `FinishReason::Error` and the op's message, frees their
+/// blocks, and the engine goes on serving the next request.
+#[test]
+fn a_failed_step_ends_its_sequences_with_the_error() {
+    let broken = model(8);
+    {
+        let _g = kiln::autograd::no_grad();
+        let named = broken.named_parameters();
+        let (_, head) = named.iter().find(|(n, _)| n == "lm_head.weight").expect("an untied head");
+        head.fill_(f64::NAN).unwrap();
+    }
+    let mut engine = Engine::new(broken, EngineConfig { block_size: 4, ..Default::default() }).unwrap();
+    let sampled = Request::new(prompt(6, 91), 5).with_sampling(Sampling::sample(1.0).with_seed(1));
+    let greedy = Request::new(prompt(9, 92), 5);
+    let got = serve(&mut engine, vec![(0, sampled), (0, greedy)]);
+    for (tokens, why) in &got {
+        assert!(tokens.is_empty(), "no token before the failure: {tokens:?}");
+        match why {
+            FinishReason::Error(e) => assert!(e.contains("probability tensor contains either `inf`, `nan`"), "{e}"),
+            other => panic!("expected an error finish, got {other:?}"),
+        }
+    }
+    let st = engine.stats();
+    assert_eq!((st.running, st.kv_blocks_used), (0, 0), "{st:?}");
+    // The engine goes on: greedy decoding of NaN logits is argmax's answer (NaN
+    // counts as the largest), so a greedy request alone runs to its length.
+    let after = serve(&mut engine, vec![(0, Request::new(prompt(4, 93), 3))]);
+    assert_eq!(after[0], (vec![0, 0, 0], FinishReason::Length));
 }
 
 #[test]
@@ -320,7 +389,7 @@ fn bad_requests_are_refused() {
 #[test]
 fn paged_logits_are_those_of_incremental_decoding() {
     use kiln::nn::serve::{PagedBatch, SeqChunk};
-    kiln::tensor::set_batch_invariant(true);
+    let _invariant = support::batch_invariance(true);
     let m = model(5);
     let (a, b) = (prompt(23, 51), prompt(9, 52));
     let ta = Tensor::from_vec(a.clone(), &[1, a.len()]).unwrap();
@@ -367,7 +436,7 @@ fn tokens_of(events: impl IntoIterator<Item = Event>) -> (Vec<i64>, Option<Finis
 #[test]
 fn the_handle_serves_threads_and_async_tasks() {
     use kiln::nn::serve::EngineHandle;
-    kiln::tensor::set_batch_invariant(true);
+    let _invariant = support::batch_invariance(true);
     let m = model(6);
     let cfg = EngineConfig { block_size: 8, max_batched_tokens: 48, ..Default::default() };
     let handle = EngineHandle::spawn(Engine::new(m.clone(), cfg).unwrap()).unwrap();
