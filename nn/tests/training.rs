@@ -276,7 +276,7 @@ fn trainer_state_round_trips_through_json() {
 // ---- interoperability ------------------------------------------------------------------------------
 
 #[test]
-fn a_trained_checkpoint_loads_back_into_kiln_and_reads_as_a_transformers_llama() {
+fn a_trained_checkpoint_loads_back_into_kiln_and_into_transformers() {
     let _g = rng_lock();
     kiln::manual_seed(11);
     let cfg = tiny_config(0.0);
@@ -312,6 +312,28 @@ fn a_trained_checkpoint_loads_back_into_kiln_and_reads_as_a_transformers_llama()
         let got = sums[name.as_str()].as_f64().unwrap_or_else(|| panic!("python lacks {name}"));
         assert!((got - want).abs() <= 1e-9 * want.abs().max(1.0), "{name}: python sum {got}, kiln {want}");
     }
+
+    // Into transformers itself: from_pretrained on kiln's directory, with no
+    // missing or unexpected key, gives kiln's logits (within the llama
+    // fixture's f32 tolerance against transformers).
+    let ids_file = dir.join("ids.safetensors");
+    let ids = std::collections::BTreeMap::from([("input_ids".to_string(), probe.to_dtype(DType::I64).unwrap())]);
+    kiln::nn::io::save_safetensors(&ids_file, &ids, None).unwrap();
+    let out_file = dir.join("transformers_logits.safetensors");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/check_dense_with_transformers.py");
+    let out = std::process::Command::new(support::python_with_transformers())
+        .arg(&script)
+        .arg(&dir)
+        .arg(&ids_file)
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "transformers refused kiln's checkpoint:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "LlamaForCausalLM");
+    let theirs = load_safetensors(&out_file).unwrap();
+    let (atol, rtol) = support::tolerance("llama", "logits");
+    let worst = support::assert_close("transformers on kiln's checkpoint", &a, &theirs["logits"], atol, rtol);
+    eprintln!("transformers' logits on kiln's checkpoint: max abs diff {worst:e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
