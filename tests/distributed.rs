@@ -377,3 +377,43 @@ fn empty_nan_huge_and_concurrent_inputs() {
         }
     });
 }
+
+/// `KILN_COLLECTIVE_TIMEOUT_S` bounds the wait for a program over several
+/// devices: in a child process given 0.02 s, a sharded product that takes
+/// longer is an error naming the variable (Debug mode waits for it); the same
+/// program with the default wait completes.
+#[test]
+fn the_collective_timeout_bounds_the_wait_for_a_program_over_devices() {
+    let out = common::run_ignored_test_in_child(
+        "a_long_program_over_two_devices",
+        &[("KILN_COLLECTIVE_TIMEOUT_S", "0.02".as_ref()), ("KILN_TEST_EXPECT_TIMEOUT", "1".as_ref())],
+        &[],
+    );
+    assert!(out.contains("TIMED OUT after"), "{out}");
+    let out = common::run_ignored_test_in_child("a_long_program_over_two_devices", &[], &["KILN_COLLECTIVE_TIMEOUT_S"]);
+    assert!(out.contains("COMPLETED in"), "{out}");
+}
+
+#[test]
+#[ignore = "a child process of the_collective_timeout_bounds_the_wait_for_a_program_over_devices"]
+fn a_long_program_over_two_devices() {
+    let m = mesh(&[2], &["x"]);
+    // 137 GFLOP per device: about 0.8 s on two cores (0.1 s for an eighth of it).
+    let x = distribute_tensor(&Tensor::ones(&[8192, 4096], DType::F32).unwrap(), &m, &[Shard(0)]).unwrap();
+    let w = distribute_tensor(&Tensor::ones(&[4096, 4096], DType::F32).unwrap(), &m, &[Replicate]).unwrap();
+    let t = std::time::Instant::now();
+    let r = with_mode(Mode::Debug, || x.matmul(&w));
+    let expect_timeout = std::env::var_os("KILN_TEST_EXPECT_TIMEOUT").is_some();
+    match r {
+        Err(e) if expect_timeout => {
+            let e = e.to_string();
+            assert!(e.contains("did not complete within 20ms") && e.contains("KILN_COLLECTIVE_TIMEOUT_S"), "{e}");
+            println!("TIMED OUT after {:?}", t.elapsed());
+        }
+        Ok(y) if !expect_timeout => {
+            assert_eq!(y.i((0, 0)).unwrap().item::<f32>().unwrap(), 4096.0);
+            println!("COMPLETED in {:?}", t.elapsed());
+        }
+        other => panic!("expect a timeout: {expect_timeout}, got {:?}", other.map(|_| "a result")),
+    }
+}
