@@ -3,8 +3,9 @@
 use crate::{DType, Device, Error, HostBuffer, HostElement, Layout, Op, Result, Scalar, Tensor};
 
 /// dtype and device of a new tensor (PyTorch's `dtype=`, `device=` keywords).
-/// Defaults: float32 on the CPU. Any of `DType`, `Device`, `(DType, Device)`
-/// converts into it.
+/// Defaults: float32 on the default device (the CPU, unless
+/// [`set_default_device`] says otherwise on this thread). Any of `DType`,
+/// `Device`, `(DType, Device)` converts into it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TensorOptions {
     pub dtype: DType,
@@ -13,8 +14,53 @@ pub struct TensorOptions {
 
 impl Default for TensorOptions {
     fn default() -> Self {
-        TensorOptions { dtype: DType::F32, device: Device::Cpu }
+        TensorOptions { dtype: DType::F32, device: default_device() }
     }
+}
+
+thread_local! {
+    static DEFAULT_DEVICE: std::cell::Cell<Device> = const { std::cell::Cell::new(Device::Cpu) };
+}
+
+/// The device a new tensor goes to when none is given (`Tensor::new`,
+/// `from_vec`, factories given only a dtype): the CPU unless
+/// [`set_default_device`] set another on this thread (PyTorch's
+/// `torch.get_default_device`).
+pub fn default_device() -> Device {
+    DEFAULT_DEVICE.with(|d| d.get())
+}
+
+/// The scope returned by [`set_default_device`]: the previous default comes back when it drops.
+#[must_use = "the default device lasts as long as the guard"]
+pub struct DefaultDeviceGuard {
+    previous: Device,
+    // Thread-local state: the guard must drop on the thread that made it.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for DefaultDeviceGuard {
+    fn drop(&mut self) {
+        DEFAULT_DEVICE.with(|d| d.set(self.previous));
+    }
+}
+
+/// Makes `device` the default device of new tensors on this thread until the
+/// guard drops (PyTorch's `with torch.device(...)`, `torch.set_default_device`,
+/// which is thread-local too). Tensors given a device explicitly, and ops on
+/// existing tensors, are unaffected.
+///
+/// ```
+/// use kiln::prelude::*;
+/// {
+///     let _on = kiln::tensor::set_default_device(Device::Cpu);
+///     assert_eq!(Tensor::new([1.0f32])?.device(), Device::Cpu);
+/// }
+/// assert_eq!(kiln::tensor::default_device(), Device::Cpu);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub fn set_default_device(device: Device) -> DefaultDeviceGuard {
+    let previous = DEFAULT_DEVICE.with(|d| d.replace(device));
+    DefaultDeviceGuard { previous, _not_send: std::marker::PhantomData }
 }
 impl From<DType> for TensorOptions {
     fn from(dtype: DType) -> Self {
@@ -146,9 +192,9 @@ impl Tensor {
     /// ```
     pub fn from_vec<T: HostElement>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
         check_len("from_vec", data.len(), shape)?;
-        Tensor::from_host(T::into_buffer(data), shape, Device::Cpu)
+        Tensor::from_host(T::into_buffer(data), shape, default_device())
     }
-    /// Copies `data` into a new CPU tensor.
+    /// Copies `data` into a new tensor on the default device.
     pub fn from_slice<T: HostElement>(data: &[T], shape: &[usize]) -> Result<Tensor> {
         Tensor::from_vec(data.to_vec(), shape)
     }
@@ -174,6 +220,6 @@ impl Tensor {
     /// A tensor from nested arrays or a scalar: `Tensor::new([[1.0f32, 2.0], [3.0, 4.0]])`.
     pub fn new<D: crate::TensorData>(data: D) -> Result<Tensor> {
         let (buf, shape) = data.into_host();
-        Tensor::from_host(buf, &shape, Device::Cpu)
+        Tensor::from_host(buf, &shape, default_device())
     }
 }

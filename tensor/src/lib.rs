@@ -55,7 +55,7 @@ pub use attention::attention_grads;
 pub use autocast::{autocast, autocast_dtype, AutocastGuard};
 pub use composite::{rms_norm_grads, CrossEntropy, Reduction};
 pub use convert::{reading_via, TensorData};
-pub use create::TensorOptions;
+pub use create::{default_device, set_default_device, DefaultDeviceGuard, TensorOptions};
 pub use custom::{CustomOp, HostInput, Lowering};
 pub use device::{
     backend_for, capture, check_assign, is_registered, register_backend, registered_devices, Backend, CaptureFn,
