@@ -92,6 +92,10 @@ impl Tensor {
         }
         float_only("softmax", self)?;
         let d = wrap_dim("softmax", dim, self.ndim())?;
+        if self.ndim() == 0 {
+            // A 0-d tensor is one slice of one element: every backend's op sees a 1-d one.
+            return self.reshape(&[1])?.softmax(0)?.reshape(&[]);
+        }
         Tensor::apply1(Op::Softmax { dim: d, log: false }, &[self])
     }
 
@@ -111,6 +115,10 @@ impl Tensor {
         }
         float_only("log_softmax", self)?;
         let d = wrap_dim("log_softmax", dim, self.ndim())?;
+        if self.ndim() == 0 {
+            // A 0-d tensor is one slice of one element: every backend's op sees a 1-d one.
+            return self.reshape(&[1])?.log_softmax(0)?.reshape(&[]);
+        }
         Tensor::apply1(Op::Softmax { dim: d, log: true }, &[self])
     }
 
