@@ -198,3 +198,25 @@ pub fn ramp(shape: &[usize], seed: u64, dtype: DType, dev: Device) -> Tensor {
         .collect();
     Tensor::from_vec(v, shape).unwrap().to_dtype(dtype).unwrap().to_device(dev).unwrap()
 }
+
+/// Runs `f` once per device and mode (the CPU, then each PJRT mode, as
+/// [`devices_in_every_mode`]) with that device as the default device of new
+/// tensors (`Tensor::new`, `from_vec`, factories given only a dtype), so a
+/// test written against the CPU checks every backend; a failure names the
+/// device and mode.
+pub fn on_every_device(mut f: impl FnMut() -> kiln::Result<()>) -> kiln::Result<()> {
+    for dev in devices_in_every_mode() {
+        let mode = if dev.kind() == DeviceKind::Tpu { kiln::tpu::mode().name() } else { "eager" };
+        let _on = kiln::tensor::set_default_device(dev);
+        assert_eq!(Tensor::new([0f32])?.device(), dev, "new tensors go to the default device");
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut f)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                eprintln!("on {dev} ({mode}): {e}");
+                return Err(e);
+            }
+            Err(p) => panic!("on {dev} ({mode}): {}", panic_text(&*p)),
+        }
+    }
+    Ok(())
+}
