@@ -12,6 +12,10 @@
 // `cross_entropy`, `sum`, `mean` and `cumsum`. Every other op runs in the
 // dtype its inputs promote to, as outside the scope (a float32 residual
 // stream plus a bfloat16 projection is float32). float64 is never cast.
+// A product rounds once: its operands rounded to the scope's dtype, the
+// accumulation in float32. `linear`'s bias, rounded too, is added to the
+// rounded product (a second rounding; PyTorch's CPU addmm adds it before its
+// one), so near cancellation a result may be one ulp of the product apart.
 //
 // The casts are ordinary differentiable `Cast` ops, so parameters stay
 // float32 (master weights) and their gradients arrive in float32, while the
