@@ -166,6 +166,16 @@ fn openai_client_and_curl_against_the_server() {
     assert!(sse.trim_end().ends_with("data: [DONE]"), "{sse}");
     let bad = curl(&["-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", "{\"model\": ", &url]);
     assert!(bad.ends_with("\n400") && bad.contains("invalid_request_error"), "{bad}");
+    // min_p (vLLM's extension): a value outside [0, 1] is the API's error naming the field.
+    let body = json!({"model": "tiny", "prompt": "x", "max_tokens": 2, "min_p": 1.5}).to_string();
+    let bad = curl(&["-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", &body, &url]);
+    assert!(
+        bad.ends_with("\n400") && bad.contains("min_p must be in [0, 1]") && bad.contains("\"param\":\"min_p\""),
+        "{bad}"
+    );
+    let body = json!({"model": "tiny", "prompt": "x", "max_tokens": 2, "min_p": 0.2, "seed": 1}).to_string();
+    let ok: Value = serde_json::from_str(&curl(&["-H", "content-type: application/json", "-d", &body, &url])).unwrap();
+    assert_eq!(ok["choices"][0]["finish_reason"], "length", "{ok}");
     let metrics = curl(&[&format!("{base}/metrics")]);
     assert!(metrics.contains("kiln_generated_tokens_total"), "{metrics}");
 
