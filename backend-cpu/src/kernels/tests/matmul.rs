@@ -28,6 +28,8 @@ fn close(got: &[f32], want: &[f64], tol: f64) {
 
 #[test]
 fn small_by_hand_and_transposed() {
+    // The kernels a product picks without batch invariance.
+    let _off = super::batch_invariance(false);
     let a = f32s(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
     let b = f32s(&[7., 8., 9., 10., 11., 12.], &[3, 2]);
     assert_eq!(vals::<f32>(&mm(&a, &b)), [58., 64., 139., 154.]);
@@ -42,6 +44,8 @@ fn small_by_hand_and_transposed() {
 
 #[test]
 fn batched_broadcast_and_sizes() {
+    // The kernels a product picks without batch invariance.
+    let _off = super::batch_invariance(false);
     for &(batch, m, k, n) in &[(3, 5, 7, 4), (1, 1, 300, 1), (2, 130, 70, 90), (1, 256, 200, 300), (64, 8, 16, 8)] {
         let av = noise(batch * m * k, 11);
         let bv = noise(batch * k * n, 12);
@@ -68,6 +72,8 @@ fn batched_broadcast_and_sizes() {
 
 #[test]
 fn bf16_f16_int_and_bool() {
+    // The kernels a product picks without batch invariance.
+    let _off = super::batch_invariance(false);
     let av = noise(4 * 64, 21);
     let bv = noise(64 * 3, 22);
     let abf = bf(&av);
@@ -105,6 +111,8 @@ fn transposed(v: &[f32], rows: usize, cols: usize) -> Tensor {
 
 #[test]
 fn large_products_split_across_threads() {
+    // The kernels a product picks without batch invariance.
+    let _off = super::batch_invariance(false);
     // Products large enough to be split by rows (m > n) or by columns (square
     // ones included) into uneven parts, or columns into shrinking chunks (Note
     // [Threaded matmul]), with row-major, transposed and column-strided operands.
@@ -139,6 +147,8 @@ fn large_products_split_across_threads() {
 
 #[test]
 fn column_chunks_shrink_and_cover_every_column_once() {
+    // The kernels a product picks without batch invariance.
+    let _off = super::batch_invariance(false);
     use crate::kernels::matmul::{chunk_min, next_chunk};
     // The narrowest chunk: 128 columns, or 2^28 multiply-adds, or equal parts.
     assert_eq!(chunk_min(4096, 4096, 4096, 2), 128);
@@ -188,6 +198,8 @@ fn column_chunks_shrink_and_cover_every_column_once() {
 /// operand that is not row-major.
 #[test]
 fn linear_products_as_dot_products() {
+    // The kernels a product picks without batch invariance.
+    let _off = super::batch_invariance(false);
     for &(k, n) in &[(256usize, 1usize), (300, 37), (1000, 4), (384, 130), (257, 9)] {
         let wv = noise(n * k, n as u64);
         let w = f32s(&wv, &[n, k]);
@@ -211,6 +223,8 @@ fn linear_products_as_dot_products() {
 /// `dst += scale * a @ b`, only the `m x n` elements at row stride `ld`.
 #[test]
 fn dot_products_scale_accumulate_and_keep_the_rest() {
+    // The kernels a product picks without batch invariance.
+    let _off = super::batch_invariance(false);
     use crate::kernels::matmul::{gemm_small, MatRef};
     let (m, n, k, ld) = (7usize, 5usize, 300usize, 8usize);
     let (av, wv) = (noise(m * k, 31), noise(n * k, 32));
@@ -241,8 +255,7 @@ fn dot_products_scale_accumulate_and_keep_the_rest() {
 /// 512 and not a multiple of it, products split across threads).
 #[test]
 fn rows_do_not_depend_on_the_rest_of_the_batch() {
-    // Only ever turned on in this process (tests run in parallel).
-    kiln_tensor::set_batch_invariant(true);
+    let _on = super::batch_invariance(true);
     for &(k, n) in &[
         (1usize, 50usize),
         (2, 1),
@@ -281,7 +294,7 @@ fn rows_do_not_depend_on_the_rest_of_the_batch() {
 /// chunks, gives the same bits for every query.
 #[test]
 fn attention_rows_do_not_depend_on_the_chunking() {
-    kiln_tensor::set_batch_invariant(true);
+    let _on = super::batch_invariance(true);
     let (h, hk, t, d) = (4usize, 2usize, 150usize, 32usize);
     let q = f32s(&noise(h * t * d, 1), &[1, h, t, d]);
     let k = f32s(&noise(hk * t * d, 2), &[1, hk, t, d]);

@@ -10,6 +10,27 @@ mod sort;
 use half::{bf16, f16};
 use kiln_tensor::{HostElement, Op, Tensor};
 
+/// Held by a test whose kernels depend on batch invariance (one switch for
+/// the process, and this binary's tests run on threads of one process): one
+/// such test at a time, with the switch as it asks, turned off again on drop.
+pub(super) struct BatchInvariance {
+    _one: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Waits for the other holders, then sets batch invariance `on` (or off).
+pub(super) fn batch_invariance(on: bool) -> BatchInvariance {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    kiln_tensor::set_batch_invariant(on);
+    BatchInvariance { _one: one }
+}
+
+impl Drop for BatchInvariance {
+    fn drop(&mut self) {
+        kiln_tensor::set_batch_invariant(false);
+    }
+}
+
 pub(super) fn t<T: HostElement>(v: Vec<T>, shape: &[usize]) -> Tensor {
     crate::register();
     Tensor::from_vec(v, shape).unwrap()
