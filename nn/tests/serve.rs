@@ -392,20 +392,17 @@ fn paged_logits_are_those_of_incremental_decoding() {
     paged_logits_equal_incremental_ones(&model(5));
 }
 
-/// The same for a bfloat16 model (its KV cache bfloat16 too), and its
-/// requests served token for token as generate() gives them alone.
+/// The same for a bfloat16 model (its KV cache bfloat16 too): its paged
+/// logits agree with incremental decoding's to rounding, as the README says
+/// (not bit for bit: greedy tokens may then differ where two logits are
+/// within rounding of each other).
 #[test]
-fn bf16_models_serve_what_generate_gives() {
+fn bf16_paged_logits_agree_to_rounding() {
     let _invariant = support::batch_invariance(true);
     let mut m = model(9);
     m.to_dtype(DType::BF16).unwrap();
     assert_eq!(m.dtype(), DType::BF16);
     paged_logits_equal_incremental_ones(&m);
-    let cfg = EngineConfig { block_size: 8, max_batched_tokens: 32, max_num_seqs: 4, ..Default::default() };
-    let mut engine = Engine::new(m.clone(), cfg).unwrap();
-    let reqs = requests();
-    let got = serve(&mut engine, reqs.clone());
-    check(&m, &reqs, &got);
 }
 
 fn paged_logits_equal_incremental_ones(m: &LlamaForCausalLM) {
@@ -440,6 +437,7 @@ fn paged_logits_equal_incremental_ones(m: &LlamaForCausalLM) {
         let largest = want.iter().fold(0f32, |a, x| a.max(x.abs()));
         let bound = 2.0 * 2f32.powi(largest.log2().floor() as i32 - 7);
         let worst = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        eprintln!("bf16 paged logits: max |diff| {worst} (bound {bound})");
         assert!(worst <= bound, "bf16 paged logits {worst} from incremental decoding's (bound {bound})");
     }
 }
