@@ -20,6 +20,8 @@ fn model(seed: u64) -> LlamaForCausalLM {
             "max_position_embeddings": 512}"#,
     )
     .unwrap();
+    // Seeded draws from the global generator, not interleaved with another test's.
+    let _rng = support::rng_lock();
     kiln::manual_seed(seed);
     LlamaForCausalLM::new(&cfg, DType::F32).unwrap()
 }
@@ -176,6 +178,7 @@ fn moe_model() -> LlamaForCausalLM {
             "mlp_only_layers": [0], "max_position_embeddings": 512}"#,
     )
     .unwrap();
+    let _rng = support::rng_lock();
     kiln::manual_seed(11);
     LlamaForCausalLM::new(&cfg, DType::F32).unwrap()
 }
