@@ -20,7 +20,7 @@
 //! The examples install `tracing-subscriber`'s `fmt` subscriber on stderr
 //! with [`filter_directives`]:
 //!
-//! ```ignore
+//! ```no_run
 //! tracing_subscriber::fmt()
 //!     .with_env_filter(tracing_subscriber::EnvFilter::new(kiln::logging::filter_directives()))
 //!     .with_writer(std::io::stderr)
