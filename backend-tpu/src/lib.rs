@@ -92,7 +92,9 @@ fn start(group: Option<&process_group::Joined>, cpu_devices: Option<usize>) -> R
     let xla_cpu = path.to_string_lossy().contains("cpu");
     let mut opts = vec![];
     let count: Option<i64> = match cpu_devices {
-        Some(n) => Some(n as i64),
+        Some(n) => Some(i64::try_from(n).map_err(|_| {
+            Error::invalid("register", format!("{n} XLA:CPU devices is more than the plugin's count can hold"))
+        })?),
         None => match std::env::var("KILN_PJRT_CPU_DEVICES") {
             Ok(n) => Some(
                 n.parse()

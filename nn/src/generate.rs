@@ -220,10 +220,14 @@ pub fn choose(logits: &Tensor, s: &Sampling, generator: &Generator) -> Result<Te
 
 fn check_logits(logits: &Tensor, s: &Sampling) -> Result<()> {
     s.check()?;
-    if logits.ndim() != 2 || !logits.dtype().is_float() {
+    if logits.ndim() != 2 || logits.shape()[1] == 0 || !logits.dtype().is_float() {
         return Err(Error::shape(
             "generate",
-            format!("expected logits [B, V] of a floating dtype, got {:?} {}", logits.shape(), logits.dtype()),
+            format!(
+                "expected logits [B, V] with V >= 1 of a floating dtype, got {:?} {}",
+                logits.shape(),
+                logits.dtype()
+            ),
         ));
     }
     Ok(())

@@ -160,7 +160,7 @@ fn draws_follow_the_warped_distribution() {
 }
 
 #[test]
-fn bad_min_p_is_an_error() {
+fn bad_min_p_and_empty_logits_are_errors() {
     let g = Generator::new(Device::Cpu).unwrap();
     let x = Tensor::new([[0.0f32, 1.0]]).unwrap();
     for m in [-0.1, 1.5, f64::NAN] {
@@ -169,6 +169,13 @@ fn bad_min_p_is_an_error() {
     }
     let e = warp_logits(&x, &Sampling::greedy()).unwrap_err().to_string();
     assert!(e.contains("temperature of 0"), "{e}");
+    // No vocabulary: an error, sampled or greedy, never a guess (or an index underflow).
+    let empty = Tensor::zeros(&[2, 0], DType::F32).unwrap();
+    for s in [Sampling::sample(1.0).with_top_p(0.9), Sampling::greedy()] {
+        let e = choose(&empty, &s, &g).unwrap_err().to_string();
+        assert!(e.contains("V >= 1"), "{e}");
+    }
+    assert!(warp_logits(&empty, &Sampling::sample(1.0)).unwrap_err().to_string().contains("V >= 1"));
 }
 
 #[test]
