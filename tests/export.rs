@@ -196,26 +196,9 @@ fn functions_an_artifact_cannot_reproduce_are_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The python of the virtual environment a setup script creates on first use
-/// (from PyPI) and prints; once per process, so that tests running side by
-/// side do not install into one environment at once.
-fn python_from(script: &str) -> String {
-    static PYTHONS: std::sync::Mutex<BTreeMap<String, String>> = std::sync::Mutex::new(BTreeMap::new());
-    let mut known = PYTHONS.lock().unwrap_or_else(|e| e.into_inner());
-    known
-        .entry(script.to_string())
-        .or_insert_with(|| {
-            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts").join(script);
-            let out = Command::new(&path).output().unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            assert!(out.status.success(), "{} failed:\n{}", path.display(), String::from_utf8_lossy(&out.stderr));
-            String::from_utf8(out.stdout).unwrap().lines().last().unwrap_or_default().trim().to_string()
-        })
-        .clone()
-}
-
 /// The python of the environment with IREE's compiler and runtime.
 fn python_with_iree() -> String {
-    python_from("setup-iree-venv")
+    common::python_from("setup-iree-venv")
 }
 
 #[test]
@@ -304,7 +287,7 @@ fn custom_ops_export_and_run_in_iree() {
 /// The python of the environment with JAX: its jaxlib holds StableHLO's own
 /// serialization.
 fn python_with_jax() -> String {
-    python_from("setup-jax-venv")
+    common::python_from("setup-jax-venv")
 }
 
 /// Runs `tests/check_portable.py` (jaxlib's StableHLO) on export directories.

@@ -16,16 +16,6 @@ use std::sync::Arc;
 
 mod common;
 
-/// The python of the environment `scripts/<script>` sets up (on first use,
-/// from PyPI; the script holds a lock, so tests side by side wait for one
-/// setup) and prints.
-fn python_from(script: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts").join(script);
-    let out = Command::new(&path).output().unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert!(out.status.success(), "{} failed:\n{}", path.display(), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().lines().last().unwrap_or_default().trim().to_string()
-}
-
 /// ChatML, as Qwen's tokenizer_config.json writes it.
 const TEMPLATE: &str = "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
@@ -90,7 +80,7 @@ fn merge(a: Value, b: Value) -> Value {
 fn openai_client_and_curl_against_the_server() {
     let _invariant = common::batch_invariance(true);
     // The client's environment first: its script also installs curl when missing.
-    let python = python_from("setup-openai-venv");
+    let python = common::python_from("setup-openai-venv");
     let dir = std::env::temp_dir().join(format!("kiln-serve-http-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let m = model_dir(&dir);
@@ -243,7 +233,7 @@ fn chat_templates_render_as_transformers_does() {
     let input = dir.join("input.json");
     std::fs::write(&input, json!({"templates": templates, "messages": messages, "bos": bos, "eos": eos}).to_string())
         .unwrap();
-    let python = python_from("setup-transformers-venv");
+    let python = common::python_from("setup-transformers-venv");
     let code = "import json, sys\nfrom transformers.utils.chat_template_utils import render_jinja_template\n\
         d = json.load(open(sys.argv[1]))\nout = []\nfor t in d['templates']:\n\
         \x20   r = render_jinja_template([d['messages']], chat_template=t, add_generation_prompt=True, bos_token=d['bos'], eos_token=d['eos'])\n\

@@ -9,10 +9,13 @@ use kiln::DeviceKind;
 mod child;
 mod invariance;
 mod pjrt_plugin;
+mod venv;
 #[allow(unused_imports)] // each test binary uses a different subset
 pub use child::run_ignored_test_in_child;
 #[allow(unused_imports)]
 pub use invariance::batch_invariance;
+#[allow(unused_imports)]
+pub use venv::python_from;
 
 /// How one element of a float tensor compares to the expected one.
 /// `atol == rtol == 0` means bit-exact: NaN matches NaN and the sign of zero counts.

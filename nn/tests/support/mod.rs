@@ -7,6 +7,9 @@ use std::path::PathBuf;
 #[path = "../../../tests/common/pjrt_plugin.rs"]
 mod pjrt_plugin;
 
+#[path = "../../../tests/common/venv.rs"]
+mod venv;
+
 #[path = "../../../tests/common/child.rs"]
 mod child;
 #[allow(unused_imports)] // each test binary uses a different subset
@@ -201,20 +204,14 @@ pub fn check_params(
 /// The python of a virtual environment with `safetensors` and `numpy`
 /// (`scripts/setup-py-venv` creates it on first use; PyPI must be reachable).
 pub fn python_with_safetensors() -> String {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/setup-py-venv");
-    let out = std::process::Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
+    venv::python_from("setup-py-venv")
 }
 
 /// The python of a virtual environment with torch, transformers and
 /// compressed-tensors (`scripts/setup-transformers-venv` creates it on first
 /// use, about 3 GB from PyPI).
 pub fn python_with_transformers() -> String {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/setup-transformers-venv");
-    let out = std::process::Command::new(&script).output().unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
+    venv::python_from("setup-transformers-venv")
 }
 
 /// Checks that low-precision logits `ours` are nearer to PyTorch's
