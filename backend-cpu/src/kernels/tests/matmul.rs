@@ -28,7 +28,6 @@ fn close(got: &[f32], want: &[f64], tol: f64) {
 
 #[test]
 fn small_by_hand_and_transposed() {
-    // The kernels a product picks without batch invariance.
     let _off = super::batch_invariance(false);
     let a = f32s(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
     let b = f32s(&[7., 8., 9., 10., 11., 12.], &[3, 2]);
@@ -44,7 +43,6 @@ fn small_by_hand_and_transposed() {
 
 #[test]
 fn batched_broadcast_and_sizes() {
-    // The kernels a product picks without batch invariance.
     let _off = super::batch_invariance(false);
     for &(batch, m, k, n) in &[(3, 5, 7, 4), (1, 1, 300, 1), (2, 130, 70, 90), (1, 256, 200, 300), (64, 8, 16, 8)] {
         let av = noise(batch * m * k, 11);
@@ -72,7 +70,6 @@ fn batched_broadcast_and_sizes() {
 
 #[test]
 fn bf16_f16_int_and_bool() {
-    // The kernels a product picks without batch invariance.
     let _off = super::batch_invariance(false);
     let av = noise(4 * 64, 21);
     let bv = noise(64 * 3, 22);
@@ -111,7 +108,6 @@ fn transposed(v: &[f32], rows: usize, cols: usize) -> Tensor {
 
 #[test]
 fn large_products_split_across_threads() {
-    // The kernels a product picks without batch invariance.
     let _off = super::batch_invariance(false);
     // Products large enough to be split by rows (m > n) or by columns (square
     // ones included) into uneven parts, or columns into shrinking chunks (Note
@@ -147,7 +143,6 @@ fn large_products_split_across_threads() {
 
 #[test]
 fn column_chunks_shrink_and_cover_every_column_once() {
-    // The kernels a product picks without batch invariance.
     let _off = super::batch_invariance(false);
     use crate::kernels::matmul::{chunk_min, next_chunk};
     // The narrowest chunk: 128 columns, or 2^28 multiply-adds, or equal parts.
@@ -198,7 +193,6 @@ fn column_chunks_shrink_and_cover_every_column_once() {
 /// operand that is not row-major.
 #[test]
 fn linear_products_as_dot_products() {
-    // The kernels a product picks without batch invariance.
     let _off = super::batch_invariance(false);
     for &(k, n) in &[(256usize, 1usize), (300, 37), (1000, 4), (384, 130), (257, 9)] {
         let wv = noise(n * k, n as u64);
@@ -223,7 +217,6 @@ fn linear_products_as_dot_products() {
 /// `dst += scale * a @ b`, only the `m x n` elements at row stride `ld`.
 #[test]
 fn dot_products_scale_accumulate_and_keep_the_rest() {
-    // The kernels a product picks without batch invariance.
     let _off = super::batch_invariance(false);
     use crate::kernels::matmul::{gemm_small, MatRef};
     let (m, n, k, ld) = (7usize, 5usize, 300usize, 8usize);

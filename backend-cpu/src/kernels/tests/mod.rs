@@ -13,6 +13,8 @@ use kiln_tensor::{HostElement, Op, Tensor};
 /// Held by a test whose kernels depend on batch invariance (one switch for
 /// the process, and this binary's tests run on threads of one process): one
 /// such test at a time, with the switch as it asks, turned off again on drop.
+/// The product tests hold it off, so that they check the kernels a product
+/// picks by default whatever ran before them.
 pub(super) struct BatchInvariance {
     _one: std::sync::MutexGuard<'static, ()>,
 }

@@ -63,7 +63,6 @@ fn every_code_decodes() {
 
 #[test]
 fn the_quantized_product_is_the_dequantized_one() {
-    // The kernels a product picks without batch invariance.
     let _off = super::batch_invariance(false);
     let spec = QuantSpec { codes: Codes::E4M3, block: [16, 8], global: None };
     let (n, k) = (37, 24);
