@@ -4,10 +4,10 @@
 use crate::backend::PjrtBackend;
 use crate::dist::Shards;
 use crate::graph::{self, data_in, escaped_value_error, out_meta, Arg, Graph, ParamSrc, PjrtBuffer};
-use crate::host_values::HostValues;
 use crate::lower::Check;
 use crate::lower::Sharding;
 use crate::pjrt::{Buffer, Executable};
+use kiln_tensor::capture::{changed_watch, CaptureStats, HostValues};
 use kiln_tensor::trace::WatchRead;
 use kiln_tensor::{DType, Device, Error, Layout, Result, Storage, StorageData, Tensor};
 use std::sync::{Arc, Weak};
@@ -170,26 +170,6 @@ enum EntryState {
 struct Entry {
     guard: Vec<Guard>,
     state: EntryState,
-}
-
-/// Counters of a compiled function (see [`Compiled::stats`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CaptureStats {
-    /// Calls so far.
-    pub calls: u64,
-    /// Calls that traced the function (and compiled or found its program).
-    pub traces: u64,
-    /// Calls that replayed a cached trace without running the function.
-    pub replays: u64,
-    /// Traces caused by a guard that failed (inputs of new shapes, dtypes or layouts).
-    pub retraces: u64,
-    /// Why the last retrace happened.
-    pub last_retrace: Option<String>,
-    /// Traces that read host values of the function's own code (under
-    /// `HostValues::Retrace`, such a trace is never replayed).
-    pub host_value_traces: u64,
-    /// The first such host value of the last such trace.
-    pub last_host_value: Option<String>,
 }
 
 /// A function compiled by [`compile`]: call it like the function.
@@ -430,13 +410,6 @@ where
         }
         built
     }
-}
-
-/// The first watch that holds another value than when the trace read it, as a reason.
-fn changed_watch(watches: &[WatchRead]) -> Option<String> {
-    watches.iter().find(|w| w.current() != w.value).map(|w| {
-        format!("the watched value {} changed (from {:#x} to {:#x}) since the trace", w.name, w.value, w.current())
-    })
 }
 
 fn retrace_reason(prev: &[Guard], now: &[Guard]) -> String {

@@ -5,9 +5,9 @@
 //! device, Note [Deferred buffers]) and capture (the thread's capture graph,
 //! `capture.rs`) both build on it; it knows neither the backend nor capture.
 use crate::dist::Shards;
-use crate::host_values::{HostLog, HostValues};
 use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
 use crate::pjrt::Buffer;
+use kiln_tensor::capture::{describe_creation, HostLog, HostValues};
 use kiln_tensor::{DType, Device, DeviceMesh, Error, Meta, Op, Result, Storage, StorageData, Tensor};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -548,16 +548,6 @@ pub(crate) fn begin_capture(g: Graph) {
 /// Takes the thread's capture graph (the trace ends).
 pub(crate) fn end_capture() -> Option<Graph> {
     ACTIVE.with(|a| a.borrow_mut().take())
-}
-
-/// What a creation op's value is, for the messages about host values.
-fn describe_creation(op: &Op) -> String {
-    let user = kiln_tensor::trace::current_scalar_use().unwrap_or(op.name());
-    match op {
-        Op::Full { value, dtype, .. } => format!("{user}: the host scalar {} ({dtype})", value.to_f64()),
-        Op::Arange { start, step, .. } => format!("{user}: the host values start {start} and step {step}"),
-        _ => format!("{user}: a host value"),
-    }
 }
 
 /// What a storage on a PJRT device holds.

@@ -15,7 +15,6 @@ pub mod cache;
 mod capture;
 mod dist;
 mod graph;
-mod host_values;
 mod local;
 pub mod lower;
 mod mode;
@@ -26,9 +25,9 @@ pub mod store;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
 pub use capture::export::{ArgKind, ExportedProgram, Flat, Program, ResultKind};
-pub use capture::{compile, CaptureStats, Compiled};
+pub use capture::{compile, Compiled};
 pub use graph::is_tracing;
-pub use host_values::HostValues;
+pub use kiln_tensor::capture::{CaptureStats, HostValues};
 pub use mode::{mode, nan_trap, set_mode, set_nan_trap, with_mode, Mode};
 pub use process_group::{init_process_group, process_group, ProcessGroup, ProcessGroupOptions};
 

@@ -7,8 +7,8 @@
 use crate::backend::PjrtBackend;
 use crate::dist::{shard_arg, Shards};
 use crate::graph::{self, Arg, Graph, ParamSrc, PjrtBuffer};
-use crate::host_values::HostValues;
 use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
+use kiln_tensor::capture::HostValues;
 use kiln_tensor::{
     distribute_tensor, Device, DeviceMesh, Error, Layout, LocalFn, Placement, Result, Storage, StorageData, Tensor,
 };

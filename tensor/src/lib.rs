@@ -17,6 +17,7 @@ pub use ndarray;
 pub mod alloc;
 mod attention;
 pub mod autocast;
+pub mod capture;
 pub mod collective;
 mod composite;
 mod convert;

@@ -29,7 +29,7 @@ use std::sync::Arc;
 //   other values traces again (with the reason logged and counted) instead of
 //   replaying;
 // - anything else is a host value of the function's own code. What a compiled
-//   function does with those is its `HostValues` policy (`kiln_tpu::HostValues`):
+//   function does with those is its `HostValues` policy (`capture::HostValues`):
 //   by default such a function is traced on every call and never replayed
 //   (correct: each call's values reach the program, whose compiled form is
 //   cached, since creation values are program arguments); it can refuse them

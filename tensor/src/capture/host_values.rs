@@ -1,7 +1,7 @@
-//! What a capture graph records of the host values entering a traced
-//! function's program, and the policy for those the function's own code
-//! made (see Note [Host values] in kiln-tensor's `trace.rs`).
-use kiln_tensor::{Error, Result};
+//! What a trace records of the host values entering a traced function's
+//! program, and the policy for those the function's own code made (see Note
+//! [Host values] in `trace.rs`).
+use crate::{Error, Op, Result};
 
 /// What a compiled function does with host values of its own code: scalar
 /// operands and creation values (`x * scale`, `Tensor::full(.., v, ..)`) and
@@ -78,5 +78,15 @@ impl HostLog {
             ),
         };
         self.value(declared, || what)
+    }
+}
+
+/// What a creation op's value is, for the messages about host values.
+pub fn describe_creation(op: &Op) -> String {
+    let user = crate::trace::current_scalar_use().unwrap_or(op.name());
+    match op {
+        Op::Full { value, dtype, .. } => format!("{user}: the host scalar {} ({dtype})", value.to_f64()),
+        Op::Arange { start, step, .. } => format!("{user}: the host values start {start} and step {step}"),
+        _ => format!("{user}: a host value"),
     }
 }
