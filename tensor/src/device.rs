@@ -1,5 +1,6 @@
 //! `Device` and the backend registry: devices are runtime values resolved to a
 //! registered `Backend`, so out-of-tree backends plug in (PyTorch's PrivateUse1 idea).
+use crate::ir::{Executable, Interpreter, Program};
 use crate::{DType, DeviceMesh, Error, HostBuffer, Layout, Op, Placement, Result, Shape, Storage, Tensor};
 use std::fmt;
 use std::sync::{Arc, RwLock};
@@ -143,6 +144,13 @@ pub trait Backend: Send + Sync + 'static {
     /// serving engine's decode step; `None` where ops run one by one anyway.
     fn capture(&self, _device: Device, _f: CaptureFn) -> Option<Box<dyn Captured>> {
         None
+    }
+    /// `program` readied to run on `device` (Note [Programs] in `ir/mod.rs`).
+    /// The default interprets it instruction by instruction through
+    /// [`Backend::exec`] and [`Backend::assign`]; a backend with a compiler
+    /// of its own lowers it instead.
+    fn compile(&self, program: &Program, device: Device) -> Result<Arc<dyn Executable>> {
+        Ok(Arc::new(Interpreter::new(program.clone(), device)?))
     }
 
     // ---- distributed tensors (see `distributed.rs`); backends without meshes keep the defaults.

@@ -37,6 +37,7 @@ mod indexing;
 mod inplace;
 mod interop;
 pub mod invariance;
+pub mod ir;
 pub mod layout;
 mod linalg;
 pub mod mesh;

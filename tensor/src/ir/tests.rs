@@ -1,0 +1,136 @@
+//! The program representation without any backend: building, the text
+//! form, the verifier and the passes.
+use super::*;
+use crate::{BinaryOp, DType, Meta, Op, Scalar, UnaryOp, ViewOp};
+use smallvec::smallvec;
+
+fn state16() -> (Program, Value) {
+    let mut p = Program::new();
+    let s = p.add_param(ParamKind::State, Meta::new(&[16], DType::F32));
+    (p, s)
+}
+
+#[test]
+fn prints_the_documented_form() {
+    let (mut p, s) = state16();
+    let g = p.add_param(ParamKind::Generator, Meta::new(&[2], DType::I64));
+    let x = p.add_param(ParamKind::Input(0), Meta::new(&[4, 4], DType::F32));
+    let v = p.push(Op::View(ViewOp::Reshape(smallvec![4, 4])), &[s]).unwrap()[0];
+    let bits = p.push(Op::RandomBits { shape: smallvec![4] }, &[g]).unwrap();
+    let a = p.push(Op::Binary(BinaryOp::Add), &[v, x]).unwrap()[0];
+    let half = p.push(Op::Full { shape: smallvec![], value: Scalar::Float(0.1), dtype: DType::F32 }, &[]).unwrap()[0];
+    let k = p.push(Op::TopK { k: 2, dim: 1, largest: true }, &[a]).unwrap();
+    let w = p.push(Op::Assign { shape: smallvec![4, 4], strides: smallvec![4, 1], offset: 0 }, &[s, a]).unwrap()[0];
+    p.add_result(k[0], ResultKind::Fresh);
+    p.add_result(w, ResultKind::Update(0));
+    p.add_result(bits[1], ResultKind::Update(1));
+    let _ = half;
+    p.verify().unwrap();
+    let want = "\
+program(%0: f32[16] state, %1: i64[2] generator, %2: f32[4, 4] input 0) {
+  %3 = view(%0) {shape=[4, 4]} : f32[4, 4]
+  %4, %5 = random_bits(%1) {shape=[4]} : i64[4], i64[2]
+  %6 = add(%3, %2) : f32[4, 4]
+  %7 = full() {shape=[], value=0.1, dtype=f32} : f32[]
+  %8, %9 = topk(%6) {k=2, dim=1, largest=true} : f32[4, 2], i64[4, 2]
+  %10 = copy_(%0, %6) {shape=[4, 4], strides=[4, 1], offset=0} : f32[16]
+  return %8 fresh, %10 updates %0, %5 updates %1
+}";
+    assert_eq!(p.to_string(), want);
+}
+
+#[test]
+fn verify_reruns_inference_on_every_instruction() {
+    let (mut p, s) = state16();
+    let e = p.push(Op::Unary(UnaryOp::Exp), &[s]).unwrap()[0];
+    p.add_result(e, ResultKind::Fresh);
+    p.verify().unwrap();
+    // An instruction declaring other outputs than its operands give.
+    let mut bad = p.clone();
+    bad.push_typed(Op::Unary(UnaryOp::Exp), &[s], smallvec![Meta::new(&[8], DType::F32)]);
+    let msg = bad.verify().unwrap_err().to_string();
+    assert!(msg.contains("declares outputs f32[8] but its operands give f32[16]"), "{msg}");
+    // An operand no instruction defines.
+    let mut bad = p.clone();
+    bad.push_typed(Op::Unary(UnaryOp::Exp), &[Value(99)], smallvec![Meta::new(&[16], DType::F32)]);
+    assert!(bad.verify().unwrap_err().to_string().contains("reads %99, which is not defined"));
+    // An update of another type than its parameter, a constant updated, a non-bool check.
+    let mut bad = p.clone();
+    let c = bad.push(Op::Cast(DType::F64), &[s]).unwrap()[0];
+    bad.add_result(c, ResultKind::Update(0));
+    assert!(bad.verify().unwrap_err().to_string().contains("of another type"));
+    let mut bad = p.clone();
+    bad.params[0].kind = ParamKind::Constant;
+    bad.add_result(e, ResultKind::Update(0));
+    assert!(bad.verify().unwrap_err().to_string().contains("updates the constant"));
+    let mut bad = p.clone();
+    bad.add_result(e, ResultKind::Check("x".into()));
+    assert!(bad.verify().unwrap_err().to_string().contains("not a bool scalar"));
+    // An instruction reading a value a later one defines.
+    let mut bad = p.clone();
+    let first = Value(bad.num_values() as u32 + 1);
+    bad.push_typed(Op::Unary(UnaryOp::Neg), &[first], smallvec![Meta::new(&[16], DType::F32)]);
+    bad.push_typed(Op::Unary(UnaryOp::Neg), &[s], smallvec![Meta::new(&[16], DType::F32)]);
+    assert!(bad.verify().unwrap_err().to_string().contains("defined by a later instruction"));
+}
+
+#[test]
+fn dce_removes_what_no_result_needs() {
+    let (mut p, s) = state16();
+    let a = p.push(Op::Unary(UnaryOp::Exp), &[s]).unwrap()[0];
+    let dead = p.push(Op::Unary(UnaryOp::Log), &[a]).unwrap()[0];
+    let _dead2 = p.push(Op::Unary(UnaryOp::Neg), &[dead]).unwrap()[0];
+    let b = p.push(Op::Unary(UnaryOp::Tanh), &[a]).unwrap()[0];
+    p.add_result(b, ResultKind::Fresh);
+    let d = p.dce();
+    d.verify().unwrap();
+    let names: Vec<&str> = d.insts.iter().map(|i| i.op.name()).collect();
+    assert_eq!(names, ["exp", "tanh"]);
+    assert_eq!(d.params, p.params, "parameters are the signature: kept");
+    assert_eq!(
+        d.to_string(),
+        "program(%0: f32[16] state) {\n  %1 = exp(%0) : f32[16]\n  %2 = tanh(%1) : f32[16]\n  return %2 fresh\n}"
+    );
+}
+
+#[test]
+fn cse_merges_equal_ops_on_equal_operands() {
+    let (mut p, s) = state16();
+    let a = p.push(Op::Unary(UnaryOp::Exp), &[s]).unwrap()[0];
+    let b = p.push(Op::Unary(UnaryOp::Exp), &[s]).unwrap()[0];
+    let c = p.push(Op::Unary(UnaryOp::Log), &[s]).unwrap()[0];
+    let sum = p.push(Op::Binary(BinaryOp::Add), &[a, b]).unwrap()[0];
+    let sum2 = p.push(Op::Binary(BinaryOp::Add), &[b, a]).unwrap()[0];
+    // Same name, other attributes: kept apart.
+    let full1 = p.push(Op::Full { shape: smallvec![], value: Scalar::Float(1.0), dtype: DType::F32 }, &[]).unwrap()[0];
+    let full2 = p.push(Op::Full { shape: smallvec![], value: Scalar::Float(2.0), dtype: DType::F32 }, &[]).unwrap()[0];
+    for v in [sum, sum2, c, full1, full2] {
+        p.add_result(v, ResultKind::Fresh);
+    }
+    let d = p.cse();
+    d.verify().unwrap();
+    let names: Vec<&str> = d.insts.iter().map(|i| i.op.name()).collect();
+    // exp once; with b merged into a, add(a, b) and add(b, a) are both add(a, a): one.
+    assert_eq!(names, ["exp", "log", "add", "full", "full"]);
+    assert_eq!(d.results[0].value, d.results[1].value, "add(a, b) == add(b, a) once b is a");
+    assert_ne!(d.results[3].value, d.results[4].value);
+}
+
+#[test]
+fn renumbering_makes_equal_programs_equal() {
+    // The same computation with parameters added late (as a recorder discovers them).
+    let mut a = Program::new();
+    let x = a.add_param(ParamKind::Input(0), Meta::new(&[3], DType::F32));
+    let e = a.push(Op::Unary(UnaryOp::Exp), &[x]).unwrap()[0];
+    let s = a.add_param(ParamKind::State, Meta::new(&[3], DType::F32));
+    let m = a.push(Op::Binary(BinaryOp::Mul), &[e, s]).unwrap()[0];
+    a.add_result(m, ResultKind::Fresh);
+    a.verify().unwrap();
+    let r = a.renumbered();
+    r.verify().unwrap();
+    assert_eq!(
+        r.to_string(),
+        "program(%0: f32[3] input 0, %1: f32[3] state) {\n  %2 = exp(%0) : f32[3]\n  %3 = mul(%2, %1) : f32[3]\n  return %3 fresh\n}"
+    );
+    assert_eq!(r, r.renumbered());
+}
