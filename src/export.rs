@@ -81,7 +81,8 @@ where
     F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
 {
     let dir = dir.as_ref();
-    let (program, outs) = compiled.trace_for_export(inputs)?;
+    let (program, outs) =
+        compiled.with_function(|f, device, policy| kiln_tpu::trace_for_export(f, device, policy, inputs))?;
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let ExportedProgram { text: program_text, args: program_args, results: program_results, returns } = program;
     let mut weights = BTreeMap::new();

@@ -57,9 +57,9 @@ pub fn init_device(device: Device) -> Result<()> {
     device.backend().map(|_| ())
 }
 
-/// Captures a function of tensors on a PJRT device into one compiled program
-/// (torch.compile's role): see [`tpu::compile`].
-pub use kiln_tpu::{compile, CaptureStats, Compiled, HostValues};
+/// Captures a function of tensors into one program (torch.compile's role),
+/// on any device: see [`tensor::capture::compile`].
+pub use kiln_tensor::capture::{compile, CaptureStats, Compiled, HostValues};
 
 /// `use kiln::prelude::*;` brings the everyday names into scope.
 pub mod prelude {

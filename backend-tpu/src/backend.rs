@@ -692,7 +692,10 @@ impl Backend for PjrtBackend {
     }
 
     fn capture(&self, device: Device, f: kiln_tensor::CaptureFn) -> Option<Box<dyn kiln_tensor::Captured>> {
-        Some(Box::new(crate::capture::compile(device, f)))
+        Some(Box::new(kiln_tensor::capture::compile(device, f)))
+    }
+    fn tracer(&self, device: Device) -> Result<Box<dyn kiln_tensor::capture::Tracer>> {
+        Ok(Box::new(crate::capture::PjrtTracer { device }))
     }
 
     fn supports_meshes(&self) -> bool {

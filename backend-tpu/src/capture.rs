@@ -7,7 +7,7 @@ use crate::graph::{self, data_in, escaped_value_error, out_meta, Arg, Graph, Par
 use crate::lower::Check;
 use crate::lower::Sharding;
 use crate::pjrt::{Buffer, Executable};
-use kiln_tensor::capture::{changed_watch, CaptureStats, HostValues};
+use kiln_tensor::capture::{HostValues, Traced, TracedFn, Tracer};
 use kiln_tensor::trace::WatchRead;
 use kiln_tensor::{DType, Device, Error, Layout, Result, Storage, StorageData, Tensor};
 use std::sync::{Arc, Weak};
@@ -53,39 +53,6 @@ pub mod export;
 // Reading tensor data inside the traced function is an error (the value does
 // not exist yet); so is using a tensor the function computed after the call
 // without returning it or storing it in state that outlives the call.
-
-/// One input's guard: what the traced program assumes about it.
-#[derive(Debug, Clone, PartialEq)]
-struct Guard {
-    shape: Vec<usize>,
-    dtype: DType,
-    strides: Vec<usize>,
-    offset: usize,
-    storage_len: usize,
-    device: Device,
-    /// On a mesh: the storage's sharding and n-d shape (other placements are another program).
-    sharding: Option<(Sharding, Vec<usize>)>,
-}
-
-impl Guard {
-    fn of(t: &Tensor) -> Guard {
-        Guard {
-            shape: t.shape().to_vec(),
-            dtype: t.dtype(),
-            strides: t.layout().strides().to_vec(),
-            offset: t.layout().offset(),
-            storage_len: t.storage().len(),
-            device: t.device(),
-            sharding: data_in(&t.storage().read(), t.device()).ok().and_then(|d| crate::dist::storage_sharding(&d)),
-        }
-    }
-    fn describe(&self) -> String {
-        match &self.sharding {
-            Some((s, _)) => format!("{:?} {} on {} as {}", self.shape, self.dtype, self.device, s.attr()),
-            None => format!("{:?} {} on {}", self.shape, self.dtype, self.device),
-        }
-    }
-}
 
 #[derive(Debug, Clone, PartialEq)]
 enum SourceKind {
@@ -162,272 +129,103 @@ struct Signature {
     state_sinks: Vec<u8>,
 }
 
-enum EntryState {
-    Warming(Signature),
-    Ready(Box<Trace>, Signature),
+/// Capture on a PJRT device ([`Backend::tracer`](kiln_tensor::Backend::tracer)):
+/// traces into a capture graph, replays its compiled program.
+pub(crate) struct PjrtTracer {
+    pub(crate) device: Device,
 }
 
-struct Entry {
-    guard: Vec<Guard>,
-    state: EntryState,
-}
-
-/// A function compiled by [`compile`]: call it like the function.
-pub struct Compiled<F> {
-    f: F,
-    device: Device,
-    entries: Vec<Entry>,
-    stats: CaptureStats,
-    error_on_retrace: bool,
-    host_values: HostValues,
-    verify: bool,
-}
-
-/// Captures `f`, a function of PJRT tensors on `device` returning tensors, as
-/// torch.compile does: traced into one program the first time it sees its
-/// inputs' shapes, replayed afterwards (see Note \[Capture\] in `capture.rs`).
-///
-/// Random numbers drawn inside are fresh on every call, replays included:
-/// the generator's state is a device tensor the program reads and advances.
-/// Host values of the function's own code (here the dropout probability and
-/// the step size) are frozen into a replayed program, so they are declared
-/// constants with `kiln_tensor::constant`; without it the function would be
-/// traced on every call (see [`HostValues`] and Note [Host values]).
-///
-/// ```no_run
-/// use kiln_tensor::{constant, Device, DType, Tensor};
-/// kiln_tpu::register()?;
-/// let dev = Device::Tpu(0);
-/// kiln_tensor::manual_seed(0);
-/// let w = Tensor::ones(&[4], (DType::F32, dev))?;
-/// let mut step = kiln_tpu::compile(dev, |xs: &[Tensor]| {
-///     let h = constant(|| xs[0].dropout(0.1, true))?; // a new mask every call
-///     w.sub_(&constant(|| h.mul(0.1))?)?; // state updated in place
-///     Ok(vec![w.sum()?])
-/// });
-/// for _ in 0..5 {
-///     let x = Tensor::ones(&[4], (DType::F32, dev))?;
-///     let total = step.call(&[x])?;
-///     println!("{}", total[0].item::<f32>()?);
-/// }
-/// assert_eq!(step.stats().host_value_traces, 0);
-/// # Ok::<(), kiln_tensor::Error>(())
-/// ```
-pub fn compile<F>(device: Device, f: F) -> Compiled<F>
-where
-    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
-{
-    Compiled {
-        f,
-        device,
-        entries: vec![],
-        stats: CaptureStats::default(),
-        error_on_retrace: false,
-        host_values: HostValues::default(),
-        verify: std::env::var("KILN_COMPILE_VERIFY").is_ok_and(|v| v == "1"),
-    }
-}
-
-/// [`Backend::capture`](kiln_tensor::Backend::capture) on PJRT: library code's way to [`compile`].
-impl kiln_tensor::Captured for Compiled<kiln_tensor::CaptureFn> {
-    fn call(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        Compiled::call(self, inputs)
-    }
-    fn counts(&self) -> (u64, u64) {
-        (self.stats.traces, self.stats.replays)
-    }
-}
-
-impl<F> Compiled<F>
-where
-    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
-{
-    /// Makes a retrace (a guard failing after a trace was cached) an error instead of a log line.
-    pub fn error_on_retrace(mut self, on: bool) -> Self {
-        self.error_on_retrace = on;
-        self
-    }
-
-    /// What to do with host values of the function's own code (see
-    /// [`HostValues`] and Note [Host values]); `HostValues::Retrace` by default.
-    pub fn host_values(mut self, policy: HostValues) -> Self {
-        self.host_values = policy;
-        self
-    }
-
-    /// Traces every call, also once a trace is stable, and fails (after
-    /// running the call) when the program differs from the stable trace's:
-    /// a check that the function depends on nothing a replay cannot see.
-    /// Also on with `KILN_COMPILE_VERIFY=1`.
-    pub fn verify(mut self, on: bool) -> Self {
-        self.verify = on;
-        self
-    }
-
-    /// The counters: calls, traces, replays, retraces and the last retrace's reason.
-    pub fn stats(&self) -> &CaptureStats {
-        &self.stats
-    }
-
-    /// Runs the function: replays its program when a stable trace matches the
-    /// inputs, else traces it (see Note \[Capture\]).
-    pub fn call(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+impl Tracer for PjrtTracer {
+    fn trace(
+        &mut self,
+        f: &mut TracedFn<'_>,
+        inputs: &[Tensor],
+        policy: HostValues,
+    ) -> Result<(Box<dyn Traced>, Vec<Tensor>)> {
         let backend = crate::backend()?;
-        for (i, t) in inputs.iter().enumerate() {
-            if t.device() != self.device {
-                return Err(Error::device(
-                    "compile",
-                    format!("input {i} is on {}, the compiled function runs on {}", t.device(), self.device),
-                ));
-            }
-        }
-        self.stats.calls += 1;
-        let guard: Vec<Guard> = inputs.iter().map(Guard::of).collect();
-        let pos = self.entries.iter().position(|e| e.guard == guard);
-        let mut verifying = false;
-        if let Some(p) = pos {
-            if let EntryState::Ready(trace, _) = &self.entries[p].state {
-                match changed_watch(&trace.watches) {
-                    None if !self.verify => {
-                        self.stats.replays += 1;
-                        return replay(backend, trace, inputs, self.device, None);
-                    }
-                    None => verifying = true,
-                    Some(reason) => self.retrace(reason)?,
-                }
-            }
-        } else if let Some(prev) = self.entries.iter().rev().find(|e| matches!(e.state, EntryState::Ready(..))) {
-            let reason = retrace_reason(&prev.guard, &guard);
-            self.retrace(reason)?;
-        }
-        self.stats.traces += 1;
-        let t = std::time::Instant::now();
-        let (trace, sig, traced_args) = self.trace(backend, inputs)?;
-        tracing::debug!(
-            target: "kiln::compile",
-            trace = self.stats.traces,
-            inputs = inputs.len(),
-            ms = t.elapsed().as_secs_f64() * 1e3,
-            "traced the captured function"
-        );
-        if let Some(first) = trace.host.first() {
-            self.stats.host_value_traces += 1;
-            self.stats.last_host_value = Some(first.clone());
-            tracing::info!(
-                target: "kiln::retrace",
-                trace = self.stats.traces,
-                host_value = %first,
-                more = trace.host.len() - 1,
-                "the trace reads host values of the function's own code, so it is not replayed \
-                 (HostValues::Retrace); declare constants with kiln::constant, or pass changing values as inputs \
-                 or kiln::HostScalar"
-            );
-        }
+        let (trace, sig, traced_args) = run_trace(backend, self.device, policy, f, inputs)?;
         // This call's own run: the buffers the trace read (state now holds the trace's results).
         let outs = replay(backend, &trace, inputs, self.device, Some(traced_args))?;
-        let replayable = trace.host.is_empty();
-        match pos {
-            Some(p) => {
-                let prev = match &self.entries[p].state {
-                    EntryState::Warming(prev) | EntryState::Ready(_, prev) => prev,
-                };
-                let stable = *prev == sig;
-                if verifying && !stable {
-                    let d = difference(prev, &sig);
-                    self.entries[p].state = EntryState::Warming(sig);
-                    return Err(Error::invalid(
-                        "compile",
-                        format!(
-                            "verify: call {} traced another program than the stable trace ({d}); without verify it would have replayed the stable trace, returning stale values",
-                            self.stats.calls
-                        ),
-                    ));
-                }
-                if !stable && replayable {
-                    tracing::debug!(
-                        target: "kiln::retrace",
-                        trace = self.stats.traces,
-                        difference = %difference(prev, &sig),
-                        "the trace differs from the previous one; tracing again next call"
-                    );
-                }
-                self.entries[p].state = if stable && replayable {
-                    EntryState::Ready(Box::new(trace), sig)
-                } else {
-                    EntryState::Warming(sig)
-                };
-            }
-            None => self.entries.push(Entry { guard, state: EntryState::Warming(sig) }),
-        }
-        Ok(outs)
+        Ok((Box::new(PjrtTrace { trace, sig, device: self.device }), outs))
     }
 
-    /// Counts and logs a retrace (or refuses it).
-    fn retrace(&mut self, reason: String) -> Result<()> {
-        self.stats.retraces += 1;
-        self.stats.last_retrace = Some(reason.clone());
-        tracing::info!(target: "kiln::retrace", reason = %reason, retraces = self.stats.retraces, "retracing");
-        if self.error_on_retrace {
-            return Err(Error::invalid("compile", format!("retrace refused (error_on_retrace is set): {reason}")));
-        }
-        Ok(())
-    }
-
-    /// Runs the function on the capture graph and builds its trace.
-    fn trace(&mut self, backend: &PjrtBackend, inputs: &[Tensor]) -> Result<(Trace, Signature, Vec<Arg>)> {
-        let dev = self.device;
-        backend.flush(dev)?;
-        for t in inputs {
-            match dev {
-                Device::Mesh(_) => drop(backend.shards(t)?),
-                _ => drop(backend.buffer_of(t)?),
-            }
-        }
-        struct Clear;
-        impl Drop for Clear {
-            fn drop(&mut self) {
-                graph::end_capture();
-                kiln_tensor::trace::end_watching();
-            }
-        }
-        graph::begin_capture(Graph::new_capture(dev, self.host_values));
-        kiln_tensor::trace::begin_watching();
-        let clear = Clear;
-        let result = (self.f)(inputs);
-        let watches = kiln_tensor::trace::end_watching();
-        let mut g = graph::end_capture()
-            .ok_or_else(|| Error::invalid("compile", "the capture graph was taken while tracing"))?;
-        drop(clear);
-        let saved = std::mem::take(&mut g.saved);
-        let built = result.and_then(|returned| build(backend, g, inputs, &returned, watches));
-        if built.is_err() {
-            // The storages the failed trace wrote get their buffers back.
-            for (w, data) in saved {
-                if let Some(st) = w.upgrade() {
-                    st.replace(StorageData::Device(Box::new(data)));
-                }
-            }
-        }
-        built
+    fn guard_extra(&self, t: &Tensor) -> Option<String> {
+        let (s, shape) =
+            data_in(&t.storage().read(), t.device()).ok().and_then(|d| crate::dist::storage_sharding(&d))?;
+        Some(format!("{} of {shape:?}", s.attr()))
     }
 }
 
-fn retrace_reason(prev: &[Guard], now: &[Guard]) -> String {
-    if prev.len() != now.len() {
-        return format!("the number of inputs changed from {} to {}", prev.len(), now.len());
+/// A trace on a PJRT device: its compiled program and wiring.
+struct PjrtTrace {
+    trace: Trace,
+    sig: Signature,
+    device: Device,
+}
+
+impl Traced for PjrtTrace {
+    fn replay(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        replay(crate::backend()?, &self.trace, inputs, self.device, None)
     }
-    for (i, (a, b)) in prev.iter().zip(now).enumerate() {
-        if a != b {
-            if a.shape != b.shape || a.dtype != b.dtype || a.device != b.device || a.sharding != b.sharding {
-                return format!("input {i} changed from {} to {}", a.describe(), b.describe());
-            }
-            return format!(
-                "input {i} changed layout from strides {:?} offset {} to strides {:?} offset {}",
-                a.strides, a.offset, b.strides, b.offset
-            );
+    fn watches(&self) -> &[WatchRead] {
+        &self.trace.watches
+    }
+    fn host_values(&self) -> &[String] {
+        &self.trace.host
+    }
+    fn difference(&self, prev: &dyn Traced) -> Option<String> {
+        match prev.as_any().downcast_ref::<PjrtTrace>() {
+            Some(p) if p.sig == self.sig => None,
+            Some(p) => Some(difference(&p.sig, &self.sig)),
+            None => Some("the previous trace was made by another tracer".into()),
         }
     }
-    "no cached trace matches".into()
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Runs `f` on the capture graph of `dev` and builds its trace.
+fn run_trace(
+    backend: &PjrtBackend,
+    dev: Device,
+    policy: HostValues,
+    f: &mut TracedFn<'_>,
+    inputs: &[Tensor],
+) -> Result<(Trace, Signature, Vec<Arg>)> {
+    backend.flush(dev)?;
+    for t in inputs {
+        match dev {
+            Device::Mesh(_) => drop(backend.shards(t)?),
+            _ => drop(backend.buffer_of(t)?),
+        }
+    }
+    struct Clear;
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            graph::end_capture();
+            kiln_tensor::trace::end_watching();
+        }
+    }
+    graph::begin_capture(Graph::new_capture(dev, policy));
+    kiln_tensor::trace::begin_watching();
+    let clear = Clear;
+    let result = f(inputs);
+    let watches = kiln_tensor::trace::end_watching();
+    let mut g =
+        graph::end_capture().ok_or_else(|| Error::invalid("compile", "the capture graph was taken while tracing"))?;
+    drop(clear);
+    let saved = std::mem::take(&mut g.saved);
+    let built = result.and_then(|returned| build(backend, g, inputs, &returned, watches));
+    if built.is_err() {
+        // The storages the failed trace wrote get their buffers back.
+        for (w, data) in saved {
+            if let Some(st) = w.upgrade() {
+                st.replace(StorageData::Device(Box::new(data)));
+            }
+        }
+    }
+    built
 }
 
 fn difference(a: &Signature, b: &Signature) -> String {

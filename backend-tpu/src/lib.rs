@@ -24,9 +24,9 @@ mod process_group;
 pub mod store;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
-pub use capture::export::{ArgKind, ExportedProgram, Flat, Program, ResultKind};
-pub use capture::{compile, Compiled};
+pub use capture::export::{trace_for_export, ArgKind, ExportedProgram, Flat, Program, ResultKind};
 pub use graph::is_tracing;
+pub use kiln_tensor::capture::{compile, Compiled};
 pub use kiln_tensor::capture::{CaptureStats, HostValues};
 pub use mode::{mode, nan_trap, set_mode, set_nan_trap, with_mode, Mode};
 pub use process_group::{init_process_group, process_group, ProcessGroup, ProcessGroupOptions};
@@ -192,6 +192,9 @@ impl kiln_tensor::Backend for Registered {
         f: kiln_tensor::CaptureFn,
     ) -> Option<Box<dyn kiln_tensor::Captured>> {
         self.0.capture(device, f)
+    }
+    fn tracer(&self, device: kiln_tensor::Device) -> Result<Box<dyn kiln_tensor::capture::Tracer>> {
+        self.0.tracer(device)
     }
     fn supports_meshes(&self) -> bool {
         self.0.supports_meshes()

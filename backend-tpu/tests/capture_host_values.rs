@@ -3,15 +3,19 @@
 //! eager ones; a host scalar that changes is never replayed stale (traced
 //! every call, refused, or watched through a `HostScalar`); uploads are host
 //! values; `verify` catches a function that breaks the rule; a failed trace
-//! leaves the state it wrote as it was.
+//! leaves the state it wrote as it was. Each runs on the CPU (a recorded
+//! program) and on the PJRT device.
 mod support;
 
+use kiln_tensor::capture::HostValues;
 use kiln_tensor::{constant, DType, Device, Generator, HostScalar, Tensor};
-use kiln_tpu::{HostValues, Mode};
+use kiln_tpu::Mode;
 use std::cell::Cell;
 use support::setup;
 
 const TPU: Device = Device::Tpu(0);
+/// Every test runs on both capture paths.
+const DEVICES: [Device; 2] = [Device::Cpu, TPU];
 
 fn bits(t: &Tensor) -> Vec<u32> {
     t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
@@ -20,24 +24,26 @@ fn bits(t: &Tensor) -> Vec<u32> {
 #[test]
 fn dropout_draws_a_fresh_mask_on_every_replay_equal_to_eager() {
     setup();
-    for mode in [Mode::Strict, Mode::Debug, Mode::Defer] {
+    let runs = [(Device::Cpu, Mode::Strict), (TPU, Mode::Strict), (TPU, Mode::Debug), (TPU, Mode::Defer)];
+    for (dev, mode) in runs {
         kiln_tpu::with_mode(mode, || {
-            let g = Generator::new(TPU).unwrap().manual_seed(5).unwrap();
-            let mut f =
-                kiln_tpu::compile(TPU, |xs: &[Tensor]| constant(|| Ok(vec![xs[0].dropout_with(0.5, true, &g)?])));
-            let x = Tensor::ones(&[64], (DType::F32, TPU)).unwrap();
+            let g = Generator::new(dev).unwrap().manual_seed(5).unwrap();
+            let mut f = kiln_tensor::capture::compile(dev, |xs: &[Tensor]| {
+                constant(|| Ok(vec![xs[0].dropout_with(0.5, true, &g)?]))
+            });
+            let x = Tensor::ones(&[64], (DType::F32, dev)).unwrap();
             let masks: Vec<Vec<u32>> = (0..8).map(|_| bits(&f.call(std::slice::from_ref(&x)).unwrap()[0])).collect();
             let s = f.stats();
-            assert_eq!((s.calls, s.traces, s.replays, s.host_value_traces), (8, 2, 6, 0), "{mode:?}: {s:?}");
+            assert_eq!((s.calls, s.traces, s.replays, s.host_value_traces), (8, 2, 6, 0), "{dev} {mode:?}: {s:?}");
             let mut distinct = masks.clone();
             distinct.sort();
             distinct.dedup();
-            assert!(distinct.len() >= 7, "{mode:?}: {} distinct masks of 8", distinct.len());
+            assert!(distinct.len() >= 7, "{dev} {mode:?}: {} distinct masks of 8", distinct.len());
             // The same seed eagerly, on the CPU: the same masks, call by call.
             let gc = Generator::new(Device::Cpu).unwrap().manual_seed(5).unwrap();
             let xc = Tensor::ones(&[64], DType::F32).unwrap();
             for (i, m) in masks.iter().enumerate() {
-                assert_eq!(&bits(&xc.dropout_with(0.5, true, &gc).unwrap()), m, "{mode:?}: call {i}");
+                assert_eq!(&bits(&xc.dropout_with(0.5, true, &gc).unwrap()), m, "{dev} {mode:?}: call {i}");
             }
             // The generator advanced exactly as the eager one did.
             assert_eq!(
@@ -51,117 +57,130 @@ fn dropout_draws_a_fresh_mask_on_every_replay_equal_to_eager() {
 #[test]
 fn a_host_scalar_that_changes_is_traced_again_never_replayed_stale() {
     setup();
-    let scale = Cell::new(1.0);
-    let mut f = kiln_tpu::compile(TPU, |xs: &[Tensor]| Ok(vec![xs[0].mul(scale.get())?]));
-    let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap().to_device(TPU).unwrap();
-    for i in 0..8 {
-        if i == 5 {
-            scale.set(3.0);
+    for dev in DEVICES {
+        let scale = Cell::new(1.0);
+        let mut f = kiln_tensor::capture::compile(dev, |xs: &[Tensor]| Ok(vec![xs[0].mul(scale.get())?]));
+        let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap().to_device(dev).unwrap();
+        for i in 0..8 {
+            if i == 5 {
+                scale.set(3.0);
+            }
+            let y = f.call(std::slice::from_ref(&x)).unwrap()[0].to_vec::<f32>().unwrap();
+            let s = scale.get() as f32;
+            assert_eq!(y, vec![s, 2.0 * s], "call {i}");
         }
-        let y = f.call(std::slice::from_ref(&x)).unwrap()[0].to_vec::<f32>().unwrap();
-        let s = scale.get() as f32;
-        assert_eq!(y, vec![s, 2.0 * s], "call {i}");
+        let s = f.stats().clone();
+        assert_eq!((s.traces, s.replays, s.host_value_traces), (8, 0, 8), "{s:?}");
+        let why = s.last_host_value.unwrap();
+        assert!(why.contains("mul") && why.contains("host scalar 3"), "{why}");
     }
-    let s = f.stats().clone();
-    assert_eq!((s.traces, s.replays, s.host_value_traces), (8, 0, 8), "{s:?}");
-    let why = s.last_host_value.unwrap();
-    assert!(why.contains("mul") && why.contains("host scalar 3"), "{why}");
 }
 
 #[test]
 fn host_values_can_be_refused_with_an_error_naming_the_op() {
     setup();
-    let w = Tensor::from_vec(vec![1.0f32, 1.0], &[2]).unwrap().to_device(TPU).unwrap();
-    let mut f = kiln_tpu::compile(TPU, |_: &[Tensor]| {
-        w.add_(1.0)?; // written before the refusal: put back when the trace fails
-        Ok(vec![w.mul(2.5)?])
-    })
-    .host_values(HostValues::Refuse);
-    let e = f.call(&[]).unwrap_err().to_string();
-    assert!(e.contains("add: the host scalar 1 (float32)") && e.contains("HostValues::Refuse"), "{e}");
-    assert!(e.contains("kiln::constant") && e.contains("kiln::HostScalar"), "{e}");
-    assert!(!kiln_tpu::is_tracing());
-    assert_eq!(w.to_vec::<f32>().unwrap(), vec![1.0, 1.0], "the failed trace's write is undone");
-    // Declared constants pass.
-    let mut g =
-        kiln_tpu::compile(TPU, |_: &[Tensor]| constant(|| Ok(vec![w.mul(2.5)?]))).host_values(HostValues::Refuse);
-    for _ in 0..3 {
-        assert_eq!(g.call(&[]).unwrap()[0].to_vec::<f32>().unwrap(), vec![2.5, 2.5]);
+    for dev in DEVICES {
+        let w = Tensor::from_vec(vec![1.0f32, 1.0], &[2]).unwrap().to_device(dev).unwrap();
+        let mut f = kiln_tensor::capture::compile(dev, |_: &[Tensor]| {
+            w.add_(1.0)?; // written before the refusal: put back when the trace fails
+            Ok(vec![w.mul(2.5)?])
+        })
+        .host_values(HostValues::Refuse);
+        let e = f.call(&[]).unwrap_err().to_string();
+        assert!(e.contains("add: the host scalar 1 (float32)") && e.contains("HostValues::Refuse"), "{e}");
+        assert!(e.contains("kiln::constant") && e.contains("kiln::HostScalar"), "{e}");
+        assert!(!kiln_tensor::trace::is_tracing());
+        assert_eq!(w.to_vec::<f32>().unwrap(), vec![1.0, 1.0], "the failed trace's write is undone");
+        // Declared constants pass.
+        let mut g = kiln_tensor::capture::compile(dev, |_: &[Tensor]| constant(|| Ok(vec![w.mul(2.5)?])))
+            .host_values(HostValues::Refuse);
+        for _ in 0..3 {
+            assert_eq!(g.call(&[]).unwrap()[0].to_vec::<f32>().unwrap(), vec![2.5, 2.5]);
+        }
+        assert_eq!(g.stats().replays, 1);
     }
-    assert_eq!(g.stats().replays, 1);
 }
 
 #[test]
 fn a_watched_host_scalar_replays_until_it_changes() {
     setup();
-    let scale = HostScalar::new("scale", 1.0);
-    let mut f = kiln_tpu::compile(TPU, |xs: &[Tensor]| Ok(vec![xs[0].mul(&scale)?]));
-    let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap().to_device(TPU).unwrap();
-    let run = |f: &mut kiln_tpu::Compiled<_>| f.call(std::slice::from_ref(&x)).unwrap()[0].to_vec::<f32>().unwrap();
-    for _ in 0..5 {
-        assert_eq!(run(&mut f), vec![1.0, 2.0]);
+    for dev in DEVICES {
+        let scale = HostScalar::new("scale", 1.0);
+        let mut f = kiln_tensor::capture::compile(dev, |xs: &[Tensor]| Ok(vec![xs[0].mul(&scale)?]));
+        let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap().to_device(dev).unwrap();
+        let run = |f: &mut kiln_tensor::capture::Compiled<_>| {
+            f.call(std::slice::from_ref(&x)).unwrap()[0].to_vec::<f32>().unwrap()
+        };
+        for _ in 0..5 {
+            assert_eq!(run(&mut f), vec![1.0, 2.0]);
+        }
+        assert_eq!((f.stats().traces, f.stats().replays), (2, 3));
+        scale.set(3.0);
+        for _ in 0..3 {
+            assert_eq!(run(&mut f), vec![3.0, 6.0]);
+        }
+        let s = f.stats().clone();
+        assert_eq!((s.retraces, s.host_value_traces), (1, 0), "{s:?}");
+        assert!(s.last_retrace.as_deref().unwrap().contains("watched value scale changed"), "{s:?}");
+        // Traced twice with the new value (stable again), then replayed.
+        assert_eq!((s.traces, s.replays), (4, 4), "{s:?}");
+        // error_on_retrace makes the change an error instead.
+        let mut g =
+            kiln_tensor::capture::compile(dev, |xs: &[Tensor]| Ok(vec![xs[0].mul(&scale)?])).error_on_retrace(true);
+        for _ in 0..3 {
+            g.call(std::slice::from_ref(&x)).unwrap();
+        }
+        scale.set(4.0);
+        let e = g.call(std::slice::from_ref(&x)).unwrap_err().to_string();
+        assert!(e.contains("retrace refused") && e.contains("scale"), "{e}");
     }
-    assert_eq!((f.stats().traces, f.stats().replays), (2, 3));
-    scale.set(3.0);
-    for _ in 0..3 {
-        assert_eq!(run(&mut f), vec![3.0, 6.0]);
-    }
-    let s = f.stats().clone();
-    assert_eq!((s.retraces, s.host_value_traces), (1, 0), "{s:?}");
-    assert!(s.last_retrace.as_deref().unwrap().contains("watched value scale changed"), "{s:?}");
-    // Traced twice with the new value (stable again), then replayed.
-    assert_eq!((s.traces, s.replays), (4, 4), "{s:?}");
-    // error_on_retrace makes the change an error instead.
-    let mut g = kiln_tpu::compile(TPU, |xs: &[Tensor]| Ok(vec![xs[0].mul(&scale)?])).error_on_retrace(true);
-    for _ in 0..3 {
-        g.call(std::slice::from_ref(&x)).unwrap();
-    }
-    scale.set(4.0);
-    let e = g.call(std::slice::from_ref(&x)).unwrap_err().to_string();
-    assert!(e.contains("retrace refused") && e.contains("scale"), "{e}");
 }
 
 #[test]
 fn uploads_inside_a_traced_function_are_host_values() {
     setup();
-    let fill = Cell::new(2.0f32);
-    let mut f = kiln_tpu::compile(TPU, |xs: &[Tensor]| {
-        let m = Tensor::from_vec(vec![fill.get(); 2], &[2])?.to_device(TPU)?;
-        Ok(vec![xs[0].mul(&m)?])
-    })
-    .host_values(HostValues::Retrace);
-    let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap().to_device(TPU).unwrap();
-    for i in 0..6 {
-        if i == 3 {
-            fill.set(5.0);
+    for dev in DEVICES {
+        let fill = Cell::new(2.0f32);
+        let mut f = kiln_tensor::capture::compile(dev, |xs: &[Tensor]| {
+            let m = Tensor::from_vec(vec![fill.get(); 2], &[2])?.to_device(dev)?;
+            Ok(vec![xs[0].mul(&m)?])
+        })
+        .host_values(HostValues::Retrace);
+        let x = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap().to_device(dev).unwrap();
+        for i in 0..6 {
+            if i == 3 {
+                fill.set(5.0);
+            }
+            let y = f.call(std::slice::from_ref(&x)).unwrap()[0].to_vec::<f32>().unwrap();
+            assert_eq!(y, vec![fill.get(), 2.0 * fill.get()], "call {i}");
         }
-        let y = f.call(std::slice::from_ref(&x)).unwrap()[0].to_vec::<f32>().unwrap();
-        assert_eq!(y, vec![fill.get(), 2.0 * fill.get()], "call {i}");
+        let s = f.stats().clone();
+        assert_eq!((s.replays, s.host_value_traces), (0, 6), "{s:?}");
+        assert!(s.last_host_value.unwrap().contains("uploaded"));
     }
-    let s = f.stats().clone();
-    assert_eq!((s.replays, s.host_value_traces), (0, 6), "{s:?}");
-    assert!(s.last_host_value.unwrap().contains("uploaded"));
 }
 
 #[test]
 fn verify_catches_a_constant_that_was_not_one() {
     setup();
-    let scale = Cell::new(1.0);
-    let mut f = kiln_tpu::compile(TPU, |xs: &[Tensor]| Ok(vec![xs[0].mul(scale.get())?]))
-        .host_values(HostValues::Constant)
-        .verify(true);
-    let x = Tensor::ones(&[2], (DType::F32, TPU)).unwrap();
-    for _ in 0..4 {
-        f.call(std::slice::from_ref(&x)).unwrap();
+    for dev in DEVICES {
+        let scale = Cell::new(1.0);
+        let mut f = kiln_tensor::capture::compile(dev, |xs: &[Tensor]| Ok(vec![xs[0].mul(scale.get())?]))
+            .host_values(HostValues::Constant)
+            .verify(true);
+        let x = Tensor::ones(&[2], (DType::F32, dev)).unwrap();
+        for _ in 0..4 {
+            f.call(std::slice::from_ref(&x)).unwrap();
+        }
+        scale.set(3.0);
+        let e = f.call(std::slice::from_ref(&x)).unwrap_err().to_string();
+        assert!(e.contains("verify") && e.contains("a constant computed on the host changed"), "{e}");
+        // Without verify the promise is the caller's: the traced value is replayed.
+        let mut g = kiln_tensor::capture::compile(dev, |xs: &[Tensor]| Ok(vec![xs[0].mul(scale.get())?]))
+            .host_values(HostValues::Constant);
+        for _ in 0..3 {
+            g.call(std::slice::from_ref(&x)).unwrap();
+        }
+        assert_eq!(g.stats().replays, 1);
     }
-    scale.set(3.0);
-    let e = f.call(std::slice::from_ref(&x)).unwrap_err().to_string();
-    assert!(e.contains("verify") && e.contains("a constant computed on the host changed"), "{e}");
-    // Without verify the promise is the caller's: the traced value is replayed.
-    let mut g =
-        kiln_tpu::compile(TPU, |xs: &[Tensor]| Ok(vec![xs[0].mul(scale.get())?])).host_values(HostValues::Constant);
-    for _ in 0..3 {
-        g.call(std::slice::from_ref(&x)).unwrap();
-    }
-    assert_eq!(g.stats().replays, 1);
 }

@@ -322,9 +322,14 @@ fn tpu_defer_matches_transformers() {
     kiln::tpu::sync().unwrap();
 }
 
+/// What [`dropout_run`] saw after each step: losses, the generator's states,
+/// the parameters' bits (when asked for).
+type Run = (Vec<f32>, Vec<Vec<i64>>, Vec<Vec<Vec<u32>>>);
+
 /// Ten AdamW steps of the llama fixture with attention dropout on (p = 0.1),
-/// from `seed`: the losses, and the default generator's state after each step.
-fn dropout_run(dev: Device, compiled: bool, seed: u64) -> (Vec<f32>, Vec<Vec<i64>>) {
+/// from `seed`: the losses, the default generator's state and (with
+/// `params`) every parameter's bits after each step.
+fn dropout_run(dev: Device, compiled: bool, seed: u64, params: bool) -> Run {
     use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
     let dir = support::fixture_dir("llama");
     let mut cfg = LlamaConfig::from_file(dir.join("config.json")).expect("config");
@@ -336,6 +341,7 @@ fn dropout_run(dev: Device, compiled: bool, seed: u64) -> (Vec<f32>, Vec<Vec<i64
     let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
     let mut opt = AdamW::new(model.named_parameters(), adamw).unwrap();
     opt.set_capturable(true).unwrap();
+    let handles: Vec<Tensor> = model.named_parameters().into_iter().map(|(_, p)| p).collect();
     kiln::manual_seed(seed);
     let gen = kiln::default_generator(dev).unwrap();
     let mut step = move |_: &[Tensor]| -> Result<Vec<Tensor>> {
@@ -345,10 +351,14 @@ fn dropout_run(dev: Device, compiled: bool, seed: u64) -> (Vec<f32>, Vec<Vec<i64
         opt.step()?;
         Ok(vec![loss])
     };
-    let (mut losses, mut states) = (vec![], vec![]);
+    let (mut losses, mut states, mut bits) = (vec![], vec![], vec![]);
     let mut record = |out: Vec<Tensor>| {
         losses.push(out[0].item::<f32>().unwrap());
         states.push(gen.get_state().unwrap().to_vec::<i64>().unwrap());
+        if params {
+            let of = |p: &Tensor| p.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            bits.push(handles.iter().map(of).collect());
+        }
     };
     if compiled {
         let mut c = kiln::compile(dev, step);
@@ -358,12 +368,34 @@ fn dropout_run(dev: Device, compiled: bool, seed: u64) -> (Vec<f32>, Vec<Vec<i64
         let s = c.stats();
         assert_eq!((s.calls, s.retraces, s.host_value_traces), (10, 0, 0), "{s:?}");
         assert!(s.replays >= 7, "the step with dropout is replayed: {s:?}");
+        if dev == Device::Cpu {
+            let text = c.program().unwrap().to_string();
+            let head: Vec<&str> = text.lines().take(4).collect();
+            println!("the captured step ({} lines):\n{}\n  ...", text.lines().count(), head.join("\n"));
+            assert!(text.contains("random_bits(") && text.contains("generator") && text.contains("updates"), "{text}");
+        }
     } else {
         for _ in 0..10 {
             record(step(&[]).unwrap());
         }
     }
-    (losses, states)
+    (losses, states, bits)
+}
+
+#[test]
+fn cpu_compiled_steps_with_dropout_equal_eager_step_by_step() {
+    let _r = rng_lock();
+    let (eager, eager_states, eager_params) = dropout_run(Device::Cpu, false, 7, true);
+    let (compiled, compiled_states, compiled_params) = dropout_run(Device::Cpu, true, 7, true);
+    // The program runs the eager kernels on the same data: equal bit for bit, step by step.
+    assert_eq!(compiled_states, eager_states);
+    let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(b(&compiled), b(&eager), "compiled {compiled:?}\n   eager {eager:?}");
+    for (step, (c, e)) in compiled_params.iter().zip(&eager_params).enumerate() {
+        assert!(c == e, "the parameters differ after step {}", step + 1);
+    }
+    let (other, _, _) = dropout_run(Device::Cpu, true, 8, false);
+    assert_ne!(b(&other), b(&eager), "another seed draws other masks");
 }
 
 #[test]
@@ -371,10 +403,10 @@ fn tpu_compiled_steps_with_dropout_draw_the_eager_masks() {
     support::register_tpu();
     let _r = rng_lock();
     let dev = Device::Tpu(0);
-    let (eager, eager_states) = dropout_run(dev, false, 7);
-    let (compiled, compiled_states) = dropout_run(dev, true, 7);
-    let (cpu, cpu_states) = dropout_run(Device::Cpu, false, 7);
-    let (other, _) = dropout_run(dev, false, 8);
+    let (eager, eager_states, _) = dropout_run(dev, false, 7, false);
+    let (compiled, compiled_states, _) = dropout_run(dev, true, 7, false);
+    let (cpu, cpu_states, _) = dropout_run(Device::Cpu, false, 7, false);
+    let (other, _, _) = dropout_run(dev, false, 8, false);
     // The generator advances the same way, step by step, everywhere.
     assert_eq!(compiled_states, eager_states);
     assert_eq!(cpu_states, eager_states);

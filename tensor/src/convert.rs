@@ -72,6 +72,7 @@ impl Tensor {
     /// `Backend::to_host`, with `via` (the public method the caller used) made
     /// known to the backend through [`reading_via`] for its error messages.
     pub(crate) fn read_host(&self, via: &'static str) -> Result<HostBuffer> {
+        crate::capture::record::check_read(self, reading_via().unwrap_or(via))?;
         reading(via, || self.backend().to_host(self))
     }
 

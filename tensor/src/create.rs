@@ -202,7 +202,9 @@ impl Tensor {
     pub fn from_host(buf: HostBuffer, shape: &[usize], device: Device) -> Result<Tensor> {
         check_len("from_host", buf.len(), shape)?;
         let storage = device.backend()?.from_host(buf, device)?;
-        Tensor::from_storage(storage, Layout::contiguous(shape))
+        let t = Tensor::from_storage(storage, Layout::contiguous(shape))?;
+        crate::capture::record::upload(&t);
+        Ok(t)
     }
 
     pub fn zeros_like(&self) -> Result<Tensor> {

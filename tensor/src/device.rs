@@ -145,6 +145,12 @@ pub trait Backend: Send + Sync + 'static {
     fn capture(&self, _device: Device, _f: CaptureFn) -> Option<Box<dyn Captured>> {
         None
     }
+    /// How functions traced by `kiln::compile` on `device` are recorded and
+    /// replayed. The default records a [`Program`] as the ops run (Note
+    /// [Recording]) and runs it through [`Backend::compile`].
+    fn tracer(&self, device: Device) -> Result<Box<dyn crate::capture::Tracer>> {
+        Ok(Box::new(crate::capture::RecordingTracer::new(device)))
+    }
     /// `program` readied to run on `device` (Note [Programs] in `ir/mod.rs`).
     /// The default interprets it instruction by instruction through
     /// [`Backend::exec`] and [`Backend::assign`]; a backend with a compiler

@@ -695,6 +695,7 @@ impl Tensor {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn nonzero(&self) -> Result<Tensor> {
+        crate::capture::record::check_read(self, "nonzero")?;
         self.backend().nonzero(self)?.to_device(self.device())
     }
 

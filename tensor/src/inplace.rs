@@ -96,6 +96,7 @@ impl Tensor {
             || self.backend().synchronize(self.device()),
             || self.backend().assign(self, &src),
         )?;
+        crate::capture::record::assign(self, &src)?;
         self.storage().bump_version();
         if let Some(node) = node {
             // See Note [In-place on views]: the base gets the functional write as its

@@ -344,6 +344,7 @@ impl Tensor {
             .zip(outs.iter())
             .map(|(s, m)| Tensor::make(s, Layout::contiguous(&m.shape), backend, None))
             .collect();
+        crate::capture::record::op(&op, inputs, &result, device)?;
         if record {
             let node = Node::new(op, inputs.iter().map(|t| Edge::of(t)).collect(), outs.into_iter().collect());
             for (i, t) in result.iter_mut().enumerate() {

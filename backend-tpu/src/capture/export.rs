@@ -1,8 +1,9 @@
 //! What `kiln::export` needs of the backend (Note \[Export\] in the facade's
 //! `export.rs`): a traced program with the meaning of each of its arguments
 //! and results, and programs loaded back from their text.
-use super::{replay, Compiled, Return, Sink, Source, Trace};
+use super::{replay, run_trace, Return, Sink, Source, Trace};
 use crate::graph::{Arg, PjrtBuffer};
+use kiln_tensor::capture::{HostValues, TracedFn};
 use kiln_tensor::{DType, Device, Error, HostBuffer, Layout, Result, Storage, StorageData, Tensor};
 use std::sync::{Arc, Weak};
 
@@ -63,42 +64,45 @@ fn host(arg: &Arg) -> Result<(HostBuffer, DType, Vec<usize>)> {
     Ok((HostBuffer::from_le_bytes(b.dtype(), &bytes)?, b.dtype(), b.dims().to_vec()))
 }
 
-impl<F> Compiled<F>
-where
-    F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
-{
-    /// Traces the function on `inputs` for export and runs it once (its
-    /// effects on state are those of one call); returns the program and the
-    /// call's results. Inputs must be whole contiguous tensors, and the
-    /// function may write only state it reads.
-    pub fn trace_for_export(&mut self, inputs: &[Tensor]) -> Result<(ExportedProgram, Vec<Tensor>)> {
-        let backend = crate::backend()?;
-        if let Device::Mesh(_) = self.device {
-            return Err(Error::invalid(EXPORT, "programs over device meshes cannot be exported yet"));
-        }
-        for (i, t) in inputs.iter().enumerate() {
-            let l = t.layout();
-            if t.device() != self.device {
-                return Err(Error::device(EXPORT, format!("input {i} is on {}, not {}", t.device(), self.device)));
-            }
-            if !l.is_contiguous() || l.offset() != 0 || l.numel() != t.storage().len() {
-                return Err(Error::invalid(
-                    EXPORT,
-                    format!(
-                        "input {i} is a view; export takes whole contiguous tensors (call .contiguous() on a copy)"
-                    ),
-                ));
-            }
-        }
-        self.stats.calls += 1;
-        self.stats.traces += 1;
-        let (trace, sig, args) = self.trace(backend, inputs)?;
-        let program = program_of(backend, &trace, sig.text, &args);
-        // The call runs whether or not it can be exported: the storages it
-        // wrote hold the trace's values until then.
-        let outs = replay(backend, &trace, inputs, self.device, Some(args))?;
-        Ok((program?, outs))
+/// Traces `f` on `inputs` for export and runs it once (its effects on
+/// state are those of one call); returns the program and the call's results.
+/// Inputs must be whole contiguous tensors on `device`, and the function may
+/// write only state it reads. `kiln::export` reaches it through
+/// `Compiled::with_function`.
+pub fn trace_for_export(
+    f: &mut TracedFn<'_>,
+    device: Device,
+    policy: HostValues,
+    inputs: &[Tensor],
+) -> Result<(ExportedProgram, Vec<Tensor>)> {
+    let backend = crate::backend()?;
+    if !matches!(device, Device::Tpu(_)) {
+        return Err(Error::invalid(
+            EXPORT,
+            match device {
+                Device::Mesh(_) => "programs over device meshes cannot be exported yet".to_string(),
+                _ => format!("export traces on a PJRT device, not {device}"),
+            },
+        ));
     }
+    for (i, t) in inputs.iter().enumerate() {
+        let l = t.layout();
+        if t.device() != device {
+            return Err(Error::device(EXPORT, format!("input {i} is on {}, not {device}", t.device())));
+        }
+        if !l.is_contiguous() || l.offset() != 0 || l.numel() != t.storage().len() {
+            return Err(Error::invalid(
+                EXPORT,
+                format!("input {i} is a view; export takes whole contiguous tensors (call .contiguous() on a copy)"),
+            ));
+        }
+    }
+    let (trace, sig, args) = run_trace(backend, device, policy, f, inputs)?;
+    let program = program_of(backend, &trace, sig.text, &args);
+    // The call runs whether or not it can be exported: the storages it
+    // wrote hold the trace's values until then.
+    let outs = replay(backend, &trace, inputs, device, Some(args))?;
+    Ok((program?, outs))
 }
 
 fn program_of(backend: &crate::PjrtBackend, t: &Trace, text: String, args: &[Arg]) -> Result<ExportedProgram> {

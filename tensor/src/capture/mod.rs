@@ -1,9 +1,15 @@
-//! Capture (`kiln::compile`, torch.compile's role) as far as it is backend-free:
-//! the host-value policy and record, the counters of a compiled function, the
-//! watched values a trace read.
+//! Capture (`kiln::compile`, torch.compile's role): `Compiled`, the front
+//! every device shares (guards, replays, retraces, host values, counters),
+//! the `Tracer` a backend provides, and the default one, which records a
+//! `Program` (Note [Recording]) for any backend.
+mod compiled;
 mod host_values;
+pub(crate) mod record;
+mod recorded;
 
+pub use compiled::{compile, Compiled, Traced, TracedFn, Tracer};
 pub use host_values::{describe_creation, HostLog, HostValues};
+pub use recorded::RecordingTracer;
 
 use crate::trace::WatchRead;
 

@@ -19,7 +19,8 @@ use std::fmt::{self, Write};
 //     return %5 fresh, %7 updates %0
 //   }
 //
-// one instruction per line: its outputs, the op's name (`Op::name`, PyTorch's
+// (with more than four parameters, one parameter per line, each followed by
+// a comma), one instruction per line: its outputs, the op's name (`Op::name`, PyTorch's
 // names), its operands, its attributes in braces (none for ops without), and
 // the outputs' types, `dtype[shape]` with the short dtype names below. Floats
 // print as Rust's shortest round-trip form (`0.1`, `-0.0`, `inf`, `NaN`), so
@@ -178,7 +179,15 @@ impl fmt::Display for Program {
             param_text(p, self, &mut s);
             params.push(s);
         }
-        writeln!(f, "program({}) {{", params.join(", "))?;
+        if params.len() <= 4 {
+            writeln!(f, "program({}) {{", params.join(", "))?;
+        } else {
+            writeln!(f, "program(")?;
+            for p in &params {
+                writeln!(f, "    {p},")?;
+            }
+            writeln!(f, ") {{")?;
+        }
         for inst in &self.insts {
             let outs: Vec<String> = inst.results().map(|v| v.to_string()).collect();
             let args: Vec<String> = inst.args.iter().map(|v| v.to_string()).collect();
