@@ -64,6 +64,11 @@ impl<S: Subscriber> Layer<S> for Collector {
     }
 }
 
+thread_local! {
+    /// The line of the compile call the warning must name.
+    static SITE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
 /// What the examples' fmt subscriber writes, kept in memory.
 #[derive(Clone, Default)]
 struct Printed(Arc<Mutex<Vec<u8>>>);
@@ -125,6 +130,17 @@ fn events_in_a_fresh_cache() {
         // A function that reads a host value of its own code is never replayed, and says so.
         let mut g = kiln::compile(dev, |xs: &[Tensor]| Ok(vec![xs[0].mul(2.0)?]));
         assert_eq!(g.call(std::slice::from_ref(&x3)).unwrap()[0].to_vec::<f32>().unwrap(), [2., 4., 6.]);
+
+        // One that keeps tracing for that reason warns once, naming the value and where it was compiled.
+        let site = line!() + 1;
+        let mut d = kiln::compile(Device::Cpu, |xs: &[Tensor]| Ok(vec![xs[0].dropout(0.5, true)?]));
+        let ones = Tensor::ones(&[8], DType::F32).unwrap();
+        for _ in 0..8 {
+            d.call(std::slice::from_ref(&ones)).unwrap();
+        }
+        let s = d.stats();
+        assert_eq!((s.traces, s.replays, s.host_value_traces), (8, 0, 8), "{s:?}");
+        SITE.with(|c| c.set(site));
     });
     let seen = seen.lock().unwrap().clone();
     let find = |target: &str, level: Level, message: &str| -> Vec<Seen> {
@@ -149,20 +165,30 @@ fn events_in_a_fresh_cache() {
     assert_eq!(std::fs::read_dir(&cache).map_or(0, |d| d.filter(|e| e.is_ok()).count()), 0);
 
     let traced = find("kiln::compile", Level::DEBUG, "traced the captured function");
-    assert_eq!(traced.len(), 4, "f: two traces of [3] (the second confirms the first), one of [4]; g: one");
+    assert_eq!(traced.len(), 12, "f: two traces of [3] (the second confirms the first), one of [4]; g: one; d: 8");
     let retraces = find("kiln::retrace", Level::INFO, "retracing");
     assert_eq!(retraces.len(), 1, "{seen:#?}");
     let reason = retraces[0].field("reason").unwrap();
     assert!(reason.contains("input 0 changed") && reason.contains("[3]") && reason.contains("[4]"), "{reason}");
 
     let host = find("kiln::retrace", Level::INFO, "the trace reads host values");
-    assert_eq!(host.len(), 1, "{seen:#?}");
+    assert_eq!(host.len(), 9, "g once, d on each of its 8 calls: {seen:#?}");
     assert!(host[0].message.contains("kiln::constant"), "{:?}", host[0]);
+    let warned = find("kiln::retrace", Level::WARN, "the function compiled at");
+    assert_eq!(warned.len(), 1, "one warning, for d: {seen:#?}");
+    let at = format!("tests/tracing_events.rs:{}", SITE.with(|c| c.get()));
+    let w = &warned[0];
+    assert!(w.field("compiled_at").is_some_and(|s| s.contains(&at)), "{w:?} should name {at}");
+    assert!(w.field("host_value").is_some_and(|v| v.contains("host scalar")), "{w:?}");
+    assert!(
+        w.message.contains("every call") && w.message.contains("kiln::constant") && w.message.contains("HostScalar")
+    );
 
     // The examples' subscriber with KILN_LOG_RETRACES=1 prints the retrace and
     // not the compiles, as the variable did before.
     let text = String::from_utf8(printed.0.lock().unwrap().clone()).unwrap();
     assert!(text.contains("retracing") && text.contains("input 0 changed"), "{text}");
+    assert!(text.contains("is traced on every call and never replayed"), "warnings print by default: {text}");
     assert!(!text.contains("compiled a program") && !text.contains("loaded the PJRT plugin"), "{text}");
     let _ = std::fs::remove_dir_all(&cache);
 }

@@ -716,9 +716,14 @@ fn capturable_adamw_follows_the_host_one_and_its_learning_rate() {
 /// the same steps run eagerly.
 #[test]
 fn a_schedule_reaches_captured_capturable_adamw_steps() {
-    use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
     support::register_tpu();
-    let dev = Device::Tpu(0);
+    for dev in [Device::Cpu, Device::Tpu(0)] {
+        schedule_reaches_captured_steps(dev);
+    }
+}
+
+fn schedule_reaches_captured_steps(dev: Device) {
+    use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
     let make = || {
         let w = Tensor::from_vec(vec![0.5f32, -1.0, 2.0], &[3]).unwrap().to_device(dev).unwrap();
         w.requires_grad_(true).unwrap();
@@ -745,12 +750,40 @@ fn a_schedule_reaches_captured_capturable_adamw_steps() {
         compiled.call(&[]).unwrap();
         let (x, y) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
         for (p, q) in x.iter().zip(&y) {
-            assert!((p - q).abs() < 1e-5, "step {i}: {x:?} vs {y:?}");
+            assert!((p - q).abs() < 1e-5, "{dev} step {i}: {x:?} vs {y:?}");
         }
     }
     // set_capturable made the state before the first call, so the first trace
     // is already the steady program: two traces agree, then every call replays.
-    assert_eq!((compiled.stats().traces, compiled.stats().replays), (2, 6), "{:?}", compiled.stats());
+    assert_eq!((compiled.stats().traces, compiled.stats().replays), (2, 6), "{dev}: {:?}", compiled.stats());
+}
+
+/// The fused CPU update writes memory directly, which a traced function's
+/// program would not see: while tracing, AdamW takes the op-by-op path, so
+/// the program of a compiled step updates the parameter. (A plain AdamW step
+/// replaces its moment tensors every call, so it is traced every call and
+/// equals the eager step; the program is what a replay would run.)
+#[test]
+fn a_compiled_cpu_adamw_step_records_its_update() {
+    let cfg = AdamWConfig { lr: 0.05, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let (a, b) = (param(&P0), param(&P0));
+    let mut eager = AdamW::new(vec![a.clone()], cfg).unwrap();
+    let compiled_opt = std::cell::RefCell::new(AdamW::new(vec![b.clone()], cfg).unwrap());
+    let step = |w: &Tensor, opt: &mut AdamW| -> Result<Vec<Tensor>> {
+        opt.zero_grad();
+        kiln::constant(|| w.mul(w)?.mul(3.0))?.sum()?.backward()?;
+        opt.step()?;
+        Ok(vec![])
+    };
+    let mut compiled = kiln::compile(Device::Cpu, |_: &[Tensor]| step(&b, &mut compiled_opt.borrow_mut()));
+    for i in 0..4 {
+        step(&a, &mut eager).unwrap();
+        compiled.call(&[]).unwrap();
+        assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap(), "step {i}");
+        let text = compiled.program().unwrap().to_string();
+        let sqrt = text.lines().filter(|l| l.contains(" = sqrt(")).count();
+        assert!(sqrt >= 1 && text.contains("updates %"), "step {i}: the update is in the program:\n{text}");
+    }
 }
 
 /// Capturable mode makes the state up front (step 0, zero moments: a fresh

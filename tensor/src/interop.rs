@@ -69,6 +69,7 @@ impl Tensor {
                 format!("asked for {} elements but the tensor has dtype {}", T::DTYPE, self.dtype()),
             ));
         }
+        crate::capture::record::check_read(self, "view_ndarray")?;
         let guard = self.storage().read();
         let buf = guard
             .as_host()

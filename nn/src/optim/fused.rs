@@ -78,8 +78,13 @@ enum Guard<'a> {
 /// Locks the storages of `tensors` (write access where asked) in address order
 /// (see Note [Storage mutability] in kiln-tensor), returning the guards in the
 /// order of `tensors`. `None` when two tensors share a storage, or one is not
-/// a contiguous tensor in host memory: the caller then takes the generic path.
+/// a contiguous tensor in host memory, or while a function is traced: the
+/// caller then takes the generic path.
 fn lock_host<'a>(tensors: &[(&'a Tensor, bool)]) -> Option<Vec<Guard<'a>>> {
+    // A traced function's program sees only ops: writes straight into memory would be left out of it.
+    if kiln_tensor::trace::is_tracing() {
+        return None;
+    }
     for (i, (a, _)) in tensors.iter().enumerate() {
         if a.device() != kiln_tensor::Device::Cpu || !a.is_contiguous() {
             return None;
