@@ -1,6 +1,6 @@
 //! Capture (`kiln_tpu::compile`, torch.compile's role): a function on PJRT
 //! tensors, typically a whole training step, traced into one program that
-//! later calls replay (see Note [Capture]).
+//! later calls replay (see Note \[Capture\]).
 use crate::backend::PjrtBackend;
 use crate::dist::Shards;
 use crate::graph::{self, data_in, escaped_value_error, out_meta, Arg, Graph, ParamSrc, PjrtBuffer};

@@ -147,11 +147,11 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// How functions traced by `kiln::compile` on `device` are recorded and
     /// replayed. The default records a [`Program`] as the ops run (Note
-    /// [Recording]) and runs it through [`Backend::compile`].
+    /// \[Recording\]) and runs it through [`Backend::compile`].
     fn tracer(&self, device: Device) -> Result<Box<dyn crate::capture::Tracer>> {
         Ok(Box::new(crate::capture::RecordingTracer::new(device)))
     }
-    /// `program` readied to run on `device` (Note [Programs] in `ir/mod.rs`).
+    /// `program` readied to run on `device` (Note \[Programs\] in `ir/mod.rs`).
     /// The default interprets it instruction by instruction through
     /// [`Backend::exec`] and [`Backend::assign`]; a backend with a compiler
     /// of its own lowers it instead.
@@ -171,7 +171,7 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Runs `f` on every device of `mesh` as SPMD code on the device's block of
     /// each input (placed with `in_placements`), the results carrying
-    /// `out_placements` (Note [Local regions] in `collective.rs`). Not differentiable
+    /// `out_placements` (Note \[Local regions\] in `collective.rs`). Not differentiable
     /// itself: `kiln::local_map` adds the gradient.
     fn local_map(
         &self,

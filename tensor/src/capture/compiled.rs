@@ -1,6 +1,6 @@
 //! `Compiled`, what `kiln::compile` returns on every device: guards, the
 //! trace-until-stable rule, replays, retraces and their reasons, host-value
-//! warnings and the counters (Note [Capture]). How a trace is recorded and
+//! warnings and the counters (Note \[Capture\]). How a trace is recorded and
 //! replayed is the device's [`Tracer`].
 use super::{changed_watch, CaptureStats, HostValues};
 use crate::ir::Program;
@@ -193,7 +193,7 @@ where
     }
 
     /// What to do with host values of the function's own code (see
-    /// [`HostValues`] and Note [Host values]); `HostValues::Retrace` by default.
+    /// [`HostValues`] and Note \[Host values\]); `HostValues::Retrace` by default.
     pub fn host_values(mut self, policy: HostValues) -> Self {
         self.host_values = policy;
         self

@@ -1,12 +1,12 @@
 //! What a trace records of the host values entering a traced function's
 //! program, and the policy for those the function's own code made (see Note
-//! [Host values] in `trace.rs`).
+//! \[Host values\] in `trace.rs`).
 use crate::{Error, Op, Result};
 
 /// What a compiled function does with host values of its own code: scalar
 /// operands and creation values (`x * scale`, `Tensor::full(.., v, ..)`) and
 /// host data uploaded inside it, made outside `kiln::constant` and not read
-/// through a `kiln::HostScalar` (see Note [Host values]).
+/// through a `kiln::HostScalar` (see Note \[Host values\]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HostValues {
     /// Trace the function on every call, never replaying it (the default):

@@ -1,7 +1,7 @@
 //! Capture (`kiln::compile`, torch.compile's role): `Compiled`, the front
 //! every device shares (guards, replays, retraces, host values, counters),
 //! the `Tracer` a backend provides, and the default one, which records a
-//! `Program` (Note [Recording]) for any backend.
+//! `Program` (Note \[Recording\]) for any backend.
 mod compiled;
 mod host_values;
 pub(crate) mod record;

@@ -1,6 +1,6 @@
 //! The recorder: while a function is traced on a device whose backend has no
 //! capture of its own, every op, in-place write and upload on that device is
-//! recorded into a [`Program`] as it runs (Note [Recording]).
+//! recorded into a [`Program`] as it runs (Note \[Recording\]).
 use super::HostLog;
 use crate::ir::{ParamKind, Program, Value};
 use crate::{Device, Error, Layout, Meta, Op, Result, Storage, Tensor, ViewOp};

@@ -1,4 +1,4 @@
-//! The default [`Tracer`]: the recorder (Note [Recording]) makes a
+//! The default [`Tracer`]: the recorder (Note \[Recording\]) makes a
 //! [`Program`], the backend's `compile` readies it (the interpreter unless the
 //! backend has a compiler), and replays bind its parameters to the call's
 //! inputs and the state they read now.
@@ -78,7 +78,7 @@ impl Tracer for RecordingTracer {
     }
 }
 
-/// Classifies what a recording read and wrote (Note [Recording]) and readies its program.
+/// Classifies what a recording read and wrote (Note \[Recording\]) and readies its program.
 fn build(rec: Recording, inputs: &[Tensor], returned: &[Tensor], watches: Vec<WatchRead>) -> Result<RecordedTrace> {
     let Recording { device, mut program, sources, known, mut host } = rec;
     let mut bindings = Vec::with_capacity(sources.len());

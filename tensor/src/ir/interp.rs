@@ -1,6 +1,6 @@
 //! Running a program instruction by instruction through `Backend::exec` and
 //! `Backend::assign`: every backend's default `Backend::compile`, so a backend
-//! with no compiler of its own still runs captured programs (Note [Programs]).
+//! with no compiler of its own still runs captured programs (Note \[Programs\]).
 use super::program::{Def, Program, ResultKind};
 use crate::{Backend, Device, Error, Layout, Op, Result, Storage, Tensor, ViewOp};
 use std::sync::Arc;
@@ -78,7 +78,7 @@ fn contiguous(backend: &dyn Backend, t: &Tensor, device: Device) -> Result<Tenso
     Tensor::from_storage(st, Layout::contiguous(t.shape()))
 }
 
-/// A view of a value (Note [Programs]: `as_strided` indexes the value's
+/// A view of a value (Note \[Programs\]: `as_strided` indexes the value's
 /// row-major elements), materialising the value first when its layout cannot express it.
 fn view(backend: &dyn Backend, v: &ViewOp, t: &Tensor, device: Device) -> Result<Tensor> {
     if let ViewOp::AsStrided { shape, strides, offset } = v {

@@ -1,5 +1,5 @@
 //! kiln's program representation: a typed, printable [`Program`] of [`Op`]
-//! instructions that graph modes share (Note [Programs]): the verifier, the
+//! instructions that graph modes share (Note \[Programs\]): the verifier, the
 //! text form, passes (DCE, CSE) and the interpreter every backend can run it with.
 //!
 //! [`Op`]: crate::Op

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 impl Program {
     /// Removes the instructions no result depends on. Programs are pure
-    /// (writes are values, Note [Programs]), so nothing else is observable.
+    /// (writes are values, Note \[Programs\]), so nothing else is observable.
     pub fn dce(&self) -> Program {
         let mut live = vec![false; self.num_values()];
         for r in &self.results {
@@ -27,7 +27,7 @@ impl Program {
 
     /// Merges instructions that apply an equal op to the same operands: the
     /// later one's outputs become the earlier one's. Random ops are pure
-    /// functions of the generator state they read (Note [Generators]), so two
+    /// functions of the generator state they read (Note \[Generators\]), so two
     /// draws from the same state are the same draw.
     pub fn cse(&self) -> Program {
         // (op name, operands) -> instructions of the new program with that key.

@@ -1,5 +1,5 @@
 //! The text form of a program (`Display`), stable and documented in Note
-//! [Program text]: golden tests and capture's messages compare it.
+//! \[Program text\]: golden tests and capture's messages compare it.
 use super::program::{Param, ParamKind, Program, ResultKind};
 use crate::collective::Collective;
 use crate::op::{ArgReduceOp, ScatterReduce};

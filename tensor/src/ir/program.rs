@@ -1,5 +1,5 @@
 //! `Program`: typed instructions over [`Op`], the parameters a program reads
-//! (by kind) and the results it gives (by kind). See Note [Programs] in `ir/mod.rs`.
+//! (by kind) and the results it gives (by kind). See Note \[Programs\] in `ir/mod.rs`.
 use crate::{Error, Meta, Op, Result};
 use smallvec::SmallVec;
 use std::fmt;
@@ -30,7 +30,7 @@ pub enum ParamKind {
     /// A storage that outlives the call (a parameter, `.grad`, optimizer
     /// state), read as it is at each run.
     State,
-    /// A generator's state (int64 `[2]`, Note [Generators]): state that a
+    /// A generator's state (int64 `[2]`, Note \[Generators\]): state that a
     /// random op reads and writes.
     Generator,
     /// A value fixed when the program was traced (data uploaded inside the
@@ -98,7 +98,7 @@ pub enum Def {
 }
 
 /// A program: parameters, instructions in order (each reads values defined
-/// before it), results (Note [Programs] in `ir/mod.rs`).
+/// before it), results (Note \[Programs\] in `ir/mod.rs`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Program {
     pub params: Vec<Param>,
