@@ -207,20 +207,56 @@ pub(crate) fn constrain(
     // as it comes.
     let l = t.layout();
     let whole = l.is_contiguous() && l.offset() == 0 && t.shape() == shape;
-    let unsplittable = matches!(
-        op,
-        Op::Scatter { reduce: kiln_tensor::ScatterReduce::Replace, .. }
-            | Op::Assign { .. }
-            | Op::Reduce { op: kiln_tensor::ReduceOp::Max | kiln_tensor::ReduceOp::Min, .. }
-            | Op::ArgReduce { .. }
-            | Op::LogSumExp { .. }
-            | Op::Softmax { .. }
-            | Op::Custom(_)
-    );
-    if need == view && (whole || !unsplittable) {
+    if need == view && (whole || !unsplittable(op)) {
         (v, need)
     } else {
         (b.reshard(&v, &need), need)
+    }
+}
+
+/// Whether `op`'s lowering cannot be partitioned along the dimensions it
+/// works on, so its inputs get their sharding spelled out (see `constrain`).
+fn unsplittable(op: &Op) -> bool {
+    use kiln_tensor::{ReduceOp, ScatterReduce};
+    match op {
+        Op::Scatter { reduce: ScatterReduce::Replace, .. }
+        | Op::Assign { .. }
+        | Op::Reduce { op: ReduceOp::Max | ReduceOp::Min, .. }
+        | Op::ArgReduce { .. }
+        | Op::LogSumExp { .. }
+        | Op::Softmax { .. }
+        | Op::Custom(_) => true,
+        Op::Scatter { reduce: ScatterReduce::Add, .. }
+        | Op::Reduce { .. }
+        | Op::Full { .. }
+        | Op::Arange { .. }
+        | Op::RandomBits { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Compare(_)
+        | Op::Where
+        | Op::Cast(_)
+        | Op::Copy
+        | Op::Rotary
+        | Op::Attention { .. }
+        | Op::AttentionBackward { .. }
+        | Op::CrossEntropyBackward { .. }
+        | Op::RmsNorm { .. }
+        | Op::RmsNormBackward { .. }
+        | Op::Cumsum { .. }
+        | Op::MatMul
+        | Op::GroupedMatMul
+        | Op::View(_)
+        | Op::Cat { .. }
+        | Op::Gather { .. }
+        | Op::IndexSelect { .. }
+        | Op::IndexAdd { .. }
+        | Op::Sort { .. }
+        | Op::TopK { .. }
+        | Op::Collective(_)
+        | Op::Dequantize(_)
+        | Op::QuantMatMul(_)
+        | Op::PagedAttention { .. } => false,
     }
 }
 

@@ -586,18 +586,43 @@ impl Op {
     /// own `infer` decides. Anything else that computes with the values
     /// refuses them, as PyTorch's float8 does.
     pub fn moves_float8(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Op::Cast(_)
-                | Op::Copy
-                | Op::View(_)
-                | Op::Cat { .. }
-                | Op::Assign { .. }
-                | Op::IndexSelect { .. }
-                | Op::Gather { .. }
-                | Op::Dequantize(_)
-                | Op::QuantMatMul(_)
-                | Op::Custom(_)
-        )
+            | Op::Copy
+            | Op::View(_)
+            | Op::Cat { .. }
+            | Op::Assign { .. }
+            | Op::IndexSelect { .. }
+            | Op::Gather { .. }
+            | Op::Dequantize(_)
+            | Op::QuantMatMul(_)
+            | Op::Custom(_) => true,
+            Op::Full { .. }
+            | Op::Arange { .. }
+            | Op::RandomBits { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Compare(_)
+            | Op::Where
+            | Op::Reduce { .. }
+            | Op::ArgReduce { .. }
+            | Op::Softmax { .. }
+            | Op::Rotary
+            | Op::Attention { .. }
+            | Op::AttentionBackward { .. }
+            | Op::CrossEntropyBackward { .. }
+            | Op::RmsNorm { .. }
+            | Op::RmsNormBackward { .. }
+            | Op::LogSumExp { .. }
+            | Op::Cumsum { .. }
+            | Op::MatMul
+            | Op::GroupedMatMul
+            | Op::Scatter { .. }
+            | Op::IndexAdd { .. }
+            | Op::Sort { .. }
+            | Op::TopK { .. }
+            | Op::Collective(_)
+            | Op::PagedAttention { .. } => false,
+        }
     }
 }

@@ -309,16 +309,42 @@ pub fn in_sharding(op: &kiln_tensor::Op, input: usize, s: &Sharding, shape: &[us
         }
         t
     };
+    let whole = || Sharding::replicated(&s.mesh, shape.len());
     match op {
         Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_) | Op::Copy | Op::MatMul => s.reduced(),
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean, .. } => s.reduced(),
         Op::Reduce { dims, .. } => gather(dims),
         Op::Softmax { dim, .. } | Op::LogSumExp { dim } | Op::Gather { dim } => gather(&[*dim]),
         Op::RmsNorm { .. } if !shape.is_empty() => gather(&[shape.len() - 1]),
-        _ if batch_inputs(op).is_some_and(|b| b.contains(&input)) && !shape.is_empty() => {
-            gather(&(1..shape.len()).collect::<Vec<_>>())
-        }
-        _ => Sharding::replicated(&s.mesh, shape.len()),
+        Op::Attention { .. }
+        | Op::AttentionBackward { .. }
+        | Op::Rotary
+        | Op::CrossEntropyBackward { .. }
+        | Op::RmsNormBackward { .. } => match batch_inputs(op) {
+            Some(b) if b.contains(&input) && !shape.is_empty() => gather(&(1..shape.len()).collect::<Vec<_>>()),
+            _ => whole(),
+        },
+        // Read whole: the partitioner cannot split these (or kiln has no rule for them yet).
+        Op::RmsNorm { .. }
+        | Op::Full { .. }
+        | Op::Arange { .. }
+        | Op::RandomBits { .. }
+        | Op::ArgReduce { .. }
+        | Op::Cumsum { .. }
+        | Op::GroupedMatMul
+        | Op::View(_)
+        | Op::Cat { .. }
+        | Op::Scatter { .. }
+        | Op::IndexSelect { .. }
+        | Op::IndexAdd { .. }
+        | Op::Sort { .. }
+        | Op::TopK { .. }
+        | Op::Assign { .. }
+        | Op::Collective(_)
+        | Op::Dequantize(_)
+        | Op::QuantMatMul(_)
+        | Op::PagedAttention { .. }
+        | Op::Custom(_) => whole(),
     }
 }
 
@@ -333,7 +359,37 @@ fn batch_inputs(op: &kiln_tensor::Op) -> Option<&'static [usize]> {
         Op::Rotary => Some(&[0]),
         Op::CrossEntropyBackward { .. } => Some(&[0, 1, 2]),
         Op::RmsNormBackward { .. } => Some(&[0, 2, 3]),
-        _ => None,
+        Op::Full { .. }
+        | Op::Arange { .. }
+        | Op::RandomBits { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Compare(_)
+        | Op::Where
+        | Op::Cast(_)
+        | Op::Copy
+        | Op::Reduce { .. }
+        | Op::ArgReduce { .. }
+        | Op::Softmax { .. }
+        | Op::RmsNorm { .. }
+        | Op::LogSumExp { .. }
+        | Op::Cumsum { .. }
+        | Op::MatMul
+        | Op::GroupedMatMul
+        | Op::View(_)
+        | Op::Cat { .. }
+        | Op::Gather { .. }
+        | Op::Scatter { .. }
+        | Op::IndexSelect { .. }
+        | Op::IndexAdd { .. }
+        | Op::Sort { .. }
+        | Op::TopK { .. }
+        | Op::Assign { .. }
+        | Op::Collective(_)
+        | Op::Dequantize(_)
+        | Op::QuantMatMul(_)
+        | Op::PagedAttention { .. }
+        | Op::Custom(_) => None,
     }
 }
 
@@ -431,7 +487,11 @@ pub fn out_sharding(
             split(dims, vec![])
         }
         // A batch-wise primitive's outputs of the first input's batch size keep its batch split.
-        _ if batch_inputs(op).is_some() => {
+        Op::Attention { .. }
+        | Op::AttentionBackward { .. }
+        | Op::Rotary
+        | Op::CrossEntropyBackward { .. }
+        | Op::RmsNormBackward { .. } => {
             let Some((shape, s)) = ins.first() else { return rep };
             let same_batch = out_shape.len() >= 2 && shape.first() == out_shape.first();
             if !same_batch || matches!(op, Op::RmsNormBackward { .. } if out == 1) {
@@ -458,6 +518,28 @@ pub fn out_sharding(
             dims[shape.len() - 1] = vec![];
             split(dims, vec![])
         }
-        _ => rep,
+        // Replicated: no rule keeps a split through these (yet).
+        Op::Reduce { .. }
+        | Op::Softmax { .. }
+        | Op::RmsNorm { .. }
+        | Op::Full { .. }
+        | Op::Arange { .. }
+        | Op::RandomBits { .. }
+        | Op::ArgReduce { .. }
+        | Op::Cumsum { .. }
+        | Op::GroupedMatMul
+        | Op::View(_)
+        | Op::Cat { .. }
+        | Op::Scatter { .. }
+        | Op::IndexSelect { .. }
+        | Op::IndexAdd { .. }
+        | Op::Sort { .. }
+        | Op::TopK { .. }
+        | Op::Assign { .. }
+        | Op::Collective(_)
+        | Op::Dequantize(_)
+        | Op::QuantMatMul(_)
+        | Op::PagedAttention { .. }
+        | Op::Custom(_) => rep,
     }
 }
