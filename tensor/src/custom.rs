@@ -181,6 +181,15 @@ impl PartialEq for CustomOpRef {
 }
 
 impl CustomOpRef {
+    /// What identifies the op's computation on inputs `ins` giving `outs`
+    /// beyond its name: its StableHLO lowering, when it has one (two
+    /// instances made with the same attributes lower alike, as the lowered
+    /// program's function names rely on). `None` for a CPU-only op, which is
+    /// then known by its instance alone.
+    pub fn identity(&self, ins: &[Meta], outs: &[Meta]) -> Option<String> {
+        self.0.stablehlo(ins, outs).ok().map(|l| format!("{l:?}"))
+    }
+
     /// The op's outputs for `inputs`, checked: at least one.
     pub(crate) fn infer(&self, inputs: &[Meta]) -> Result<Vec<Meta>> {
         let outs = self.0.infer(inputs)?;

@@ -244,7 +244,7 @@ impl Traced for RecordedTrace {
                 "a constant computed on the host changed (constant {i}); keep changing values on the device"
             ));
         }
-        if self.program != prev.program {
+        if !self.program.same_as(&prev.program) {
             let (a, b) = (prev.program.to_string(), self.program.to_string());
             let line = a.lines().zip(b.lines()).find(|(x, y)| x != y);
             let creation = |l: &str| l.contains(" = full(") || l.contains(" = arange(");

@@ -26,7 +26,15 @@ use std::fmt::{self, Write};
 // print as Rust's shortest round-trip form (`0.1`, `-0.0`, `inf`, `NaN`), so
 // the text determines every attribute exactly. Results name their kind:
 // `fresh`, `updates %p` (the new value of parameter `%p`, written into its
-// storage), `state` (state the function created), `check "message"`.
+// storage), `state` (state the function created), `check "message"`. A
+// custom op prints its name and, when it has a StableHLO lowering, a 64-bit
+// FNV-1a tag of it (`{lowering=..}`): ops of one name that compute different
+// things print differently.
+
+/// FNV-1a, 64 bits: a short, stable tag for a custom op's lowering in the text.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
 
 /// The short name of a dtype in program text.
 pub fn dtype_short(d: DType) -> &'static str {
@@ -134,7 +142,8 @@ pub fn attributes(op: &Op) -> Vec<(&'static str, String)> {
             a
         }
         Op::PagedAttention { scale } => vec![("scale", f(*scale))],
-        // The op's name is printed as the instruction's; its identity is the op object.
+        // The op's name is printed as the instruction's; the printer adds a
+        // tag of its lowering (which needs the operands' types).
         Op::Custom(_) => vec![],
     }
 }
@@ -191,7 +200,13 @@ impl fmt::Display for Program {
         for inst in &self.insts {
             let outs: Vec<String> = inst.results().map(|v| v.to_string()).collect();
             let args: Vec<String> = inst.args.iter().map(|v| v.to_string()).collect();
-            let attrs = attributes(&inst.op);
+            let mut attrs = attributes(&inst.op);
+            if let Op::Custom(c) = &inst.op {
+                let ins: Vec<Meta> = inst.args.iter().map(|v| self.meta(*v).clone()).collect();
+                if let Some(id) = c.identity(&ins, &inst.outs) {
+                    attrs.push(("lowering", format!("{:016x}", fnv1a(id.as_bytes()))));
+                }
+            }
             let attrs = if attrs.is_empty() {
                 String::new()
             } else {

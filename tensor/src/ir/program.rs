@@ -178,6 +178,29 @@ impl Program {
         self.rebuild(|_, _, _| Some(None))
     }
 
+    /// Whether `other` is the same program: equal parameters, results and
+    /// instructions, where two custom ops of one name are the same op when
+    /// they lower alike ([`CustomOpRef::identity`](crate::custom::CustomOpRef::identity)),
+    /// so a function that makes its op anew on every call is still one program.
+    pub fn same_as(&self, other: &Program) -> bool {
+        if self.params != other.params || self.results != other.results || self.insts.len() != other.insts.len() {
+            return false;
+        }
+        self.insts.iter().zip(&other.insts).all(|(a, b)| {
+            if a.args != b.args || a.outs != b.outs || a.first != b.first {
+                return false;
+            }
+            match (&a.op, &b.op) {
+                (Op::Custom(x), Op::Custom(y)) if x != y => {
+                    let ins: Vec<Meta> = a.args.iter().map(|v| self.meta(*v).clone()).collect();
+                    x.name() == y.name()
+                        && x.identity(&ins, &a.outs).is_some_and(|k| y.identity(&ins, &b.outs) == Some(k))
+                }
+                (x, y) => x == y,
+            }
+        })
+    }
+
     /// For each value, the index of the last instruction reading it
     /// (`insts.len()` for a result, `None` when nothing reads it).
     pub fn last_uses(&self) -> Vec<Option<usize>> {
