@@ -697,6 +697,13 @@ impl Backend for PjrtBackend {
     fn tracer(&self, device: Device) -> Result<Box<dyn kiln_tensor::capture::Tracer>> {
         Ok(Box::new(crate::capture::PjrtTracer { device }))
     }
+    fn compile(
+        &self,
+        program: &kiln_tensor::ir::Program,
+        device: Device,
+    ) -> Result<Arc<dyn kiln_tensor::ir::Executable>> {
+        Ok(Arc::new(crate::program::PjrtProgram::new(program, device)?))
+    }
 
     fn supports_meshes(&self) -> bool {
         true

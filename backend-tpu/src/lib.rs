@@ -21,6 +21,7 @@ mod mode;
 pub mod pjrt;
 pub mod portable;
 mod process_group;
+mod program;
 pub mod store;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
@@ -195,6 +196,13 @@ impl kiln_tensor::Backend for Registered {
     }
     fn tracer(&self, device: kiln_tensor::Device) -> Result<Box<dyn kiln_tensor::capture::Tracer>> {
         self.0.tracer(device)
+    }
+    fn compile(
+        &self,
+        program: &kiln_tensor::ir::Program,
+        device: kiln_tensor::Device,
+    ) -> Result<Arc<dyn kiln_tensor::ir::Executable>> {
+        self.0.compile(program, device)
     }
     fn supports_meshes(&self) -> bool {
         self.0.supports_meshes()

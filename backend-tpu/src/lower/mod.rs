@@ -9,6 +9,7 @@ mod custom;
 mod grouped;
 mod ops;
 mod paged;
+mod program;
 mod quant;
 mod random;
 pub mod shard;
@@ -16,6 +17,7 @@ mod view;
 
 pub use collective::manual_computation;
 pub use ops::{lower_op, Check};
+pub use program::{lower_program, LoweredProgram};
 pub use shard::{mesh_decl, Sharding};
 pub use view::{read_view, write_view};
 

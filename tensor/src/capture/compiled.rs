@@ -44,6 +44,12 @@ pub trait Traced: Send {
     fn program(&self) -> Option<&Program> {
         None
     }
+    /// What a replay on `inputs` would pass the program: one tensor per
+    /// parameter (an input's storage, state as it is now, a constant), when
+    /// the trace has a program.
+    fn program_args(&self, _inputs: &[Tensor]) -> Option<Result<Vec<Tensor>>> {
+        None
+    }
     /// For [`Traced::difference`]'s downcast.
     fn as_any(&self) -> &dyn std::any::Any;
 }
@@ -115,8 +121,8 @@ pub struct Compiled<F> {
     site: &'static Location<'static>,
     /// Whether the "keeps tracing because of host values" warning was given.
     warned: bool,
-    /// The last trace's program (kept for [`Compiled::program`]).
-    last_program: Option<Program>,
+    /// The entry of the last trace (for [`Compiled::program`]).
+    last: Option<usize>,
 }
 
 /// Captures `f`, a function of tensors on `device` returning tensors, as
@@ -168,7 +174,7 @@ where
         verify: std::env::var("KILN_COMPILE_VERIFY").is_ok_and(|v| v == "1"),
         site: Location::caller(),
         warned: false,
-        last_program: None,
+        last: None,
     }
 }
 
@@ -222,15 +228,29 @@ where
     /// text\]); an error before the first call, or where the device's tracer
     /// keeps no program in kiln's representation.
     pub fn program(&self) -> Result<Program> {
-        self.last_program.clone().ok_or_else(|| {
-            Error::invalid(
-                "compile",
-                match self.stats.traces {
-                    0 => "the function has not been traced yet; call it first".to_string(),
-                    _ => format!("the tracer of {} keeps no program in kiln's representation yet", self.device),
-                },
-            )
-        })
+        self.last_trace()?.program().cloned().ok_or_else(|| self.no_program())
+    }
+
+    /// The arguments a replay of the last trace on `inputs` would pass its
+    /// program (one per parameter: an input's storage, state as it is now, a
+    /// constant), whole and flat: with [`Compiled::program`], the program
+    /// can be run elsewhere (`Backend::compile` of another device).
+    pub fn program_args(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.last_trace()?.program_args(inputs).ok_or_else(|| self.no_program())?
+    }
+
+    fn last_trace(&self) -> Result<&dyn Traced> {
+        match self.last {
+            Some(i) => Ok(self.entries[i].state.trace()),
+            None => Err(Error::invalid("compile", "the function has not been traced yet; call it first")),
+        }
+    }
+
+    fn no_program(&self) -> Error {
+        Error::invalid(
+            "compile",
+            format!("the tracer of {} keeps no program in kiln's representation yet", self.device),
+        )
     }
 
     /// Runs `run` on the function, the device and the host-value policy,
@@ -294,7 +314,6 @@ where
             ms = t.elapsed().as_secs_f64() * 1e3,
             "traced the captured function"
         );
-        self.last_program = trace.program().cloned();
         self.note_host_values(&*trace);
         let replayable = trace.host_values().is_empty();
         match pos {
@@ -303,6 +322,7 @@ where
                 if verifying {
                     if let Some(d) = difference {
                         self.entries[p].state = EntryState::Warming(trace);
+                        self.last = Some(p);
                         return Err(Error::invalid(
                             "compile",
                             format!(
@@ -325,8 +345,12 @@ where
                 } else {
                     EntryState::Warming(trace)
                 };
+                self.last = Some(p);
             }
-            None => self.entries.push(Entry { guard, state: EntryState::Warming(trace) }),
+            None => {
+                self.entries.push(Entry { guard, state: EntryState::Warming(trace) });
+                self.last = Some(self.entries.len() - 1);
+            }
         }
         Ok(outs)
     }

@@ -167,23 +167,34 @@ fn own_storage(t: Tensor, device: Device) -> Result<Arc<Storage>> {
     Ok(t.backend().exec(&Op::Copy, &[&t], &[t.meta()], device)?.swap_remove(0))
 }
 
-impl Traced for RecordedTrace {
-    fn replay(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+impl RecordedTrace {
+    /// The program's arguments for a call on `inputs`.
+    fn args(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let gone = || {
             Error::invalid(
                 "compile",
                 "the compiled function reads a tensor that no longer exists (state it read when traced was dropped); compile the function again",
             )
         };
-        let args: Vec<Tensor> = self
-            .bindings
+        self.bindings
             .iter()
             .map(|b| match b {
-                Binding::Input(i) => whole(inputs[*i].storage()),
+                Binding::Input(i) => {
+                    let t = inputs.get(*i).ok_or_else(|| {
+                        Error::invalid("compile", format!("the program reads input {i}, which the call lacks"))
+                    })?;
+                    whole(t.storage())
+                }
                 Binding::State(w) => whole(&w.upgrade().ok_or_else(gone)?),
                 Binding::Constant(st) => whole(st),
             })
-            .collect::<Result<_>>()?;
+            .collect()
+    }
+}
+
+impl Traced for RecordedTrace {
+    fn replay(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let args = self.args(inputs)?;
         let outs = self.exe.run(&args)?;
         drop(args);
         let mut storages: Vec<Option<Arc<Storage>>> = Vec::with_capacity(outs.len());
@@ -263,6 +274,10 @@ impl Traced for RecordedTrace {
 
     fn program(&self) -> Option<&Program> {
         Some(&self.program)
+    }
+
+    fn program_args(&self, inputs: &[Tensor]) -> Option<Result<Vec<Tensor>>> {
+        Some(self.args(inputs))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

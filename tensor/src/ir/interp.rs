@@ -39,34 +39,6 @@ impl Interpreter {
         }
         Ok(Interpreter { program, device, backend, last, writable })
     }
-
-    fn check_args(&self, args: &[Tensor]) -> Result<()> {
-        if args.len() != self.program.params.len() {
-            return Err(Error::invalid(
-                "program",
-                format!("takes {} arguments, got {}", self.program.params.len(), args.len()),
-            ));
-        }
-        for (p, a) in self.program.params.iter().zip(args) {
-            let m = self.program.meta(p.value);
-            if a.shape() != &m.shape[..] || a.dtype() != m.dtype || a.device() != self.device {
-                return Err(Error::invalid(
-                    "program",
-                    format!(
-                        "argument {} is {:?} {} on {}, the program expects {:?} {} on {}",
-                        p.value,
-                        a.shape(),
-                        a.dtype(),
-                        a.device(),
-                        m.shape,
-                        m.dtype,
-                        self.device
-                    ),
-                ));
-            }
-        }
-        Ok(())
-    }
 }
 
 /// `t` as a contiguous tensor (itself when it already is one).
@@ -97,7 +69,7 @@ fn view(backend: &dyn Backend, v: &ViewOp, t: &Tensor, device: Device) -> Result
 
 impl Executable for Interpreter {
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.check_args(args)?;
+        self.program.check_args(args, self.device)?;
         let _ng = crate::graph::GradModeGuard::set(false);
         let (p, b, dev) = (&self.program, self.backend, self.device);
         let mut vals: Vec<Option<Tensor>> = vec![None; p.num_values()];

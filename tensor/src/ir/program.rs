@@ -1,6 +1,6 @@
 //! `Program`: typed instructions over [`Op`], the parameters a program reads
 //! (by kind) and the results it gives (by kind). See Note \[Programs\] in `ir/mod.rs`.
-use crate::{Error, Meta, Op, Result};
+use crate::{Device, Error, Meta, Op, Result, Tensor};
 use smallvec::SmallVec;
 use std::fmt;
 
@@ -199,6 +199,34 @@ impl Program {
                 (x, y) => x == y,
             }
         })
+    }
+
+    /// Checks the arguments of a run on `device`: one per parameter, of its type, on the device.
+    pub fn check_args(&self, args: &[Tensor], device: Device) -> Result<()> {
+        if args.len() != self.params.len() {
+            return Err(Error::invalid(
+                "program",
+                format!("takes {} arguments, got {}", self.params.len(), args.len()),
+            ));
+        }
+        for (p, a) in self.params.iter().zip(args) {
+            let m = self.meta(p.value);
+            if a.shape() != &m.shape[..] || a.dtype() != m.dtype || a.device() != device {
+                return Err(Error::invalid(
+                    "program",
+                    format!(
+                        "argument {} is {:?} {} on {}, the program expects {:?} {} on {device}",
+                        p.value,
+                        a.shape(),
+                        a.dtype(),
+                        a.device(),
+                        m.shape,
+                        m.dtype
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// For each value, the index of the last instruction reading it

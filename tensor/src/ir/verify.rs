@@ -54,7 +54,13 @@ impl Program {
                 )));
             }
         }
+        let mut updated = std::collections::HashSet::new();
         for (k, r) in self.results.iter().enumerate() {
+            if let ResultKind::Update(p) = r.kind {
+                if !updated.insert(p) {
+                    return Err(bad(format!("result {k} updates parameter {p}, which another result updates")));
+                }
+            }
             let m = self.checked_meta(r.value).map_err(|_| bad(format!("result {k} ({}) is not defined", r.value)))?;
             match &r.kind {
                 ResultKind::Update(p) => {

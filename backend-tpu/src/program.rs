@@ -1,0 +1,104 @@
+//! Programs on a PJRT device (`Backend::compile`): kiln's `Program` lowered
+//! to one StableHLO module (`lower::lower_program`), compiled through the
+//! compile cache, run on flat buffers with updated parameters donated.
+use crate::graph::{data_in, only_the_storage_reaches, PjrtBuffer};
+use crate::lower::{lower_program, LoweredProgram};
+use crate::pjrt::{Buffer, Executable};
+use kiln_tensor::ir::{Executable as ProgramExecutable, Program, ResultKind};
+use kiln_tensor::{Device, Error, Layout, Result, Storage, StorageData, Tensor};
+use std::sync::Arc;
+
+/// A program compiled for one PJRT device.
+pub(crate) struct PjrtProgram {
+    exe: Arc<Executable>,
+    program: Program,
+    lowered: LoweredProgram,
+    device: Device,
+}
+
+impl PjrtProgram {
+    /// Lowers and compiles `program` for `device`.
+    pub(crate) fn new(program: &Program, device: Device) -> Result<PjrtProgram> {
+        if !matches!(device, Device::Tpu(_)) {
+            return Err(Error::device(
+                "compile",
+                format!("programs of kiln's representation run on one PJRT device, not {device}"),
+            ));
+        }
+        let lowered = lower_program(program)?;
+        let exe = crate::backend()?.executable(&lowered.text)?;
+        Ok(PjrtProgram { exe, program: program.clone(), lowered, device })
+    }
+}
+
+/// Whether `t` reads the whole of its storage, in order.
+fn whole(t: &Tensor) -> bool {
+    let l = t.layout();
+    l.is_contiguous() && l.offset() == 0 && l.numel() == t.storage().len()
+}
+
+impl ProgramExecutable for PjrtProgram {
+    fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        let backend = crate::backend()?;
+        let p = &self.program;
+        p.check_args(args, self.device)?;
+        let mut updated = vec![false; args.len()];
+        for r in &p.results {
+            if let ResultKind::Update(k) = r.kind {
+                updated[k] = true;
+            }
+        }
+        // Each argument as a whole storage (a view is copied first).
+        let flat: Vec<Tensor> =
+            args.iter().map(|a| if whole(a) { Ok(a.clone()) } else { a.contiguous() }).collect::<Result<_>>()?;
+        let bufs: Vec<Arc<Buffer>> = flat.iter().map(|a| backend.buffer_of(a)).collect::<Result<_>>()?;
+        // An updated argument is donated when only its storage reaches the buffer
+        // (the storage and `bufs` hold it) and nothing else reads the storage.
+        let non_donatable: Vec<i64> = (0..args.len())
+            .filter(|&k| {
+                let donate = updated[k]
+                    && whole(&args[k])
+                    && Arc::strong_count(&bufs[k]) <= 2
+                    && data_in(&args[k].storage().read(), self.device).is_ok_and(|d| only_the_storage_reaches(&d));
+                !donate
+            })
+            .map(|k| k as i64)
+            .collect();
+        let refs: Vec<&Buffer> = bufs.iter().map(|b| &**b).collect();
+        let (mut outs, event) =
+            self.exe.execute_with(&refs, self.device.index(), &self.lowered.outputs, &non_donatable)?;
+        drop(refs);
+        drop(bufs);
+        backend.count_execution();
+        backend.queue_event("a program", event)?;
+        let flags = outs.split_off(p.results.len());
+        let mut results = Vec::with_capacity(outs.len());
+        for (r, buf) in p.results.iter().zip(outs) {
+            let m = p.meta(r.value);
+            let data = StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(buf))));
+            let st = Arc::new(Storage::new(data, m.dtype, m.shape.iter().product(), self.device));
+            let value = Tensor::from_storage(st, Layout::contiguous(&m.shape))?;
+            results.push(match r.kind {
+                ResultKind::Update(k) => {
+                    let dst = &args[k];
+                    if whole(dst) {
+                        let new = std::mem::replace(
+                            &mut *value.storage().write(),
+                            StorageData::Host(kiln_tensor::HostBuffer::zeros(m.dtype, 0)),
+                        );
+                        dst.storage().replace(new);
+                    } else {
+                        kiln_tensor::Backend::assign(backend, dst, &value)?;
+                    }
+                    dst.storage().bump_version();
+                    dst.clone()
+                }
+                ResultKind::Fresh | ResultKind::State | ResultKind::Check(_) => value,
+            });
+        }
+        for (flag, (c, name)) in flags.iter().zip(&self.lowered.checks) {
+            backend.verify(flag, name, c, &[])?;
+        }
+        Ok(results)
+    }
+}
