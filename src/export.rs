@@ -2,9 +2,11 @@
 //! writes a compiled function as a directory that runs without the
 //! function's code, [`load`] runs it (Note \[Export\]).
 use crate::nn::io::{load_safetensors, save_safetensors};
+use crate::tensor::capture::{HostValues, TracedFn};
+use crate::tensor::ir::{ParamKind, ResultKind as ProgramResultKind};
 use crate::tpu::cache::{hex, sha256_hex};
-use crate::tpu::{ArgKind, Compiled, ExportedProgram, Program, ResultKind};
-use crate::{DType, Device, Error, Layout, Result, Tensor};
+use crate::tpu::{ArgKind, Compiled, ExportedProgram, Flat, Program, Refusal, ResultKind};
+use crate::{DType, Device, DeviceKind, Error, Layout, Result, Tensor};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -15,7 +17,10 @@ use std::path::Path;
 // `kiln::export(&mut compiled, &inputs, dir)` traces a function compiled by
 // `kiln::compile` on example inputs (the call's effects happen, as for any
 // call) and writes a directory from which the function runs with no Rust
-// code of its own:
+// code of its own. On a PJRT device the PJRT tracer writes the program; on
+// the CPU the function is recorded as a kiln `Program` (Note [Programs]) and
+// kiln lowers it (`lower::lower_program`), so no plugin is loaded, and the
+// program runs on PJRT devices and in IREE as any other export:
 //
 // * `program.mlir`: the one-device StableHLO module, MLIR text in the generic
 //   op form kiln emits (PJRT plugins and IREE parse it). Arguments and
@@ -81,8 +86,11 @@ where
     F: FnMut(&[Tensor]) -> Result<Vec<Tensor>>,
 {
     let dir = dir.as_ref();
-    let (program, outs) =
-        compiled.with_function(|f, device, policy| kiln_tpu::trace_for_export(f, device, policy, inputs))?;
+    let on_pjrt = compiled.device().kind() == DeviceKind::Tpu;
+    let (program, outs) = compiled.with_function(|f, device, policy| match device.kind() {
+        DeviceKind::Tpu => kiln_tpu::trace_for_export(f, device, policy, inputs),
+        DeviceKind::Cpu | DeviceKind::PrivateUse1 => recorded(f, device, policy, inputs),
+    })?;
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let ExportedProgram { text: program_text, args: program_args, results: program_results, returns } = program;
     let mut weights = BTreeMap::new();
@@ -126,15 +134,27 @@ where
     let weights_path = dir.join(WEIGHTS);
     save_safetensors(&weights_path, &weights, None)?;
     let weights_sha = sha256_file(&weights_path)?;
-    let backend = crate::tpu::backend()?;
-    let client = backend.client();
-    let plugin = crate::tpu::pjrt::describe(client.api());
-    // The StableHLO version of the plugin that compiled the program (its `stablehlo_current_version`).
-    let stablehlo = plugin
-        .split(", ")
-        .find_map(|kv| kv.strip_prefix("stablehlo_current_version="))
-        .unwrap_or("unknown")
-        .to_string();
+    let (stablehlo, traced_on) = if on_pjrt {
+        let backend = crate::tpu::backend()?;
+        let client = backend.client();
+        let plugin = crate::tpu::pjrt::describe(client.api());
+        // The StableHLO version of the plugin that compiled the program (its `stablehlo_current_version`).
+        let stablehlo = plugin
+            .split(", ")
+            .find_map(|kv| kv.strip_prefix("stablehlo_current_version="))
+            .unwrap_or("unknown")
+            .to_string();
+        (
+            stablehlo,
+            json!({"platform": client.platform(), "platform_version": client.platform_version(), "plugin": plugin}),
+        )
+    } else {
+        let device = compiled.device().to_string();
+        (
+            "unknown".to_string(),
+            json!({"platform": device, "plugin": "none: recorded as a kiln program, lowered by kiln"}),
+        )
+    };
     // The portable artifact, when every op of the program has a VHLO form.
     let artifact = crate::tpu::portable::serialize(&program_text);
     let portable = match &artifact {
@@ -153,7 +173,7 @@ where
         "program": {"file": PROGRAM, "sha256": sha256_hex(program_text.as_bytes()), "form": "StableHLO, MLIR text (generic op form)", "stablehlo_version": stablehlo},
         "portable": portable,
         "weights": {"file": WEIGHTS, "sha256": weights_sha},
-        "traced_on": {"platform": client.platform(), "platform_version": client.platform_version(), "plugin": plugin},
+        "traced_on": traced_on,
         "placement": "one device",
         "inputs": input_meta,
         "arguments": args,
@@ -172,6 +192,65 @@ where
     let text = serde_json::to_string_pretty(&manifest).map_err(|e| invalid(e.to_string()))?;
     crate::nn::io::write_atomic(&dir.join(MANIFEST), |w| w.write_all(text.as_bytes()))?;
     Ok(outs)
+}
+
+/// [`export()`] on a device whose tracer records kiln's programs (the CPU):
+/// the program is lowered to StableHLO by kiln, so no plugin is needed.
+fn recorded(
+    f: &mut TracedFn<'_>,
+    device: Device,
+    policy: HostValues,
+    inputs: &[Tensor],
+) -> Result<(ExportedProgram, Vec<Tensor>)> {
+    kiln_tpu::check_inputs(device, inputs)?;
+    let (t, outs) = crate::tensor::capture::trace_program(f, device, policy, inputs)?;
+    if let Some(first) = t.host_values.first() {
+        return Err(Refusal::HostValue(first).error());
+    }
+    let p = &t.program;
+    let lowered = kiln_tpu::lower::lower_program(p)?;
+    let flat = |v| {
+        let m = p.meta(v);
+        (m.dtype, vec![m.shape.iter().product::<usize>()])
+    };
+    let mut args = vec![];
+    for (param, value) in p.params.iter().zip(t.values) {
+        let kind = match param.kind {
+            ParamKind::Input(i) => ArgKind::Input(i),
+            ParamKind::State | ParamKind::Generator => ArgKind::State(value),
+            ParamKind::Constant => ArgKind::Constant(value),
+        };
+        let (dtype, shape) = flat(param.value);
+        args.push(Flat { kind, dtype, shape });
+    }
+    let mut results = vec![];
+    for r in &p.results {
+        let kind = match &r.kind {
+            ProgramResultKind::Fresh => ResultKind::Fresh,
+            ProgramResultKind::Update(k) => match p.params[*k].kind {
+                ParamKind::Input(i) => return Err(Refusal::WritesInput(i).error()),
+                _ => ResultKind::UpdatesArg(*k),
+            },
+            ProgramResultKind::State => ResultKind::Discarded,
+            ProgramResultKind::Check(msg) => ResultKind::Check(msg.clone()),
+        };
+        let (dtype, shape) = flat(r.value);
+        results.push(Flat { kind, dtype, shape });
+    }
+    for (c, name) in &lowered.checks {
+        results.push(Flat {
+            kind: ResultKind::Check(kiln_tpu::check_message(name, c)),
+            dtype: DType::Bool,
+            shape: vec![],
+        });
+    }
+    let returns = t
+        .returns
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| r.ok_or_else(|| Refusal::ReturnsUnchanged(i).error()))
+        .collect::<Result<_>>()?;
+    Ok((ExportedProgram { text: lowered.text, args, results, returns }, outs))
 }
 
 /// One argument of a loaded program.

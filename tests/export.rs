@@ -2,7 +2,9 @@
 //! decode step exported from this process and run by `kiln-run`, a second
 //! binary with no model code, with the golden logits and tokens; state a
 //! function writes carried across calls; the manifest checked on load; and
-//! the functions an artifact could not reproduce refused at export.
+//! the functions an artifact could not reproduce refused at export; and the
+//! forward traced on the CPU, exported by a process that loads no plugin,
+//! run by `kiln-run` on the PJRT device.
 // Calls pass `&[x.clone()]`: the inputs are reused across calls.
 #![allow(clippy::cloned_ref_to_slice_refs)]
 #[path = "../examples/support/add_rms_norm.rs"]
@@ -13,6 +15,7 @@ use common::assert_err;
 use kiln::nn::io::{load_safetensors, save_safetensors};
 use kiln::nn::models::LlamaForCausalLM;
 use kiln::prelude::*;
+use kiln::DeviceKind;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -113,6 +116,49 @@ fn llama_forward_and_greedy_step_run_from_a_second_process() {
         "greedy tokens of the exported step, run by kiln-run, vs transformers"
     );
     let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// The llama forward exported from a CPU trace in a child process that never
+/// loads a PJRT plugin (kiln lowers its own program), then run by `kiln-run`
+/// on the PJRT device: the logits of the CPU and of transformers.
+#[test]
+fn a_cpu_trace_exports_without_a_plugin_and_runs_on_pjrt() {
+    common::devices();
+    let scratch = temp_dir("cpu-trace");
+    let dir = scratch.join("forward");
+    common::run_ignored_test_in_child("export_a_cpu_trace", &[("KILN_EXPORT_TO", dir.as_os_str())], &[]);
+    let g = load_safetensors(fixture("llama").join("golden.safetensors")).unwrap();
+    let ids = g["input_ids"].clone();
+    let model = LlamaForCausalLM::from_pretrained(fixture("llama"), DType::F32, Device::Cpu).unwrap();
+    let on_cpu = {
+        let _ng = kiln::autograd::no_grad();
+        model.forward(&ids, None).unwrap()
+    };
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["traced_on"]["platform"], "cpu", "{manifest}");
+    assert!(manifest["portable"]["file"].is_string(), "a portable artifact: {manifest}");
+    let there = kiln_run(&dir, &[ids], &scratch);
+    let e_cpu = max_abs_diff(&there[0], &on_cpu);
+    let e_golden = max_abs_diff(&there[0], &g["logits"]);
+    // Measured: 1.4e-6 from the CPU's logits (XLA's own rounding of the same program), as the
+    // programs test finds; the fixture's own bound for transformers' logits.
+    assert!(e_cpu <= 1e-5, "the exported CPU trace on PJRT vs the CPU: {e_cpu:.2e}");
+    assert!(e_golden <= 2e-4, "the exported CPU trace on PJRT vs transformers: {e_golden:.2e}");
+    println!("llama forward traced on the CPU, exported without a plugin, run on PJRT: {e_cpu:.2e} from the CPU, {e_golden:.2e} from transformers");
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+#[test]
+#[ignore = "a child process of a_cpu_trace_exports_without_a_plugin_and_runs_on_pjrt"]
+fn export_a_cpu_trace() {
+    let dir = PathBuf::from(std::env::var_os("KILN_EXPORT_TO").expect("run by its parent test"));
+    let model = LlamaForCausalLM::from_pretrained(fixture("llama"), DType::F32, Device::Cpu).unwrap();
+    let _no_grad = kiln::autograd::no_grad();
+    let mut forward = kiln::compile(Device::Cpu, |t: &[Tensor]| Ok(vec![model.forward(&t[0], None)?]));
+    let ids = load_safetensors(fixture("llama").join("golden.safetensors")).unwrap()["input_ids"].clone();
+    kiln::export(&mut forward, &[ids], &dir).unwrap();
+    assert!(!kiln::tensor::is_registered(DeviceKind::Tpu), "exporting a CPU trace loads no plugin");
 }
 
 #[test]

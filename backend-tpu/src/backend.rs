@@ -142,7 +142,7 @@ impl PjrtBackend {
         let mut byte = [0u8; 1];
         flag.copy_to_host(&mut byte).map_err(|e| err(format!("{name} failed: {e}")))?;
         if byte[0] == 0 {
-            return Err(self.check_error(name, c, inputs));
+            return Err(check_error(name, c, inputs));
         }
         Ok(())
     }
@@ -380,63 +380,6 @@ impl PjrtBackend {
             Mode::Strict | Mode::Defer => self.queue(Pending::Program { op: name, event })?,
         }
         Ok(bufs)
-    }
-
-    /// The CPU backend's error for a failed check, naming the offending value.
-    pub(crate) fn check_error(&self, name: &'static str, c: &Check, inputs: &[&Tensor]) -> Error {
-        match c {
-            Check::ZeroDivision => Error::invalid(name, "ZeroDivisionError: integer division or modulo by zero"),
-            Check::NegativePower => Error::invalid(name, "Integers to negative integer powers are not allowed."),
-            Check::GroupSizes => {
-                // The CPU backend's message, from the sizes read back.
-                let sizes = inputs.get(2).and_then(|t| self.to_host(t).ok());
-                let rows = match (inputs.first(), inputs.get(1)) {
-                    (Some(a), Some(w)) => Some(kiln_tensor::grouped::grouped_dim(a.shape(), w.shape())),
-                    _ => None,
-                };
-                match (sizes, rows) {
-                    (Some(h), Some(rows)) => {
-                        let s: Vec<i64> = (0..h.len()).map(|j| h.get_i64(j)).collect();
-                        match kiln_tensor::grouped::group_offsets(&s, rows) {
-                            Err(e) => e,
-                            Ok(_) => Error::invalid(name, "invalid group sizes"),
-                        }
-                    }
-                    _ => Error::invalid(name, "invalid group sizes"),
-                }
-            }
-            Check::PagedMetadata => {
-                // The CPU backend's message, from the metadata read back.
-                let ints = |i: usize| -> Option<Vec<i64>> {
-                    let h = self.to_host(inputs.get(i)?).ok()?;
-                    Some((0..h.len()).map(|j| h.get_i64(j)).collect())
-                };
-                let (n, k) = (inputs.first().map(|q| q.shape()[0]), inputs.get(1).map(|k| k.shape().to_vec()));
-                match (ints(5), ints(4), ints(3), n, k) {
-                    (Some(st), Some(ls), Some(tb), Some(n), Some(k)) => {
-                        match kiln_tensor::paged::PagedLayout::new(&st, &ls, &tb, n, k[0], k[1]) {
-                            Err(e) => e,
-                            Ok(_) => Error::index(name, "inconsistent paged attention metadata"),
-                        }
-                    }
-                    _ => Error::index(name, "inconsistent paged attention metadata"),
-                }
-            }
-            Check::Index { input, dim, size } => {
-                let bad = inputs
-                    .get(*input)
-                    .and_then(|t| self.to_host(t).ok())
-                    .and_then(|h| (0..h.len()).map(|i| h.get_i64(i)).find(|&v| v < 0 || v >= *size as i64));
-                match bad {
-                    Some(v) => {
-                        Error::index(name, format!("index {v} is out of bounds for dimension {dim} with size {size}"))
-                    }
-                    None => {
-                        Error::index(name, format!("an index is out of bounds for dimension {dim} with size {size}"))
-                    }
-                }
-            }
-        }
     }
 
     fn queue(&self, p: Pending) -> Result<()> {
@@ -744,5 +687,60 @@ impl Backend for PjrtBackend {
         shape: &[usize],
     ) -> Result<Tensor> {
         self.assemble_shards(shards, mesh, placements, shape)
+    }
+}
+
+/// The CPU backend's error for a failed check, naming the offending value.
+pub(crate) fn check_error(name: &'static str, c: &Check, inputs: &[&Tensor]) -> Error {
+    match c {
+        Check::ZeroDivision => Error::invalid(name, "ZeroDivisionError: integer division or modulo by zero"),
+        Check::NegativePower => Error::invalid(name, "Integers to negative integer powers are not allowed."),
+        Check::GroupSizes => {
+            // The CPU backend's message, from the sizes read back.
+            let sizes = inputs.get(2).and_then(|t| t.to_host().ok());
+            let rows = match (inputs.first(), inputs.get(1)) {
+                (Some(a), Some(w)) => Some(kiln_tensor::grouped::grouped_dim(a.shape(), w.shape())),
+                _ => None,
+            };
+            match (sizes, rows) {
+                (Some(h), Some(rows)) => {
+                    let s: Vec<i64> = (0..h.len()).map(|j| h.get_i64(j)).collect();
+                    match kiln_tensor::grouped::group_offsets(&s, rows) {
+                        Err(e) => e,
+                        Ok(_) => Error::invalid(name, "invalid group sizes"),
+                    }
+                }
+                _ => Error::invalid(name, "invalid group sizes"),
+            }
+        }
+        Check::PagedMetadata => {
+            // The CPU backend's message, from the metadata read back.
+            let ints = |i: usize| -> Option<Vec<i64>> {
+                let h = inputs.get(i)?.to_host().ok()?;
+                Some((0..h.len()).map(|j| h.get_i64(j)).collect())
+            };
+            let (n, k) = (inputs.first().map(|q| q.shape()[0]), inputs.get(1).map(|k| k.shape().to_vec()));
+            match (ints(5), ints(4), ints(3), n, k) {
+                (Some(st), Some(ls), Some(tb), Some(n), Some(k)) => {
+                    match kiln_tensor::paged::PagedLayout::new(&st, &ls, &tb, n, k[0], k[1]) {
+                        Err(e) => e,
+                        Ok(_) => Error::index(name, "inconsistent paged attention metadata"),
+                    }
+                }
+                _ => Error::index(name, "inconsistent paged attention metadata"),
+            }
+        }
+        Check::Index { input, dim, size } => {
+            let bad = inputs
+                .get(*input)
+                .and_then(|t| t.to_host().ok())
+                .and_then(|h| (0..h.len()).map(|i| h.get_i64(i)).find(|&v| v < 0 || v >= *size as i64));
+            match bad {
+                Some(v) => {
+                    Error::index(name, format!("index {v} is out of bounds for dimension {dim} with size {size}"))
+                }
+                None => Error::index(name, format!("an index is out of bounds for dimension {dim} with size {size}")),
+            }
+        }
     }
 }

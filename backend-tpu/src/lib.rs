@@ -25,9 +25,18 @@ mod program;
 pub mod store;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
-pub use capture::export::{trace_for_export, ArgKind, ExportedProgram, Flat, Program, ResultKind};
+pub use capture::export::{
+    check_inputs, trace_for_export, ArgKind, ExportedProgram, Flat, Program, Refusal, ResultKind,
+};
 pub use graph::is_tracing;
 pub use kiln_tensor::capture::{compile, Compiled};
+
+/// The message a failed device-side check of op `name` gives when no
+/// inputs are at hand to name the offending value (an exported program's
+/// manifest carries it).
+pub fn check_message(name: &'static str, c: &lower::Check) -> String {
+    backend::check_error(name, c, &[]).to_string()
+}
 pub use kiln_tensor::capture::{CaptureStats, HostValues};
 pub use mode::{mode, nan_trap, set_mode, set_nan_trap, with_mode, Mode};
 pub use process_group::{init_process_group, process_group, ProcessGroup, ProcessGroupOptions};

@@ -85,6 +85,17 @@ pub fn trace_for_export(
             },
         ));
     }
+    check_inputs(device, inputs)?;
+    let (trace, sig, args) = run_trace(backend, device, policy, f, inputs)?;
+    let program = program_of(&trace, sig.text, &args);
+    // The call runs whether or not it can be exported: the storages it
+    // wrote hold the trace's values until then.
+    let outs = replay(backend, &trace, inputs, device, Some(args))?;
+    Ok((program?, outs))
+}
+
+/// Export takes whole contiguous tensors on the traced device.
+pub fn check_inputs(device: Device, inputs: &[Tensor]) -> Result<()> {
     for (i, t) in inputs.iter().enumerate() {
         let l = t.layout();
         if t.device() != device {
@@ -97,20 +108,36 @@ pub fn trace_for_export(
             ));
         }
     }
-    let (trace, sig, args) = run_trace(backend, device, policy, f, inputs)?;
-    let program = program_of(backend, &trace, sig.text, &args);
-    // The call runs whether or not it can be exported: the storages it
-    // wrote hold the trace's values until then.
-    let outs = replay(backend, &trace, inputs, device, Some(args))?;
-    Ok((program?, outs))
+    Ok(())
 }
 
-fn program_of(backend: &crate::PjrtBackend, t: &Trace, text: String, args: &[Arg]) -> Result<ExportedProgram> {
-    if let Some(first) = t.host.first() {
-        return Err(Error::invalid(
+/// What an export refuses: a function the artifact could not reproduce.
+pub enum Refusal<'a> {
+    /// A host value of the function's own code (its description).
+    HostValue(&'a str),
+    /// A write into input `usize` in place.
+    WritesInput(usize),
+    /// Returned tensor `usize` is an input or state, not a computed value.
+    ReturnsUnchanged(usize),
+}
+
+impl Refusal<'_> {
+    /// The error saying why and what to do.
+    pub fn error(&self) -> Error {
+        Error::invalid(
             EXPORT,
-            format!("the function reads a host value of its own code ({first}), which an exported program would freeze; declare it with kiln::constant or pass it as an input"),
-        ));
+            match self {
+                Refusal::HostValue(first) => format!("the function reads a host value of its own code ({first}), which an exported program would freeze; declare it with kiln::constant or pass it as an input"),
+                Refusal::WritesInput(k) => format!("the function writes its input {k} in place; an exported function returns its results"),
+                Refusal::ReturnsUnchanged(i) => format!("output {i} of the function is one of its inputs or state, not a value it computes; return a computed value (a copy)"),
+            },
+        )
+    }
+}
+
+fn program_of(t: &Trace, text: String, args: &[Arg]) -> Result<ExportedProgram> {
+    if let Some(first) = t.host.first() {
+        return Err(Refusal::HostValue(first).error());
     }
     let mut flat_args = vec![];
     for (src, arg) in t.sources.iter().zip(args) {
@@ -132,30 +159,20 @@ fn program_of(backend: &crate::PjrtBackend, t: &Trace, text: String, args: &[Arg
                     None => ResultKind::Discarded,
                 }
             }
-            Sink::Input(k) => {
-                return Err(Error::invalid(
-                    EXPORT,
-                    format!("the function writes its input {k} in place; an exported function returns its results"),
-                ))
-            }
+            Sink::Input(k) => return Err(Refusal::WritesInput(*k).error()),
         };
         let (dtype, shape) = &t.out_meta[i];
         results.push(Flat { kind, dtype: *dtype, shape: shape.clone() });
     }
     for (c, name) in &t.checks {
-        let msg = backend.check_error(name, c, &[]).to_string();
+        let msg = crate::backend::check_error(name, c, &[]).to_string();
         results.push(Flat { kind: ResultKind::Check(msg), dtype: DType::Bool, shape: vec![] });
     }
     let mut returns = vec![];
     for (i, r) in t.returns.iter().enumerate() {
         match r {
             Return::Output(k, layout) => returns.push((*k, layout.clone())),
-            _ => {
-                return Err(Error::invalid(
-                    EXPORT,
-                    format!("output {i} of the function is one of its inputs or state, not a value it computes; return a computed value (a copy)"),
-                ))
-            }
+            _ => return Err(Refusal::ReturnsUnchanged(i).error()),
         }
     }
     Ok(ExportedProgram { text, args: flat_args, results, returns })

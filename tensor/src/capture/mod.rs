@@ -9,7 +9,7 @@ mod recorded;
 
 pub use compiled::{compile, Compiled, Traced, TracedFn, Tracer};
 pub use host_values::{describe_creation, HostLog, HostValues};
-pub use recorded::RecordingTracer;
+pub use recorded::{trace_program, ProgramTrace, RecordingTracer};
 
 use crate::trace::WatchRead;
 

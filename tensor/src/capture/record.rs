@@ -47,6 +47,8 @@ pub(super) struct Recording {
     /// Storages by address.
     pub known: HashMap<usize, Known>,
     pub host: HostLog,
+    /// With `Some`, each parameter's value when first read (for export).
+    pub snapshots: Option<Vec<crate::HostBuffer>>,
 }
 
 thread_local! {
@@ -54,11 +56,18 @@ thread_local! {
     static RECORDING: RefCell<Option<Recording>> = const { RefCell::new(None) };
 }
 
-/// Starts recording ops on `device` on this thread.
-pub(super) fn begin(device: Device, host: HostLog) {
+/// Starts recording ops on `device` on this thread; with `snapshot`, keeping
+/// each parameter's value as the function first reads it.
+pub(super) fn begin(device: Device, host: HostLog, snapshot: bool) {
     RECORDING.with(|r| {
-        *r.borrow_mut() =
-            Some(Recording { device, program: Program::new(), sources: vec![], known: HashMap::new(), host })
+        *r.borrow_mut() = Some(Recording {
+            device,
+            program: Program::new(),
+            sources: vec![],
+            known: HashMap::new(),
+            host,
+            snapshots: snapshot.then(Vec::new),
+        })
     });
     DEVICE.with(|d| d.set(Some(device)));
 }
@@ -83,19 +92,23 @@ fn with<R>(device: Device, f: impl FnOnce(&mut Recording) -> Result<R>) -> Optio
 
 impl Recording {
     /// The current value of a storage's whole content (a new parameter the first time).
-    fn storage_value(&mut self, st: &Arc<Storage>) -> Value {
+    fn storage_value(&mut self, st: &Arc<Storage>) -> Result<Value> {
         if let Some(k) = self.known.get(&st.addr()) {
-            return k.value;
+            return Ok(k.value);
+        }
+        if let Some(snaps) = &mut self.snapshots {
+            let whole = Tensor::from_storage(st.clone(), flat(st.len()))?;
+            snaps.push(whole.backend().to_host(&whole)?);
         }
         let v = self.program.add_param(ParamKind::State, Meta::new(&[st.len()], st.dtype()));
         self.sources.push(st.clone());
         self.known.insert(st.addr(), Known { storage: Arc::downgrade(st), value: v, written: false });
-        v
+        Ok(v)
     }
 
     /// The value of `t` as it reads its storage: the storage's value, or a view of it.
     fn read(&mut self, t: &Tensor) -> Result<Value> {
-        let base = self.storage_value(t.storage());
+        let base = self.storage_value(t.storage())?;
         let l = t.layout();
         let whole = l.is_contiguous() && l.offset() == 0 && l.numel() == t.storage().len();
         if whole && self.program.meta(base).shape[..] == l.shape()[..] {
@@ -135,7 +148,7 @@ pub(crate) fn op(op: &Op, inputs: &[&Tensor], outs: &[Tensor], device: Device) -
 pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
     with(dst.device(), |r| {
         let s = r.read(src)?;
-        let base = r.storage_value(dst.storage());
+        let base = r.storage_value(dst.storage())?;
         let l = dst.layout();
         let op = Op::Assign { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() };
         let v = r.program.push(op, &[base, s])?[0];

@@ -7,7 +7,7 @@ use super::record::{self, flat, Recording};
 use super::HostValues;
 use crate::ir::{Executable, ParamKind, Program, ResultKind};
 use crate::trace::WatchRead;
-use crate::{Device, Error, Layout, Op, Result, Storage, StorageData, Tensor};
+use crate::{Device, Error, HostBuffer, Layout, Op, Result, Storage, StorageData, Tensor};
 use std::sync::{Arc, Weak};
 
 /// The recorder's tracer for `device` ([`Backend::tracer`](crate::Backend::tracer)'s default).
@@ -58,29 +58,76 @@ impl Tracer for RecordingTracer {
         inputs: &[Tensor],
         policy: HostValues,
     ) -> Result<(Box<dyn Traced>, Vec<Tensor>)> {
-        struct Clear;
-        impl Drop for Clear {
-            fn drop(&mut self) {
-                record::end();
-                crate::trace::end_watching();
-            }
-        }
-        record::begin(self.device, super::HostLog::new(policy));
-        crate::trace::begin_watching();
-        let clear = Clear;
-        let result = f(inputs);
-        let watches = crate::trace::end_watching();
-        let rec = record::end().ok_or_else(|| Error::invalid("compile", "the recording was taken while tracing"))?;
-        drop(clear);
-        let returned = result?;
-        let trace = build(rec, inputs, &returned, watches)?;
+        let (trace, returned, _) = record_call(self.device, f, inputs, policy, false)?;
         Ok((Box::new(trace), returned))
     }
 }
 
+/// Runs `f` on `inputs` while recording on `device`; the trace, the call's
+/// results and (with `snapshot`) each parameter's value when first read.
+fn record_call(
+    device: Device,
+    f: &mut TracedFn<'_>,
+    inputs: &[Tensor],
+    policy: HostValues,
+    snapshot: bool,
+) -> Result<(RecordedTrace, Vec<Tensor>, Vec<HostBuffer>)> {
+    struct Clear;
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            record::end();
+            crate::trace::end_watching();
+        }
+    }
+    record::begin(device, super::HostLog::new(policy), snapshot);
+    crate::trace::begin_watching();
+    let clear = Clear;
+    let result = f(inputs);
+    let watches = crate::trace::end_watching();
+    let mut rec = record::end().ok_or_else(|| Error::invalid("compile", "the recording was taken while tracing"))?;
+    drop(clear);
+    let returned = result?;
+    let snapshots = rec.snapshots.take().unwrap_or_default();
+    let trace = build(rec, inputs, &returned, watches)?;
+    Ok((trace, returned, snapshots))
+}
+
+/// A function traced into a [`Program`] for export (`kiln::export` from a
+/// device whose tracer records programs, such as the CPU).
+pub struct ProgramTrace {
+    pub program: Program,
+    /// Each parameter's value when the function first read it.
+    pub values: Vec<HostBuffer>,
+    /// Returned tensor `i`: a result of the program viewed through a layout,
+    /// or `None` for a tensor the function returned unchanged (an input or state).
+    pub returns: Vec<Option<(usize, Layout)>>,
+    /// The undeclared host values of the function's own code that entered the program.
+    pub host_values: Vec<String>,
+}
+
+/// Traces `f` on `inputs` (the call runs, with its effects) into a program,
+/// keeping what each parameter held when first read.
+pub fn trace_program(
+    f: &mut TracedFn<'_>,
+    device: Device,
+    policy: HostValues,
+    inputs: &[Tensor],
+) -> Result<(ProgramTrace, Vec<Tensor>)> {
+    let (t, outs, values) = record_call(device, f, inputs, policy, true)?;
+    let returns = t
+        .returns
+        .iter()
+        .map(|r| match r {
+            Return::Output(i, l) => Some((*i, l.clone())),
+            Return::Same(_) => None,
+        })
+        .collect();
+    Ok((ProgramTrace { program: t.program, values, returns, host_values: t.host }, outs))
+}
+
 /// Classifies what a recording read and wrote (Note \[Recording\]) and readies its program.
 fn build(rec: Recording, inputs: &[Tensor], returned: &[Tensor], watches: Vec<WatchRead>) -> Result<RecordedTrace> {
-    let Recording { device, mut program, sources, known, mut host } = rec;
+    let Recording { device, mut program, sources, known, mut host, .. } = rec;
     let mut bindings = Vec::with_capacity(sources.len());
     let mut constants = vec![];
     for (k, st) in sources.iter().enumerate() {
