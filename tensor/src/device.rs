@@ -1,7 +1,8 @@
 //! `Device` and the backend registry: devices are runtime values resolved to a
 //! registered `Backend`, so out-of-tree backends plug in (PyTorch's PrivateUse1 idea).
 use crate::ir::{Executable, Interpreter, Program};
-use crate::{DType, DeviceMesh, Error, HostBuffer, Layout, Op, Placement, Result, Shape, Storage, Tensor};
+pub use crate::op::Meta;
+use crate::{DeviceMesh, Error, HostBuffer, Layout, Op, Placement, Result, Storage, Tensor};
 use std::fmt;
 use std::sync::{Arc, RwLock};
 
@@ -93,20 +94,6 @@ impl fmt::Display for Device {
             Device::PrivateUse1(i) => write!(f, "privateuse1:{i}"),
             Device::Mesh(i) => write!(f, "mesh:{i}"),
         }
-    }
-}
-
-/// Shape and dtype of an op's output, as computed by [`Op::infer`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Meta {
-    pub shape: Shape,
-    pub dtype: DType,
-}
-
-impl Meta {
-    /// The meta of a tensor of `shape` and `dtype`.
-    pub fn new(shape: &[usize], dtype: DType) -> Meta {
-        Meta { shape: shape.into(), dtype }
     }
 }
 

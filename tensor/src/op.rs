@@ -2,10 +2,28 @@
 //! with shape/dtype inference in one place (`Op::infer`). Composites (softmax,
 //! gelu, var, ...) are written in terms of these in the tensor API.
 use crate::error::fmt_shape;
-use crate::{DType, Error, Layout, Meta, Result, Scalar, Shape};
+use crate::{DType, Error, Layout, Result, Scalar, Shape};
 use smallvec::{smallvec, SmallVec};
 
+pub mod collective;
+pub(crate) mod grouped;
 mod infer;
+pub(crate) mod paged;
+pub mod quant;
+
+/// Shape and dtype of an op's output, as computed by [`Op::infer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Meta {
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+impl Meta {
+    /// The meta of a tensor of `shape` and `dtype`.
+    pub fn new(shape: &[usize], dtype: DType) -> Meta {
+        Meta { shape: shape.into(), dtype }
+    }
+}
 
 /// Elementwise ops of one input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -479,11 +497,11 @@ pub enum Op {
     },
     /// A collective between the devices of a mesh axis, inside a local region
     /// (see Note [Local regions] in `collective.rs`).
-    Collective(crate::collective::CollectiveOp),
+    Collective(collective::CollectiveOp),
     /// The float32 weight `[out, in]` of a block-quantized one: inputs
     /// `codes`, `scales` (Note [Quantized weights] in `quant.rs`), each
     /// element `code * scale` exactly as the note orders it.
-    Dequantize(crate::quant::QuantSpec),
+    Dequantize(quant::QuantSpec),
     /// `x @ W.T` for a block-quantized `W [out, in]` (weight-only
     /// quantization): inputs `x [..., in]` (float32, bfloat16 or float16),
     /// `codes`, `scales`; output `[..., out]` in `x`'s dtype, accumulated in
@@ -491,7 +509,7 @@ pub enum Op {
     /// materialised: the CPU kernel dequantizes a few rows at a time inside
     /// the product, the lowering dequantizes inside the program, where XLA
     /// fuses it into the dot.
-    QuantMatMul(crate::quant::QuantSpec),
+    QuantMatMul(quant::QuantSpec),
     /// Attention of packed queries over a paged KV cache (Note [Paged
     /// attention] in `paged.rs`): inputs `q [N, H, D]`, `k_cache [blocks,
     /// block_size, Hk, D]`, `v_cache [blocks, block_size, Hk, Dv]` (one

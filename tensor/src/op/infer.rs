@@ -435,9 +435,9 @@ impl Op {
                 let dt = if x.dtype.is_float() { x.dtype } else { DType::I64 };
                 smallvec![meta(&x.shape, dt)]
             }
-            Op::PagedAttention { .. } => crate::paged::paged_attention_meta(inputs)?,
+            Op::PagedAttention { .. } => super::paged::paged_attention_meta(inputs)?,
             Op::Custom(c) => c.infer(inputs)?.into_iter().collect(),
-            Op::GroupedMatMul => crate::grouped::grouped_mm_meta(inputs)?,
+            Op::GroupedMatMul => super::grouped::grouped_mm_meta(inputs)?,
             Op::Dequantize(spec) => {
                 let [out, inp] =
                     spec.check(name, (inputs[0].dtype, &inputs[0].shape), (inputs[1].dtype, &inputs[1].shape))?;

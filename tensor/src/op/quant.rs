@@ -1,0 +1,188 @@
+//! Block-quantized weights: the formats of quantized checkpoints (FP8 with
+//! block, channel or tensor scales; MXFP4; NVFP4), described by [`QuantSpec`]
+//! (the payload of `Op::Dequantize` and `Op::QuantMatMul`), and their exact
+//! dequantization. The CPU kernel, the StableHLO lowering and the checkpoint
+//! loader all use these definitions.
+//!
+// Note [Quantized weights]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A quantized weight `W [out, in]` (`y = x @ W.T`, as `Linear` stores it) is
+// two tensors:
+//
+// * `codes`: the elements. FP8 (`Codes::E4M3`): a float8_e4m3fn tensor
+//   `[out, in]`. FP4 (`Codes::E2M1`): a uint8 tensor `[out, in / 2]`, two
+//   E2M1 codes per byte, element `2j` in the low nibble and `2j + 1` in the
+//   high one (compressed-tensors' and ModelOpt's order). An E2M1 code is a
+//   sign bit (bit 3) and an index into `[0, 0.5, 1, 1.5, 2, 3, 4, 6]`.
+// * `scales [ceil(out / block[0]), ceil(in / block[1])]`, one per block of
+//   `block[0]` rows by `block[1]` columns (the last blocks may be partial):
+//   float32, float8_e4m3fn (NVFP4's group scales) or uint8 holding E8M0
+//   exponents, `2^(b - 127)` (MXFP4; 255 is NaN).
+//
+// plus an optional per-tensor float32 `global` that combines with every block
+// scale before it multiplies: `Global::Mul` (ModelOpt's `weight_scale_2`) or
+// `Global::Div` (compressed-tensors' `weight_global_scale`). So
+//
+//     W[i, j] = code(i, j) * (scale(i / b0, j / b1) ⊙ global)
+//
+// evaluated in float32 in exactly this order, which is the order the
+// reference implementations use: FP8 and MXFP4 products are exact, NVFP4's
+// round once in the scale and once in the product, and any other order could
+// differ by an ulp. Tensor-wise FP8 is `block = [out, in]`, channel-wise
+// `[1, in]`, DeepSeek-style `[128, 128]`, NVFP4 `[1, 16]`, MXFP4 `[1, 32]`.
+//
+// Resident size per weight: 8 bits (+ one scale per block) for FP8, 4 + 8/16
+// = 4.5 bits for NVFP4, 4 + 8/32 = 4.25 for MXFP4.
+use crate::{f8e4m3fn, DType, Error, Result};
+
+/// How the element codes are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Codes {
+    /// float8_e4m3fn, one per byte, `[out, in]`.
+    E4M3,
+    /// FP4 E2M1, two per byte (low nibble first), `[out, in / 2]`.
+    E2M1,
+}
+
+/// How the per-tensor global scale combines with each block scale.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Global {
+    /// `scale * g` (ModelOpt's `weight_scale_2`).
+    Mul(f32),
+    /// `scale / g` (compressed-tensors' `weight_global_scale`).
+    Div(f32),
+}
+
+impl Global {
+    /// A block scale combined with the (optional) global one: `s * g` or `s / g`.
+    #[inline(always)]
+    pub fn apply(global: Option<Global>, s: f32) -> f32 {
+        match global {
+            None => s,
+            Some(Global::Mul(g)) => s * g,
+            Some(Global::Div(g)) => s / g,
+        }
+    }
+}
+
+/// The layout of a quantized weight (Note [Quantized weights]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantSpec {
+    pub codes: Codes,
+    /// Rows and columns of `W` that one scale covers.
+    pub block: [usize; 2],
+    pub global: Option<Global>,
+}
+
+/// The values of the 8 non-negative E2M1 codes (bit 3 of a code is the sign;
+/// code 8 is -0.0).
+pub const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+/// An E8M0 exponent's value, `2^(b - 127)` (255 is NaN).
+#[inline(always)]
+pub fn e8m0(b: u8) -> f32 {
+    match b {
+        255 => f32::NAN,
+        // 2^-127 is an f32 subnormal: 0x0040_0000.
+        0 => f32::from_bits(0x0040_0000),
+        _ => f32::from_bits((b as u32) << 23),
+    }
+}
+
+impl QuantSpec {
+    /// `[out, in]` → the shape of the scales tensor.
+    pub fn scales_shape(&self, out: usize, inp: usize) -> [usize; 2] {
+        [out.div_ceil(self.block[0]), inp.div_ceil(self.block[1])]
+    }
+
+    /// The logical `[out, in]` of codes of shape `codes`.
+    pub fn weight_shape(&self, codes: &[usize]) -> [usize; 2] {
+        match self.codes {
+            Codes::E4M3 => [codes[0], codes[1]],
+            Codes::E2M1 => [codes[0], codes[1] * 2],
+        }
+    }
+
+    /// The dtype of the codes tensor.
+    pub fn codes_dtype(&self) -> DType {
+        match self.codes {
+            Codes::E4M3 => DType::F8E4M3FN,
+            Codes::E2M1 => DType::U8,
+        }
+    }
+
+    /// Checks codes and scales of a weight `[out, in]` against this layout:
+    /// dtypes, shapes, block sizes (`op` names the caller in errors).
+    pub fn check(&self, op: &'static str, codes: (DType, &[usize]), scales: (DType, &[usize])) -> Result<[usize; 2]> {
+        if self.block[0] == 0 || self.block[1] == 0 {
+            return Err(Error::invalid(op, format!("block sizes must be positive, got {:?}", self.block)));
+        }
+        if codes.0 != self.codes_dtype() || codes.1.len() != 2 {
+            return Err(Error::dtype(
+                op,
+                format!(
+                    "{:?} codes must be a 2-D {} tensor, got {} {:?}",
+                    self.codes,
+                    self.codes_dtype(),
+                    codes.0,
+                    codes.1
+                ),
+            ));
+        }
+        let [out, inp] = self.weight_shape(codes.1);
+        if self.codes == Codes::E2M1 && self.block[1] % 2 != 0 {
+            return Err(Error::invalid(op, format!("FP4 groups must hold whole bytes, got {:?}", self.block)));
+        }
+        if !matches!(scales.0, DType::F32 | DType::F8E4M3FN | DType::U8) {
+            return Err(Error::dtype(
+                op,
+                format!("scales must be float32, float8_e4m3fn or uint8 (E8M0), got {}", scales.0),
+            ));
+        }
+        let want = self.scales_shape(out, inp);
+        if scales.1 != want {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "a weight [{out}, {inp}] in blocks of {:?} needs scales of shape {want:?}, got {:?}",
+                    self.block, scales.1
+                ),
+            ));
+        }
+        Ok([out, inp])
+    }
+}
+
+/// The stored block scales: float32 values, or the bytes of float8_e4m3fn or
+/// E8M0 ones.
+#[derive(Debug, Clone, Copy)]
+pub enum ScaleData<'a> {
+    F32(&'a [f32]),
+    E4M3(&'a [u8]),
+    E8M0(&'a [u8]),
+}
+
+/// Block scales decoded to float32 and combined with the global scale, in the
+/// order of Note [Quantized weights].
+pub fn effective_scales(spec: &QuantSpec, scales: ScaleData<'_>) -> Vec<f32> {
+    let raw: Vec<f32> = match scales {
+        ScaleData::F32(v) => v.to_vec(),
+        ScaleData::E4M3(b) => b.iter().map(|&c| f8e4m3fn::from_bits(c).to_f32()).collect(),
+        ScaleData::E8M0(b) => b.iter().map(|&c| e8m0(c)).collect(),
+    };
+    raw.into_iter().map(|s| Global::apply(spec.global, s)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e8m0_decodes() {
+        assert_eq!(e8m0(127), 1.0);
+        assert_eq!(e8m0(120), 2f32.powi(-7));
+        assert_eq!(e8m0(0), 2f32.powi(-127));
+        assert_eq!(e8m0(254), 2f32.powi(127));
+        assert!(e8m0(255).is_nan());
+    }
+}
