@@ -10,7 +10,8 @@
 //! most `tiles + groups` times and does about `M K N + G TILE K N` multiply-
 //! adds: the product of the rows, not a dense product per group (Megablocks'
 //! way of running a grouped product as tiles).
-use super::ops::{all, Check};
+use super::index::all;
+use super::ops::Check;
 use super::{arr, Builder, Lit, Ty, Val};
 use kiln_tensor::grouped::grouped_dim;
 use kiln_tensor::{DType, Meta, Op, Result};

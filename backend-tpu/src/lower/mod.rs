@@ -6,12 +6,16 @@
 //! needs a device, so every lowering has golden-text tests.
 mod collective;
 mod custom;
+mod elementwise;
+mod fused;
 mod grouped;
+mod index;
 mod ops;
 mod paged;
 mod program;
 mod quant;
 mod random;
+mod reduce;
 pub mod shard;
 mod view;
 
@@ -614,8 +618,8 @@ impl Builder {
         let body = body.to_string();
         let region = self.region(&[st.clone(), st], |b, a| {
             vec![match body.as_str() {
-                "nan_maximum" => ops::nan_max(b, &a[0], &a[1], true),
-                "nan_minimum" => ops::nan_max(b, &a[0], &a[1], false),
+                "nan_maximum" => elementwise::nan_max(b, &a[0], &a[1], true),
+                "nan_minimum" => elementwise::nan_max(b, &a[0], &a[1], false),
                 _ => b.binary(&body, &a[0], &a[1]),
             }]
         });

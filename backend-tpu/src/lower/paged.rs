@@ -7,7 +7,8 @@
 //! (`max_blocks * block_size`), and attends to the first `visible` of them
 //! (its position + 1) with the rest masked. The metadata checks compute one
 //! bool that the backend turns into the CPU backend's error.
-use super::ops::{all, Check};
+use super::index::all;
+use super::ops::Check;
 use super::{arr, list, Builder, Lit, Ty, Val};
 use kiln_tensor::{DType, Meta};
 
