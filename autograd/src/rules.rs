@@ -6,6 +6,11 @@ use kiln_tensor::{
 };
 use smallvec::SmallVec;
 
+mod elementwise;
+mod indexing;
+mod movement;
+mod reduce;
+
 /// What a rule sees: the node's primitive and input edges.
 pub(crate) struct Ctx<'a> {
     pub op: &'a Op,
@@ -118,159 +123,8 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
     };
     match ctx.op {
         Op::Full { .. } | Op::Arange { .. } | Op::RandomBits { .. } => {}
-        Op::Unary(u) => {
-            if !ctx.needs(0) {
-                return Ok(out);
-            }
-            let x = || ctx.saved(0);
-            use UnaryOp::*;
-            out[0] = match u {
-                Neg => Some(g.neg()?),
-                Abs => Some(g.mul(&x()?.sign()?)?),
-                Sign | Floor | Ceil | Round | Trunc => Some(g.zeros_like()?),
-                Exp => Some(g.mul(&x()?.exp()?)?),
-                Log => Some(g.div(x()?)?),
-                Log1p => Some(g.div(&x()?.add(1.0)?)?),
-                Expm1 => Some(g.mul(&x()?.exp()?)?),
-                Sqrt => Some(g.div(&x()?.sqrt()?.mul(2.0)?)?),
-                Rsqrt => {
-                    let r = x()?.rsqrt()?;
-                    Some(g.mul(&r.mul(&r)?.mul(&r)?)?.mul(-0.5)?)
-                }
-                Recip => {
-                    let r = x()?.reciprocal()?;
-                    Some(g.mul(&r.mul(&r)?)?.neg()?)
-                }
-                Tanh => {
-                    let t = x()?.tanh()?;
-                    Some(g.mul(&t.mul(&t)?.neg()?.add(1.0)?)?)
-                }
-                Sigmoid => {
-                    let s = x()?.sigmoid()?;
-                    Some(g.mul(&s.mul(&s.neg()?.add(1.0)?)?)?)
-                }
-                Silu => Some(g.mul(&prim(Op::Unary(SiluGrad), &[x()?])?)?),
-                SiluGrad => Some(g.mul(&silu_second_derivative(x()?)?)?),
-                Sin => Some(g.mul(&x()?.cos()?)?),
-                Cos => Some(g.mul(&x()?.sin()?.neg()?)?),
-                Erf => {
-                    let x = x()?;
-                    let e = x.mul(x)?.neg()?.exp()?.mul(std::f64::consts::FRAC_2_SQRT_PI)?;
-                    Some(g.mul(&e)?)
-                }
-                Not | IsNan | IsInf => None,
-            };
-        }
-        Op::Binary(b) => {
-            use BinaryOp::*;
-            let (na, nb) = (ctx.needs(0), ctx.needs(1));
-            match b {
-                Add => {
-                    out[0] = na.then(|| g.clone());
-                    out[1] = nb.then(|| g.clone());
-                }
-                Sub => {
-                    out[0] = na.then(|| g.clone());
-                    out[1] = if nb { Some(g.neg()?) } else { None };
-                }
-                Mul => {
-                    if na {
-                        out[0] = Some(g.mul(ctx.saved(1)?)?);
-                    }
-                    if nb {
-                        out[1] = Some(g.mul(ctx.saved(0)?)?);
-                    }
-                }
-                Div => {
-                    let y = ctx.saved(1)?;
-                    if na {
-                        out[0] = Some(g.div(y)?);
-                    }
-                    if nb {
-                        let x = ctx.saved(0)?;
-                        out[1] = Some(g.mul(x)?.div(&y.mul(y)?)?.neg()?);
-                    }
-                }
-                FloorDiv => {
-                    out[0] = if na { Some(g.zeros_like()?) } else { None };
-                    out[1] = if nb { Some(g.zeros_like()?) } else { None };
-                }
-                Remainder | Fmod => {
-                    out[0] = na.then(|| g.clone());
-                    if nb {
-                        let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
-                        let q = if *b == Remainder { x.floor_divide(y)? } else { x.div(y)?.trunc()? };
-                        out[1] = Some(g.mul(&q)?.neg()?);
-                    }
-                }
-                Pow => {
-                    let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
-                    if na {
-                        out[0] = Some(g.mul(&y.mul(&x.pow(&y.sub(1.0)?)?)?)?);
-                    }
-                    if nb {
-                        // d/dy x^y = x^y ln x, defined as 0 where x == 0 and y >= 0 (PyTorch's convention).
-                        let d = x.pow(y)?.mul(&x.log()?)?;
-                        let zero_mask = x.eq(0.0)?.logical_and(&y.ge(0.0)?)?;
-                        out[1] = Some(g.mul(&d.masked_fill(&zero_mask, 0.0)?)?);
-                    }
-                }
-                Maximum | Minimum => {
-                    // Ties split the gradient evenly, like PyTorch.
-                    let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
-                    let half = Tensor::where_cond(&x.eq(y)?, &g.mul(0.5)?, &g)?;
-                    let (lose_a, lose_b) = if *b == Maximum { (x.lt(y)?, x.gt(y)?) } else { (x.gt(y)?, x.lt(y)?) };
-                    if na {
-                        out[0] = Some(half.masked_fill(&lose_a, 0.0)?);
-                    }
-                    if nb {
-                        out[1] = Some(half.masked_fill(&lose_b, 0.0)?);
-                    }
-                }
-                Fmax | Fmin => {
-                    let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
-                    let pick_a = if *b == Fmax { x.ge(y)? } else { x.le(y)? }.logical_or(&y.isnan()?)?;
-                    if na {
-                        out[0] = Some(g.masked_fill(&pick_a.logical_not()?, 0.0)?);
-                    }
-                    if nb {
-                        out[1] = Some(g.masked_fill(&pick_a, 0.0)?);
-                    }
-                }
-                Atan2 => {
-                    let (x, y) = (ctx.saved(0)?, ctx.saved(1)?);
-                    let den = x.mul(x)?.add(&y.mul(y)?)?;
-                    if na {
-                        out[0] = Some(g.mul(&y.div(&den)?)?);
-                    }
-                    if nb {
-                        out[1] = Some(g.mul(&x.div(&den)?)?.neg()?);
-                    }
-                }
-                SiluMul => {
-                    // silu(a) * b: da = silu'(a) * (g * b), db = silu(a) * g.
-                    let (a, b) = (ctx.saved(0)?, ctx.saved(1)?);
-                    if na {
-                        out[0] = Some(prim(Op::Binary(SiluGradMul), &[a, &g.mul(b)?])?);
-                    }
-                    if nb {
-                        out[1] = Some(prim(Op::Binary(SiluMul), &[a, &g])?);
-                    }
-                }
-                SiluGradMul => {
-                    // silu'(a) * b: da = silu''(a) * b * g, db = silu'(a) * g.
-                    let (a, b) = (ctx.saved(0)?, ctx.saved(1)?);
-                    if na {
-                        out[0] = Some(g.mul(b)?.mul(&silu_second_derivative(a)?)?);
-                    }
-                    if nb {
-                        out[1] = Some(prim(Op::Binary(SiluGradMul), &[a, &g])?);
-                    }
-                }
-                // Integer and bool ops: nothing to differentiate.
-                And | Or | Xor | BitwiseAnd | BitwiseOr | BitwiseXor | LeftShift | RightShift => {}
-            }
-        }
+        Op::Unary(u) => elementwise::unary(ctx, &g, &mut out, u)?,
+        Op::Binary(b) => elementwise::binary(ctx, &g, &mut out, b)?,
         Op::Compare(_) => {}
         Op::Where => {
             let c = ctx.saved(0)?;
@@ -287,46 +141,7 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
             }
         }
         Op::Copy => out[0] = ctx.needs(0).then(|| g.clone()),
-        Op::Reduce { op, dims, keepdim } => {
-            if !ctx.needs(0) {
-                return Ok(out);
-            }
-            let shape = ctx.shape(0).to_vec();
-            let all_dims: Vec<usize> = if dims.is_empty() { vec![] } else { dims.to_vec() };
-            let gi = unreduce(&g, &all_dims, *keepdim, &shape)?;
-            out[0] = match op {
-                ReduceOp::Sum => Some(gi),
-                ReduceOp::Mean => {
-                    let count: usize = all_dims.iter().map(|&d| shape[d]).product();
-                    Some(gi.div(count as f64)?)
-                }
-                ReduceOp::Prod => {
-                    // Exact with zeros: d prod / d x_i is the product of the other elements.
-                    let x = ctx.saved(0)?;
-                    let keep = |t: &Tensor| t.broadcast_to(&shape);
-                    let is_zero = x.eq(0.0)?;
-                    let reduce = Op::Reduce { op: ReduceOp::Prod, dims: dims.clone(), keepdim: true };
-                    let p_nz = keep(&prim(reduce, &[&Tensor::where_cond(&is_zero, 1.0, x)?])?)?;
-                    let zc = keep(&sum_dims(&is_zero.to_dtype(DType::I64)?, &all_dims, true)?)?;
-                    let one_zero = Tensor::where_cond(&is_zero, &p_nz, 0.0)?;
-                    let d = Tensor::where_cond(
-                        &zc.eq(0)?,
-                        &p_nz.div(x)?,
-                        &Tensor::where_cond(&zc.eq(1)?, &one_zero, 0.0)?,
-                    )?;
-                    Some(gi.mul(&d)?)
-                }
-                ReduceOp::Max | ReduceOp::Min => {
-                    // Ties share the gradient evenly (amax/amin semantics).
-                    let x = ctx.saved(0)?;
-                    let m = prim(Op::Reduce { op: *op, dims: dims.clone(), keepdim: true }, &[x])?;
-                    let mask = x.eq(&m.broadcast_to(&shape)?)?.to_dtype(g.dtype())?;
-                    let cnt = sum_dims(&mask, &all_dims, true)?;
-                    Some(gi.mul(&mask)?.div(&cnt.broadcast_to(&shape)?)?)
-                }
-                ReduceOp::Any | ReduceOp::All => None,
-            };
-        }
+        Op::Reduce { op, dims, keepdim } => reduce::reduce(ctx, &g, &mut out, op, dims, keepdim)?,
         Op::ArgReduce { op: ArgReduceOp::ArgMax | ArgReduceOp::ArgMin, .. } => {}
         Op::Softmax { dim, log } => {
             if ctx.needs(0) {
@@ -449,53 +264,7 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                 }
             }
         }
-        Op::View(v) => {
-            if !ctx.needs(0) {
-                return Ok(out);
-            }
-            let in_shape = ctx.shape(0).to_vec();
-            out[0] = Some(match v {
-                ViewOp::Reshape(_) | ViewOp::Squeeze(_) => g.reshape_to(&in_shape)?,
-                ViewOp::Unsqueeze(d) => g.squeeze_dim(*d as isize)?,
-                ViewOp::Permute(p) => {
-                    let mut inv = vec![0isize; p.len()];
-                    for (i, &d) in p.iter().enumerate() {
-                        inv[d] = i as isize;
-                    }
-                    g.permute(&inv)?
-                }
-                ViewOp::Expand(shape) => {
-                    let lead = shape.len() - in_shape.len();
-                    let mut dims: Vec<usize> = (0..lead).collect();
-                    for (i, &d) in in_shape.iter().enumerate() {
-                        if d == 1 && shape[lead + i] != 1 {
-                            dims.push(lead + i);
-                        }
-                    }
-                    sum_dims(&g, &dims, true)?.reshape_to(&in_shape)?
-                }
-                ViewOp::Slice { .. } | ViewOp::Select { .. } | ViewOp::Diagonal { .. } => {
-                    // These views never overlap themselves: the gradient is `g` written into
-                    // zeros at the view's positions (PyTorch's slice_scatter), one pass.
-                    let l = v.apply(&Layout::contiguous(&in_shape))?;
-                    let z = zeros(&in_shape, g.dtype(), &g)?;
-                    let op = Op::Assign { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() };
-                    prim(op, &[&z, &g])?
-                }
-                ViewOp::AsStrided { shape, strides, offset } => {
-                    // Both layouts index the input's storage.
-                    let inp = ctx.edges[0].value.layout().clone();
-                    let view = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
-                    // Both were bounds-checked against the storage when the view was made.
-                    let span = |l: &Layout| {
-                        l.storage_extent()
-                            .ok_or_else(|| kiln_tensor::Error::index("as_strided", "a view's extent overflows"))
-                    };
-                    let extent = span(&view)?.max(span(&inp)?);
-                    strided_backward(&g, &view, &inp, extent)?
-                }
-            });
-        }
+        Op::View(v) => movement::view(ctx, &g, &mut out, v)?,
         Op::Cat { dim } => {
             let mut start = 0;
             for (i, out_i) in out.iter_mut().enumerate() {
@@ -513,32 +282,7 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                 out[0] = Some(prim(Op::Scatter { dim: *dim, reduce: ScatterReduce::Add }, &[&z, idx, &g])?);
             }
         }
-        Op::Scatter { dim, reduce } => {
-            let idx = ctx.saved(1)?;
-            if ctx.needs(0) {
-                out[0] = Some(match reduce {
-                    ScatterReduce::Add => g.clone(),
-                    ScatterReduce::Replace => {
-                        let z = zeros(ctx.shape(2), g.dtype(), &g)?;
-                        prim(Op::Scatter { dim: *dim, reduce: ScatterReduce::Replace }, &[&g, idx, &z])?
-                    }
-                });
-            }
-            if ctx.needs(2) {
-                let gs = prim(Op::Gather { dim: *dim }, &[&g, idx])?;
-                // gather returns the index's shape; src may be larger (only the indexed part is used).
-                let src_shape = ctx.shape(2).to_vec();
-                out[2] = Some(if gs.shape() == src_shape.as_slice() {
-                    gs
-                } else {
-                    let z = zeros(&src_shape, g.dtype(), &g)?;
-                    let l = Layout::contiguous(&src_shape);
-                    let view = Layout::new(gs.shape().into(), l.strides().into(), 0);
-                    let src_grad = strided_backward(&gs, &view, &l, src_shape.iter().product())?;
-                    z.add(&src_grad)?
-                });
-            }
-        }
+        Op::Scatter { dim, reduce } => indexing::scatter(ctx, &g, &mut out, dim, reduce)?,
         Op::IndexSelect { dim } => {
             if ctx.needs(0) {
                 let idx = ctx.saved(1)?;
