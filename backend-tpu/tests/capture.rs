@@ -113,3 +113,37 @@ fn a_host_value_that_changes_keeps_the_function_traced() {
         assert_eq!(w.to_vec::<f32>().unwrap(), vec![0.9375, 0.9375]);
     }
 }
+
+/// A compiled function called inside another one's trace runs inline: its
+/// ops are part of the outer program, whose replays then compute them too.
+#[test]
+fn a_compiled_function_inside_a_traced_one_runs_inline() {
+    setup();
+    for dev in DEVICES {
+        let w = vec_on(vec![1.0, 2.0, 3.0], dev);
+        let mut inner = kiln_tensor::capture::compile(dev, |xs: &[Tensor]| Ok(vec![xs[0].mul(&xs[0])?]));
+        // Traced and replayed on its own first: a replay inside the outer trace would escape it.
+        let x = vec_on(vec![1.0, 1.0, 1.0], dev);
+        for _ in 0..3 {
+            inner.call(std::slice::from_ref(&x)).unwrap();
+        }
+        assert_eq!(inner.stats().replays, 1);
+        let mut outer = kiln_tensor::capture::compile(dev, |xs: &[Tensor]| {
+            let sq = inner.call(&[xs[0].clone()])?;
+            w.add_(&sq[0])?;
+            Ok(vec![w.sum()?])
+        });
+        let mut want = [1.0f32, 2.0, 3.0];
+        for i in 0..5 {
+            let x = vec_on(vec![i as f32, 1.0, -2.0], dev);
+            let out = outer.call(std::slice::from_ref(&x)).unwrap();
+            for (k, v) in [i as f32, 1.0, -2.0].iter().enumerate() {
+                want[k] += v * v;
+            }
+            assert_eq!(w.to_vec::<f32>().unwrap(), want, "{dev} call {i}");
+            assert_eq!(out[0].item::<f32>().unwrap(), want.iter().sum::<f32>(), "{dev} call {i}");
+        }
+        let s = outer.stats();
+        assert_eq!((s.traces, s.replays), (2, 3), "{dev}: {s:?}");
+    }
+}

@@ -272,7 +272,8 @@ where
     }
 
     /// Runs the function: replays its program when a stable trace matches the
-    /// inputs, else traces it (see Note \[Capture\]).
+    /// inputs, else traces it (see Note \[Capture\]). Called inside another
+    /// traced function, it runs inline, as part of that trace.
     pub fn call(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         for (i, t) in inputs.iter().enumerate() {
             if t.device() != self.device {
@@ -282,9 +283,15 @@ where
                 ));
             }
         }
+        self.stats.calls += 1;
+        // Called while another function is traced: its ops belong to that
+        // trace, so the function runs inline (a replay here would be left
+        // out of the outer program, as JAX inlines a nested jit).
+        if crate::trace::is_tracing() {
+            return (self.f)(inputs);
+        }
         let tracer = self.tracer()?;
         let guard: Vec<Guard> = inputs.iter().map(|t| Guard::of(t, &*tracer)).collect();
-        self.stats.calls += 1;
         let pos = self.entries.iter().position(|e| e.guard == guard);
         let mut verifying = false;
         if let Some(p) = pos {
