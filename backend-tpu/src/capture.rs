@@ -1,6 +1,7 @@
-//! Capture (`kiln_tpu::compile`, torch.compile's role): a function on PJRT
-//! tensors, typically a whole training step, traced into one program that
-//! later calls replay (see Note \[Capture\]).
+//! Capture on PJRT devices (`kiln::compile`'s tracer there, torch.compile's
+//! role): a function on PJRT tensors, typically a whole training step,
+//! traced into one XLA program that later calls replay (see Note \[Capture\]
+//! in kiln-tensor's `capture/mod.rs`).
 use crate::backend::PjrtBackend;
 use crate::dist::Shards;
 use crate::graph::{self, data_in, escaped_value_error, out_meta, Arg, Graph, ParamSrc, PjrtBuffer};
@@ -14,45 +15,13 @@ use std::sync::{Arc, Weak};
 
 pub mod export;
 
-// Note [Capture]
-// ~~~~~~~~~~~~~~
-// `Compiled::call` traces the function the first time it sees a set of input
-// shapes, dtypes and layouts (its guard): every op on the capture device goes
-// into one graph, whatever the mode (DeferAndFuse's machinery, with the
-// thread's capture graph instead of the device's pending one). What the
-// program reads is classified by where it came from: an input of the call, a
-// storage that exists across calls (parameters, optimizer state: "state"), or
-// a creation op's value (a constant). What it writes is classified by the
-// storage that holds it at the end: a storage that outlives the call (a
-// parameter updated in place, a `.grad`, optimizer state) is state, updated on
-// every replay; a result only the returned tensors hold becomes a fresh
-// tensor per call. State read and written is donated, so XLA updates
-// parameters and optimizer state in place.
-//
-// A trace is replayed only once it is stable: two consecutive traces with the
-// same program text, the same wiring and the same constants. The first call of
-// a training step usually creates optimizer state (its program makes zeros);
-// the second reads that state; the third traces like the second and is
-// cached. Each trace and replay runs the same compiled program.
-//
-// A replay does not run the function, so what the program took from the host
-// is frozen into it. Note [Host values] (kiln-tensor's `trace.rs`) gives the
-// rule: every creation value and upload entering the program is a declared
-// constant (`kiln::constant`, and kiln's own layers, losses, optimizers and
-// autograd), a watched value, or a host value of the function's own code,
-// which the function's `HostValues` policy handles (by default: trace every
-// call, never replay). A replay first checks the watches its trace read (a
-// module's training mode and dropout probability, an optimizer's settings, a
-// `kiln::HostScalar`) and traces again, with the reason logged and counted,
-// when one holds another value. Random numbers are no host values: a
-// generator's state is a device tensor the program reads and writes (Note
-// [Generators]), so every replay draws fresh numbers. `verify(true)` traces
-// every call and fails when a stable trace would have been replayed with
-// another program, to check a function against the rule.
-//
-// Reading tensor data inside the traced function is an error (the value does
-// not exist yet); so is using a tensor the function computed after the call
-// without returning it or storing it in state that outlives the call.
+// The PJRT tracer (Note [Capture] in kiln-tensor's `capture/mod.rs` gives
+// the rules every tracer follows): every op on the capture device goes into
+// one graph, whatever the mode (DeferAndFuse's machinery, with the thread's
+// capture graph instead of the device's pending one), which `build`
+// classifies and compiles into one XLA program; state read and written is
+// donated, so XLA updates parameters and optimizer state in place. A trace
+// that fails puts back the buffers of the storages it wrote.
 
 #[derive(Debug, Clone, PartialEq)]
 enum SourceKind {
