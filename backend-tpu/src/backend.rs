@@ -634,20 +634,6 @@ impl Backend for PjrtBackend {
         self.drain().and(r)
     }
 
-    fn capture(&self, device: Device, f: kiln_tensor::CaptureFn) -> Option<Box<dyn kiln_tensor::Captured>> {
-        Some(Box::new(kiln_tensor::capture::compile(device, f)))
-    }
-    fn tracer(&self, device: Device) -> Result<Box<dyn kiln_tensor::capture::Tracer>> {
-        Ok(Box::new(crate::capture::PjrtTracer { device }))
-    }
-    fn compile(
-        &self,
-        program: &kiln_tensor::ir::Program,
-        device: Device,
-    ) -> Result<Arc<dyn kiln_tensor::ir::Executable>> {
-        Ok(Arc::new(crate::program::PjrtProgram::new(program, device)?))
-    }
-
     fn supports_meshes(&self) -> bool {
         true
     }

@@ -3,7 +3,7 @@
 //! traced into one XLA program that later calls replay (see Note \[Capture\]
 //! in kiln-tensor's `capture/mod.rs`).
 use crate::backend::PjrtBackend;
-use crate::dist::Shards;
+use crate::graph::mesh::Shards;
 use crate::graph::{self, data_in, escaped_value_error, out_meta, Arg, Graph, ParamSrc, PjrtBuffer};
 use crate::lower::Check;
 use crate::lower::Sharding;
@@ -120,7 +120,7 @@ impl Tracer for PjrtTracer {
 
     fn guard_extra(&self, t: &Tensor) -> Option<String> {
         let (s, shape) =
-            data_in(&t.storage().read(), t.device()).ok().and_then(|d| crate::dist::storage_sharding(&d))?;
+            data_in(&t.storage().read(), t.device()).ok().and_then(|d| crate::graph::mesh::storage_sharding(&d))?;
         Some(format!("{} of {shape:?}", s.attr()))
     }
 }

@@ -4,11 +4,13 @@
 //! turn it into a program). DeferAndFuse (the backend's pending graph per
 //! device, Note [Deferred buffers]) and capture (the thread's capture graph,
 //! `capture.rs`) both build on it; it knows neither the backend nor capture.
-use crate::dist::Shards;
+pub mod mesh;
+
 use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
 use crate::pjrt::Buffer;
 use kiln_tensor::capture::{describe_creation, HostLog, HostValues};
 use kiln_tensor::{DType, Device, DeviceMesh, Error, Meta, Op, Result, Storage, StorageData, Tensor};
+use mesh::Shards;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -151,7 +153,7 @@ impl Graph {
     }
 
     /// The flat value of a ready buffer, or of shards, in the graph (a
-    /// parameter, added once; see `dist.rs` for shards).
+    /// parameter, added once; see `graph/mesh.rs` for shards).
     pub fn param(&mut self, arg: &Arg, dtype: DType, src: ParamSrc) -> Result<Val> {
         let found = self.params.iter().position(|(a, _, _)| a.same(arg));
         let raw = match found {
@@ -159,7 +161,7 @@ impl Graph {
             None => {
                 let v = match arg {
                     Arg::One(b) => self.builder.add_arg(Ty::new(&[b.numel()], b.dtype())),
-                    Arg::Mesh(s) => crate::dist::shard_arg(&mut self.builder, s, dtype)?,
+                    Arg::Mesh(s) => mesh::shard_arg(&mut self.builder, s, dtype)?,
                 };
                 self.params.push((arg.clone(), v.clone(), src));
                 v
@@ -167,7 +169,7 @@ impl Graph {
         };
         Ok(match arg {
             Arg::One(_) => raw,
-            Arg::Mesh(s) => crate::dist::flat_value(&mut self.builder, &raw, s),
+            Arg::Mesh(s) => mesh::flat_value(&mut self.builder, &raw, s),
         })
     }
 
@@ -184,10 +186,10 @@ impl Graph {
                 let u = self.builder.reshard(&x, s);
                 let r = self.builder.reshard(&u, &s.reduced());
                 let flat = self.builder.reshape(&r, &[v.ty.numel()]);
-                (flat, Some((crate::dist::padded(&mut self.builder, &u, shape, s), s.clone())))
+                (flat, Some((mesh::padded(&mut self.builder, &u, shape, s), s.clone())))
             }
             Some((s, shape)) => {
-                let nd = crate::dist::padded(&mut self.builder, &v, shape, s);
+                let nd = mesh::padded(&mut self.builder, &v, shape, s);
                 (v, Some((nd, s.clone())))
             }
             None => (v, None),
@@ -270,9 +272,9 @@ impl Graph {
                 let data = data_of(t)?;
                 let flat = self.value_of(&data, t.storage())?;
                 let v = lower::read_view(&mut self.builder, &flat, t.layout())?;
-                vals.push(match crate::dist::storage_sharding(&data) {
+                vals.push(match mesh::storage_sharding(&data) {
                     Some((s, shape)) => {
-                        let (v, need) = crate::dist::constrain(&mut self.builder, op, i, v, &s, &shape, t);
+                        let (v, need) = mesh::constrain(&mut self.builder, op, i, v, &s, &shape, t);
                         in_shardings.push((t.shape().to_vec(), need));
                         v
                     }
@@ -289,7 +291,7 @@ impl Graph {
             let sharding = match device {
                 Device::Mesh(_) => {
                     let mesh = kiln_tensor::DeviceMesh::of_device(device)?;
-                    let s = crate::dist::result_sharding(&self.builder, op, &in_shardings, i, r, &m.shape, &mesh);
+                    let s = mesh::result_sharding(&self.builder, op, &in_shardings, i, r, &m.shape, &mesh);
                     Some((s, m.shape.to_vec()))
                 }
                 _ => None,
@@ -330,7 +332,7 @@ impl Graph {
         let mut w = dst.storage().write();
         let before = data_in(&w, device)?;
         let dst_flat = self.value_of(&before, dst.storage())?;
-        let sharding = crate::dist::storage_sharding(&before).map(|(s, shape)| (s.reduced(), shape));
+        let sharding = mesh::storage_sharding(&before).map(|(s, shape)| (s.reduced(), shape));
         let own = matches!(&before, PjrtBuffer::Deferred(s) if s.graph == self.id);
         let target = Arc::downgrade(dst.storage());
         if self.host.is_some() && !own && !self.saved.iter().any(|(s, _)| Weak::ptr_eq(s, &target)) {
@@ -339,7 +341,7 @@ impl Graph {
         let new = match device {
             Device::Mesh(_) => {
                 let mesh = kiln_tensor::DeviceMesh::of_device(device)?;
-                crate::dist::write_view(&mut self.builder, &dst_flat, dst.layout(), &s, &mesh)?
+                mesh::write_view(&mut self.builder, &dst_flat, dst.layout(), &s, &mesh)?
             }
             _ => lower::write_view(&mut self.builder, &dst_flat, dst.layout(), &s)?,
         };
@@ -558,7 +560,7 @@ pub enum PjrtBuffer {
     /// An output of a pending graph (DeferAndFuse).
     Deferred(Arc<Slot>),
     /// One shard per device of a mesh (a tensor on a mesh device, `dist.rs`).
-    Sharded(Arc<crate::dist::Shards>),
+    Sharded(Arc<mesh::Shards>),
 }
 
 impl PjrtBuffer {

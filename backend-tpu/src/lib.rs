@@ -196,22 +196,24 @@ impl kiln_tensor::Backend for Registered {
     fn synchronize(&self, device: kiln_tensor::Device) -> Result<()> {
         self.0.synchronize(device)
     }
+    // Capture and programs sit above the backend (`capture.rs`, `program.rs`
+    // use it), so the registered backend, not `PjrtBackend`, hands them out.
     fn capture(
         &self,
         device: kiln_tensor::Device,
         f: kiln_tensor::CaptureFn,
     ) -> Option<Box<dyn kiln_tensor::Captured>> {
-        self.0.capture(device, f)
+        Some(Box::new(kiln_tensor::capture::compile(device, f)))
     }
     fn tracer(&self, device: kiln_tensor::Device) -> Result<Box<dyn kiln_tensor::capture::Tracer>> {
-        self.0.tracer(device)
+        Ok(Box::new(capture::PjrtTracer { device }))
     }
     fn compile(
         &self,
         program: &kiln_tensor::ir::Program,
         device: kiln_tensor::Device,
     ) -> Result<Arc<dyn kiln_tensor::ir::Executable>> {
-        self.0.compile(program, device)
+        Ok(Arc::new(program::PjrtProgram::new(program, device)?))
     }
     fn supports_meshes(&self) -> bool {
         self.0.supports_meshes()

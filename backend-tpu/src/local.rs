@@ -5,7 +5,7 @@
 //! of its own, or, inside a function `kiln::compile` traces, part of the
 //! captured program.
 use crate::backend::PjrtBackend;
-use crate::dist::{shard_arg, Shards};
+use crate::graph::mesh::{shard_arg, Shards};
 use crate::graph::{self, Arg, Graph, ParamSrc, PjrtBuffer};
 use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
 use kiln_tensor::capture::HostValues;
