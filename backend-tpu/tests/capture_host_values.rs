@@ -184,3 +184,26 @@ fn verify_catches_a_constant_that_was_not_one() {
         assert_eq!(g.stats().replays, 1);
     }
 }
+
+/// A trace that fails after writing state puts the state back, on either
+/// tracer: the failed call leaves no half-done step behind.
+#[test]
+fn a_failed_trace_puts_back_the_state_it_wrote() {
+    setup();
+    for dev in DEVICES {
+        let w = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap().to_device(dev).unwrap();
+        let g = Generator::new(dev).unwrap().manual_seed(3).unwrap();
+        let before = g.get_state().unwrap().to_vec::<i64>().unwrap();
+        let mut f = kiln_tensor::capture::compile(dev, |xs: &[Tensor]| {
+            w.add_(&xs[0])?; // written, then the trace fails
+            w.mul_(&constant(|| xs[0].dropout_with(0.5, true, &g))?)?;
+            let total = w.sum()?.item::<f32>()?; // reading data while tracing: an error
+            Ok(vec![w.mul(total as f64)?])
+        });
+        let x = Tensor::ones(&[2], (DType::F32, dev)).unwrap();
+        let e = f.call(std::slice::from_ref(&x)).unwrap_err().to_string();
+        assert!(e.contains("inside a function traced by kiln::compile"), "{dev}: {e}");
+        assert_eq!(w.to_vec::<f32>().unwrap(), vec![1.0, 2.0], "{dev}: the writes are undone");
+        assert_eq!(g.get_state().unwrap().to_vec::<i64>().unwrap(), before, "{dev}: the generator too");
+    }
+}

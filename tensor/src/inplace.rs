@@ -90,6 +90,7 @@ impl Tensor {
                 o.node.snapshot_inputs_aliasing(self.storage())?;
             }
         }
+        crate::capture::record::before_write(self)?;
         crate::profile::timed(
             "copy_",
             || format!("{} <- {}", fmt_shape(self.shape()), fmt_shape(src.shape())),

@@ -55,7 +55,8 @@ use crate::trace::WatchRead;
 // host did with it); on PJRT so is using a tensor the function computed
 // after the call without returning it or storing it in state that outlives
 // the call. A compiled function called while another is traced runs inline,
-// its ops part of the outer trace.
+// its ops part of the outer trace. A trace that fails puts back what it wrote
+// into storages that existed before it.
 
 /// Counters of a compiled function (see `Compiled::stats`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -25,6 +25,11 @@ use std::sync::{Arc, Weak};
 // function created), exactly as capture on a compiling backend classifies
 // its graph (Note [Capture]).
 //
+// Before the trace's first write into a storage that existed before it, the
+// recorder keeps a copy of its content; a trace that fails puts the copies
+// back, so a failed call leaves no half-done step behind (the PJRT tracer
+// does the same with the old buffers).
+//
 // Host values are marked as they enter (Note [Host values]): the values of
 // creation ops and uploads made outside a constant scope are recorded in the
 // trace's `HostLog`. Reading tensor data on the traced device is an error,
@@ -49,6 +54,9 @@ pub(super) struct Recording {
     pub host: HostLog,
     /// With `Some`, each parameter's value when first read (for export).
     pub snapshots: Option<Vec<crate::HostBuffer>>,
+    /// Storages that existed before the trace, with a copy of what they held
+    /// before its first write into them: put back when the trace fails.
+    pub saved: Vec<(Weak<Storage>, Arc<Storage>)>,
 }
 
 thread_local! {
@@ -67,6 +75,7 @@ pub(super) fn begin(device: Device, host: HostLog, snapshot: bool) {
             known: HashMap::new(),
             host,
             snapshots: snapshot.then(Vec::new),
+            saved: vec![],
         })
     });
     DEVICE.with(|d| d.set(Some(device)));
@@ -156,6 +165,38 @@ pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
         Ok(())
     })
     .unwrap_or(Ok(()))
+}
+
+/// Before a write into the memory `dst` views: keeps a copy of a storage
+/// that existed before the trace, the first time the trace writes it, so a
+/// failed trace can put it back (as the PJRT tracer puts back its buffers).
+pub(crate) fn before_write(dst: &Tensor) -> Result<()> {
+    with(dst.device(), |r| {
+        let st = dst.storage();
+        let made_here =
+            r.known.get(&st.addr()).is_some_and(|k| k.written && !r.sources.iter().any(|s| Arc::ptr_eq(s, st)));
+        if made_here || r.saved.iter().any(|(w, _)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(st))) {
+            return Ok(());
+        }
+        let whole = Tensor::from_storage(st.clone(), flat(st.len()))?;
+        let copy = whole.backend().exec(&Op::Copy, &[&whole], &[whole.meta()], dst.device())?.swap_remove(0);
+        r.saved.push((Arc::downgrade(st), copy));
+        Ok(())
+    })
+    .unwrap_or(Ok(()))
+}
+
+/// Puts back what a failed trace wrote into storages that existed before it.
+pub(super) fn restore(saved: Vec<(Weak<Storage>, Arc<Storage>)>) {
+    for (w, copy) in saved {
+        if let (Some(st), Ok(copy)) = (w.upgrade(), Arc::try_unwrap(copy)) {
+            st.replace(std::mem::replace(
+                &mut *copy.write(),
+                crate::StorageData::Host(crate::HostBuffer::zeros(st.dtype(), 0)),
+            ));
+            st.bump_version();
+        }
+    }
 }
 
 /// Notes data uploaded to `t`'s device while recording (a host value unless declared).

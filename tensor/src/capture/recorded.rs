@@ -86,10 +86,16 @@ fn record_call(
     let watches = crate::trace::end_watching();
     let mut rec = record::end().ok_or_else(|| Error::invalid("compile", "the recording was taken while tracing"))?;
     drop(clear);
-    let returned = result?;
+    let saved = std::mem::take(&mut rec.saved);
     let snapshots = rec.snapshots.take().unwrap_or_default();
-    let trace = build(rec, inputs, &returned, watches)?;
-    Ok((trace, returned, snapshots))
+    match result.and_then(|returned| Ok((build(rec, inputs, &returned, watches)?, returned))) {
+        Ok((trace, returned)) => Ok((trace, returned, snapshots)),
+        Err(e) => {
+            // The storages the failed trace wrote get their contents back.
+            record::restore(saved);
+            Err(e)
+        }
+    }
 }
 
 /// A function traced into a [`Program`] for export (`kiln::export` from a
