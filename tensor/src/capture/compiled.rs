@@ -268,7 +268,10 @@ where
         if self.tracer.is_none() {
             self.tracer = Some(self.device.backend()?.tracer(self.device)?);
         }
-        Ok(&mut **self.tracer.as_mut().expect("set above"))
+        match self.tracer.as_mut() {
+            Some(t) => Ok(&mut **t),
+            None => Err(no_tracer()),
+        }
     }
 
     /// Runs the function: replays its program when a stable trace matches the
@@ -312,7 +315,7 @@ where
         self.stats.traces += 1;
         let t = std::time::Instant::now();
         let policy = self.host_values;
-        let tracer = self.tracer.as_mut().expect("made above");
+        let Some(tracer) = self.tracer.as_mut() else { return Err(no_tracer()) };
         let (trace, outs) = tracer.trace(&mut self.f, inputs, policy)?;
         tracing::debug!(
             target: "kiln::compile",
@@ -401,6 +404,10 @@ where
         }
         Ok(())
     }
+}
+
+fn no_tracer() -> Error {
+    Error::invalid("compile", "the device's tracer is missing")
 }
 
 fn retrace_reason(prev: &[Guard], now: &[Guard]) -> String {
