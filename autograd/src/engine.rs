@@ -35,8 +35,7 @@ pub(crate) enum Sink<'a> {
 /// contiguously: then it can become a leaf's `.grad` without a copy, as no
 /// other tensor (a view, a saved value of the graph) can see later writes.
 fn owns_whole_storage(t: &Tensor) -> bool {
-    let l = t.layout();
-    Arc::strong_count(t.storage()) == 1 && l.is_contiguous() && l.offset() == 0 && l.numel() == t.storage().len()
+    Arc::strong_count(t.storage()) == 1 && t.is_whole_storage()
 }
 
 impl Sink<'_> {

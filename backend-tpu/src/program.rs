@@ -31,12 +31,6 @@ impl PjrtProgram {
     }
 }
 
-/// Whether `t` reads the whole of its storage, in order.
-fn whole(t: &Tensor) -> bool {
-    let l = t.layout();
-    l.is_contiguous() && l.offset() == 0 && l.numel() == t.storage().len()
-}
-
 impl ProgramExecutable for PjrtProgram {
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
         let backend = crate::backend()?;
@@ -49,15 +43,17 @@ impl ProgramExecutable for PjrtProgram {
             }
         }
         // Each argument as a whole storage (a view is copied first).
-        let flat: Vec<Tensor> =
-            args.iter().map(|a| if whole(a) { Ok(a.clone()) } else { a.contiguous() }).collect::<Result<_>>()?;
+        let flat: Vec<Tensor> = args
+            .iter()
+            .map(|a| if a.is_whole_storage() { Ok(a.clone()) } else { a.contiguous() })
+            .collect::<Result<_>>()?;
         let bufs: Vec<Arc<Buffer>> = flat.iter().map(|a| backend.buffer_of(a)).collect::<Result<_>>()?;
         // An updated argument is donated when only its storage reaches the buffer
         // (the storage and `bufs` hold it) and nothing else reads the storage.
         let non_donatable: Vec<i64> = (0..args.len())
             .filter(|&k| {
                 let donate = updated[k]
-                    && whole(&args[k])
+                    && args[k].is_whole_storage()
                     && Arc::strong_count(&bufs[k]) <= 2
                     && data_in(&args[k].storage().read(), self.device).is_ok_and(|d| only_the_storage_reaches(&d));
                 !donate
@@ -81,12 +77,8 @@ impl ProgramExecutable for PjrtProgram {
             results.push(match r.kind {
                 ResultKind::Update(k) => {
                     let dst = &args[k];
-                    if whole(dst) {
-                        let new = std::mem::replace(
-                            &mut *value.storage().write(),
-                            StorageData::Host(kiln_tensor::HostBuffer::zeros(m.dtype, 0)),
-                        );
-                        dst.storage().replace(new);
+                    if dst.is_whole_storage() {
+                        dst.storage().replace(value.storage().take_data());
                     } else {
                         kiln_tensor::Backend::assign(backend, dst, &value)?;
                     }

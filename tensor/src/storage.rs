@@ -373,6 +373,11 @@ impl Storage {
     pub fn replace(&self, data: StorageData) {
         *self.write() = data;
     }
+    /// Moves the contents out, leaving an empty host buffer: for a storage
+    /// about to be dropped whose data goes into another one (`replace`).
+    pub fn take_data(&self) -> StorageData {
+        std::mem::replace(&mut *self.write(), StorageData::Host(HostBuffer::zeros(self.dtype, 0)))
+    }
     /// A stable identity for ordering locks and detecting aliasing.
     pub fn addr(&self) -> usize {
         self as *const Storage as usize

@@ -123,6 +123,12 @@ impl Tensor {
     pub fn is_contiguous(&self) -> bool {
         self.0.layout.is_contiguous()
     }
+    /// True when this tensor reads the whole of its storage, in order: contiguous,
+    /// from offset 0, every element.
+    pub fn is_whole_storage(&self) -> bool {
+        let l = &self.0.layout;
+        l.is_contiguous() && l.offset() == 0 && l.numel() == self.0.storage.len()
+    }
     /// True when this tensor was made by a view op of another tensor.
     pub fn is_view(&self) -> bool {
         self.0.base.is_some()

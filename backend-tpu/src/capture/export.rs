@@ -97,11 +97,10 @@ pub fn trace_for_export(
 /// Export takes whole contiguous tensors on the traced device.
 pub fn check_inputs(device: Device, inputs: &[Tensor]) -> Result<()> {
     for (i, t) in inputs.iter().enumerate() {
-        let l = t.layout();
         if t.device() != device {
             return Err(Error::device(EXPORT, format!("input {i} is on {}, not {device}", t.device())));
         }
-        if !l.is_contiguous() || l.offset() != 0 || l.numel() != t.storage().len() {
+        if !t.is_whole_storage() {
             return Err(Error::invalid(
                 EXPORT,
                 format!("input {i} is a view; export takes whole contiguous tensors (call .contiguous() on a copy)"),
@@ -220,8 +219,7 @@ impl Program {
             if t.device() != self.device {
                 return Err(Error::device(EXPORT, format!("argument {i} is on {}, not {}", t.device(), self.device)));
             }
-            let l = t.layout();
-            if !l.is_contiguous() || l.offset() != 0 || l.numel() != t.storage().len() {
+            if !t.is_whole_storage() {
                 return Err(Error::invalid(EXPORT, format!("argument {i} is not a whole contiguous tensor")));
             }
             bufs.push(backend.buffer_of(t)?);

@@ -119,7 +119,7 @@ impl Recording {
     fn read(&mut self, t: &Tensor) -> Result<Value> {
         let base = self.storage_value(t.storage())?;
         let l = t.layout();
-        let whole = l.is_contiguous() && l.offset() == 0 && l.numel() == t.storage().len();
+        let whole = t.is_whole_storage();
         if whole && self.program.meta(base).shape[..] == l.shape()[..] {
             return Ok(base);
         }
@@ -190,10 +190,7 @@ pub(crate) fn before_write(dst: &Tensor) -> Result<()> {
 pub(super) fn restore(saved: Vec<(Weak<Storage>, Arc<Storage>)>) {
     for (w, copy) in saved {
         if let (Some(st), Ok(copy)) = (w.upgrade(), Arc::try_unwrap(copy)) {
-            st.replace(std::mem::replace(
-                &mut *copy.write(),
-                crate::StorageData::Host(crate::HostBuffer::zeros(st.dtype(), 0)),
-            ));
+            st.replace(copy.take_data());
             st.bump_version();
         }
     }

@@ -7,7 +7,7 @@ use super::record::{self, flat, Recording};
 use super::HostValues;
 use crate::ir::{Executable, ParamKind, Program, ResultKind};
 use crate::trace::WatchRead;
-use crate::{Device, Error, HostBuffer, Layout, Op, Result, Storage, StorageData, Tensor};
+use crate::{Device, Error, HostBuffer, Layout, Op, Result, Storage, Tensor};
 use std::sync::{Arc, Weak};
 
 /// The recorder's tracer for `device` ([`Backend::tracer`](crate::Backend::tracer)'s default).
@@ -213,8 +213,7 @@ fn whole(st: &Arc<Storage>) -> Result<Tensor> {
 
 /// `t`'s storage when `t` is the whole of a storage nothing else holds, else a copy in a new one.
 fn own_storage(t: Tensor, device: Device) -> Result<Arc<Storage>> {
-    let l = t.layout();
-    if l.is_contiguous() && l.offset() == 0 && l.numel() == t.storage().len() && Arc::strong_count(t.storage()) == 1 {
+    if t.is_whole_storage() && Arc::strong_count(t.storage()) == 1 {
         return Ok(t.storage().clone());
     }
     Ok(t.backend().exec(&Op::Copy, &[&t], &[t.meta()], device)?.swap_remove(0))
@@ -256,12 +255,7 @@ impl Traced for RecordedTrace {
                 ResultKind::Update(_) => Some(out.storage().clone()),
                 ResultKind::State => match sink.upgrade() {
                     Some(st) => {
-                        let data = own_storage(out, self.device)?;
-                        let moved = std::mem::replace(
-                            &mut *data.write(),
-                            StorageData::Host(crate::HostBuffer::zeros(st.dtype(), 0)),
-                        );
-                        st.replace(moved);
+                        st.replace(own_storage(out, self.device)?.take_data());
                         st.bump_version();
                         Some(st)
                     }
