@@ -214,7 +214,7 @@ fn recorded(
         (m.dtype, vec![m.shape.iter().product::<usize>()])
     };
     let mut args = vec![];
-    for (param, value) in p.params.iter().zip(t.values) {
+    for (param, value) in p.params().iter().zip(t.values) {
         let kind = match param.kind {
             ParamKind::Input(i) => ArgKind::Input(i),
             ParamKind::State | ParamKind::Generator => ArgKind::State(value),
@@ -224,10 +224,10 @@ fn recorded(
         args.push(Flat { kind, dtype, shape });
     }
     let mut results = vec![];
-    for r in &p.results {
+    for r in p.results() {
         let kind = match &r.kind {
             ProgramResultKind::Fresh => ResultKind::Fresh,
-            ProgramResultKind::Update(k) => match p.params[*k].kind {
+            ProgramResultKind::Update(k) => match p.params()[*k].kind {
                 ParamKind::Input(i) => return Err(Refusal::WritesInput(i).error()),
                 _ => ResultKind::UpdatesArg(*k),
             },

@@ -35,9 +35,9 @@ fn write_then_read_old() -> Program {
     let w = p.push(Op::Assign { shape: sv(&[2]), strides: sv(&[1]), offset: 1 }, &[s, x]).unwrap()[0];
     let old = p.push(Op::Unary(UnaryOp::Neg), &[r]).unwrap()[0];
     let new = p.push(Op::Unary(UnaryOp::Neg), &[w]).unwrap()[0];
-    p.add_result(w, ResultKind::Update(0));
-    p.add_result(old, ResultKind::Fresh);
-    p.add_result(new, ResultKind::Fresh);
+    p.add_result(w, ResultKind::Update(0)).unwrap();
+    p.add_result(old, ResultKind::Fresh).unwrap();
+    p.add_result(new, ResultKind::Fresh).unwrap();
     p
 }
 
@@ -68,7 +68,7 @@ fn an_input_not_updated_is_never_written_in_place() {
         let s = p.add_param(ParamKind::Input(0), Meta::new(&[3], DType::F32));
         let one = p.push(Op::Full { shape: sv(&[1]), value: Scalar::Float(9.0), dtype: DType::F32 }, &[]).unwrap()[0];
         let w = p.push(Op::Assign { shape: sv(&[1]), strides: sv(&[1]), offset: 2 }, &[s, one]).unwrap()[0];
-        p.add_result(w, ResultKind::Fresh);
+        p.add_result(w, ResultKind::Fresh).unwrap();
         let x = flat(&[1.0, 2.0, 3.0], dev);
         let out = run(&p, std::slice::from_ref(&x), dev);
         assert_eq!(out[0].to_vec::<f32>().unwrap(), [1.0, 2.0, 9.0]);
@@ -86,8 +86,8 @@ fn views_index_the_values_row_major_elements() {
         let t = p.push(Op::View(ViewOp::Permute(sv(&[1, 0]))), &[m]).unwrap()[0];
         // The value t is [[0, 3], [1, 4], [2, 5]]; its row-major elements 1..5 with stride 2: 3, 4.
         let a = p.push(Op::View(ViewOp::AsStrided { shape: sv(&[2]), strides: sv(&[2]), offset: 1 }), &[t]).unwrap()[0];
-        p.add_result(t, ResultKind::Fresh);
-        p.add_result(a, ResultKind::Fresh);
+        p.add_result(t, ResultKind::Fresh).unwrap();
+        p.add_result(a, ResultKind::Fresh).unwrap();
         let out = run(&p, &[flat(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], dev)], dev);
         assert_eq!(out[0].to_vec::<f32>().unwrap(), [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
         assert_eq!(out[1].to_vec::<f32>().unwrap(), [3.0, 4.0]);
@@ -104,7 +104,7 @@ fn arguments_of_the_wrong_type_or_count_are_refused() {
     assert!(e.contains("argument %0 is [5] float32 on cpu, the program expects [4] float32 on cpu"), "{e}");
     // A program that does not verify is not compiled.
     let mut bad = p.clone();
-    bad.params[0].kind = ParamKind::Constant;
+    bad.set_param_kind(0, ParamKind::Constant).unwrap();
     let e = Device::Cpu.backend().unwrap().compile(&bad, Device::Cpu).map(|_| ()).unwrap_err().to_string();
     assert!(e.contains("updates the constant"), "{e}");
 }

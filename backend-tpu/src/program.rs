@@ -37,7 +37,7 @@ impl ProgramExecutable for PjrtProgram {
         let p = &self.program;
         p.check_args(args, self.device)?;
         let mut updated = vec![false; args.len()];
-        for r in &p.results {
+        for r in p.results() {
             if let ResultKind::Update(k) = r.kind {
                 updated[k] = true;
             }
@@ -67,9 +67,9 @@ impl ProgramExecutable for PjrtProgram {
         drop(bufs);
         backend.count_execution();
         backend.queue_event("a program", event)?;
-        let flags = outs.split_off(p.results.len());
+        let flags = outs.split_off(p.results().len());
         let mut results = Vec::with_capacity(outs.len());
-        for (r, buf) in p.results.iter().zip(outs) {
+        for (r, buf) in p.results().iter().zip(outs) {
             let m = p.meta(r.value);
             let data = StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(buf))));
             let st = Arc::new(Storage::new(data, m.dtype, m.shape.iter().product(), self.device));

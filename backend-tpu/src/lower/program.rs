@@ -27,13 +27,13 @@ pub fn lower_program(p: &Program) -> Result<LoweredProgram> {
     p.verify()?;
     let mut b = Builder::new(&[]).0;
     let mut vals: Vec<Option<Val>> = vec![None; p.num_values()];
-    for param in &p.params {
+    for param in p.params() {
         let m = p.meta(param.value);
         let flat = b.add_arg(Ty::new(&[m.shape.iter().product()], m.dtype));
         vals[param.value.index()] = Some(b.reshape(&flat, &m.shape));
     }
     let mut checks = vec![];
-    for inst in &p.insts {
+    for inst in p.insts() {
         let x: Vec<Val> =
             inst.args.iter().map(|a| vals[a.index()].clone().ok_or_else(|| missing(a))).collect::<Result<_>>()?;
         let results = match &inst.op {
@@ -81,7 +81,7 @@ pub fn lower_program(p: &Program) -> Result<LoweredProgram> {
     }
     let mut outs = vec![];
     let mut outputs = vec![];
-    for (j, r) in p.results.iter().enumerate() {
+    for (j, r) in p.results().iter().enumerate() {
         let v = vals[r.value.index()].clone().ok_or_else(|| missing(r.value))?;
         let n = v.ty.numel();
         outputs.push((v.dtype(), vec![n]));

@@ -144,7 +144,7 @@ pub(crate) fn op(op: &Op, inputs: &[&Tensor], outs: &[Tensor], device: Device) -
         }
         let args: Vec<Value> = inputs.iter().map(|t| r.read(t)).collect::<Result<_>>()?;
         let metas = outs.iter().map(|t| t.meta()).collect();
-        let values = r.program.push_typed(op.clone(), &args, metas);
+        let values = r.program.push_typed(op.clone(), &args, metas)?;
         for (t, v) in outs.iter().zip(values) {
             r.define(t.storage(), v);
         }

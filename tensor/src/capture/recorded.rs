@@ -142,8 +142,8 @@ fn build(rec: Recording, inputs: &[Tensor], returned: &[Tensor], watches: Vec<Wa
             Some(i) => (ParamKind::Input(i), Binding::Input(i)),
             // Held by someone besides this list: state that outlives the call.
             None if Arc::strong_count(st) > 1 => {
-                let v = program.params[k].value;
-                let drawn = program.insts.iter().any(|i| matches!(i.op, Op::RandomBits { .. }) && i.args[0] == v);
+                let v = program.params()[k].value;
+                let drawn = program.insts().iter().any(|i| matches!(i.op, Op::RandomBits { .. }) && i.args[0] == v);
                 let kind = if drawn { ParamKind::Generator } else { ParamKind::State };
                 (kind, Binding::State(Arc::downgrade(st)))
             }
@@ -155,7 +155,7 @@ fn build(rec: Recording, inputs: &[Tensor], returned: &[Tensor], watches: Vec<Wa
                 (ParamKind::Constant, Binding::Constant(st.clone()))
             }
         };
-        program.params[k].kind = kind;
+        program.set_param_kind(k, kind)?;
         bindings.push(binding);
     }
     // The storages made or written that are still alive, in the order their values were made.
@@ -173,13 +173,13 @@ fn build(rec: Recording, inputs: &[Tensor], returned: &[Tensor], watches: Vec<Wa
             .map(|t| [Some(t), t.base()].into_iter().flatten().filter(|x| Arc::ptr_eq(x.storage(), &st)).count())
             .sum();
         let kind = match param {
-            Some(p) if program.params[p].kind == ParamKind::Constant => continue,
+            Some(p) if program.params()[p].kind == ParamKind::Constant => continue,
             Some(p) => ResultKind::Update(p),
             None if holders > returned_refs => ResultKind::State,
             None if returned_refs > 0 => ResultKind::Fresh,
             None => continue,
         };
-        program.add_result(k.value, kind);
+        program.add_result(k.value, kind)?;
         sinks.push(Arc::downgrade(&st));
     }
     let mut returns = vec![];
@@ -250,7 +250,7 @@ impl Traced for RecordedTrace {
         let outs = self.exe.run(&args)?;
         drop(args);
         let mut storages: Vec<Option<Arc<Storage>>> = Vec::with_capacity(outs.len());
-        for ((r, out), sink) in self.program.results.iter().zip(outs).zip(&self.sinks) {
+        for ((r, out), sink) in self.program.results().iter().zip(outs).zip(&self.sinks) {
             storages.push(match &r.kind {
                 ResultKind::Update(_) => Some(out.storage().clone()),
                 ResultKind::State => match sink.upgrade() {

@@ -35,7 +35,10 @@ impl Program {
         self.rebuild(|out, _, inst| {
             let key = (inst.op.name(), inst.args.clone());
             let found = seen.get(&key).and_then(|cands| {
-                cands.iter().find(|&&j| out.insts[j].op == inst.op && out.insts[j].outs == inst.outs).copied()
+                cands
+                    .iter()
+                    .find(|&&j| super::program::same_op(&out.insts[j].op, &inst.op) && out.insts[j].outs == inst.outs)
+                    .copied()
             });
             match found {
                 Some(j) => Some(Some(out.insts[j].first)),
@@ -71,7 +74,7 @@ impl Program {
                     }
                 }
                 Some(None) => {
-                    let new = out.push_typed(renamed.op, &renamed.args, renamed.outs);
+                    let new = out.push_defined(renamed.op, &renamed.args, renamed.outs);
                     for (old, new) in inst.results().zip(new) {
                         map[old.index()] = new;
                     }
@@ -79,7 +82,7 @@ impl Program {
             }
         }
         for r in &self.results {
-            out.add_result(map[r.value.index()], r.kind.clone());
+            out.results.push(super::program::ProgramResult { value: map[r.value.index()], kind: r.kind.clone() });
         }
         out
     }

@@ -7,7 +7,7 @@ use std::fmt;
 /// A value of a program: `%n` in its text. Each value is defined once, by a
 /// parameter or by one output of one instruction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Value(pub u32);
+pub struct Value(pub(crate) u32);
 
 impl Value {
     /// The value's index in [`Program::meta`]'s numbering.
@@ -88,6 +88,15 @@ impl Inst {
     }
 }
 
+/// Whether two ops are the same op, attributes compared exactly: `==` on
+/// floats misses what the exact text of the attributes tells (a NaN attribute,
+/// `fill_(NaN)`, is the same op again; `0.0` and `-0.0` are not). An op unequal
+/// to itself holds a NaN.
+pub(super) fn same_op(x: &Op, y: &Op) -> bool {
+    let nan = !PartialEq::eq(x, x);
+    (x == y || nan) && x.name() == y.name() && super::print::attributes(x) == super::print::attributes(y)
+}
+
 /// Where a value is defined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Def {
@@ -100,10 +109,15 @@ pub enum Def {
 /// A program: parameters, instructions in order (each reads values defined
 /// before it), results (Note \[Programs\] in `ir/mod.rs`).
 #[derive(Debug, Clone, Default, PartialEq)]
+///
+/// A program is built only through its verbs ([`Program::add_param`],
+/// [`Program::push`], [`Program::add_result`]), each of which refuses a value
+/// the program does not define yet, so every value a program holds is defined
+/// before it is read and printing or running it never meets an unknown value.
 pub struct Program {
-    pub params: Vec<Param>,
-    pub insts: Vec<Inst>,
-    pub results: Vec<ProgramResult>,
+    pub(super) params: Vec<Param>,
+    pub(super) insts: Vec<Inst>,
+    pub(super) results: Vec<ProgramResult>,
     /// Every value's type and definition, by value number.
     values: Vec<(Meta, Def)>,
 }
@@ -119,14 +133,45 @@ impl Program {
         self.values.len()
     }
 
+    /// The parameters, in argument order.
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    /// The instructions, in order.
+    pub fn insts(&self) -> &[Inst] {
+        &self.insts
+    }
+
+    /// The results, in order.
+    pub fn results(&self) -> &[ProgramResult] {
+        &self.results
+    }
+
     /// A value's type.
+    ///
+    /// # Panics
+    /// When `v` is no value of this program (a value of another program): the
+    /// values a program hands out are all defined in it.
     pub fn meta(&self, v: Value) -> &Meta {
         &self.values[v.index()].0
     }
 
-    /// Where a value is defined.
+    /// Where a value is defined (panics as [`Program::meta`] does).
     pub fn def(&self, v: Value) -> Def {
         self.values[v.index()].1
+    }
+
+    /// Changes what parameter `k` is (a recorder classifies storages once the
+    /// trace has ended); an error when there is no such parameter.
+    pub fn set_param_kind(&mut self, k: usize, kind: ParamKind) -> Result<()> {
+        let n = self.params.len();
+        let p = self
+            .params
+            .get_mut(k)
+            .ok_or_else(|| Error::invalid("program", format!("parameter {k} does not exist ({n} parameters)")))?;
+        p.kind = kind;
+        Ok(())
     }
 
     /// Adds a parameter of `kind` holding a value of type `meta`.
@@ -141,12 +186,22 @@ impl Program {
     pub fn push(&mut self, op: Op, args: &[Value]) -> Result<SmallVec<[Value; 2]>> {
         let metas: SmallVec<[Meta; 4]> = args.iter().map(|a| self.checked_meta(*a).cloned()).collect::<Result<_>>()?;
         let outs = op.infer(&metas)?;
-        Ok(self.push_typed(op, args, outs))
+        self.push_typed(op, args, outs)
     }
 
     /// Appends `op` on `args` with outputs already typed by [`Op::infer`] (the
-    /// recorder's case: `Tensor::apply` inferred them); [`Program::verify`] checks them.
-    pub fn push_typed(&mut self, op: Op, args: &[Value], outs: SmallVec<[Meta; 2]>) -> SmallVec<[Value; 2]> {
+    /// recorder's case: `Tensor::apply` inferred them); [`Program::verify`]
+    /// checks the types. An argument the program does not define is an error.
+    pub fn push_typed(&mut self, op: Op, args: &[Value], outs: SmallVec<[Meta; 2]>) -> Result<SmallVec<[Value; 2]>> {
+        for a in args {
+            self.checked_meta(*a)?;
+        }
+        Ok(self.push_defined(op, args, outs))
+    }
+
+    /// `push_typed` for operands known to be defined (a pass copying a
+    /// program that holds only defined values).
+    pub(super) fn push_defined(&mut self, op: Op, args: &[Value], outs: SmallVec<[Meta; 2]>) -> SmallVec<[Value; 2]> {
         let first = Value(self.values.len() as u32);
         let i = self.insts.len();
         for (k, m) in outs.iter().enumerate() {
@@ -158,9 +213,17 @@ impl Program {
         results
     }
 
-    /// Declares `value` a result of kind `kind`.
-    pub fn add_result(&mut self, value: Value, kind: ResultKind) {
+    /// Declares `value` a result of kind `kind`; an error when the program
+    /// does not define `value` or (for an update) has no such parameter.
+    pub fn add_result(&mut self, value: Value, kind: ResultKind) -> Result<()> {
+        self.checked_meta(value)?;
+        if let ResultKind::Update(p) = kind {
+            if p >= self.params.len() {
+                return Err(Error::invalid("program", format!("an update of parameter {p}, which does not exist")));
+            }
+        }
         self.results.push(ProgramResult { value, kind });
+        Ok(())
     }
 
     /// A value's type, or an error when the program defines no such value.
@@ -196,7 +259,7 @@ impl Program {
                     x.name() == y.name()
                         && x.identity(&ins, &a.outs).is_some_and(|k| y.identity(&ins, &b.outs) == Some(k))
                 }
-                (x, y) => x == y,
+                (x, y) => same_op(x, y),
             }
         })
     }
