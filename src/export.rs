@@ -92,7 +92,8 @@ where
         DeviceKind::Cpu | DeviceKind::PrivateUse1 => recorded(f, device, policy, inputs),
     })?;
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    let ExportedProgram { text: program_text, args: program_args, results: program_results, returns } = program;
+    let ExportedProgram { module, args: program_args, results: program_results, returns } = program;
+    let program_text = module.text();
     let mut weights = BTreeMap::new();
     let mut args = vec![];
     for (k, a) in program_args.into_iter().enumerate() {
@@ -156,7 +157,7 @@ where
         )
     };
     // The portable artifact, when every op of the program has a VHLO form.
-    let artifact = crate::tpu::portable::serialize(&program_text);
+    let artifact = crate::tpu::portable::serialize(&module);
     let portable = match &artifact {
         Ok(bytes) => json!({
             "file": ARTIFACT,
@@ -250,7 +251,7 @@ fn recorded(
         .enumerate()
         .map(|(i, r)| r.ok_or_else(|| Refusal::ReturnsUnchanged(i).error()))
         .collect::<Result<_>>()?;
-    Ok((ExportedProgram { text: lowered.text, args, results, returns }, outs))
+    Ok((ExportedProgram { module: lowered.module, args, results, returns }, outs))
 }
 
 /// One argument of a loaded program.
@@ -345,30 +346,6 @@ fn checked_bytes(dir: &Path, entry: &Value, what: &str) -> Result<Vec<u8>> {
     let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
     check_digest(&path, &sha256_hex(&bytes), entry, what)?;
     Ok(bytes)
-}
-
-/// Checks that the program's `@main` takes and returns the flat types the
-/// manifest lists: the backend describes the results to the plugin by them.
-fn check_signature(text: &str, args: &[(DType, Vec<usize>)], results: &[(DType, Vec<usize>)]) -> Result<()> {
-    let ty = |(d, shape): &(DType, Vec<usize>)| crate::tensor::custom::mlir_type(shape, *d);
-    let main = text
-        .lines()
-        .find(|l| l.trim_start().starts_with("func.func public @main("))
-        .ok_or_else(|| invalid("the program has no public @main function"))?;
-    let (params, rest) = main.split_once(") -> (").ok_or_else(|| invalid("the program's @main has no result list"))?;
-    let want: Vec<String> = results.iter().map(ty).collect();
-    let list =
-        rest.trim_end().strip_suffix(") {").ok_or_else(|| invalid("the program's @main is not in kiln's form"))?;
-    let got: Vec<&str> = list.split(", ").filter(|t| !t.is_empty()).collect();
-    let mut ok = got == want;
-    for (i, a) in args.iter().enumerate() {
-        ok &= params.contains(&format!("%a{i}: {}", ty(a)));
-    }
-    ok &= !params.contains(&format!("%a{}: ", args.len()));
-    if !ok {
-        return Err(invalid("the program's arguments or results do not match the manifest"));
-    }
-    Ok(())
 }
 
 /// Loads an exported program from `dir` onto `device` (a PJRT device),
@@ -466,7 +443,6 @@ pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<Exported> {
         }
         outputs.push(Output { result, layout });
     }
-    check_signature(&program_text, &arg_types, &result_types)?;
     // The portable artifact when there is one (a later plugin reads it as
     // this one did), else the text.
     let program = match m.get("portable").filter(|p| p.get("file").is_some()) {

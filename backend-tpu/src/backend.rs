@@ -9,6 +9,7 @@ use crate::graph::{self, data_in, only_the_storage_reaches, Arg, Graph};
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, CompileOptions, Event, Executable, Upload};
+use crate::stablehlo::Module;
 use kiln_tensor::{
     Backend, DType, Device, DeviceMesh, Error, HostBuffer, Meta, Op, Placement, Result, Storage, StorageData, Tensor,
 };
@@ -238,7 +239,7 @@ impl PjrtBackend {
             };
         }
         let Some(p) = g.into_program() else { return Ok(()) };
-        let exe = self.executable(&p.text)?;
+        let exe = self.executable(&p.module)?;
         let args: Vec<&Buffer> = p.args.iter().map(|b| &**b).collect();
         let (mut bufs, event) = exe.execute(&args, device.index(), &p.out_meta)?;
         self.executions.fetch_add(1, Ordering::Relaxed);
@@ -276,14 +277,21 @@ impl PjrtBackend {
         }
     }
 
-    /// The executable for a one-device program text: from the cache, or compiled and cached.
-    pub fn executable(&self, text: &str) -> Result<Arc<Executable>> {
-        self.executable_with(text, &CompileOptions::single())
+    /// The executable for a one-device module: from the cache, or compiled and cached.
+    pub fn executable(&self, m: &Module) -> Result<Arc<Executable>> {
+        self.executable_with(m, &CompileOptions::single())
     }
 
-    /// The executable for a program text compiled with `options` (a program
-    /// over a mesh: `CompileOptions::spmd`), from the cache or compiled.
-    pub fn executable_with(&self, text: &str, options: &CompileOptions) -> Result<Arc<Executable>> {
+    /// The executable for a module compiled with `options` (a program over a
+    /// mesh: `CompileOptions::spmd`), from the cache or compiled; the module's
+    /// text is its key.
+    pub fn executable_with(&self, m: &Module, options: &CompileOptions) -> Result<Arc<Executable>> {
+        self.executable_of_text(&m.text(), options)
+    }
+
+    /// The executable for a module's text (a program loaded back from an
+    /// export), compiled with `options`, from the cache or compiled.
+    pub fn executable_of_text(&self, text: &str, options: &CompileOptions) -> Result<Arc<Executable>> {
         self.executable_keyed(text, options, || {
             self.client.compile_with(text, options).map_err(|e| err(format!("{e}\nprogram:\n{text}")))
         })
@@ -349,14 +357,14 @@ impl PjrtBackend {
     fn run(
         &self,
         name: &'static str,
-        text: &str,
+        module: &Module,
         args: &[&Buffer],
         outs: &[Meta],
         checks: &[Check],
         inputs: &[&Tensor],
         device: Device,
     ) -> Result<Vec<Buffer>> {
-        let exe = self.executable(text)?;
+        let exe = self.executable(module)?;
         let mut metas: Vec<(DType, Vec<usize>)> =
             outs.iter().map(|m| (m.dtype, vec![m.shape.iter().product()])).collect();
         metas.extend(checks.iter().map(|_| (DType::Bool, vec![])));

@@ -8,6 +8,7 @@ use crate::graph::{self, data_in, escaped_value_error, out_meta, Arg, Graph, Par
 use crate::lower::Check;
 use crate::lower::Sharding;
 use crate::pjrt::{Buffer, Executable};
+use crate::stablehlo::Module;
 use kiln_tensor::capture::{HostValues, Traced, TracedFn, Tracer};
 use kiln_tensor::trace::WatchRead;
 use kiln_tensor::{DType, Device, Error, Layout, Result, Storage, StorageData, Tensor};
@@ -92,7 +93,7 @@ struct MeshOutputs {
 /// What must match between consecutive traces for the trace to be replayed.
 #[derive(PartialEq)]
 struct Signature {
-    text: String,
+    module: Module,
     sources: Vec<SourceKind>,
     constants: Vec<Vec<u8>>,
     state_sinks: Vec<u8>,
@@ -388,7 +389,7 @@ fn build(
         all_to_all_bytes,
     };
     debug_assert_eq!(trace.out_meta.len(), n + trace.checks.len());
-    Ok((trace, Signature { text, sources: kinds, constants, state_sinks }, args_bufs))
+    Ok((trace, Signature { module: text, sources: kinds, constants, state_sinks }, args_bufs))
 }
 
 /// Runs a trace's program on the current inputs and state (or, for the call

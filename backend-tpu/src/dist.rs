@@ -10,6 +10,7 @@ use crate::graph::{Arg, PjrtBuffer};
 use crate::lower::{self, shard, Builder, Sharding, Val};
 use crate::mode::{mode, Mode};
 use crate::pjrt::{Buffer, CompileOptions, Executable};
+use crate::stablehlo::Module;
 use kiln_tensor::{
     DType, Device, DeviceMesh, Error, HostBuffer, Layout, Meta, Op, Placement, Result, Storage, StorageData, Tensor,
 };
@@ -96,8 +97,8 @@ impl PjrtBackend {
     /// Runs a mesh graph's program, fills its slots with their shards and
     /// verifies its checks (DeferAndFuse on a mesh device).
     pub(crate) fn run_mesh_graph(&self, p: MeshGraphProgram) -> Result<()> {
-        let MeshGraphProgram { text, args, out_meta, slots, checks, mesh } = p;
-        let mut bufs = self.run_mesh("a deferred graph", &text, &mesh, &args, &out_meta)?;
+        let MeshGraphProgram { module, args, out_meta, slots, checks, mesh } = p;
+        let mut bufs = self.run_mesh("a deferred graph", &module, &mesh, &args, &out_meta)?;
         drop(args);
         let flags = bufs.split_off(slots.len());
         for (slot, bufs) in slots.iter().zip(bufs) {
@@ -141,20 +142,20 @@ impl PjrtBackend {
     pub(crate) fn run_mesh(
         &self,
         name: &'static str,
-        text: &str,
+        module: &Module,
         mesh: &DeviceMesh,
         args: &[Arc<Shards>],
         out_meta: &[(DType, Vec<usize>)],
     ) -> Result<Vec<Vec<Arc<Buffer>>>> {
-        let exe = self.mesh_executable(text, mesh)?;
+        let exe = self.mesh_executable(module, mesh)?;
         self.launch_mesh(&exe, name, mesh, args, out_meta, &[])
     }
 
     /// The executable of a program over `mesh` (compiled for its devices, in mesh order).
-    pub(crate) fn mesh_executable(&self, text: &str, mesh: &DeviceMesh) -> Result<Arc<Executable>> {
+    pub(crate) fn mesh_executable(&self, module: &Module, mesh: &DeviceMesh) -> Result<Arc<Executable>> {
         let client = self.client();
         let ids: Vec<i64> = mesh.devices().iter().map(|&d| client.device_id(d)).collect::<Result<_>>()?;
-        self.executable_with(text, &CompileOptions::spmd(&ids))
+        self.executable_with(module, &CompileOptions::spmd(&ids))
     }
 
     /// Runs a program over `mesh` once over every device (each argument's

@@ -6,7 +6,7 @@
 //! `capture.rs`) both build on it; it knows neither the backend nor capture.
 pub mod mesh;
 
-use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
+use crate::lower::{self, Builder, Check, Module, Sharding, Ty, Val};
 use crate::pjrt::Buffer;
 use kiln_tensor::capture::{describe_creation, HostLog, HostValues};
 use kiln_tensor::{DType, Device, DeviceMesh, Error, Meta, Op, Result, Storage, StorageData, Tensor};
@@ -408,11 +408,11 @@ impl Graph {
         }
         let mut outputs = live;
         outputs.extend(checks.iter().map(|c| c.0.clone()));
-        let text = b.finish(&outputs);
+        let module = b.finish(&outputs);
         let out_meta = out_meta(&outputs);
         let args = params.into_iter().map(|(b, _)| b).collect();
         Some(Program {
-            text,
+            module,
             args,
             out_meta,
             slots,
@@ -458,7 +458,7 @@ impl Arg {
 
 /// A deferred graph as a program to run (see [`Graph::into_program`]).
 pub struct Program {
-    pub text: String,
+    pub module: Module,
     /// The argument buffers, in parameter order.
     pub args: Vec<Arc<Buffer>>,
     /// The types of the outputs: one per slot, then one bool per check.

@@ -22,6 +22,7 @@ pub mod pjrt;
 pub mod portable;
 mod process_group;
 mod program;
+pub mod stablehlo;
 pub mod store;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};

@@ -26,7 +26,7 @@ impl PjrtProgram {
             ));
         }
         let lowered = lower_program(program)?;
-        let exe = crate::backend()?.executable(&lowered.text)?;
+        let exe = crate::backend()?.executable(&lowered.module)?;
         Ok(PjrtProgram { exe, program: program.clone(), lowered, device })
     }
 }

@@ -145,7 +145,7 @@ fn rank_of_a_local_group() {
     let next = (rank + 1) % WORLD;
     let ids = [pg.devices_of(rank)[0], pg.devices_of(next)[0]];
     let client = kiln_tpu::backend().unwrap().client().clone();
-    let e = client.compile_with(&text, &CompileOptions::spmd(&ids)).map(|_| ()).unwrap_err().to_string();
+    let e = client.compile_with(&text.text(), &CompileOptions::spmd(&ids)).map(|_| ()).unwrap_err().to_string();
     assert!(e.contains("Multiprocess computations aren't implemented"), "{e}");
     pg.barrier("done", Duration::from_secs(60)).unwrap();
     println!("rank {rank} of {WORLD} ok: a program over devices {ids:?} is refused: {e}");

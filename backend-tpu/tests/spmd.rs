@@ -54,7 +54,7 @@ fn run_spmd(
     let b = kiln_tpu::backend()?;
     let client = b.client();
     let ids: Vec<i64> = mesh.devices().iter().map(|&d| client.device_id(d)).collect::<kiln_tensor::Result<_>>()?;
-    let exe = b.executable_with(text, &CompileOptions::spmd(&ids))?;
+    let exe = b.executable_of_text(text, &CompileOptions::spmd(&ids))?;
     let order = exe.addressable_devices()?;
     let mut bufs: Vec<Vec<Buffer>> = vec![];
     for &d in &order {
@@ -107,7 +107,7 @@ fn matmul_program(sx: &Sharding, sw: &Sharding, sy: &Sharding) -> String {
     let x = b.add_sharded_arg(Ty::new(&[8, 16], DType::F32), sx.clone()).unwrap();
     let w = b.add_sharded_arg(Ty::new(&[16, 4], DType::F32), sw.clone()).unwrap();
     let y = b.dot_general(&x, &w, &[], &[], &[1], &[0]);
-    b.finish_sharded(&[y], std::slice::from_ref(sy)).unwrap()
+    b.finish_sharded(&[y], std::slice::from_ref(sy)).unwrap().text()
 }
 
 #[test]
@@ -189,7 +189,7 @@ fn the_device_assignment_is_part_of_the_cache_key_and_sets_the_device_order() {
         let a = bl.slice(&a, &[0], &[10], &[1]);
         let y = bl.add(&a, &a);
         let y = bl.pad(&y, kiln_tpu::lower::Lit::F(0.0), &[0], &[2]);
-        (bl.finish_sharded(&[y], std::slice::from_ref(&s)).unwrap(), s)
+        (bl.finish_sharded(&[y], std::slice::from_ref(&s)).unwrap().text(), s)
     };
     let (text, s) = program(&fwd);
     assert_eq!(program(&rev).0, text, "the same program text on both meshes");
@@ -206,7 +206,7 @@ fn the_device_assignment_is_part_of_the_cache_key_and_sets_the_device_order() {
     assert_eq!(order, vec![3, 2, 1, 0], "partition i runs on the mesh's i-th device");
     assert_eq!(assemble(&outs[0], &[10], &s_rev), want);
     // Two assignments, two executables; asking again finds each one.
-    let exe = |ids: &[i64]| b.executable_with(&text, &CompileOptions::spmd(ids)).unwrap();
+    let exe = |ids: &[i64]| b.executable_of_text(&text, &CompileOptions::spmd(ids)).unwrap();
     assert!(!std::sync::Arc::ptr_eq(&exe(&[0, 1, 2, 3]), &exe(&[3, 2, 1, 0])));
     assert!(std::sync::Arc::ptr_eq(&exe(&[3, 2, 1, 0]), &exe(&[3, 2, 1, 0])));
     assert_eq!(exe(&[3, 2, 1, 0]).addressable_devices().unwrap(), vec![3, 2, 1, 0]);
@@ -221,7 +221,7 @@ fn a_wrong_launch_is_an_error_and_never_hangs() {
     let sx = Sharding::from_placements(&mesh, &[Placement::Shard(1)], 2).unwrap();
     let sw = Sharding::from_placements(&mesh, &[Placement::Shard(0)], 2).unwrap();
     let text = matmul_program(&sx, &sw, &Sharding::replicated(&mesh, 2));
-    let exe = b.executable_with(&text, &CompileOptions::spmd(&[0, 1, 2, 3])).unwrap();
+    let exe = b.executable_of_text(&text, &CompileOptions::spmd(&[0, 1, 2, 3])).unwrap();
     let shard = |shape: &[usize], d: usize| {
         client.buffer_from_host(&vec![0u8; shape.iter().product::<usize>() * 4], DType::F32, shape, d).unwrap()
     };
@@ -365,7 +365,7 @@ fn each_device_can_launch_its_own_part_with_a_shared_launch_id() {
     let rep = Sharding::replicated(&mesh, 2);
     let text = matmul_program(&sx, &sw, &rep);
     let ids: Vec<i64> = mesh.devices().iter().map(|&d| client.device_id(d).unwrap()).collect();
-    let exe = b.executable_with(&text, &CompileOptions::spmd(&ids)).unwrap();
+    let exe = b.executable_of_text(&text, &CompileOptions::spmd(&ids)).unwrap();
     let meta = [(DType::F32, vec![8, 4])];
     let args: Vec<Vec<Buffer>> = (0..4)
         .map(|pos| {
@@ -424,7 +424,7 @@ fn a_device_that_never_launches_is_an_error_after_a_bounded_wait() {
     let sw = Sharding::from_placements(&mesh, &[Placement::Shard(0)], 2).unwrap();
     let text = matmul_program(&sx, &sw, &Sharding::replicated(&mesh, 2));
     let ids: Vec<i64> = mesh.devices().iter().map(|&d| client.device_id(d).unwrap()).collect();
-    let exe = b.executable_with(&text, &CompileOptions::spmd(&ids)).unwrap();
+    let exe = b.executable_of_text(&text, &CompileOptions::spmd(&ids)).unwrap();
     let meta = [(DType::F32, vec![8, 4])];
     let args: Vec<Vec<Buffer>> = (0..4)
         .map(|pos| {

@@ -3,6 +3,8 @@
 //! and results, and programs loaded back from their text.
 use super::{replay, run_trace, Return, Sink, Source, Trace};
 use crate::graph::{Arg, PjrtBuffer};
+use crate::pjrt::CompileOptions;
+use crate::stablehlo::Module;
 use kiln_tensor::capture::{HostValues, TracedFn};
 use kiln_tensor::{DType, Device, Error, HostBuffer, Layout, Result, Storage, StorageData, Tensor};
 use std::sync::{Arc, Weak};
@@ -46,7 +48,7 @@ pub struct Flat<K> {
 /// tensors as views of the results.
 #[derive(Debug, Clone)]
 pub struct ExportedProgram {
-    pub text: String,
+    pub module: Module,
     pub args: Vec<Flat<ArgKind>>,
     pub results: Vec<Flat<ResultKind>>,
     /// Returned tensor `i` is result `returns[i].0` viewed through `returns[i].1`.
@@ -87,7 +89,7 @@ pub fn trace_for_export(
     }
     check_inputs(device, inputs)?;
     let (trace, sig, args) = run_trace(backend, device, policy, f, inputs)?;
-    let program = program_of(&trace, sig.text, &args);
+    let program = program_of(&trace, sig.module, &args);
     // The call runs whether or not it can be exported: the storages it
     // wrote hold the trace's values until then.
     let outs = replay(backend, &trace, inputs, device, Some(args))?;
@@ -134,7 +136,7 @@ impl Refusal<'_> {
     }
 }
 
-fn program_of(t: &Trace, text: String, args: &[Arg]) -> Result<ExportedProgram> {
+fn program_of(t: &Trace, module: Module, args: &[Arg]) -> Result<ExportedProgram> {
     if let Some(first) = t.host.first() {
         return Err(Refusal::HostValue(first).error());
     }
@@ -174,7 +176,7 @@ fn program_of(t: &Trace, text: String, args: &[Arg]) -> Result<ExportedProgram> 
             _ => return Err(Refusal::ReturnsUnchanged(i).error()),
         }
     }
-    Ok(ExportedProgram { text, args: flat_args, results, returns })
+    Ok(ExportedProgram { module, args: flat_args, results, returns })
 }
 
 /// A program loaded back from its text (an exported one), compiled for one
@@ -189,7 +191,7 @@ impl Program {
     /// Compiles `text` (through the compile cache) for `device`; `results`
     /// are the dtype and shape of each result.
     pub fn compile(device: Device, text: &str, results: &[(DType, Vec<usize>)]) -> Result<Program> {
-        Self::on(device, results, |backend| backend.executable(text))
+        Self::on(device, results, |backend| backend.executable_of_text(text, &CompileOptions::single()))
     }
 
     /// [`Program::compile`] of a StableHLO portable artifact (MLIR bytecode,
@@ -229,6 +231,11 @@ impl Program {
         let (outs, event) = self.exe.execute_with(&refs, self.device.index(), &self.results, &keep)?;
         backend.count_execution();
         backend.queue_event("an exported program", event)?;
+        for (i, b) in outs.iter().enumerate() {
+            b.check_described().map_err(|e| {
+                Error::invalid(EXPORT, format!("result {i} of the program does not match the manifest: {e}"))
+            })?;
+        }
         outs.into_iter()
             .zip(&self.results)
             .map(|(b, (dtype, shape))| {

@@ -3,7 +3,7 @@
 //! annotates its values with shardings, and a mesh graph as one SPMD program.
 //! Below the backend: the graph's verbs use it, the backend runs its programs.
 use super::{Arg, Graph, PjrtBuffer, Slot};
-use crate::lower::{self, shard, Builder, Check, Sharding, Ty, Val};
+use crate::lower::{self, shard, Builder, Check, Module, Sharding, Ty, Val};
 use crate::pjrt::Buffer;
 use kiln_tensor::{DType, DeviceMesh, Layout, Op, Result, Tensor};
 use std::sync::Arc;
@@ -226,9 +226,9 @@ impl Graph {
             shardings.push(Sharding::replicated(&mesh, 0));
             out_meta.push((DType::Bool, vec![]));
         }
-        let text = b.finish_sharded(&values, &shardings)?;
+        let module = b.finish_sharded(&values, &shardings)?;
         Ok(Some(MeshGraphProgram {
-            text,
+            module,
             args: shard_params.into_iter().map(|(s, _)| s).collect(),
             out_meta,
             slots: live.into_iter().map(|l| l.0).collect(),
@@ -240,7 +240,7 @@ impl Graph {
 
 /// A mesh graph as a program to run (see [`Graph::into_mesh_program`]).
 pub(crate) struct MeshGraphProgram {
-    pub text: String,
+    pub module: Module,
     pub args: Vec<Arc<Shards>>,
     pub out_meta: Vec<(DType, Vec<usize>)>,
     pub slots: Vec<Arc<Slot>>,

@@ -72,7 +72,7 @@ pub(super) fn unary(b: &mut Builder, op: UnaryOp, x: &Val) -> Result<Val> {
         U::SiluGrad => silu_grad(b, &f),
         U::Sin => b.unary("sine", &f),
         U::Cos => b.unary("cosine", &f),
-        U::Erf => b.op("chlo.erf", &[&f], "", f.ty.clone()),
+        U::Erf => b.op("chlo.erf", &[&f], vec![], f.ty.clone()),
         U::Floor => b.unary("floor", &f),
         U::Ceil => b.unary("ceil", &f),
         U::Round => b.unary("round_nearest_even", &f),

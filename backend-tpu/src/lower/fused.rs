@@ -30,7 +30,7 @@ pub(super) fn rotary(b: &mut Builder, x: &Val, cos: &Val, sin: &Val) -> Val {
     let c = rounded_mul(b, &rot, &sb);
     // Materialise both products so the compiler cannot contract `a + c` into
     // fused multiply-adds: the result must round like the unfused ops.
-    let barrier = b.op_n("stablehlo.optimization_barrier", &[&a, &c], "", "", &[a.ty.clone(), c.ty.clone()]);
+    let barrier = b.op_n("stablehlo.optimization_barrier", &[&a, &c], vec![], vec![], &[a.ty.clone(), c.ty.clone()]);
     let (af, cf) = (up(b, &barrier[0]), up(b, &barrier[1]));
     let s = b.add(&af, &cf);
     b.convert_raw(&s, x.dtype())

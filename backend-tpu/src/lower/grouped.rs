@@ -23,14 +23,14 @@ const TILE: usize = 32;
 fn dyn_slice(b: &mut Builder, x: &Val, starts: &[&Val], sizes: &[usize]) -> Val {
     let mut operands = vec![x];
     operands.extend_from_slice(starts);
-    b.op("stablehlo.dynamic_slice", &operands, &format!("slice_sizes = {}", arr(sizes)), Ty::new(sizes, x.dtype()))
+    b.op("stablehlo.dynamic_slice", &operands, vec![("slice_sizes", arr(sizes))], Ty::new(sizes, x.dtype()))
 }
 
 /// `x` with `upd` written at dynamic scalar `starts`.
 fn dyn_update(b: &mut Builder, x: &Val, upd: &Val, starts: &[&Val]) -> Val {
     let mut operands = vec![x, upd];
     operands.extend_from_slice(starts);
-    b.op("stablehlo.dynamic_update_slice", &operands, "", x.ty.clone())
+    b.op("stablehlo.dynamic_update_slice", &operands, vec![], x.ty.clone())
 }
 
 /// `x[i]` of a 1-D int64 `x` at a dynamic scalar `i`, as a scalar.
@@ -146,7 +146,7 @@ pub fn grouped_mm(b: &mut Builder, x: &[Val], out: &Meta) -> Result<(Val, (Val, 
         vec![tile, grp, acc, a.clone(), w.clone(), ends.clone(), sizes.clone()]
     });
     let refs: Vec<&Val> = state.iter().collect();
-    let res = b.op_n("stablehlo.while", &refs, &format!("{cond}, {body}"), "", &tys);
+    let res = b.op_n("stablehlo.while", &refs, vec![cond, body], vec![], &tys);
     let acc = if rows_mode { b.slice_dim(&res[2], 0, 0, m) } else { res[2].clone() };
     Ok((b.convert_raw(&acc, out.dtype), check))
 }

@@ -1,7 +1,7 @@
 //! Lowerings of the indexing primitives, with the device-side checks of
 //! their indices (Note [Checks on the device]).
 use super::ops::*;
-use super::{arr, list, Builder, Lit, Ty, Val};
+use super::{gather_attrs, scatter_attrs, Builder, Lit, Ty, Val};
 use kiln_tensor::{DType, Meta, ScatterReduce};
 
 /// The check that every index (input 1) lies in `[0, size)` of `src`'s `dim`.
@@ -88,13 +88,8 @@ pub(super) fn scatter(
             vec![a[1].clone()]
         }
     });
-    let win = if window.is_empty() { String::new() } else { format!("update_window_dims = {}, ", list(window)) };
-    let attrs = format!(
-        "scatter_dimension_numbers = #stablehlo.scatter<{win}inserted_window_dims = {}, scatter_dims_to_operand_dims = {}, index_vector_dim = {index_vector_dim}>, indices_are_sorted = false, unique_indices = false",
-        list(inserted),
-        list(to_operand)
-    );
-    b.op_region("stablehlo.scatter", &[base, idx, upd], &region, &attrs, base.ty.clone())
+    let attrs = scatter_attrs(window, inserted, to_operand, index_vector_dim);
+    b.op_region("stablehlo.scatter", &[base, idx, upd], region, attrs, base.ty.clone())
 }
 
 /// `Op::Gather` along `dim`, with its index check.
@@ -104,16 +99,11 @@ pub(super) fn gather(b: &mut Builder, x: &[Val], dim: &usize, out: Ty) -> Lowere
     let coords = coordinates(b, idx, *dim);
     let r = src.ty.rank();
     let all: Vec<usize> = (0..r).collect();
-    let attrs = format!(
-        "dimension_numbers = #stablehlo.gather<collapsed_slice_dims = {}, start_index_map = {}, index_vector_dim = {r}>, indices_are_sorted = false, slice_sizes = {}",
-        list(&all),
-        list(&all),
-        arr(&vec![1; r])
-    );
+    let attrs = gather_attrs(&[], &all, &all, r, &vec![1; r]);
     let g = if idx.ty.numel() == 0 || r == 0 {
         gather0(b, src, idx)
     } else {
-        b.op("stablehlo.gather", &[src, &coords], &attrs, out)
+        b.op("stablehlo.gather", &[src, &coords], attrs, out)
     };
     (vec![g], vec![ok])
 }
@@ -152,14 +142,10 @@ pub(super) fn index_select(b: &mut Builder, x: &[Val], dim: &usize, outs: &[Meta
     sizes[*dim] = 1;
     // Gather puts the index dim first among batch dims: output [n, rest...]; then move it to `dim`.
     let offset_dims: Vec<usize> = (1..r).collect();
-    let attrs = format!(
-        "dimension_numbers = #stablehlo.gather<offset_dims = {}, collapsed_slice_dims = [{dim}], start_index_map = [{dim}], index_vector_dim = 1>, indices_are_sorted = false, slice_sizes = {}",
-        list(&offset_dims),
-        arr(&sizes)
-    );
+    let attrs = gather_attrs(&offset_dims, &[*dim], &[*dim], 1, &sizes);
     let mut gshape = vec![idx.ty.numel()];
     gshape.extend(offset.iter().map(|&d| src.shape()[d]));
-    let g = b.op("stablehlo.gather", &[src, &i2], &attrs, Ty::new(&gshape, src.dtype()));
+    let g = b.op("stablehlo.gather", &[src, &i2], attrs, Ty::new(&gshape, src.dtype()));
     // g: [n, dims except `dim`] -> put n at `dim`.
     let mut perm: Vec<usize> = (1..r).collect();
     perm.insert(*dim, 0);

@@ -1,5 +1,5 @@
-//! The StableHLO emitter: MLIR text in the generic op form, built by a small
-//! [`Builder`]. `ops.rs` holds one lowering per primitive (`random.rs` the
+//! The StableHLO emitter: a [`Module`] tree (Note [StableHLO modules] in
+//! `stablehlo/`), built by a small [`Builder`]. `ops.rs` holds one lowering per primitive (`random.rs` the
 //! Philox rounds of `random_bits`), `view.rs` the reads
 //! and writes of strided views of flat buffers; [`exec_module`],
 //! [`read_module`] and [`assign_module`] assemble whole programs. Nothing here
@@ -25,50 +25,10 @@ pub use program::{lower_program, LoweredProgram};
 pub use shard::{mesh_decl, Sharding};
 pub use view::{read_view, write_view};
 
+use crate::stablehlo::{Func, Port};
 use kiln_tensor::{DType, Error, Layout, Meta, Result};
-use std::fmt::Write;
 
-/// A tensor type: shape and dtype.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Ty {
-    pub shape: Vec<usize>,
-    pub dtype: DType,
-}
-
-impl Ty {
-    pub fn new(shape: &[usize], dtype: DType) -> Ty {
-        Ty { shape: shape.to_vec(), dtype }
-    }
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-    pub fn rank(&self) -> usize {
-        self.shape.len()
-    }
-    /// `tensor<2x3xf32>`.
-    pub fn mlir(&self) -> String {
-        kiln_tensor::custom::mlir_type(&self.shape, self.dtype)
-    }
-    pub fn with_dtype(&self, dtype: DType) -> Ty {
-        Ty { shape: self.shape.clone(), dtype }
-    }
-}
-
-/// An SSA value and its type.
-#[derive(Debug, Clone)]
-pub struct Val {
-    pub name: String,
-    pub ty: Ty,
-}
-
-impl Val {
-    pub fn shape(&self) -> &[usize] {
-        &self.ty.shape
-    }
-    pub fn dtype(&self) -> DType {
-        self.ty.dtype
-    }
-}
+pub use crate::stablehlo::{Attr, Attrs, Module, Name, NameKind, Operation, Region, Ty, Val};
 
 /// A scalar literal before conversion to an element type.
 #[derive(Debug, Clone, Copy)]
@@ -79,19 +39,52 @@ pub enum Lit {
 }
 
 /// `array<i64: 1, 2>`.
-pub fn arr(v: &[usize]) -> String {
-    let items: Vec<String> = v.iter().map(|x| x.to_string()).collect();
-    if items.is_empty() {
-        "array<i64>".into()
-    } else {
-        format!("array<i64: {}>", items.join(", "))
-    }
+pub fn arr(v: &[usize]) -> Attr {
+    Attr::I64s(list(v))
 }
 
-/// `[1, 2]` (for dimension lists inside dialect attributes).
-pub fn list(v: &[usize]) -> String {
-    let items: Vec<String> = v.iter().map(|x| x.to_string()).collect();
-    format!("[{}]", items.join(", "))
+/// Dimensions as the integers of an attribute (`[1, 2]` inside dialect attributes).
+pub fn list(v: &[usize]) -> Vec<i64> {
+    v.iter().map(|&x| x as i64).collect()
+}
+
+/// The attributes of a `stablehlo.gather`: dimension numbers, unsorted
+/// indices, slice sizes.
+pub fn gather_attrs(
+    offset: &[usize],
+    collapsed: &[usize],
+    start_map: &[usize],
+    index_dim: usize,
+    sizes: &[usize],
+) -> Attrs {
+    let dims = Attr::Gather {
+        offset_dims: list(offset),
+        collapsed_slice_dims: list(collapsed),
+        start_index_map: list(start_map),
+        index_vector_dim: index_dim as i64,
+    };
+    vec![("dimension_numbers", dims), ("indices_are_sorted", Attr::Bool(false)), ("slice_sizes", arr(sizes))]
+}
+
+/// The attributes of a `stablehlo.scatter`: dimension numbers, unsorted and
+/// possibly repeated indices.
+pub fn scatter_attrs(window: &[usize], inserted: &[usize], to_operand: &[usize], index_dim: usize) -> Attrs {
+    let dims = Attr::Scatter {
+        update_window_dims: list(window),
+        inserted_window_dims: list(inserted),
+        scatter_dims_to_operand_dims: list(to_operand),
+        index_vector_dim: index_dim as i64,
+    };
+    vec![
+        ("scatter_dimension_numbers", dims),
+        ("indices_are_sorted", Attr::Bool(false)),
+        ("unique_indices", Attr::Bool(false)),
+    ]
+}
+
+/// `#stablehlo<kind VALUE>`.
+pub fn enum_attr(kind: &'static str, value: &str) -> Attr {
+    Attr::Enum { kind, value: value.to_string() }
 }
 
 /// The literal text of `v` converted to `dtype` with PyTorch's cast rules
@@ -177,7 +170,7 @@ pub fn creation_args(op: &kiln_tensor::Op) -> Option<Vec<(Vec<u8>, DType)>> {
 /// arguments, so that one executable serves every value: a fill value or a
 /// range start that changes every step (an optimizer's bias correction, a
 /// decoding position) never recompiles.
-pub fn creation_module(op: &kiln_tensor::Op) -> Result<String> {
+pub fn creation_module(op: &kiln_tensor::Op) -> Result<Module> {
     let tys: Vec<Ty> = creation_args(op)
         .ok_or_else(|| Error::backend("pjrt", format!("{} is not a creation op", op.name())))?
         .iter()
@@ -209,41 +202,41 @@ pub fn creation_lower(b: &mut Builder, op: &kiln_tensor::Op, flat_args: &[Val]) 
     }
 }
 
-/// Builds one function body in MLIR's generic op form.
+/// Builds one function of a [`Module`]: its arguments, its body's
+/// operations, and the private functions it calls.
 pub struct Builder {
-    body: String,
+    /// The operations of the block being built.
+    ops: Vec<Operation>,
     next: usize,
     args: Vec<Ty>,
     /// The sharding of each argument of a program over a mesh (Note [Shardings]).
     arg_shardings: Vec<Option<Sharding>>,
     /// `(argument, output)` pairs: the argument's buffer is donated to the output.
     aliases: Vec<(usize, usize)>,
-    /// Private functions of the module (custom ops' lowerings): symbol, then
-    /// signature and body.
-    funcs: Vec<(String, String)>,
+    /// Private functions of the module (custom ops' lowerings).
+    funcs: Vec<Func>,
 }
 
 impl Builder {
     /// A builder for a function of the given argument types, and the arguments as values.
     pub fn new(args: &[Ty]) -> (Builder, Vec<Val>) {
-        let mut b = Builder {
-            body: String::new(),
-            next: 0,
-            args: vec![],
-            arg_shardings: vec![],
-            aliases: vec![],
-            funcs: vec![],
-        };
+        let mut b =
+            Builder { ops: vec![], next: 0, args: vec![], arg_shardings: vec![], aliases: vec![], funcs: vec![] };
         let vals = args.iter().map(|t| b.add_arg(t.clone())).collect();
         (b, vals)
     }
 
     /// Appends an argument to the function and returns it as a value.
     pub fn add_arg(&mut self, ty: Ty) -> Val {
-        let v = Val { name: format!("%a{}", self.args.len()), ty: ty.clone() };
+        let v = Val { name: Name::new(NameKind::Arg, self.args.len()), ty: ty.clone() };
         self.args.push(ty);
         self.arg_shardings.push(None);
         v
+    }
+
+    /// The function's arguments, as values.
+    pub fn args(&self) -> Vec<Val> {
+        self.args.iter().enumerate().map(|(i, t)| Val { name: Name::new(NameKind::Arg, i), ty: t.clone() }).collect()
     }
 
     /// Appends an argument of a program over a mesh: `ty` is the global type,
@@ -259,85 +252,95 @@ impl Builder {
         Ok(v)
     }
 
-    fn fresh(&mut self) -> String {
+    fn fresh(&mut self) -> Name {
         self.next += 1;
-        format!("%v{}", self.next)
+        Name::new(NameKind::Value, self.next)
     }
 
-    /// Emits `"name"(operands) {attrs} : (types) -> out` and returns its result.
-    pub fn op(&mut self, name: &str, operands: &[&Val], attrs: &str, out: Ty) -> Val {
-        self.op_n(name, operands, "", attrs, &[out]).pop().expect("one result")
+    /// Appends `"name"(operands) {attrs} : (types) -> out` and returns its result.
+    pub fn op(&mut self, name: &str, operands: &[&Val], attrs: Attrs, out: Ty) -> Val {
+        self.op_n(name, operands, vec![], attrs, &[out]).pop().expect("one result")
     }
 
     /// An op with one region and one result.
-    pub fn op_region(&mut self, name: &str, operands: &[&Val], region: &str, attrs: &str, out: Ty) -> Val {
-        self.op_n(name, operands, region, attrs, std::slice::from_ref(&out)).pop().expect("one result")
+    pub fn op_region(&mut self, name: &str, operands: &[&Val], region: Region, attrs: Attrs, out: Ty) -> Val {
+        self.op_n(name, operands, vec![region], attrs, std::slice::from_ref(&out)).pop().expect("one result")
     }
 
-    /// An op with several results and an optional region text.
-    pub fn op_n(&mut self, name: &str, operands: &[&Val], region: &str, attrs: &str, outs: &[Ty]) -> Vec<Val> {
-        let id = self.fresh();
-        let ops: Vec<&str> = operands.iter().map(|v| v.name.as_str()).collect();
-        let in_tys: Vec<String> = operands.iter().map(|v| v.ty.mlir()).collect();
-        let out_tys: Vec<String> = outs.iter().map(|t| t.mlir()).collect();
-        let lhs = if outs.len() == 1 { id.clone() } else { format!("{id}:{}", outs.len()) };
-        let _ = write!(self.body, "    {lhs} = \"{name}\"({})", ops.join(", "));
-        if !region.is_empty() {
-            let _ = write!(self.body, " ({region})");
-        }
-        if !attrs.is_empty() {
-            let _ = write!(self.body, " {{{attrs}}}");
-        }
-        let out_list = if outs.len() == 1 { out_tys[0].clone() } else { format!("({})", out_tys.join(", ")) };
-        let _ = writeln!(self.body, " : ({}) -> {out_list}", in_tys.join(", "));
-        if outs.len() == 1 {
-            vec![Val { name: id, ty: outs[0].clone() }]
-        } else {
-            outs.iter().enumerate().map(|(i, t)| Val { name: format!("{id}#{i}"), ty: t.clone() }).collect()
-        }
+    /// An op with several results and any number of regions.
+    pub fn op_n(&mut self, name: &str, operands: &[&Val], regions: Vec<Region>, attrs: Attrs, outs: &[Ty]) -> Vec<Val> {
+        let o = Operation {
+            result: Some(self.fresh()),
+            name: name.to_string(),
+            operands: operands.iter().map(|v| (*v).clone()).collect(),
+            regions,
+            attrs,
+            results: outs.to_vec(),
+        };
+        let vals = o.values();
+        self.ops.push(o);
+        vals
     }
 
-    /// The text of a one-block region with arguments of the given types, whose
-    /// body `f` builds and returns the values the block yields.
-    pub fn region(&mut self, arg_tys: &[Ty], f: impl FnOnce(&mut Builder, Vec<Val>) -> Vec<Val>) -> String {
-        let saved = std::mem::take(&mut self.body);
+    /// Appends an operation as built (a terminator, a block's reshapes).
+    pub fn push(&mut self, o: Operation) {
+        self.ops.push(o);
+    }
+
+    /// A one-block region with arguments of the given types, whose body `f`
+    /// builds and returns the values the block yields (`stablehlo.return`).
+    pub fn region(&mut self, arg_tys: &[Ty], f: impl FnOnce(&mut Builder, Vec<Val>) -> Vec<Val>) -> Region {
+        let saved = std::mem::take(&mut self.ops);
         let args: Vec<Val> = arg_tys.iter().map(|t| Val { name: self.fresh(), ty: t.clone() }).collect();
-        let header: Vec<String> = args.iter().map(|a| format!("{}: {}", a.name, a.ty.mlir())).collect();
-        let _ = writeln!(self.body, "{{\n  ^bb0({}):", header.join(", "));
-        let rets = f(self, args);
-        let names: Vec<&str> = rets.iter().map(|v| v.name.as_str()).collect();
-        let tys: Vec<String> = rets.iter().map(|v| v.ty.mlir()).collect();
-        let _ = write!(self.body, "    \"stablehlo.return\"({}) : ({}) -> ()\n  }}", names.join(", "), tys.join(", "));
-        std::mem::replace(&mut self.body, saved)
+        let rets = f(self, args.clone());
+        self.ops.push(terminator("stablehlo.return", &rets));
+        Region { args, ops: std::mem::replace(&mut self.ops, saved) }
+    }
+
+    /// The operations built so far (a local region's body, `collective.rs`).
+    pub fn take_ops(&mut self) -> Vec<Operation> {
+        std::mem::take(&mut self.ops)
     }
 
     /// The name of the op that defines `v` in this function (`stablehlo.reduce`),
     /// if `v` is the single result of an op of it.
     pub fn defining_op(&self, v: &Val) -> Option<&str> {
-        let key = format!("    {} = \"", v.name);
-        let start = self.body.find(&key)? + key.len();
-        self.body[start..].split('"').next()
+        self.ops.iter().find(|o| o.result == Some(v.name) && o.results.len() == 1).map(|o| o.name.as_str())
     }
 
     /// `x` moved to the sharding `s` (`sdy.reshard`): the partitioner inserts
     /// the collectives (a partial sum resharded without its unreduced axes is all-reduced).
     pub fn reshard(&mut self, x: &Val, s: &Sharding) -> Val {
-        let attrs = format!("sharding = {}", s.attr());
-        self.op("sdy.sharding_constraint", &[x], &attrs, x.ty.clone())
+        self.op("sdy.sharding_constraint", &[x], vec![("sharding", Attr::Sharding(s.clone()))], x.ty.clone())
     }
 
-    /// Adds the private function `@sym` (its signature and body in `text`)
-    /// to the module, once.
-    pub fn add_func(&mut self, sym: &str, text: &str) {
-        if !self.funcs.iter().any(|(s, _)| s == sym) {
-            self.funcs.push((sym.to_string(), text.to_string()));
+    /// Adds the private function `f` to the module, once (by name).
+    pub fn add_func(&mut self, f: Func) {
+        if !self.funcs.iter().any(|g| g.name() == f.name()) {
+            self.funcs.push(f);
         }
     }
 
     /// Takes the private functions of `other` (a region's body) into this module.
     pub fn take_funcs(&mut self, other: &mut Builder) {
-        for (sym, text) in std::mem::take(&mut other.funcs) {
-            self.add_func(&sym, &text);
+        for f in std::mem::take(&mut other.funcs) {
+            self.add_func(f);
+        }
+    }
+
+    /// The function built so far as the private function `@name` of a
+    /// module, returning `outs` (to add to another builder with [`Builder::add_func`]).
+    pub fn into_private(self, name: &str, outs: &[Val]) -> Func {
+        let args = self.args.iter().map(|t| Port { ty: t.clone(), attrs: vec![] }).collect();
+        let body_args = self.args();
+        let mut ops = self.ops;
+        ops.push(terminator("func.return", outs));
+        Func::Built {
+            name: name.into(),
+            public: false,
+            args,
+            results: outs.iter().map(|v| Port { ty: v.ty.clone(), attrs: vec![] }).collect(),
+            body: Region { args: body_args, ops },
         }
     }
 
@@ -350,19 +353,20 @@ impl Builder {
 
     /// The whole module with `outs` returned from `@main`.
     /// In a program over a mesh (sharded arguments), the results are replicated.
-    pub fn finish(self, outs: &[Val]) -> String {
-        let outs_sharded: Vec<Sharding> = match self.arg_shardings.iter().flatten().next() {
-            Some(s) => outs.iter().map(|v| Sharding::replicated(&s.mesh, v.ty.rank())).collect(),
+    pub fn finish(self, outs: &[Val]) -> Module {
+        // The arguments share one mesh (`add_sharded_arg`), which the results are replicated over.
+        let mesh = self.arg_shardings.iter().flatten().next().map(|s| s.mesh.clone());
+        let outs_sharded: Vec<Sharding> = match &mesh {
+            Some(m) => outs.iter().map(|v| Sharding::replicated(m, v.ty.rank())).collect(),
             None => vec![],
         };
-        // Cannot fail: the arguments share one mesh (`add_sharded_arg`) and every result has a sharding.
-        self.finish_sharded(outs, &outs_sharded).unwrap_or_else(|e| format!("// {e}\n"))
+        self.assemble(outs, &outs_sharded, mesh)
     }
 
     /// The whole module, the results of a program over a mesh carrying
     /// `out_shardings` (one per result, or none for a one-device program). Every
     /// sharding must be over the same root mesh, which the module declares.
-    pub fn finish_sharded(self, outs: &[Val], out_shardings: &[Sharding]) -> Result<String> {
+    pub fn finish_sharded(self, outs: &[Val], out_shardings: &[Sharding]) -> Result<Module> {
         let mut mesh: Option<kiln_tensor::DeviceMesh> = None;
         for s in self.arg_shardings.iter().flatten().chain(out_shardings) {
             match &mesh {
@@ -380,63 +384,59 @@ impl Builder {
                 ),
             ));
         }
-        let args: Vec<String> = self
-            .args
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                let mut attrs = vec![];
+        Ok(self.assemble(outs, out_shardings, mesh))
+    }
+
+    /// The module of checked parts: one sharding per result when `mesh` is set.
+    fn assemble(self, outs: &[Val], out_shardings: &[Sharding], mesh: Option<kiln_tensor::DeviceMesh>) -> Module {
+        let args: Vec<Port> = (0..self.args.len())
+            .map(|i| {
+                let mut attrs: Attrs = vec![];
                 if let Some((_, o)) = self.aliases.iter().find(|a| a.0 == i) {
-                    attrs.push(format!("tf.aliasing_output = {o} : i32"));
+                    attrs.push(("tf.aliasing_output", Attr::Int(*o as i64, "i32")));
                 }
                 if let Some(s) = &self.arg_shardings[i] {
-                    attrs.push(format!("sdy.sharding = {}", s.attr()));
+                    attrs.push(("sdy.sharding", Attr::Sharding(s.clone())));
                 }
-                if attrs.is_empty() {
-                    format!("%a{i}: {}", t.mlir())
-                } else {
-                    format!("%a{i}: {} {{{}}}", t.mlir(), attrs.join(", "))
-                }
+                Port { ty: self.args[i].clone(), attrs }
             })
             .collect();
         // A partial-sum result must be declared unreduced inside the function too
         // (Shardy refuses an implicit unreduced-to-reduced transition at the return).
-        let mut body = self.body;
-        let mut names: Vec<String> = outs.iter().map(|v| v.name.clone()).collect();
+        let body_args = self.args();
+        let mut ops = self.ops;
+        let mut rets: Vec<Val> = outs.to_vec();
         for (i, s) in out_shardings.iter().enumerate() {
             if !s.unreduced.is_empty() {
-                let c = format!("%u{i}");
-                let t = outs[i].ty.mlir();
-                let _ = writeln!(
-                    body,
-                    "    {c} = \"sdy.sharding_constraint\"({}) {{sharding = {}}} : ({t}) -> {t}",
-                    names[i],
-                    s.attr()
-                );
-                names[i] = c;
+                let name = Name::new(NameKind::Unreduced, i);
+                ops.push(Operation {
+                    result: Some(name),
+                    name: "sdy.sharding_constraint".into(),
+                    operands: vec![rets[i].clone()],
+                    regions: vec![],
+                    attrs: vec![("sharding", Attr::Sharding(s.clone()))],
+                    results: vec![rets[i].ty.clone()],
+                });
+                rets[i] = Val { name, ty: rets[i].ty.clone() };
             }
         }
-        let out_tys: Vec<String> = outs.iter().map(|v| v.ty.mlir()).collect();
-        let results: Vec<String> = match &mesh {
-            None => out_tys.clone(),
-            Some(_) => {
-                out_tys.iter().zip(out_shardings).map(|(t, s)| format!("{t} {{sdy.sharding = {}}}", s.attr())).collect()
-            }
-        };
-        let (partitions, decl) = match &mesh {
-            None => (1, String::new()),
-            Some(m) => (m.devices().len(), format!("  {}\n", shard::mesh_decl(m))),
-        };
-        let funcs: String =
-            self.funcs.iter().map(|(sym, text)| format!("  func.func private @{sym}{text}\n")).collect();
-        Ok(format!(
-            "module @kiln attributes {{mhlo.num_partitions = {partitions} : i32, mhlo.num_replicas = 1 : i32}} {{\n{decl}  func.func public @main({}) -> ({}) {{\n{}    \"func.return\"({}) : ({}) -> ()\n  }}\n{funcs}}}\n",
-            args.join(", "),
-            results.join(", "),
-            body,
-            names.join(", "),
-            out_tys.join(", ")
-        ))
+        ops.push(terminator("func.return", &rets));
+        let results: Vec<Port> = outs
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let attrs = match (&mesh, out_shardings.get(i)) {
+                    (Some(_), Some(s)) => vec![("sdy.sharding", Attr::Sharding(s.clone()))],
+                    _ => vec![],
+                };
+                Port { ty: v.ty.clone(), attrs }
+            })
+            .collect();
+        let main =
+            Func::Built { name: "main".into(), public: true, args, results, body: Region { args: body_args, ops } };
+        let mut funcs = vec![main];
+        funcs.extend(self.funcs);
+        Module { partitions: mesh.as_ref().map_or(1, |m| m.devices().len()), mesh, funcs }
     }
 
     // ---- building blocks ---------------------------------------------------------------
@@ -444,8 +444,8 @@ impl Builder {
     /// A scalar constant of `dtype`.
     pub fn constant(&mut self, v: Lit, dtype: DType) -> Val {
         let ty = Ty::new(&[], dtype);
-        let attrs = format!("value = dense<{}> : {}", literal(v, dtype), ty.mlir());
-        self.op("stablehlo.constant", &[], &attrs, ty)
+        let attrs = vec![("value", Attr::Scalar { literal: literal(v, dtype), ty: ty.clone() })];
+        self.op("stablehlo.constant", &[], attrs, ty)
     }
     /// `v` broadcast to `shape`.
     pub fn splat(&mut self, v: Lit, dtype: DType, shape: &[usize]) -> Val {
@@ -462,14 +462,18 @@ impl Builder {
         if x.shape() == shape && dims.iter().enumerate().all(|(i, &d)| i == d) {
             return x.clone();
         }
-        let attrs = format!("broadcast_dimensions = {}", arr(dims));
-        self.op("stablehlo.broadcast_in_dim", &[x], &attrs, Ty::new(shape, x.dtype()))
+        self.op(
+            "stablehlo.broadcast_in_dim",
+            &[x],
+            vec![("broadcast_dimensions", arr(dims))],
+            Ty::new(shape, x.dtype()),
+        )
     }
     pub fn unary(&mut self, name: &str, x: &Val) -> Val {
-        self.op(&format!("stablehlo.{name}"), &[x], "", x.ty.clone())
+        self.op(&format!("stablehlo.{name}"), &[x], vec![], x.ty.clone())
     }
     pub fn binary(&mut self, name: &str, a: &Val, b: &Val) -> Val {
-        self.op(&format!("stablehlo.{name}"), &[a, b], "", a.ty.clone())
+        self.op(&format!("stablehlo.{name}"), &[a, b], vec![], a.ty.clone())
     }
     pub fn add(&mut self, a: &Val, b: &Val) -> Val {
         self.binary("add", a, b)
@@ -490,10 +494,11 @@ impl Builder {
             DType::Bool | DType::U8 => "UNSIGNED",
             _ => "SIGNED",
         };
-        let attrs = format!(
-            "comparison_direction = #stablehlo<comparison_direction {dir}>, compare_type = #stablehlo<comparison_type {kind}>"
-        );
-        self.op("stablehlo.compare", &[a, b], &attrs, a.ty.with_dtype(DType::Bool))
+        let attrs = vec![
+            ("comparison_direction", enum_attr("comparison_direction", dir)),
+            ("compare_type", enum_attr("comparison_type", kind)),
+        ];
+        self.op("stablehlo.compare", &[a, b], attrs, a.ty.with_dtype(DType::Bool))
     }
     /// `compare(x, v)` against a constant.
     pub fn compare_lit(&mut self, dir: &str, x: &Val, v: Lit) -> Val {
@@ -501,7 +506,7 @@ impl Builder {
         self.compare(dir, x, &c)
     }
     pub fn select(&mut self, c: &Val, a: &Val, b: &Val) -> Val {
-        self.op("stablehlo.select", &[c, a, b], "", a.ty.clone())
+        self.op("stablehlo.select", &[c, a, b], vec![], a.ty.clone())
     }
     pub fn and(&mut self, a: &Val, b: &Val) -> Val {
         self.binary("and", a, b)
@@ -521,7 +526,7 @@ impl Builder {
         if x.dtype() == to {
             return x.clone();
         }
-        self.op("stablehlo.convert", &[x], "", x.ty.with_dtype(to))
+        self.op("stablehlo.convert", &[x], vec![], x.ty.with_dtype(to))
     }
     /// PyTorch's cast (`tensor.to(dtype)`): to bool is `!= 0` (NaN is true), float
     /// to integer truncates through int64 (then wraps), into bf16/f16 goes through float32.
@@ -558,23 +563,22 @@ impl Builder {
         if x.shape() == shape {
             return x.clone();
         }
-        self.op("stablehlo.reshape", &[x], "", Ty::new(shape, x.dtype()))
+        self.op("stablehlo.reshape", &[x], vec![], Ty::new(shape, x.dtype()))
     }
     pub fn transpose(&mut self, x: &Val, perm: &[usize]) -> Val {
         if perm.iter().enumerate().all(|(i, &p)| i == p) {
             return x.clone();
         }
         let shape: Vec<usize> = perm.iter().map(|&p| x.shape()[p]).collect();
-        self.op("stablehlo.transpose", &[x], &format!("permutation = {}", arr(perm)), Ty::new(&shape, x.dtype()))
+        self.op("stablehlo.transpose", &[x], vec![("permutation", arr(perm))], Ty::new(&shape, x.dtype()))
     }
     pub fn slice(&mut self, x: &Val, start: &[usize], limit: &[usize], strides: &[usize]) -> Val {
         if start.iter().all(|&s| s == 0) && limit == x.shape() && strides.iter().all(|&s| s == 1) {
             return x.clone();
         }
         let shape: Vec<usize> = (0..start.len()).map(|i| (limit[i] - start[i]).div_ceil(strides[i])).collect();
-        let attrs =
-            format!("start_indices = {}, limit_indices = {}, strides = {}", arr(start), arr(limit), arr(strides));
-        self.op("stablehlo.slice", &[x], &attrs, Ty::new(&shape, x.dtype()))
+        let attrs = vec![("start_indices", arr(start)), ("limit_indices", arr(limit)), ("strides", arr(strides))];
+        self.op("stablehlo.slice", &[x], attrs, Ty::new(&shape, x.dtype()))
     }
     /// `x[..., a:b, ...]` along `dim`.
     pub fn slice_dim(&mut self, x: &Val, dim: usize, a: usize, b: usize) -> Val {
@@ -586,13 +590,13 @@ impl Builder {
     }
     /// `0, 1, 2, ...` along `dim` of `shape`.
     pub fn iota(&mut self, shape: &[usize], dim: usize, dtype: DType) -> Val {
-        self.op("stablehlo.iota", &[], &format!("iota_dimension = {dim} : i64"), Ty::new(shape, dtype))
+        self.op("stablehlo.iota", &[], vec![("iota_dimension", Attr::Int(dim as i64, "i64"))], Ty::new(shape, dtype))
     }
     pub fn concat(&mut self, xs: &[&Val], dim: usize) -> Val {
         let mut shape = xs[0].shape().to_vec();
         shape[dim] = xs.iter().map(|x| x.shape()[dim]).sum();
         let dt = xs[0].dtype();
-        self.op("stablehlo.concatenate", xs, &format!("dimension = {dim} : i64"), Ty::new(&shape, dt))
+        self.op("stablehlo.concatenate", xs, vec![("dimension", Attr::Int(dim as i64, "i64"))], Ty::new(&shape, dt))
     }
     /// Pads with `value`: `low`/`high` elements before/after each dim.
     pub fn pad(&mut self, x: &Val, value: Lit, low: &[usize], high: &[usize]) -> Val {
@@ -601,13 +605,12 @@ impl Builder {
         }
         let v = self.constant(value, x.dtype());
         let shape: Vec<usize> = (0..low.len()).map(|i| x.shape()[i] + low[i] + high[i]).collect();
-        let attrs = format!(
-            "edge_padding_low = {}, edge_padding_high = {}, interior_padding = {}",
-            arr(low),
-            arr(high),
-            arr(&vec![0; low.len()])
-        );
-        self.op("stablehlo.pad", &[x, &v], &attrs, Ty::new(&shape, x.dtype()))
+        let attrs = vec![
+            ("edge_padding_low", arr(low)),
+            ("edge_padding_high", arr(high)),
+            ("interior_padding", arr(&vec![0; low.len()])),
+        ];
+        self.op("stablehlo.pad", &[x, &v], attrs, Ty::new(&shape, x.dtype()))
     }
     /// Reduces `dims` of `x` with the binary op `body` (e.g. `add`; `nan_maximum` and
     /// `nan_minimum` propagate NaN) from `init`.
@@ -624,13 +627,7 @@ impl Builder {
             }]
         });
         let shape: Vec<usize> = (0..x.ty.rank()).filter(|d| !dims.contains(d)).map(|d| x.shape()[d]).collect();
-        self.op_region(
-            "stablehlo.reduce",
-            &[x, &init],
-            &region,
-            &format!("dimensions = {}", arr(dims)),
-            Ty::new(&shape, dt),
-        )
+        self.op_region("stablehlo.reduce", &[x, &init], region, vec![("dimensions", arr(dims))], Ty::new(&shape, dt))
     }
     /// Batched matrix product: `lhs [batch..., m, k] @ rhs [batch..., k, n]`
     /// (general dimension numbers), computed at full precision.
@@ -638,14 +635,23 @@ impl Builder {
         let mut shape: Vec<usize> = lb.iter().map(|&d| lhs.shape()[d]).collect();
         shape.extend((0..lhs.ty.rank()).filter(|d| !lb.contains(d) && !lc.contains(d)).map(|d| lhs.shape()[d]));
         shape.extend((0..rhs.ty.rank()).filter(|d| !rb.contains(d) && !rc.contains(d)).map(|d| rhs.shape()[d]));
-        let attrs = format!(
-            "dot_dimension_numbers = #stablehlo.dot<lhs_batching_dimensions = {}, rhs_batching_dimensions = {}, lhs_contracting_dimensions = {}, rhs_contracting_dimensions = {}>, precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]",
-            list(lb),
-            list(rb),
-            list(lc),
-            list(rc)
-        );
-        self.op("stablehlo.dot_general", &[lhs, rhs], &attrs, Ty::new(&shape, lhs.dtype()))
+        let dims =
+            Attr::Dot { lhs_batch: list(lb), rhs_batch: list(rb), lhs_contract: list(lc), rhs_contract: list(rc) };
+        let highest = Attr::Array(vec![enum_attr("precision", "HIGHEST"), enum_attr("precision", "HIGHEST")]);
+        let attrs = vec![("dot_dimension_numbers", dims), ("precision_config", highest)];
+        self.op("stablehlo.dot_general", &[lhs, rhs], attrs, Ty::new(&shape, lhs.dtype()))
+    }
+}
+
+/// The terminator `name` (`stablehlo.return`, `func.return`, `sdy.return`) of `values`.
+pub fn terminator(name: &str, values: &[Val]) -> Operation {
+    Operation {
+        result: None,
+        name: name.into(),
+        operands: values.to_vec(),
+        regions: vec![],
+        attrs: vec![],
+        results: vec![],
     }
 }
 
@@ -661,7 +667,7 @@ pub struct ArgView<'a> {
 /// The program of one primitive: arguments are the inputs' flat storages,
 /// each read through its view; outputs are flat (their storages), followed by
 /// one bool scalar per returned [`Check`].
-pub fn exec_module(op: &kiln_tensor::Op, inputs: &[ArgView<'_>], outs: &[Meta]) -> Result<(String, Vec<Check>)> {
+pub fn exec_module(op: &kiln_tensor::Op, inputs: &[ArgView<'_>], outs: &[Meta]) -> Result<(Module, Vec<Check>)> {
     let arg_tys: Vec<Ty> = inputs.iter().map(|a| Ty::new(&[a.len], a.dtype)).collect();
     let (mut b, args) = Builder::new(&arg_tys);
     let mut vals = Vec::with_capacity(inputs.len());
@@ -707,7 +713,7 @@ pub fn check_results(op: &kiln_tensor::Op, results: &[Val], outs: &[Meta]) -> Re
 }
 
 /// A program reading the view `layout` of a flat buffer into a flat contiguous one.
-pub fn read_module(layout: &Layout, len: usize, dtype: DType) -> Result<String> {
+pub fn read_module(layout: &Layout, len: usize, dtype: DType) -> Result<Module> {
     let (mut b, args) = Builder::new(&[Ty::new(&[len], dtype)]);
     let v = read_view(&mut b, &args[0], layout)?;
     let n = v.ty.numel();
@@ -726,7 +732,7 @@ pub fn assign_module(
     src: ArgView<'_>,
     same_storage: bool,
     donate: bool,
-) -> Result<String> {
+) -> Result<Module> {
     let mut tys = vec![Ty::new(&[dst_len], src.dtype)];
     if !same_storage {
         tys.push(Ty::new(&[src.len], src.dtype));

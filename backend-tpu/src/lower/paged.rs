@@ -9,7 +9,7 @@
 //! bool that the backend turns into the CPU backend's error.
 use super::index::all;
 use super::ops::Check;
-use super::{arr, list, Builder, Lit, Ty, Val};
+use super::{gather_attrs, Builder, Lit, Ty, Val};
 use kiln_tensor::{DType, Meta};
 
 /// `src[idx]` along dim 0: `[M, rest...]` for `idx [M]` (int64, in range).
@@ -20,14 +20,10 @@ fn take(b: &mut Builder, src: &Val, idx: &Val) -> Val {
     let mut sizes = src.shape().to_vec();
     sizes[0] = 1;
     let offset_dims: Vec<usize> = (1..r).collect();
-    let attrs = format!(
-        "dimension_numbers = #stablehlo.gather<offset_dims = {}, collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, indices_are_sorted = false, slice_sizes = {}",
-        list(&offset_dims),
-        arr(&sizes)
-    );
+    let attrs = gather_attrs(&offset_dims, &[0], &[0], 1, &sizes);
     let mut shape = vec![m];
     shape.extend_from_slice(&src.shape()[1..]);
-    b.op("stablehlo.gather", &[src, &i2], &attrs, Ty::new(&shape, src.dtype()))
+    b.op("stablehlo.gather", &[src, &i2], attrs, Ty::new(&shape, src.dtype()))
 }
 
 /// The output `[N, H, Dv]` and the metadata check.

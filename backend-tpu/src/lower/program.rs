@@ -3,13 +3,13 @@
 //! buffers (the backend's storages), views read and writes made as the
 //! eager ops make them (`read_view`, `write_view`), creation values as
 //! constants, each primitive through `lower_op`, updated parameters donated.
-use super::{check_results, creation_lower, lower_op, read_view, write_view, Builder, Check, Lit, Ty, Val};
+use super::{check_results, creation_lower, lower_op, read_view, write_view, Builder, Check, Lit, Module, Ty, Val};
 use kiln_tensor::ir::{Program, ResultKind};
 use kiln_tensor::{DType, Error, Layout, Op, Result, Scalar, ViewOp};
 
 /// A lowered program: its module text and what its trailing outputs check.
 pub struct LoweredProgram {
-    pub text: String,
+    pub module: Module,
     /// The flat type of each output: one per program result, then one bool per check.
     pub outputs: Vec<(DType, Vec<usize>)>,
     /// The device-side checks of the ops (after the program's results), with the op's name.
@@ -94,6 +94,6 @@ pub fn lower_program(p: &Program) -> Result<LoweredProgram> {
         outputs.push((DType::Bool, vec![]));
         outs.push(v.clone());
     }
-    let text = b.finish(&outs);
-    Ok(LoweredProgram { text, outputs, checks: checks.into_iter().map(|(_, c, n)| (c, n)).collect() })
+    let module = b.finish(&outs);
+    Ok(LoweredProgram { module, outputs, checks: checks.into_iter().map(|(_, c, n)| (c, n)).collect() })
 }

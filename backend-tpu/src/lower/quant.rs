@@ -7,7 +7,7 @@ use kiln_tensor::quant::{Codes, Global, QuantSpec};
 use kiln_tensor::DType;
 
 fn bitcast(b: &mut Builder, x: &Val, to: DType) -> Val {
-    b.op("stablehlo.bitcast_convert", &[x], "", x.ty.with_dtype(to))
+    b.op("stablehlo.bitcast_convert", &[x], vec![], x.ty.with_dtype(to))
 }
 
 fn int_op(b: &mut Builder, name: &str, x: &Val, v: i64) -> Val {
@@ -85,7 +85,7 @@ fn scales_f32(b: &mut Builder, spec: &QuantSpec, scales: &Val) -> Val {
             // A true division, as the reference computes it: behind the barrier XLA
             // cannot turn `s / g` into `s * (1 / g)`, which rounds differently.
             let g = b.splat_like(Lit::F(g as f64), &s);
-            let g = b.op("stablehlo.optimization_barrier", &[&g], "", g.ty.clone());
+            let g = b.op("stablehlo.optimization_barrier", &[&g], vec![], g.ty.clone());
             b.div(&s, &g)
         }
     }

@@ -2,7 +2,7 @@
 //! arg max) and sorting (stable, NaN largest).
 use super::elementwise::*;
 use super::ops::*;
-use super::{arr, Builder, Lit, Ty, Val};
+use super::{arr, Attr, Builder, Lit, Ty, Val};
 use kiln_tensor::{ArgReduceOp, DType, Meta, ReduceOp, Result};
 
 pub(super) fn sum_keep(b: &mut Builder, x: &Val, dim: usize) -> Val {
@@ -122,8 +122,8 @@ pub(super) fn arg_reduce(b: &mut Builder, op: ArgReduceOp, x: &Val, dim: usize) 
     let outs = b.op_n(
         "stablehlo.reduce",
         &[&v, &idx, &init_v, &init_i],
-        &region,
-        &format!("dimensions = {}", arr(&[dim])),
+        vec![region],
+        vec![("dimensions", arr(&[dim]))],
         &[Ty::new(&shape, dt), Ty::new(&shape, DType::I64)],
     );
     outs[1].clone()
@@ -154,8 +154,8 @@ pub(super) fn sort(b: &mut Builder, x: &Val, dim: usize, descending: bool) -> (V
         };
         vec![r]
     });
-    let attrs = format!("dimension = {dim} : i64, is_stable = true");
-    let outs = b.op_n("stablehlo.sort", &[x, &idx], &region, &attrs, &[x.ty.clone(), idx.ty.clone()]);
+    let attrs = vec![("dimension", Attr::Int(dim as i64, "i64")), ("is_stable", Attr::Bool(true))];
+    let outs = b.op_n("stablehlo.sort", &[x, &idx], vec![region], attrs, &[x.ty.clone(), idx.ty.clone()]);
     (outs[0].clone(), outs[1].clone())
 }
 
@@ -186,20 +186,18 @@ pub(super) fn cumsum(b: &mut Builder, x: &[Val], dim: &usize, outs: &[Meta]) -> 
     let r = v.ty.rank();
     let mut win = vec![1; r];
     win[*dim] = n.max(1);
-    let mut pad = vec!["0, 0".to_string(); r];
-    pad[*dim] = format!("{}, 0", n.saturating_sub(1));
+    let mut pad = vec![vec![0i64, 0]; r];
+    pad[*dim] = vec![n.saturating_sub(1) as i64, 0];
     let dt = v.dtype();
     let init = b.constant(Lit::I(0), dt);
     let st = Ty::new(&[], dt);
     let region = b.region(&[st.clone(), st], |b, a| vec![b.add(&a[0], &a[1])]);
-    let rows: Vec<String> = pad.iter().map(|p| format!("[{p}]")).collect();
-    let attrs = format!(
-        "window_dimensions = {}, window_strides = {}, padding = dense<[{}]> : tensor<{r}x2xi64>",
-        arr(&win),
-        arr(&vec![1; r]),
-        rows.join(", ")
-    );
+    let attrs = vec![
+        ("window_dimensions", arr(&win)),
+        ("window_strides", arr(&vec![1; r])),
+        ("padding", Attr::IntRows { rows: pad, width: 2 }),
+    ];
     let ty = v.ty.clone();
-    let c = b.op_region("stablehlo.reduce_window", &[&v, &init], &region, &attrs, ty);
+    let c = b.op_region("stablehlo.reduce_window", &[&v, &init], region, attrs, ty);
     b.convert_raw(&c, outs[0].dtype)
 }

@@ -1,7 +1,7 @@
 //! Views over immutable device buffers: every storage is a flat 1-D buffer,
 //! and a view (any `Layout`: offset, strides, broadcast dims) is read or
 //! written by a few StableHLO ops (see Note [Views of flat buffers]).
-use super::{Builder, Lit, Ty, Val};
+use super::{gather_attrs, scatter_attrs, Builder, Lit, Ty, Val};
 use kiln_tensor::{DType, Error, Layout, Result};
 
 // Note [Views of flat buffers]
@@ -124,10 +124,8 @@ pub fn read_view(b: &mut Builder, flat: &Val, layout: &Layout) -> Result<Val> {
 /// `flat[idx]` for int64 indices `[*shape, 1]` into a 1-D buffer.
 fn gather_flat(b: &mut Builder, flat: &Val, idx: &Val, shape: &[usize]) -> Val {
     let rank = shape.len();
-    let attrs = format!(
-        "dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = {rank}>, indices_are_sorted = false, slice_sizes = array<i64: 1>"
-    );
-    b.op("stablehlo.gather", &[flat, idx], &attrs, Ty::new(shape, flat.dtype()))
+    let attrs = gather_attrs(&[], &[0], &[0], rank, &[1]);
+    b.op("stablehlo.gather", &[flat, idx], attrs, Ty::new(shape, flat.dtype()))
 }
 
 /// Writes `src` (the view's shape) at the positions `layout` views of the flat
@@ -159,14 +157,12 @@ pub fn write_view(b: &mut Builder, base: &Val, layout: &Layout, src: &Val) -> Re
             return Ok(flat_src);
         }
         let start = b.constant(Lit::I(layout.offset() as i64), DType::I64);
-        return Ok(b.op("stablehlo.dynamic_update_slice", &[base, &flat_src, &start], "", base.ty.clone()));
+        return Ok(b.op("stablehlo.dynamic_update_slice", &[base, &flat_src, &start], vec![], base.ty.clone()));
     }
     let idx = flat_indices(b, layout);
     let rank = layout.ndim();
     let st = Ty::new(&[], base.dtype());
     let region = b.region(&[st.clone(), st], |_, a| vec![a[1].clone()]);
-    let attrs = format!(
-        "scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = {rank}>, indices_are_sorted = false, unique_indices = false"
-    );
-    Ok(b.op_region("stablehlo.scatter", &[base, &idx, src], &region, &attrs, base.ty.clone()))
+    let attrs = scatter_attrs(&[], &[0], &[0], rank);
+    Ok(b.op_region("stablehlo.scatter", &[base, &idx, src], region, attrs, base.ty.clone()))
 }

@@ -662,6 +662,34 @@ impl Buffer {
         self.client.api.call("Buffer_ReadyEvent", self.client.api.t().buffer_ready_event, &mut a)?;
         Ok(Event { api: self.client.api.clone(), raw: a.event })
     }
+
+    /// Checks that the plugin holds the buffer as the type it was described
+    /// as (`dtype`, `dims`): a program whose results a caller described from
+    /// elsewhere (an export's manifest) is checked against what it made.
+    pub fn check_described(&self) -> Result<()> {
+        let api = &self.client.api;
+        let mut t = ffi::PJRT_Buffer_ElementType_Args::new();
+        t.buffer = self.raw;
+        api.call("Buffer_ElementType", api.t().buffer_element_type, &mut t)?;
+        let mut d = ffi::PJRT_Buffer_Dimensions_Args::new();
+        d.buffer = self.raw;
+        api.call("Buffer_Dimensions", api.t().buffer_dimensions, &mut d)?;
+        let dims: &[i64] = if d.num_dims == 0 || d.dims.is_null() {
+            &[]
+        } else {
+            // SAFETY: the plugin returns `num_dims` dimensions owned by the
+            // buffer, which `self` keeps alive for this borrow.
+            unsafe { std::slice::from_raw_parts(d.dims, d.num_dims) }
+        };
+        let same_dims = dims.len() == self.dims.len() && dims.iter().zip(&self.dims).all(|(&a, &b)| a == b as i64);
+        if t.kind != buffer_type(self.dtype) || !same_dims {
+            return Err(err(format!(
+                "the program made a buffer of element type {} and dimensions {dims:?}, described as {} {:?}",
+                t.kind, self.dtype, self.dims
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl Drop for Buffer {

@@ -3,7 +3,7 @@
 //! and types are written in their textual form (the format's "assembly
 //! format fallback"), which every reader parses with the dialect's own
 //! parser; everything else is the binary encoding.
-use super::parse::{Op, Region};
+use super::vhlo::{Op, VRegion as Region};
 use std::collections::HashMap;
 
 /// The bytecode version written: the one StableHLO's own portable artifacts
@@ -139,6 +139,10 @@ pub(crate) fn write(module_attrs: &[(String, String)], funcs: &[Op], producer: &
         op(&mut ir, &mut t, &mut scope, f, loc)?;
     }
 
+    // Strings, attributes and types are written null-terminated.
+    if t.strings.iter().chain(&t.attrs).chain(&t.types).any(|s| s.contains('\0')) {
+        return Err("the program holds a NUL character (in a name or an attribute)".into());
+    }
     let mut out = b"ML\xefR".to_vec();
     varint(&mut out, VERSION);
     out.extend_from_slice(producer.as_bytes());
