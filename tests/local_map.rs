@@ -42,6 +42,28 @@ fn cat(parts: &[Tensor], dim: isize) -> Tensor {
     Tensor::cat(&parts.iter().collect::<Vec<_>>(), dim).unwrap()
 }
 
+/// Programs over meshes compile without the plugin's Shardy fallback: the
+/// workspace's `.cargo/config.toml` tells XLA the sharding form kiln's SPMD
+/// modules reach its compiler in (HloShardingV3 off, see the comment there),
+/// so compiling a region's program afresh logs no "Disabling HloShardingV3".
+#[test]
+fn mesh_programs_compile_without_a_shardy_fallback_warning() {
+    let off = std::ffi::OsStr::new("off");
+    let (_, log) =
+        common::run_ignored_test_in_child_with_stderr("a_region_compiled_afresh", &[("KILN_CACHE_DIR", off)], &[]);
+    assert!(!log.contains("HloShardingV3"), "the plugin fell back:\n{log}");
+}
+
+#[test]
+#[ignore = "a child process of mesh_programs_compile_without_a_shardy_fallback_warning"]
+fn a_region_compiled_afresh() {
+    let m = mesh(&[2, 2], &["dp", "tp"]);
+    let x = tensor(&[4, 8], 0.7);
+    let got = region(|b| Ok(vec![all_reduce(&b[0], "tp")?]), &m, &x, &[Shard(0), Shard(1)], &[Shard(0), Replicate]);
+    let want = x.narrow(1, 0, 4).unwrap().add(&x.narrow(1, 4, 4).unwrap()).unwrap();
+    close("all_reduce", &got.unwrap(), &want);
+}
+
 #[test]
 fn collectives_exchange_blocks_as_defined() {
     let m22 = mesh(&[2, 2], &["dp", "tp"]);

@@ -8,6 +8,16 @@
 /// variables `set` set and `unset` removed; panics with the child's output
 /// unless it passes, and returns its stdout.
 pub fn run_ignored_test_in_child(name: &str, set: &[(&str, &std::ffi::OsStr)], unset: &[&str]) -> String {
+    run_ignored_test_in_child_with_stderr(name, set, unset).0
+}
+
+/// [`run_ignored_test_in_child`], returning the child's stdout and stderr
+/// (where native libraries, such as the PJRT plugin, log).
+pub fn run_ignored_test_in_child_with_stderr(
+    name: &str,
+    set: &[(&str, &std::ffi::OsStr)],
+    unset: &[&str],
+) -> (String, String) {
     let exe = std::env::current_exe().expect("the test binary");
     let mut cmd = std::process::Command::new(&exe);
     cmd.args(["--exact", name, "--ignored", "--nocapture", "--test-threads", "1"]);
@@ -22,5 +32,5 @@ pub fn run_ignored_test_in_child(name: &str, set: &[(&str, &std::ffi::OsStr)], u
     assert!(out.status.success(), "the child test {name} failed ({}):\n{so}\n{se}", out.status);
     // libtest prints the counts; a filter that matched nothing would pass silently.
     assert!(so.contains("1 passed"), "the child ran no test named {name}:\n{so}");
-    so.into_owned()
+    (so.into_owned(), se.into_owned())
 }

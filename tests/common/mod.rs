@@ -11,7 +11,7 @@ mod invariance;
 mod pjrt_plugin;
 mod venv;
 #[allow(unused_imports)] // each test binary uses a different subset
-pub use child::run_ignored_test_in_child;
+pub use child::{run_ignored_test_in_child, run_ignored_test_in_child_with_stderr};
 #[allow(unused_imports)]
 pub use invariance::batch_invariance;
 #[allow(unused_imports)]
