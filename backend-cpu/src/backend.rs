@@ -31,7 +31,7 @@ pub(crate) fn lock_inputs<'a>(inputs: &[&'a Tensor]) -> Guards<'a> {
 fn host<'a>(guards: &'a [(usize, RwLockReadGuard<'_, StorageData>)], t: &Tensor) -> Result<&'a HostBuffer> {
     let addr = t.storage().addr();
     let g = guards.iter().find(|g| g.0 == addr).expect("storage was locked");
-    g.1.as_host().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))
+    g.1.host("cpu")
 }
 
 impl Backend for CpuBackend {
@@ -84,9 +84,8 @@ impl Backend for CpuBackend {
             let d = dst.storage().write();
             (src.storage().read(), d)
         };
-        let dst_buf =
-            dst_guard.as_host_mut().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))?;
-        let src_buf = src_guard.as_host().ok_or_else(|| Error::backend("cpu", "a CPU tensor holds a device buffer"))?;
+        let dst_buf = dst_guard.host_mut("cpu")?;
+        let src_buf = src_guard.host("cpu")?;
         kernels::assign(dst_buf, dst.layout(), &Input { buf: src_buf, layout: src.layout() })
     }
 

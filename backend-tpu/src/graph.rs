@@ -482,6 +482,7 @@ pub(crate) fn data_in(d: &StorageData, device: Device) -> Result<PjrtBuffer> {
             .cloned()
             .ok_or_else(|| err(format!("a tensor on {device} holds another backend's buffer"))),
         StorageData::Host(_) => Err(err(format!("a tensor on {device} holds host memory"))),
+        StorageData::Traced => Err(d.not_here("pjrt")),
     }
 }
 

@@ -207,7 +207,12 @@ impl kiln_tensor::Backend for Registered {
         Some(Box::new(kiln_tensor::capture::compile(device, f)))
     }
     fn tracer(&self, device: kiln_tensor::Device) -> Result<Box<dyn kiln_tensor::capture::Tracer>> {
-        Ok(Box::new(capture::PjrtTracer { device }))
+        match device {
+            // One device: the backend-free recorder, its programs lowered by `compile`.
+            kiln_tensor::Device::Tpu(_) => Ok(Box::new(kiln_tensor::capture::RecordingTracer::new(device))),
+            // Meshes and local regions: the PJRT capture graph (`capture.rs`).
+            _ => Ok(Box::new(capture::PjrtTracer { device })),
+        }
     }
     fn compile(
         &self,

@@ -90,14 +90,14 @@ impl Tensor {
                 o.node.snapshot_inputs_aliasing(self.storage())?;
             }
         }
-        crate::capture::record::before_write(self)?;
-        crate::profile::timed(
-            "copy_",
-            || format!("{} <- {}", fmt_shape(self.shape()), fmt_shape(src.shape())),
-            || self.backend().synchronize(self.device()),
-            || self.backend().assign(self, &src),
-        )?;
-        crate::capture::record::assign(self, &src)?;
+        if !crate::capture::record::assign(self, &src)? {
+            crate::profile::timed(
+                "copy_",
+                || format!("{} <- {}", fmt_shape(self.shape()), fmt_shape(src.shape())),
+                || self.backend().synchronize(self.device()),
+                || self.backend().assign(self, &src),
+            )?;
+        }
         self.storage().bump_version();
         if let Some(node) = node {
             // See Note [In-place on views]: the base gets the functional write as its

@@ -249,24 +249,50 @@ pub trait DeviceBuffer: Send + Sync + std::fmt::Debug {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
-/// What a storage holds: host memory, or a backend's device buffer.
+/// What a storage holds: host memory, a backend's device buffer, or nothing
+/// yet: the value of an op recorded while a function is traced (Note
+/// \[Recording\]), which exists once the traced program runs.
 #[derive(Debug)]
 pub enum StorageData {
     Host(HostBuffer),
     Device(Box<dyn DeviceBuffer>),
+    Traced,
 }
 
 impl StorageData {
     pub fn as_host(&self) -> Option<&HostBuffer> {
         match self {
             StorageData::Host(h) => Some(h),
-            StorageData::Device(_) => None,
+            StorageData::Device(_) | StorageData::Traced => None,
         }
     }
     pub fn as_host_mut(&mut self) -> Option<&mut HostBuffer> {
         match self {
             StorageData::Host(h) => Some(h),
-            StorageData::Device(_) => None,
+            StorageData::Device(_) | StorageData::Traced => None,
+        }
+    }
+    /// The host memory, or an error saying what the storage holds instead
+    /// (for a backend whose storages live on the host).
+    pub fn host(&self, backend: &'static str) -> crate::Result<&HostBuffer> {
+        self.as_host().ok_or_else(|| self.not_here(backend))
+    }
+    /// [`StorageData::host`], mutably.
+    pub fn host_mut(&mut self, backend: &'static str) -> crate::Result<&mut HostBuffer> {
+        match self {
+            StorageData::Host(h) => Ok(h),
+            other => Err(other.not_here(backend)),
+        }
+    }
+    /// The error for a storage whose data is not what `backend` keeps.
+    pub fn not_here(&self, backend: &'static str) -> crate::Error {
+        match self {
+            StorageData::Traced => crate::Error::invalid(
+                backend,
+                "the tensor is a value of a function being traced by kiln::compile, which exists once its program runs (a tensor made inside a traced function and kept after its trace failed, or read while tracing)",
+            ),
+            StorageData::Host(_) => crate::Error::backend(backend, "the tensor holds host memory, not this backend's buffer"),
+            StorageData::Device(_) => crate::Error::backend(backend, "the tensor holds another backend's buffer"),
         }
     }
 }

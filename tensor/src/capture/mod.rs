@@ -18,7 +18,8 @@ use crate::trace::WatchRead;
 // `Compiled::call` traces the function the first time it sees a set of input
 // shapes, dtypes and layouts (its guard): every op on the traced device is
 // recorded by the device's tracer (`Backend::tracer`: the recorder of Note
-// [Recording], or the PJRT backend's capture graph). What the
+// [Recording] on the CPU and on one PJRT device, the PJRT backend's capture
+// graph on a mesh). What the
 // program reads is classified by where it came from: an input of the call, a
 // storage that exists across calls (parameters, optimizer state: "state"), or
 // a creation op's value (a constant). What it writes is classified by the
@@ -32,8 +33,8 @@ use crate::trace::WatchRead;
 // same program text, the same wiring and the same constants. The first call of
 // a training step usually creates optimizer state (its program makes zeros);
 // the second reads that state; the third traces like the second and is
-// cached. On PJRT each trace and replay runs the same compiled program; the
-// recorder runs the traced call's ops eagerly and replays its program.
+// cached. Each trace and replay runs the same program: a trace records the
+// function without running its ops, then runs the program for the call.
 //
 // A replay does not run the function, so what the program took from the host
 // is frozen into it. Note [Host values] (kiln-tensor's `trace.rs`) gives the

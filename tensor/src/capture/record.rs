@@ -1,39 +1,50 @@
 //! The recorder: while a function is traced on a device whose backend has no
 //! capture of its own, every op, in-place write and upload on that device is
-//! recorded into a [`Program`] as it runs (Note \[Recording\]).
+//! recorded into a [`Program`] instead of running (Note \[Recording\]).
 use super::HostLog;
 use crate::ir::{ParamKind, Program, Value};
-use crate::{Device, Error, Layout, Meta, Op, Result, Storage, Tensor, ViewOp};
+use crate::{Device, Error, Layout, Meta, Op, Result, Storage, StorageData, Tensor, ViewOp};
+use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
 // Note [Recording]
 // ~~~~~~~~~~~~~~~~
-// The recorder runs the function eagerly and writes down what it does, so
-// the traced call's results are the eager results and a replay of the
-// program (interpreted, or compiled by the backend) computes what the
-// function would. Storages are tracked by identity: the first time an op
-// reads a storage the recorder has not seen, its whole content becomes a
+// The recorder runs the function without running its ops: each op on the
+// traced device is written down and gives fresh storages that hold no data
+// yet (`StorageData::Traced`), and nothing on the device is computed or
+// written while tracing. Storages are tracked by identity: the first time an
+// op reads a storage the recorder has not seen, its whole content becomes a
 // parameter (kept alive until the trace is built, so a storage dropped
 // inside the function is still there to be a constant); an op's outputs
 // become the current values of its fresh storages; `copy_` makes the
-// written storage's next value. When the function returns, each parameter
-// is classified by its storage (an input's, state that outlives the call, or
-// a constant) and each storage the function made or wrote that is still alive
-// gives a result (a returned tensor's, state updated in place, or state the
-// function created), exactly as capture on a compiling backend classifies
-// its graph (Note [Capture]).
+// written storage's next value, leaving its data as it was. When the
+// function returns, each parameter is classified by its storage (an input's,
+// state that outlives the call, or a constant) and each storage the function
+// made or wrote that is still alive gives a result (a returned tensor's,
+// state updated in place, or state the function created), exactly as capture
+// on a compiling backend classifies its graph (Note [Capture]). The traced
+// call then runs the program (interpreted, or compiled by the backend) on the
+// call's inputs: its results are the call's, and it writes the state, fills
+// the storages the function created and kept, as every replay does.
 //
-// Before the trace's first write into a storage that existed before it, the
-// recorder keeps a copy of its content; a trace that fails puts the copies
-// back, so a failed call leaves no half-done step behind (the PJRT tracer
-// does the same with the old buffers).
+// So a trace that fails has written nothing (the storages it made and kept
+// stay without data, and using them is an error that says so), a trace costs
+// no device work and no memory for its values, and a first call computes
+// exactly what every replay computes.
 //
 // Host values are marked as they enter (Note [Host values]): the values of
 // creation ops and uploads made outside a constant scope are recorded in the
 // trace's `HostLog`. Reading tensor data on the traced device is an error,
 // as on every backend: a replay cannot repeat what the host did with it.
+
+/// The storages of values recorded on `device`: no data until the program runs.
+fn traced_storages(outs: &[Meta], device: Device) -> SmallVec<[Arc<Storage>; 2]> {
+    outs.iter()
+        .map(|m| Arc::new(Storage::new(StorageData::Traced, m.dtype, m.shape.iter().product(), device)))
+        .collect()
+}
 
 /// A storage the recorder knows: the storage and its current value.
 pub(super) struct Known {
@@ -54,9 +65,6 @@ pub(super) struct Recording {
     pub host: HostLog,
     /// With `Some`, each parameter's value when first read (for export).
     pub snapshots: Option<Vec<crate::HostBuffer>>,
-    /// Storages that existed before the trace, with a copy of what they held
-    /// before its first write into them: put back when the trace fails.
-    pub saved: Vec<(Weak<Storage>, Arc<Storage>)>,
 }
 
 thread_local! {
@@ -75,7 +83,6 @@ pub(super) fn begin(device: Device, host: HostLog, snapshot: bool) {
             known: HashMap::new(),
             host,
             snapshots: snapshot.then(Vec::new),
-            saved: vec![],
         })
     });
     DEVICE.with(|d| d.set(Some(device)));
@@ -102,8 +109,11 @@ fn with<R>(device: Device, f: impl FnOnce(&mut Recording) -> Result<R>) -> Optio
 impl Recording {
     /// The current value of a storage's whole content (a new parameter the first time).
     fn storage_value(&mut self, st: &Arc<Storage>) -> Result<Value> {
-        if let Some(k) = self.known.get(&st.addr()) {
-            return Ok(k.value);
+        // An entry of a storage dropped since is not this one at its address.
+        if let Some(k) = self.known.get(&st.addr()).filter(|k| std::ptr::eq(k.storage.as_ptr(), Arc::as_ptr(st))) {
+            if k.storage.strong_count() > 0 {
+                return Ok(k.value);
+            }
         }
         if let Some(snaps) = &mut self.snapshots {
             let whole = Tensor::from_storage(st.clone(), flat(st.len()))?;
@@ -136,25 +146,32 @@ impl Recording {
     }
 }
 
-/// Records `op` applied to `inputs` giving `outs` (fresh storages), when recording on `device`.
-pub(crate) fn op(op: &Op, inputs: &[&Tensor], outs: &[Tensor], device: Device) -> Result<()> {
+/// Records `op` applied to `inputs` with outputs of types `outs`, when
+/// recording on `device`: the outputs' storages (holding no data yet), or
+/// `None` when nothing records there (the op then runs).
+pub(crate) fn op(
+    op: &Op,
+    inputs: &[&Tensor],
+    outs: &[Meta],
+    device: Device,
+) -> Option<Result<SmallVec<[Arc<Storage>; 2]>>> {
     with(device, |r| {
         if matches!(op, Op::Full { .. } | Op::Arange { .. }) {
             r.host.value(crate::trace::in_constant_scope(), || super::describe_creation(op))?;
         }
         let args: Vec<Value> = inputs.iter().map(|t| r.read(t)).collect::<Result<_>>()?;
-        let metas = outs.iter().map(|t| t.meta()).collect();
-        let values = r.program.push_typed(op.clone(), &args, metas)?;
-        for (t, v) in outs.iter().zip(values) {
-            r.define(t.storage(), v);
+        let values = r.program.push_typed(op.clone(), &args, outs.iter().cloned().collect())?;
+        let storages = traced_storages(outs, device);
+        for (st, v) in storages.iter().zip(values) {
+            r.define(st, v);
         }
-        Ok(())
+        Ok(storages)
     })
-    .unwrap_or(Ok(()))
 }
 
-/// Records the write of `src` into the memory `dst` views (after it happened).
-pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
+/// Records the write of `src` into the memory `dst` views, when recording
+/// on `dst`'s device: `true` when recorded (the write then does not run).
+pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<bool> {
     with(dst.device(), |r| {
         let s = r.read(src)?;
         let base = r.storage_value(dst.storage())?;
@@ -162,38 +179,9 @@ pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<()> {
         let op = Op::Assign { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() };
         let v = r.program.push(op, &[base, s])?[0];
         r.define(dst.storage(), v);
-        Ok(())
+        Ok(true)
     })
-    .unwrap_or(Ok(()))
-}
-
-/// Before a write into the memory `dst` views: keeps a copy of a storage
-/// that existed before the trace, the first time the trace writes it, so a
-/// failed trace can put it back (as the PJRT tracer puts back its buffers).
-pub(crate) fn before_write(dst: &Tensor) -> Result<()> {
-    with(dst.device(), |r| {
-        let st = dst.storage();
-        let made_here =
-            r.known.get(&st.addr()).is_some_and(|k| k.written && !r.sources.iter().any(|s| Arc::ptr_eq(s, st)));
-        if made_here || r.saved.iter().any(|(w, _)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(st))) {
-            return Ok(());
-        }
-        let whole = Tensor::from_storage(st.clone(), flat(st.len()))?;
-        let copy = whole.backend().exec(&Op::Copy, &[&whole], &[whole.meta()], dst.device())?.swap_remove(0);
-        r.saved.push((Arc::downgrade(st), copy));
-        Ok(())
-    })
-    .unwrap_or(Ok(()))
-}
-
-/// Puts back what a failed trace wrote into storages that existed before it.
-pub(super) fn restore(saved: Vec<(Weak<Storage>, Arc<Storage>)>) {
-    for (w, copy) in saved {
-        if let (Some(st), Ok(copy)) = (w.upgrade(), Arc::try_unwrap(copy)) {
-            st.replace(copy.take_data());
-            st.bump_version();
-        }
-    }
+    .unwrap_or(Ok(false))
 }
 
 /// Notes data uploaded to `t`'s device while recording (a host value unless declared).

@@ -86,16 +86,11 @@ fn record_call(
     let watches = crate::trace::end_watching();
     let mut rec = record::end().ok_or_else(|| Error::invalid("compile", "the recording was taken while tracing"))?;
     drop(clear);
-    let saved = std::mem::take(&mut rec.saved);
     let snapshots = rec.snapshots.take().unwrap_or_default();
-    match result.and_then(|returned| Ok((build(rec, inputs, &returned, watches)?, returned))) {
-        Ok((trace, returned)) => Ok((trace, returned, snapshots)),
-        Err(e) => {
-            // The storages the failed trace wrote get their contents back.
-            record::restore(saved);
-            Err(e)
-        }
-    }
+    let trace = build(rec, inputs, &result?, watches)?;
+    // The call's results and effects are the program's (Note [Recording]).
+    let outs = trace.replay(inputs)?;
+    Ok((trace, outs, snapshots))
 }
 
 /// A function traced into a [`Program`] for export (`kiln::export` from a
