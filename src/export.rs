@@ -17,10 +17,10 @@ use std::path::Path;
 // `kiln::export(&mut compiled, &inputs, dir)` traces a function compiled by
 // `kiln::compile` on example inputs (the call's effects happen, as for any
 // call) and writes a directory from which the function runs with no Rust
-// code of its own. On a PJRT device the PJRT tracer writes the program; on
-// the CPU the function is recorded as a kiln `Program` (Note [Programs]) and
-// kiln lowers it (`lower::lower_program`), so no plugin is loaded, and the
-// program runs on PJRT devices and in IREE as any other export:
+// code of its own. On any one device the function is recorded as a kiln
+// `Program` (Note [Programs], Note [Recording]) and kiln lowers it
+// (`lower::lower_program`), so a CPU trace loads no plugin, and the program
+// runs on PJRT devices and in IREE as any other export:
 //
 // * `program.mlir`: the one-device StableHLO module, MLIR text in the generic
 //   op form kiln emits (PJRT plugins and IREE parse it). Arguments and
@@ -29,7 +29,7 @@ use std::path::Path;
 // * `program.mlirbc`: the same program as a StableHLO portable artifact (VHLO
 //   in MLIR bytecode, Note [Portable artifacts] in kiln-tpu), which StableHLO
 //   promises later versions read; `load` compiles it. A program with no
-//   portable form (a custom op's StableHLO written in the pretty form) has
+//   portable form (a custom op's function, MLIR text the op wrote) has
 //   none, and the manifest says why.
 // * `weights.safetensors`: what the program reads besides the inputs, flat:
 //   `state.{k}` (parameters, caches: what they held before the call) and
@@ -87,10 +87,7 @@ where
 {
     let dir = dir.as_ref();
     let on_pjrt = compiled.device().kind() == DeviceKind::Tpu;
-    let (program, outs) = compiled.with_function(|f, device, policy| match device.kind() {
-        DeviceKind::Tpu => kiln_tpu::trace_for_export(f, device, policy, inputs),
-        DeviceKind::Cpu | DeviceKind::PrivateUse1 => recorded(f, device, policy, inputs),
-    })?;
+    let (program, outs) = compiled.with_function(|f, device, policy| recorded(f, device, policy, inputs))?;
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let ExportedProgram { module, args: program_args, results: program_results, returns } = program;
     let program_text = module.text();
@@ -195,14 +192,18 @@ where
     Ok(outs)
 }
 
-/// [`export()`] on a device whose tracer records kiln's programs (the CPU):
-/// the program is lowered to StableHLO by kiln, so no plugin is needed.
+/// [`export()`]'s trace: the function recorded into kiln's program (Note
+/// \[Recording\]) on its device, lowered to StableHLO by kiln (so a CPU
+/// trace needs no plugin).
 fn recorded(
     f: &mut TracedFn<'_>,
     device: Device,
     policy: HostValues,
     inputs: &[Tensor],
 ) -> Result<(ExportedProgram, Vec<Tensor>)> {
+    if let Device::Mesh(_) = device {
+        return Err(invalid("programs over device meshes cannot be exported yet"));
+    }
     kiln_tpu::check_inputs(device, inputs)?;
     let (t, outs) = crate::tensor::capture::trace_program(f, device, policy, inputs)?;
     if let Some(first) = t.host_values.first() {

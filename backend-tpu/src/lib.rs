@@ -26,9 +26,7 @@ pub mod stablehlo;
 pub mod store;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
-pub use capture::export::{
-    check_inputs, trace_for_export, ArgKind, ExportedProgram, Flat, Program, Refusal, ResultKind,
-};
+pub use capture::export::{check_inputs, ArgKind, ExportedProgram, Flat, Program, Refusal, ResultKind};
 pub use graph::is_tracing;
 pub use kiln_tensor::capture::{compile, Compiled};
 

@@ -1,13 +1,12 @@
 //! What `kiln::export` needs of the backend (Note \[Export\] in the facade's
-//! `export.rs`): a traced program with the meaning of each of its arguments
-//! and results, and programs loaded back from their text.
-use super::{replay, run_trace, Return, Sink, Source, Trace};
-use crate::graph::{Arg, PjrtBuffer};
+//! `export.rs`): the form of an exported program (the meaning of each of its
+//! arguments and results), what export refuses, and programs loaded back
+//! from their text or artifact.
+use crate::graph::PjrtBuffer;
 use crate::pjrt::CompileOptions;
 use crate::stablehlo::Module;
-use kiln_tensor::capture::{HostValues, TracedFn};
 use kiln_tensor::{DType, Device, Error, HostBuffer, Layout, Result, Storage, StorageData, Tensor};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 /// What an argument of an exported program is.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,45 +56,6 @@ pub struct ExportedProgram {
 
 const EXPORT: &str = "export";
 
-fn host(arg: &Arg) -> Result<(HostBuffer, DType, Vec<usize>)> {
-    let Arg::One(b) = arg else {
-        return Err(Error::invalid(EXPORT, "programs over device meshes cannot be exported yet"));
-    };
-    let mut bytes = kiln_tensor::alloc::try_vec(EXPORT, &[b.numel() * b.dtype().size_in_bytes()], DType::U8, 0u8)?;
-    b.copy_to_host(&mut bytes)?;
-    Ok((HostBuffer::from_le_bytes(b.dtype(), &bytes)?, b.dtype(), b.dims().to_vec()))
-}
-
-/// Traces `f` on `inputs` for export and runs it once (its effects on
-/// state are those of one call); returns the program and the call's results.
-/// Inputs must be whole contiguous tensors on `device`, and the function may
-/// write only state it reads. `kiln::export` reaches it through
-/// `Compiled::with_function`.
-pub fn trace_for_export(
-    f: &mut TracedFn<'_>,
-    device: Device,
-    policy: HostValues,
-    inputs: &[Tensor],
-) -> Result<(ExportedProgram, Vec<Tensor>)> {
-    let backend = crate::backend()?;
-    if !matches!(device, Device::Tpu(_)) {
-        return Err(Error::invalid(
-            EXPORT,
-            match device {
-                Device::Mesh(_) => "programs over device meshes cannot be exported yet".to_string(),
-                _ => format!("export traces on a PJRT device, not {device}"),
-            },
-        ));
-    }
-    check_inputs(device, inputs)?;
-    let (trace, sig, args) = run_trace(backend, device, policy, f, inputs)?;
-    let program = program_of(&trace, sig.module, &args);
-    // The call runs whether or not it can be exported: the storages it
-    // wrote hold the trace's values until then.
-    let outs = replay(backend, &trace, inputs, device, Some(args))?;
-    Ok((program?, outs))
-}
-
 /// Export takes whole contiguous tensors on the traced device.
 pub fn check_inputs(device: Device, inputs: &[Tensor]) -> Result<()> {
     for (i, t) in inputs.iter().enumerate() {
@@ -134,49 +94,6 @@ impl Refusal<'_> {
             },
         )
     }
-}
-
-fn program_of(t: &Trace, module: Module, args: &[Arg]) -> Result<ExportedProgram> {
-    if let Some(first) = t.host.first() {
-        return Err(Refusal::HostValue(first).error());
-    }
-    let mut flat_args = vec![];
-    for (src, arg) in t.sources.iter().zip(args) {
-        let (value, dtype, shape) = host(arg)?;
-        let kind = match src {
-            Source::Input(i) => ArgKind::Input(*i),
-            Source::State(_) => ArgKind::State(value),
-            Source::Constant(_) => ArgKind::Constant(value),
-        };
-        flat_args.push(Flat { kind, dtype, shape });
-    }
-    let mut results = vec![];
-    for (i, sink) in t.sinks.iter().enumerate() {
-        let kind = match sink {
-            Sink::Fresh => ResultKind::Fresh,
-            Sink::State(w) => {
-                match t.sources.iter().position(|s| matches!(s, Source::State(r) if Weak::ptr_eq(r, w))) {
-                    Some(k) => ResultKind::UpdatesArg(k),
-                    None => ResultKind::Discarded,
-                }
-            }
-            Sink::Input(k) => return Err(Refusal::WritesInput(*k).error()),
-        };
-        let (dtype, shape) = &t.out_meta[i];
-        results.push(Flat { kind, dtype: *dtype, shape: shape.clone() });
-    }
-    for (c, name) in &t.checks {
-        let msg = crate::backend::check_error(name, c, &[]).to_string();
-        results.push(Flat { kind: ResultKind::Check(msg), dtype: DType::Bool, shape: vec![] });
-    }
-    let mut returns = vec![];
-    for (i, r) in t.returns.iter().enumerate() {
-        match r {
-            Return::Output(k, layout) => returns.push((*k, layout.clone())),
-            _ => return Err(Refusal::ReturnsUnchanged(i).error()),
-        }
-    }
-    Ok(ExportedProgram { module, args: flat_args, results, returns })
 }
 
 /// A program loaded back from its text (an exported one), compiled for one
