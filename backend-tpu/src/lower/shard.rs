@@ -1,6 +1,6 @@
 //! The shardings of results in programs over a mesh: kiln's placement rule
 //! per primitive (Note [Placements of results]). The `Sharding` type itself
-//! is module data (`stablehlo/sharding.rs`, Note [Shardings]).
+//! is module data (`stablehlo/sharding.rs`, Note \[Shardings\]).
 pub use crate::stablehlo::sharding::{check_mesh, mesh_decl, Sharding};
 use kiln_tensor::DeviceMesh;
 
