@@ -332,19 +332,10 @@ fn i64_tensor(l: &[i64]) -> String {
 /// A tensor type as its VHLO type: `tensor<2x3xf32>` is
 /// `!vhlo.tensor_v1<2x3x!vhlo.f32_v1>`.
 pub(crate) fn ty(t: &Ty) -> String {
+    // VHLO names element types as MLIR does, but for bool (`i1` in MLIR).
     let e = match t.dtype {
         DType::Bool => "bool",
-        DType::U8 => "ui8",
-        DType::I8 => "i8",
-        DType::I16 => "i16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::F8E5M2 => "f8E5M2",
-        DType::F8E4M3FN => "f8E4M3FN",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F32 => "f32",
-        DType::F64 => "f64",
+        d => d.mlir_name(),
     };
     let dims: String = t.shape.iter().map(|d| format!("{d}x")).collect();
     format!("!vhlo.tensor_v1<{dims}!vhlo.{e}_v1>")
