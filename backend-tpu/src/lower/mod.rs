@@ -87,11 +87,19 @@ pub fn enum_attr(kind: &'static str, value: &str) -> Attr {
     Attr::Enum { kind, value: value.to_string() }
 }
 
-/// The literal text of `v` converted to `dtype` with PyTorch's cast rules
-/// (float to integer truncates through int64, anything to bool is `!= 0`,
-/// everything into bf16/f16 goes through float32). Floats are written as their
-/// bit pattern, so NaN, infinities and signed zeros are exact.
-pub fn literal(v: Lit, dtype: DType) -> String {
+/// A scalar converted to an element type: a bool, an integer (already
+/// wrapped to the type), or a float's bit pattern.
+enum Converted {
+    Bool(bool),
+    Int(i64),
+    /// The bits and the type's width in bytes.
+    Bits(u64, usize),
+}
+
+/// `v` converted to `dtype` with PyTorch's cast rules (float to integer
+/// truncates through int64, anything to bool is `!= 0`, everything into
+/// bf16/f16 goes through float32).
+fn convert(v: Lit, dtype: DType) -> Converted {
     let as_f64 = match v {
         Lit::F(f) => f,
         Lit::I(i) => i as f64,
@@ -112,38 +120,39 @@ pub fn literal(v: Lit, dtype: DType) -> String {
         _ => as_f64 as f32,
     };
     match dtype {
-        DType::Bool => if truth { "true" } else { "false" }.into(),
-        DType::U8 => (as_i64 as u8).to_string(),
-        DType::I8 => (as_i64 as i8).to_string(),
-        DType::I16 => (as_i64 as i16).to_string(),
-        DType::I32 => (as_i64 as i32).to_string(),
-        DType::I64 => as_i64.to_string(),
-        DType::F8E5M2 => format!("0x{:02X}", kiln_tensor::f8e5m2::from_f32(f32v).to_bits()),
-        DType::F8E4M3FN => format!("0x{:02X}", kiln_tensor::f8e4m3fn::from_f32(f32v).to_bits()),
-        DType::F16 => format!("0x{:04X}", half::f16::from_f32(f32v).to_bits()),
-        DType::BF16 => format!("0x{:04X}", half::bf16::from_f32(f32v).to_bits()),
-        DType::F32 => format!("0x{:08X}", f32v.to_bits()),
-        DType::F64 => format!("0x{:016X}", as_f64.to_bits()),
+        DType::Bool => Converted::Bool(truth),
+        DType::U8 => Converted::Int((as_i64 as u8).into()),
+        DType::I8 => Converted::Int((as_i64 as i8).into()),
+        DType::I16 => Converted::Int((as_i64 as i16).into()),
+        DType::I32 => Converted::Int((as_i64 as i32).into()),
+        DType::I64 => Converted::Int(as_i64),
+        DType::F8E5M2 => Converted::Bits(kiln_tensor::f8e5m2::from_f32(f32v).to_bits().into(), 1),
+        DType::F8E4M3FN => Converted::Bits(kiln_tensor::f8e4m3fn::from_f32(f32v).to_bits().into(), 1),
+        DType::F16 => Converted::Bits(half::f16::from_f32(f32v).to_bits().into(), 2),
+        DType::BF16 => Converted::Bits(half::bf16::from_f32(f32v).to_bits().into(), 2),
+        DType::F32 => Converted::Bits(f32v.to_bits().into(), 4),
+        DType::F64 => Converted::Bits(as_f64.to_bits(), 8),
+    }
+}
+
+/// The literal text of `v` converted to `dtype` (see `convert`). Floats are
+/// written as their bit pattern, so NaN, infinities and signed zeros are exact.
+pub fn literal(v: Lit, dtype: DType) -> String {
+    match convert(v, dtype) {
+        Converted::Bool(b) => if b { "true" } else { "false" }.into(),
+        Converted::Int(i) => i.to_string(),
+        Converted::Bits(bits, width) => format!("0x{bits:0w$X}", w = 2 * width),
     }
 }
 
 /// The little-endian bytes of `v` converted to `dtype` exactly as [`literal`]
 /// writes it: the value of a scalar argument uploaded at run time.
 pub fn literal_bytes(v: Lit, dtype: DType) -> Vec<u8> {
-    let text = literal(v, dtype);
-    let hex = |t: &str| u64::from_str_radix(t.trim_start_matches("0x"), 16).expect("a hex literal");
-    let int = |t: &str| t.parse::<i64>().expect("an integer literal");
-    match dtype {
-        DType::Bool => vec![(text == "true") as u8],
-        DType::U8 => vec![text.parse::<u8>().expect("a uint8 literal")],
-        DType::I8 => (int(&text) as i8).to_le_bytes().to_vec(),
-        DType::I16 => (int(&text) as i16).to_le_bytes().to_vec(),
-        DType::I32 => (int(&text) as i32).to_le_bytes().to_vec(),
-        DType::I64 => int(&text).to_le_bytes().to_vec(),
-        DType::F8E5M2 | DType::F8E4M3FN => vec![hex(&text) as u8],
-        DType::F16 | DType::BF16 => (hex(&text) as u16).to_le_bytes().to_vec(),
-        DType::F32 => (hex(&text) as u32).to_le_bytes().to_vec(),
-        DType::F64 => hex(&text).to_le_bytes().to_vec(),
+    let width = dtype.size_in_bytes();
+    match convert(v, dtype) {
+        Converted::Bool(b) => vec![b as u8],
+        Converted::Int(i) => i.to_le_bytes()[..width].to_vec(),
+        Converted::Bits(bits, w) => bits.to_le_bytes()[..w].to_vec(),
     }
 }
 

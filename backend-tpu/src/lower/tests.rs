@@ -149,3 +149,21 @@ fn creation_values_are_arguments_not_constants() {
     assert_eq!(literal_bytes(Lit::F(f64::NAN), DType::Bool), vec![1]);
     assert_eq!(literal_bytes(Lit::I(-1), DType::U8), vec![255]);
 }
+
+#[test]
+fn literal_bytes_are_the_literal_text_as_little_endian_bytes() {
+    // The bytes uploaded for a scalar argument and the text of a constant are
+    // one conversion: reading the text back (here, in the test) gives the bytes.
+    let values = [Lit::F(-2.9), Lit::F(1e10), Lit::F(f64::NAN), Lit::F(-0.0), Lit::I(-1), Lit::I(300), Lit::B(true)];
+    for dtype in DType::ALL {
+        for v in values {
+            let text = literal(v, dtype);
+            let want = match text.strip_prefix("0x") {
+                Some(hex) => u64::from_str_radix(hex, 16).unwrap().to_le_bytes()[..dtype.size_in_bytes()].to_vec(),
+                None if dtype == DType::Bool => vec![(text == "true") as u8],
+                None => text.parse::<i64>().unwrap().to_le_bytes()[..dtype.size_in_bytes()].to_vec(),
+            };
+            assert_eq!(literal_bytes(v, dtype), want, "{v:?} as {dtype}: {text}");
+        }
+    }
+}
