@@ -291,11 +291,6 @@ impl Builder {
         vals
     }
 
-    /// Appends an operation as built (a terminator, a block's reshapes).
-    pub fn push(&mut self, o: Operation) {
-        self.ops.push(o);
-    }
-
     /// A one-block region with arguments of the given types, whose body `f`
     /// builds and returns the values the block yields (`stablehlo.return`).
     pub fn region(&mut self, arg_tys: &[Ty], f: impl FnOnce(&mut Builder, Vec<Val>) -> Vec<Val>) -> Region {

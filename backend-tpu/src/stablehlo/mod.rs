@@ -265,14 +265,4 @@ impl Module {
     pub fn text(&self) -> String {
         self.to_string()
     }
-
-    /// `@main`'s argument and result types.
-    pub fn signature(&self) -> Option<(Vec<Ty>, Vec<Ty>)> {
-        self.funcs.iter().find_map(|f| match f {
-            Func::Built { name, args, results, .. } if name == "main" => {
-                Some((args.iter().map(|p| p.ty.clone()).collect(), results.iter().map(|p| p.ty.clone()).collect()))
-            }
-            _ => None,
-        })
-    }
 }
