@@ -4,7 +4,7 @@
 mod support;
 
 use kiln_tensor::{DType, Device, Tensor};
-use support::setup;
+use support::{setup, vec_on};
 
 /// Every test runs on both capture paths.
 const DEVICES: [Device; 2] = [Device::Cpu, Device::Tpu(0)];
@@ -16,11 +16,6 @@ fn close(a: &Tensor, b: &Tensor, what: &str) {
     for (x, y) in a.iter().zip(&b) {
         assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "{what}: {a:?} vs {b:?}");
     }
-}
-
-fn vec_on(v: Vec<f32>, dev: Device) -> Tensor {
-    let n = v.len();
-    Tensor::from_vec(v, &[n]).unwrap().to_device(dev).unwrap()
 }
 
 #[test]

@@ -4,12 +4,7 @@
 mod support;
 
 use kiln_tensor::{Device, Tensor};
-use support::setup;
-
-fn vec_on(v: Vec<f32>, dev: Device) -> Tensor {
-    let n = v.len();
-    Tensor::from_vec(v, &[n]).unwrap().to_device(dev).unwrap()
-}
+use support::{setup, vec_on};
 
 /// A trace records the function without running its ops: the first call of
 /// a compiled function on `tpu:0` runs one program (the traced one, in

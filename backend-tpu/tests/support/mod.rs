@@ -10,6 +10,12 @@ pub fn setup() {
     kiln_tpu::register().expect("registering the PJRT backend");
 }
 
+/// A float32 vector on `dev`.
+pub fn vec_on(v: Vec<f32>, dev: kiln_tensor::Device) -> kiln_tensor::Tensor {
+    let n = v.len();
+    kiln_tensor::Tensor::from_vec(v, &[n]).unwrap().to_device(dev).unwrap()
+}
+
 #[path = "../../../tests/common/pjrt_plugin.rs"]
 mod pjrt_plugin;
 
