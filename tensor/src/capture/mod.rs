@@ -6,6 +6,7 @@ mod compiled;
 mod host_values;
 pub(crate) mod record;
 mod recorded;
+pub(crate) mod tape;
 
 pub use compiled::{compile, Compiled, Traced, TracedFn, Tracer};
 pub use host_values::{describe_creation, HostLog, HostValues};

@@ -1,13 +1,13 @@
 //! The recorder: while a function is traced on a device whose backend has no
 //! capture of its own, every op, in-place write and upload on that device is
 //! recorded into a [`Program`] instead of running (Note \[Recording\]).
+use super::tape::{flat, Tape};
 use super::HostLog;
-use crate::ir::{ParamKind, Program, Value};
-use crate::{Device, Error, Layout, Meta, Op, Result, Storage, StorageData, Tensor, ViewOp};
+use crate::ir::Value;
+use crate::{Device, Error, Meta, Op, Result, Storage, StorageData, Tensor};
 use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 // Note [Recording]
 // ~~~~~~~~~~~~~~~~
@@ -46,22 +46,10 @@ fn traced_storages(outs: &[Meta], device: Device) -> SmallVec<[Arc<Storage>; 2]>
         .collect()
 }
 
-/// A storage the recorder knows: the storage and its current value.
-pub(super) struct Known {
-    pub storage: Weak<Storage>,
-    pub value: Value,
-    /// Whether the trace made or wrote this storage (so it may be a result).
-    pub written: bool,
-}
-
 /// What a trace on the recorder collected.
 pub(super) struct Recording {
     pub device: Device,
-    pub program: Program,
-    /// Each parameter's storage, held until the trace is built.
-    pub sources: Vec<Arc<Storage>>,
-    /// Storages by address.
-    pub known: HashMap<usize, Known>,
+    pub tape: Tape,
     pub host: HostLog,
     /// With `Some`, each parameter's value when first read (for export).
     pub snapshots: Option<Vec<crate::HostBuffer>>,
@@ -76,14 +64,7 @@ thread_local! {
 /// each parameter's value as the function first reads it.
 pub(super) fn begin(device: Device, host: HostLog, snapshot: bool) {
     RECORDING.with(|r| {
-        *r.borrow_mut() = Some(Recording {
-            device,
-            program: Program::new(),
-            sources: vec![],
-            known: HashMap::new(),
-            host,
-            snapshots: snapshot.then(Vec::new),
-        })
+        *r.borrow_mut() = Some(Recording { device, tape: Tape::default(), host, snapshots: snapshot.then(Vec::new) })
     });
     DEVICE.with(|d| d.set(Some(device)));
 }
@@ -107,42 +88,17 @@ fn with<R>(device: Device, f: impl FnOnce(&mut Recording) -> Result<R>) -> Optio
 }
 
 impl Recording {
-    /// The current value of a storage's whole content (a new parameter the first time).
-    fn storage_value(&mut self, st: &Arc<Storage>) -> Result<Value> {
-        // An entry of a storage dropped since is not this one at its address.
-        if let Some(k) = self.known.get(&st.addr()).filter(|k| std::ptr::eq(k.storage.as_ptr(), Arc::as_ptr(st))) {
-            if k.storage.strong_count() > 0 {
-                return Ok(k.value);
-            }
-        }
-        if let Some(snaps) = &mut self.snapshots {
-            let whole = Tensor::from_storage(st.clone(), flat(st.len()))?;
-            snaps.push(whole.backend().to_host(&whole)?);
-        }
-        let v = self.program.add_param(ParamKind::State, Meta::new(&[st.len()], st.dtype()));
-        self.sources.push(st.clone());
-        self.known.insert(st.addr(), Known { storage: Arc::downgrade(st), value: v, written: false });
-        Ok(v)
-    }
-
-    /// The value of `t` as it reads its storage: the storage's value, or a view of it.
+    /// The value of `t` in the trace: a storage first read becomes a
+    /// parameter read from the storage itself (snapshotted for export).
     fn read(&mut self, t: &Tensor) -> Result<Value> {
-        let base = self.storage_value(t.storage())?;
-        let l = t.layout();
-        let whole = t.is_whole_storage();
-        if whole && self.program.meta(base).shape[..] == l.shape()[..] {
-            return Ok(base);
-        }
-        let view = if whole {
-            ViewOp::Reshape(l.shape().into())
-        } else {
-            ViewOp::AsStrided { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() }
-        };
-        Ok(self.program.push(Op::View(view), &[base])?[0])
-    }
-
-    fn define(&mut self, st: &Arc<Storage>, value: Value) {
-        self.known.insert(st.addr(), Known { storage: Arc::downgrade(st), value, written: true });
+        let snaps = &mut self.snapshots;
+        self.tape.read(t, |st| {
+            if let Some(snaps) = snaps {
+                let whole = Tensor::from_storage(st.clone(), flat(st.len()))?;
+                snaps.push(whole.backend().to_host(&whole)?);
+            }
+            Ok(st.clone())
+        })
     }
 }
 
@@ -160,11 +116,8 @@ pub(crate) fn op(
             r.host.value(crate::trace::in_constant_scope(), || super::describe_creation(op))?;
         }
         let args: Vec<Value> = inputs.iter().map(|t| r.read(t)).collect::<Result<_>>()?;
-        let values = r.program.push_typed(op.clone(), &args, outs.iter().cloned().collect())?;
         let storages = traced_storages(outs, device);
-        for (st, v) in storages.iter().zip(values) {
-            r.define(st, v);
-        }
+        r.tape.op(op, &args, outs, &storages)?;
         Ok(storages)
     })
 }
@@ -174,11 +127,9 @@ pub(crate) fn op(
 pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<bool> {
     with(dst.device(), |r| {
         let s = r.read(src)?;
-        let base = r.storage_value(dst.storage())?;
-        let l = dst.layout();
-        let op = Op::Assign { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() };
-        let v = r.program.push(op, &[base, s])?[0];
-        r.define(dst.storage(), v);
+        // Read whole: a new parameter only when `read` did not just make it.
+        let base = r.tape.current(dst.storage()).map_or_else(|| r.read(&whole(dst.storage())?), Ok)?;
+        r.tape.assign(dst, base, s)?;
         Ok(true)
     })
     .unwrap_or(Ok(false))
@@ -207,7 +158,7 @@ pub(crate) fn check_read(t: &Tensor, what: &str) -> Result<()> {
     ))
 }
 
-/// A layout reading the whole of a storage of `len` elements as `[len]`.
-pub(super) fn flat(len: usize) -> Layout {
-    Layout::contiguous(&[len])
+/// `st` read whole, flat.
+pub(super) fn whole(st: &Arc<Storage>) -> Result<Tensor> {
+    Tensor::from_storage(st.clone(), flat(st.len()))
 }

@@ -3,7 +3,8 @@
 //! backend has a compiler), and replays bind its parameters to the call's
 //! inputs and the state they read now.
 use super::compiled::{Traced, TracedFn, Tracer};
-use super::record::{self, flat, Recording};
+use super::record::{self, whole, Recording};
+use super::tape::Tape;
 use super::HostValues;
 use crate::ir::{Executable, ParamKind, Program, ResultKind};
 use crate::trace::WatchRead;
@@ -128,7 +129,7 @@ pub fn trace_program(
 
 /// Classifies what a recording read and wrote (Note \[Recording\]) and readies its program.
 fn build(rec: Recording, inputs: &[Tensor], returned: &[Tensor], watches: Vec<WatchRead>) -> Result<RecordedTrace> {
-    let Recording { device, mut program, sources, known, mut host, .. } = rec;
+    let Recording { device, tape: Tape { mut program, sources, known }, mut host, .. } = rec;
     let mut bindings = Vec::with_capacity(sources.len());
     let mut constants = vec![];
     for (k, st) in sources.iter().enumerate() {
@@ -145,7 +146,7 @@ fn build(rec: Recording, inputs: &[Tensor], returned: &[Tensor], watches: Vec<Wa
             // Uploaded inside the function, or a tensor dropped inside it.
             None => {
                 host.orphan(st.addr())?;
-                let t = Tensor::from_storage(st.clone(), flat(st.len()))?;
+                let t = whole(st)?;
                 constants.push(t.backend().to_host(&t)?.to_le_bytes());
                 (ParamKind::Constant, Binding::Constant(st.clone()))
             }
@@ -199,11 +200,6 @@ fn build(rec: Recording, inputs: &[Tensor], returned: &[Tensor], watches: Vec<Wa
     let program = program.cse().dce();
     let exe = device.backend()?.compile(&program, device)?;
     Ok(RecordedTrace { device, program, exe, bindings, sinks, returns, constants, watches, host: host.undeclared })
-}
-
-/// `st` read whole, flat.
-fn whole(st: &Arc<Storage>) -> Result<Tensor> {
-    Tensor::from_storage(st.clone(), flat(st.len()))
 }
 
 /// `t`'s storage when `t` is the whole of a storage nothing else holds, else a copy in a new one.
