@@ -210,7 +210,7 @@ fn recorded(
         return Err(Refusal::HostValue(first).error());
     }
     let p = &t.program;
-    let lowered = kiln_tpu::lower::lower_program(p)?;
+    let lowered = kiln_tpu::lower::lower_program(p, kiln_tpu::lower::Constants::Inline)?;
     let flat = |v| {
         let m = p.meta(v);
         (m.dtype, vec![m.shape.iter().product::<usize>()])

@@ -5,7 +5,7 @@
 //! that runs as one program (`graph.rs`).
 use crate::cache::{self, DiskCache};
 pub use crate::graph::PjrtBuffer;
-use crate::graph::{self, data_in, only_the_storage_reaches, Arg, Graph};
+use crate::graph::{self, data_in, data_of, only_the_storage_reaches, Arg, Graph};
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, CompileOptions, Event, Executable, Upload};
@@ -130,11 +130,11 @@ impl PjrtBackend {
     /// The device buffer behind a tensor's storage, running its pending graph
     /// first when the storage holds a deferred result.
     pub(crate) fn buffer_of(&self, t: &Tensor) -> Result<Arc<Buffer>> {
-        self.ready_data(data_in(&t.storage().read(), t.device())?)
+        self.ready_data(data_of(t)?)
     }
 
     /// One value of a creation op (see `lower::creation_args`) as a one-element buffer on `device`.
-    fn upload_scalar(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Arc<Buffer>> {
+    pub(crate) fn upload_scalar(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Arc<Buffer>> {
         Ok(Arc::new(self.client.buffer_from_host(bytes, dtype, &[1], device.index())?))
     }
 
@@ -185,14 +185,18 @@ impl PjrtBackend {
         Err(err("a deferred result was never computed (its graph ran without it)"))
     }
 
-    /// Runs the pending graph of `device` (DeferAndFuse), if any.
+    /// Runs the pending graph or program of `device` (DeferAndFuse), if any.
     pub fn flush(&self, device: Device) -> Result<()> {
+        if let Device::Tpu(_) = device {
+            return kiln_tensor::defer::flush(device);
+        }
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         self.run_graph(&mut graphs, device)
     }
 
-    /// Runs every pending graph.
+    /// Runs every pending graph and program.
     pub fn flush_all(&self) -> Result<()> {
+        let programs = kiln_tensor::defer::flush_all();
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let devices: Vec<Device> = graphs.keys().copied().collect();
         let mut first = Ok(());
@@ -202,11 +206,20 @@ impl PjrtBackend {
                 first = r;
             }
         }
-        first
+        programs.and(first)
+    }
+
+    /// `Backend::deferral`: one device's ops are deferred in DeferAndFuse mode
+    /// (Note \[Deferred programs\] in kiln-tensor), except while a local
+    /// region traced on it records into its capture graph. A mesh's deferred
+    /// ops append to its pending graph here (`defer`).
+    pub(crate) fn deferral(&self, device: Device) -> Option<usize> {
+        let on = mode() == Mode::Defer && matches!(device, Device::Tpu(_)) && !graph::captures(device);
+        on.then_some(self.max_ops)
     }
 
     /// Appends to the graph ops on `device` go to: the thread's capture graph
-    /// while tracing, else the device's pending graph (DeferAndFuse), which runs
+    /// while tracing, else the mesh's pending graph (DeferAndFuse), which runs
     /// when `f` asks (an op with a device-side check: its error surfaces at the
     /// call) or when it holds `KILN_TPU_DEFER_MAX_OPS` ops.
     pub(crate) fn defer<R>(&self, device: Device, f: impl FnOnce(&mut Graph) -> Result<(R, bool)>) -> Result<R> {
@@ -214,6 +227,9 @@ impl PjrtBackend {
         let mut on = |g: &mut Graph| f.take().map(|f| f(g));
         if let Some(r) = graph::with_capture(device, &mut on).flatten() {
             return r.map(|(r, _)| r);
+        }
+        if !matches!(device, Device::Mesh(_)) {
+            return Err(err(format!("the ops of {device} are deferred by kiln-tensor, not in a pending graph")));
         }
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let g = graphs.entry(device).or_insert_with(|| Graph::new(device));
@@ -232,30 +248,10 @@ impl PjrtBackend {
             return Ok(());
         }
         let g = std::mem::replace(slot, Graph::new(device));
-        if g.is_mesh() {
-            return match g.into_mesh_program()? {
-                Some(p) => self.run_mesh_graph(p),
-                None => Ok(()),
-            };
+        match g.into_mesh_program()? {
+            Some(p) => self.run_mesh_graph(p),
+            None => Ok(()),
         }
-        let Some(p) = g.into_program() else { return Ok(()) };
-        let exe = self.executable(&p.module)?;
-        let args: Vec<&Buffer> = p.args.iter().map(|b| &**b).collect();
-        let (mut bufs, event) = exe.execute(&args, device.index(), &p.out_meta)?;
-        self.executions.fetch_add(1, Ordering::Relaxed);
-        self.graphs_run.fetch_add(1, Ordering::Relaxed);
-        drop(args);
-        drop(p.args);
-        let flags = bufs.split_off(p.slots.len());
-        for (s, buf) in p.slots.iter().zip(bufs) {
-            let _ = s.filled.set(Arc::new(buf));
-        }
-        self.queue(Pending::Program { op: "a deferred graph", event })?;
-        for (flag, (c, name, inputs)) in flags.iter().zip(&p.checks) {
-            let refs: Vec<&Tensor> = inputs.iter().collect();
-            self.verify(flag, name, c, &refs)?;
-        }
-        Ok(())
     }
 
     pub fn client(&self) -> &Arc<Client> {
@@ -267,7 +263,7 @@ impl PjrtBackend {
             compiles: self.compiles.load(Ordering::Relaxed),
             hits: self.hits.load(Ordering::Relaxed),
             executions: self.executions.load(Ordering::Relaxed),
-            graphs: self.graphs_run.load(Ordering::Relaxed),
+            graphs: self.graphs_run.load(Ordering::Relaxed) + kiln_tensor::defer::programs_run(),
             disk_hits: self.disk.as_ref().map_or(0, |d| d.hits.load(Ordering::Relaxed)),
             disk_misses: self.disk.as_ref().map_or(0, |d| d.misses.load(Ordering::Relaxed)),
             disk_rebuilt: self.disk.as_ref().map_or(0, |d| d.rebuilt.load(Ordering::Relaxed)),
@@ -544,7 +540,7 @@ impl Backend for PjrtBackend {
             }
             return self.exec_mesh(op, inputs, outs, device);
         }
-        if mode() == Mode::Defer || graph::is_tracing() {
+        if graph::captures(device) {
             let upload = |bytes: &[u8], dt: DType| self.upload_scalar(bytes, dt, device).map(Arg::One);
             return self.defer(device, |g| g.append_op(op, inputs, outs, device, &upload));
         }
@@ -576,7 +572,7 @@ impl Backend for PjrtBackend {
             }
             return self.assign_mesh(dst, src);
         }
-        if mode() == Mode::Defer || graph::is_tracing() {
+        if graph::captures(dst.device()) {
             return self.defer(dst.device(), |g| g.append_assign(dst, src).map(|()| ((), false)));
         }
         let same = Arc::ptr_eq(dst.storage(), src.storage());
@@ -588,6 +584,10 @@ impl Backend for PjrtBackend {
         let (mut g, dst_buf, unshared) = loop {
             self.buffer_of(dst)?;
             let g = dst.storage().write();
+            if matches!(*g, StorageData::Pending) {
+                // Written by a deferred op of another thread since: compute it first.
+                continue;
+            }
             let data = data_in(&g, dst.device())?;
             let unshared = only_the_storage_reaches(&data);
             if let Some(b) = data.ready() {

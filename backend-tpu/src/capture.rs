@@ -4,7 +4,7 @@
 //! in kiln-tensor's `capture/mod.rs`).
 use crate::backend::PjrtBackend;
 use crate::graph::mesh::Shards;
-use crate::graph::{self, data_in, escaped_value_error, out_meta, Arg, Graph, ParamSrc, PjrtBuffer};
+use crate::graph::{self, data_in, data_of, escaped_value_error, out_meta, Arg, Graph, ParamSrc, PjrtBuffer};
 use crate::lower::Check;
 use crate::lower::Sharding;
 use crate::pjrt::{Buffer, Executable};
@@ -120,8 +120,7 @@ impl Tracer for PjrtTracer {
     }
 
     fn guard_extra(&self, t: &Tensor) -> Option<String> {
-        let (s, shape) =
-            data_in(&t.storage().read(), t.device()).ok().and_then(|d| crate::graph::mesh::storage_sharding(&d))?;
+        let (s, shape) = data_of(t).ok().and_then(|d| crate::graph::mesh::storage_sharding(&d))?;
         Some(format!("{} of {shape:?}", s.attr()))
     }
 }
@@ -301,7 +300,7 @@ fn build(
     }
     let mut returns = vec![];
     for (i, t) in returned.iter().enumerate() {
-        match data_in(&t.storage().read(), t.device()) {
+        match data_of(t) {
             Ok(PjrtBuffer::Deferred(s)) if s.graph == id => {
                 let pos = out_slot_index.iter().position(|&k| k == s.index).ok_or_else(escaped_value_error)?;
                 returns.push(Return::Output(pos, t.layout().clone()));

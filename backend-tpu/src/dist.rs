@@ -117,7 +117,7 @@ impl PjrtBackend {
     /// The shards behind a tensor on a mesh device, running its pending graph
     /// first when the storage holds a deferred result.
     pub(crate) fn shards(&self, t: &Tensor) -> Result<Arc<Shards>> {
-        let data = crate::graph::data_in(&t.storage().read(), t.device())?;
+        let data = crate::graph::data_of(t)?;
         self.shards_from(data, t.device())
     }
 
@@ -408,7 +408,7 @@ impl PjrtBackend {
             return Err(Error::device("placements", format!("{} is not a device mesh", t.device())));
         }
         // From the storage's sharding, ready or pending (a pending one is not run for this).
-        let data = crate::graph::data_in(&t.storage().read(), t.device())?;
+        let data = crate::graph::data_of(t)?;
         let (sharding, shape) = storage_sharding(&data).ok_or_else(|| err("a tensor on a mesh without shards"))?;
         let placed_on = match &data {
             PjrtBuffer::Sharded(s) => s.view.clone(),
@@ -431,7 +431,7 @@ impl PjrtBackend {
         mesh: &DeviceMesh,
         placements: &[Placement],
     ) -> Result<Tensor> {
-        let data = crate::graph::data_in(&t.storage().read(), t.device())?;
+        let data = crate::graph::data_of(t)?;
         let (sharding, shape) = storage_sharding(&data).ok_or_else(|| err("a tensor on a mesh without shards"))?;
         shard::check_mesh(&sharding, mesh)?;
         let target = Sharding::from_placements(mesh, placements, t.ndim())?;

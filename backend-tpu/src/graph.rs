@@ -1,12 +1,15 @@
-//! The graph of deferred work, the one home of building programs from ops:
-//! what a PJRT storage holds (a ready buffer or a slot of a graph), and a
-//! `Graph`'s verbs (read a tensor into it, append an op or an in-place write,
-//! turn it into a program). DeferAndFuse (the backend's pending graph per
-//! device, Note [Deferred buffers]) and capture (the thread's capture graph,
+//! The graph of deferred work on meshes, the one home of building mesh
+//! programs from ops: what a PJRT storage holds (a ready buffer, shards, or a
+//! slot of a graph), and a `Graph`'s verbs (read a tensor into it, append an
+//! op or an in-place write, turn it into a program). A mesh's DeferAndFuse
+//! (the backend's pending graph per mesh, Note [Deferred buffers]) and
+//! capture on meshes and in local regions (the thread's capture graph,
 //! `capture.rs`) both build on it; it knows neither the backend nor capture.
+//! One device defers through kiln-tensor's pending programs instead (Note
+//! \[Deferred programs\] in kiln-tensor's `defer.rs`).
 pub mod mesh;
 
-use crate::lower::{self, Builder, Check, Module, Sharding, Ty, Val};
+use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
 use crate::pjrt::Buffer;
 use kiln_tensor::capture::{describe_creation, HostLog, HostValues};
 use kiln_tensor::{DType, Device, DeviceMesh, Error, Meta, Op, Result, Storage, StorageData, Tensor};
@@ -27,19 +30,19 @@ pub enum ParamSrc {
 
 // Note [Deferred buffers]
 // ~~~~~~~~~~~~~~~~~~~~~~~
-// A storage on a PJRT device holds a `PjrtBuffer`: a ready device buffer, or,
-// under DeferAndFuse, a `Slot` of the device's pending graph: an output that
-// will exist once the graph runs. A deferred op reads its inputs' values in
-// the graph (a previous op's output, or a ready buffer added as a program
-// parameter), appends its lowering, and returns storages holding new slots.
-// An in-place write appends the write's lowering and points the storage at
-// the new slot, so every view sees it, as in the eager modes.
+// A storage on a mesh holds shards, or, under DeferAndFuse, a `Slot` of the
+// mesh's pending graph: an output that will exist once the graph runs. A
+// deferred op reads its inputs' values in the graph (a previous op's output,
+// or ready shards added as a program parameter), appends its lowering, and
+// returns storages holding new slots. An in-place write appends the write's
+// lowering and points the storage at the new slot, so every view sees it, as
+// in the eager modes.
 //
 // The graph runs when a result is needed: reading data, `synchronize` /
 // `kiln_tpu::sync()`, an op in another mode reading a deferred input, an op
 // with a device-side check (its error must surface at the call), or the size
 // limit. Only slots still referenced by some storage become program outputs
-// (the rest is dead code XLA removes). A parameter whose buffer nothing but
+// (the rest is dead code XLA removes). A parameter whose shards nothing but
 // the graph holds any more (its storage was overwritten in place) is donated
 // to an output of its type (`tf.aliasing_output`), so XLA updates it in place.
 // The module text is the executable cache's key: the same sequence of ops on
@@ -86,7 +89,7 @@ pub struct Graph {
     pub checks: Vec<(Val, Check, &'static str, Vec<Tensor>)>,
     pub ops: usize,
     /// The argument of each creation-op value (dtype and bytes) the graph has,
-    /// so that equal values share one argument (Note [Shared constants]).
+    /// so that equal values share one argument (Note [Shared constants] in `lower/program.rs`).
     constants: HashMap<(DType, Vec<u8>), Val>,
     /// A capture graph's record of the host values entering it.
     pub host: Option<HostLog>,
@@ -99,21 +102,6 @@ pub struct Graph {
     /// appended (a local region's trace: counted when the region runs).
     pub all_to_all_bytes: u64,
 }
-
-// Note [Shared constants]
-// ~~~~~~~~~~~~~~~~~~~~~~~
-// A creation op's value (`full`'s fill, `arange`'s start and step) is an
-// argument of the program, not a literal in its text, so that one executable
-// serves every value (see `lower::creation_module`). A graph sees the same
-// values again and again: a captured AdamW step makes `beta1`, `1 - beta2`,
-// `eps` and the like once per parameter, a scalar operand (`x * 0.5`) is a
-// `full` too. Equal values (same dtype, same bytes) therefore share one
-// argument: the captured llama-16m training step went from 689 scalar
-// arguments to 66, and its optimized XLA module (which a warm start rebuilds
-// from its serialized form) from 10000 instructions to 9376. A value that
-// differs between two traces of a captured function still shows up as a
-// changed constant or a changed program, so the capture's stability check is
-// unaffected.
 
 impl Graph {
     pub fn new(device: Device) -> Graph {
@@ -134,13 +122,8 @@ impl Graph {
         }
     }
 
-    /// Whether the graph runs over a device mesh.
-    pub fn is_mesh(&self) -> bool {
-        matches!(self.device, Device::Mesh(_))
-    }
-
     /// The argument holding a creation-op value (`bytes` of type `dtype`),
-    /// made on first use by `upload` (Note [Shared constants]).
+    /// made on first use by `upload` (Note [Shared constants] in `lower/program.rs`).
     pub fn constant(&mut self, bytes: Vec<u8>, dtype: DType, upload: impl FnOnce(&[u8]) -> Result<Arg>) -> Result<Val> {
         let key = (dtype, bytes);
         if let Some(v) = self.constants.get(&key) {
@@ -247,7 +230,7 @@ impl Graph {
 
     /// Appends `op`'s lowering; returns the output storages (holding new slots)
     /// and whether the op has device-side checks. `upload` makes the buffer of a
-    /// creation op's value (Note [Shared constants]).
+    /// creation op's value (Note [Shared constants] in `lower/program.rs`).
     pub fn append_op(
         &mut self,
         op: &Op,
@@ -372,53 +355,6 @@ impl Graph {
         self.ops += 1;
         Ok(st)
     }
-
-    /// DeferAndFuse's program of the graph: its live outputs (slots someone
-    /// still holds) then its check flags; parameters only the graph still holds
-    /// are donated to an output of their type. `None` when nothing is live.
-    pub fn into_program(self) -> Option<Program> {
-        let Graph { builder: mut b, params, outs, checks, .. } = self;
-        // A one-device graph's parameters are buffers (a mesh graph runs through `into_mesh_program`).
-        let params: Vec<(Arc<Buffer>, Val)> = params
-            .into_iter()
-            .filter_map(|(a, v, _)| match a {
-                Arg::One(b) => Some((b, v)),
-                Arg::Mesh(_) => None,
-            })
-            .collect();
-        let mut live = vec![];
-        let mut slots = vec![];
-        for (v, w) in outs {
-            if let Some(s) = w.upgrade() {
-                live.push(v);
-                slots.push(s);
-            }
-        }
-        if live.is_empty() && checks.is_empty() {
-            return None;
-        }
-        let mut taken = vec![false; live.len()];
-        for (pi, (buf, v)) in params.iter().enumerate() {
-            if Arc::strong_count(buf) == 1 {
-                if let Some(j) = (0..live.len()).find(|&j| !taken[j] && live[j].ty == v.ty) {
-                    taken[j] = true;
-                    b.alias(pi, j);
-                }
-            }
-        }
-        let mut outputs = live;
-        outputs.extend(checks.iter().map(|c| c.0.clone()));
-        let module = b.finish(&outputs);
-        let out_meta = out_meta(&outputs);
-        let args = params.into_iter().map(|(b, _)| b).collect();
-        Some(Program {
-            module,
-            args,
-            out_meta,
-            slots,
-            checks: checks.into_iter().map(|(_, c, n, i)| (c, n, i)).collect(),
-        })
-    }
 }
 
 /// Makes the one-element buffer (or, on a mesh, the shards) of a creation op's value (bytes of a dtype).
@@ -456,19 +392,6 @@ impl Arg {
     }
 }
 
-/// A deferred graph as a program to run (see [`Graph::into_program`]).
-pub struct Program {
-    pub module: Module,
-    /// The argument buffers, in parameter order.
-    pub args: Vec<Arc<Buffer>>,
-    /// The types of the outputs: one per slot, then one bool per check.
-    pub out_meta: Vec<(DType, Vec<usize>)>,
-    /// The slots the first outputs fill.
-    pub slots: Vec<Arc<Slot>>,
-    /// The checks the trailing outputs verify, with the op's name and inputs.
-    pub checks: Vec<(Check, &'static str, Vec<Tensor>)>,
-}
-
 fn err(msg: impl Into<String>) -> Error {
     Error::backend("pjrt", msg)
 }
@@ -482,7 +405,7 @@ pub(crate) fn data_in(d: &StorageData, device: Device) -> Result<PjrtBuffer> {
             .cloned()
             .ok_or_else(|| err(format!("a tensor on {device} holds another backend's buffer"))),
         StorageData::Host(_) => Err(err(format!("a tensor on {device} holds host memory"))),
-        StorageData::Traced => Err(d.not_here("pjrt")),
+        StorageData::Traced | StorageData::Pending => Err(d.not_here("pjrt")),
     }
 }
 
@@ -500,7 +423,10 @@ pub(crate) fn only_the_storage_reaches(data: &PjrtBuffer) -> bool {
     }
 }
 
-fn data_of(t: &Tensor) -> Result<PjrtBuffer> {
+/// What `t`'s storage holds, once a deferred program computing it has run
+/// (Note \[Deferred programs\] in kiln-tensor's `defer.rs`).
+pub(crate) fn data_of(t: &Tensor) -> Result<PjrtBuffer> {
+    kiln_tensor::defer::settle(t.storage())?;
     data_in(&t.storage().read(), t.device())
 }
 
@@ -514,6 +440,11 @@ pub(crate) fn with_capture<R>(device: Device, f: impl FnOnce(&mut Graph) -> R) -
         Some(g) if g.device == device => Some(f(g)),
         _ => None,
     })
+}
+
+/// Whether this thread's capture graph records the ops of `device`.
+pub(crate) fn captures(device: Device) -> bool {
+    ACTIVE.with(|a| a.borrow().as_ref().is_some_and(|g| g.device == device))
 }
 
 /// Whether this thread is tracing a function.
@@ -581,6 +512,9 @@ impl kiln_tensor::DeviceBuffer for PjrtBuffer {
     }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
+    }
+    fn share(&self) -> Option<Box<dyn kiln_tensor::DeviceBuffer>> {
+        Some(Box::new(self.clone()))
     }
 }
 

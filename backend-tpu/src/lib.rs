@@ -212,6 +212,9 @@ impl kiln_tensor::Backend for Registered {
             _ => Ok(Box::new(capture::PjrtTracer { device })),
         }
     }
+    fn deferral(&self, device: kiln_tensor::Device) -> Option<usize> {
+        self.0.deferral(device)
+    }
     fn compile(
         &self,
         program: &kiln_tensor::ir::Program,

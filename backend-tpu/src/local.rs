@@ -206,7 +206,7 @@ impl PjrtBackend {
             match (stand_in_of(stand_ins, arg, first), src) {
                 (Some(i), _) => {
                     let t = &inputs[i];
-                    let data = graph::data_in(&t.storage().read(), t.device())?;
+                    let data = graph::data_of(t)?;
                     let flat = g.value_of(&data, t.storage())?;
                     let v = lower::read_view(&mut g.builder, &flat, t.layout())?;
                     operands.push(g.builder.reshard(&v, &in_shardings[i]));
@@ -381,7 +381,7 @@ fn trace_body(
     // The blocks the body returns: each returned view read from its storage's value.
     let mut outs = vec![];
     for (i, t) in returned.iter().enumerate() {
-        let data = graph::data_in(&t.storage().read(), t.device())?;
+        let data = graph::data_of(t)?;
         let flat = match &data {
             PjrtBuffer::Deferred(slot) if slot.graph == g.id => g.outs[slot.index].0.clone(),
             PjrtBuffer::Ready(b) if stand_ins.iter().any(|s| Arc::ptr_eq(s.storage(), t.storage())) => {

@@ -2,7 +2,7 @@
 //! to one StableHLO module (`lower::lower_program`), compiled through the
 //! compile cache, run on flat buffers with updated parameters donated.
 use crate::graph::{data_in, only_the_storage_reaches, PjrtBuffer};
-use crate::lower::{lower_program, LoweredProgram};
+use crate::lower::{lower_program, Constants, LoweredProgram};
 use crate::pjrt::{Buffer, Executable};
 use kiln_tensor::ir::{Executable as ProgramExecutable, Program, ResultKind};
 use kiln_tensor::{Device, Error, Layout, Result, Storage, StorageData, Tensor};
@@ -13,6 +13,8 @@ pub(crate) struct PjrtProgram {
     exe: Arc<Executable>,
     program: Program,
     lowered: LoweredProgram,
+    /// The buffers of the creation values, passed after the parameters (Note \[Shared constants\]).
+    constants: Vec<Arc<Buffer>>,
     device: Device,
 }
 
@@ -25,9 +27,15 @@ impl PjrtProgram {
                 format!("programs of kiln's representation run on one PJRT device, not {device}"),
             ));
         }
-        let lowered = lower_program(program)?;
-        let exe = crate::backend()?.executable(&lowered.module)?;
-        Ok(PjrtProgram { exe, program: program.clone(), lowered, device })
+        let lowered = lower_program(program, Constants::Arguments)?;
+        let backend = crate::backend()?;
+        let exe = backend.executable(&lowered.module)?;
+        let constants = lowered
+            .constants
+            .iter()
+            .map(|(bytes, dt)| backend.upload_scalar(bytes, *dt, device))
+            .collect::<Result<_>>()?;
+        Ok(PjrtProgram { exe, program: program.clone(), lowered, constants, device })
     }
 }
 
@@ -60,7 +68,7 @@ impl ProgramExecutable for PjrtProgram {
             })
             .map(|k| k as i64)
             .collect();
-        let refs: Vec<&Buffer> = bufs.iter().map(|b| &**b).collect();
+        let refs: Vec<&Buffer> = bufs.iter().chain(&self.constants).map(|b| &**b).collect();
         let (mut outs, event) =
             self.exe.execute_with(&refs, self.device.index(), &self.lowered.outputs, &non_donatable)?;
         drop(refs);

@@ -155,6 +155,34 @@ fn deferred_in_place_writes_keep_views_and_order() {
 }
 
 #[test]
+fn a_deferred_op_reads_its_input_as_it_was_when_recorded() {
+    setup();
+    let x = Tensor::ones(&[4], (DType::F32, TPU)).unwrap();
+    kiln_tpu::sync().unwrap();
+    with_mode(Mode::Defer, || {
+        let y = x.mul(2.0).unwrap(); // recorded: reads x as it is now
+        with_mode(Mode::Strict, || x.fill_(5.0).unwrap()); // an eager write before the program runs
+        let z = x.add(1.0).unwrap(); // recorded after the write: reads the new value
+        assert_eq!(y.to_vec::<f32>().unwrap(), vec![2.0; 4]);
+        assert_eq!(z.to_vec::<f32>().unwrap(), vec![6.0; 4]);
+        assert_eq!(x.to_vec::<f32>().unwrap(), vec![5.0; 4]);
+    });
+}
+
+#[test]
+fn a_deferred_value_is_computed_when_another_thread_reads_it() {
+    setup();
+    let x = Tensor::arange(0.0, 4.0, 1.0, (DType::F32, TPU)).unwrap();
+    let (y, w) = with_mode(Mode::Defer, || {
+        let w = x.deep_clone().unwrap();
+        w.mul_(10.0).unwrap(); // a deferred in-place write of a deferred value
+        (x.exp().unwrap().log().unwrap().add(1.0).unwrap(), w)
+    });
+    let got = std::thread::spawn(move || (y.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap())).join().unwrap();
+    assert_eq!(got, (vec![1.0, 2.0, 3.0, 4.0], vec![0.0, 10.0, 20.0, 30.0]));
+}
+
+#[test]
 fn deferred_index_errors_surface_at_the_op() {
     setup();
     let e = with_mode(Mode::Defer, gather_out_of_range).unwrap_err().to_string();

@@ -1,5 +1,6 @@
-//! DeferAndFuse runs a chain of ops as one program. A test binary of its own:
-//! it counts the backend's executions, which other tests would disturb.
+//! DeferAndFuse runs a chain of ops as one program, and nothing for values
+//! nobody holds. A test binary of its own: it counts the backend's
+//! executions, which other tests would disturb (its tests take turns).
 mod support;
 
 use kiln_tensor::{DType, Device, Tensor};
@@ -8,8 +9,12 @@ use support::setup;
 
 const TPU: Device = Device::Tpu(0);
 
+/// Held by each test: they count executions.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn defer_and_fuse_runs_a_chain_of_ops_as_one_program() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     setup();
     let x = Tensor::arange(0.0, 8.0, 1.0, (DType::F32, TPU)).unwrap();
     let want: Vec<f32> = {
@@ -35,4 +40,27 @@ fn defer_and_fuse_runs_a_chain_of_ops_as_one_program() {
     assert_eq!(after.graphs - before.graphs, 1, "{before:?} -> {after:?}");
     assert_eq!(after.executions - before.executions, 1, "{before:?} -> {after:?}");
     assert_eq!(got, want, "fused results equal op-by-op results");
+}
+
+#[test]
+fn deferred_values_nobody_holds_are_never_computed() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    setup();
+    let x = Tensor::arange(0.0, 8.0, 1.0, (DType::F32, TPU)).unwrap();
+    kiln_tpu::sync().unwrap();
+    let before = kiln_tpu::stats().unwrap();
+    let kept = with_mode(Mode::Defer, || {
+        let dropped = x.exp().unwrap().mul(3.0).unwrap();
+        drop(dropped);
+        x.mul(2.0).unwrap()
+    });
+    kiln_tpu::sync().unwrap();
+    let mid = kiln_tpu::stats().unwrap();
+    // Only the kept value is a result (the dropped chain is dead code).
+    assert_eq!(mid.executions - before.executions, 1, "{before:?} -> {mid:?}");
+    assert_eq!(kept.to_vec::<f32>().unwrap(), (0..8).map(|v| 2.0 * v as f32).collect::<Vec<_>>());
+    with_mode(Mode::Defer, || drop(x.exp().unwrap()));
+    kiln_tpu::sync().unwrap();
+    let after = kiln_tpu::stats().unwrap();
+    assert_eq!(after.executions - mid.executions, 0, "nothing is live: nothing runs ({mid:?} -> {after:?})");
 }

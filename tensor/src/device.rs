@@ -126,6 +126,13 @@ pub trait Backend: Send + Sync + 'static {
     fn synchronize(&self, _device: Device) -> Result<()> {
         Ok(())
     }
+    /// Whether ops on `device` are deferred on the calling thread now (Note
+    /// \[Deferred programs\] in `defer.rs`): `Some(limit)` records them into
+    /// the device's pending program, which runs when a value is needed or
+    /// after `limit` ops. The default runs every op at once.
+    fn deferral(&self, _device: Device) -> Option<usize> {
+        None
+    }
     /// `f` captured into programs of this backend on `device` (`kiln::compile`
     /// on PJRT), for library code that knows no backend crate, such as the
     /// serving engine's decode step; `None` where ops run one by one anyway.

@@ -90,7 +90,7 @@ impl Tensor {
                 o.node.snapshot_inputs_aliasing(self.storage())?;
             }
         }
-        if !crate::capture::record::assign(self, &src)? {
+        if !crate::capture::record::assign(self, &src)? && !crate::defer::assign(self, &src)? {
             crate::profile::timed(
                 "copy_",
                 || format!("{} <- {}", fmt_shape(self.shape()), fmt_shape(src.shape())),

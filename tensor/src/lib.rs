@@ -23,6 +23,7 @@ mod composite;
 mod convert;
 mod create;
 pub mod custom;
+pub mod defer;
 pub mod device;
 mod display;
 mod distributed;

@@ -598,6 +598,76 @@ impl Op {
         })
     }
 
+    /// Whether some input values make the op fail (an index out of range, an
+    /// integer division by zero or to a negative power, inconsistent group
+    /// sizes or paged metadata), given its inputs' types. Every backend raises
+    /// these errors at the call, so deferred execution (Note \[Deferred
+    /// programs\]) runs such an op at once instead of recording it.
+    pub fn fails_on_data(&self, inputs: &[Meta]) -> bool {
+        let first = inputs.first().map(|m| m.dtype);
+        match self {
+            Op::Binary(BinaryOp::Div | BinaryOp::FloorDiv | BinaryOp::Remainder | BinaryOp::Fmod) => {
+                first.is_some_and(|d| !d.is_float())
+            }
+            Op::Binary(BinaryOp::Pow) => first.is_some_and(|d| d.is_int() && d != DType::U8),
+            Op::Gather { .. }
+            | Op::Scatter { .. }
+            | Op::IndexSelect { .. }
+            | Op::IndexAdd { .. }
+            | Op::CrossEntropyBackward { .. }
+            | Op::GroupedMatMul
+            | Op::PagedAttention { .. } => true,
+            Op::Binary(
+                BinaryOp::Add
+                | BinaryOp::Sub
+                | BinaryOp::Mul
+                | BinaryOp::Maximum
+                | BinaryOp::Minimum
+                | BinaryOp::Fmax
+                | BinaryOp::Fmin
+                | BinaryOp::And
+                | BinaryOp::Or
+                | BinaryOp::Xor
+                | BinaryOp::Atan2
+                | BinaryOp::SiluMul
+                | BinaryOp::SiluGradMul
+                | BinaryOp::BitwiseAnd
+                | BinaryOp::BitwiseOr
+                | BinaryOp::BitwiseXor
+                | BinaryOp::LeftShift
+                | BinaryOp::RightShift,
+            )
+            | Op::Full { .. }
+            | Op::Arange { .. }
+            | Op::RandomBits { .. }
+            | Op::Unary(_)
+            | Op::Compare(_)
+            | Op::Where
+            | Op::Cast(_)
+            | Op::Copy
+            | Op::Reduce { .. }
+            | Op::ArgReduce { .. }
+            | Op::Cumsum { .. }
+            | Op::Rotary
+            | Op::LogSumExp { .. }
+            | Op::RmsNorm { .. }
+            | Op::RmsNormBackward { .. }
+            | Op::Attention { .. }
+            | Op::AttentionBackward { .. }
+            | Op::Softmax { .. }
+            | Op::MatMul
+            | Op::View(_)
+            | Op::Cat { .. }
+            | Op::Sort { .. }
+            | Op::TopK { .. }
+            | Op::Assign { .. }
+            | Op::Collective(_)
+            | Op::Dequantize(_)
+            | Op::QuantMatMul(_)
+            | Op::Custom(_) => false,
+        }
+    }
+
     /// Whether the op accepts float8 inputs: casts, pure data movement
     /// (copies, views, concatenation, selection, writes), the quantized
     /// weight ops, which decode float8 codes and scales, and custom ops, whose

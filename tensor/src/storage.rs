@@ -247,29 +247,46 @@ impl HostBuffer {
 pub trait DeviceBuffer: Send + Sync + std::fmt::Debug {
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
+    /// A second handle on the same device memory (for a backend whose
+    /// buffers are immutable and reference-counted), or `None` when the
+    /// memory cannot be shared. Deferred programs (Note \[Deferred programs\])
+    /// read their parameters through such handles.
+    fn share(&self) -> Option<Box<dyn DeviceBuffer>> {
+        None
+    }
 }
 
 /// What a storage holds: host memory, a backend's device buffer, or nothing
 /// yet: the value of an op recorded while a function is traced (Note
-/// \[Recording\]), which exists once the traced program runs.
+/// \[Recording\]), which exists once the traced program runs, or the value
+/// of a deferred op (Note \[Deferred programs\]), which exists once the
+/// device's pending program runs.
 #[derive(Debug)]
 pub enum StorageData {
     Host(HostBuffer),
     Device(Box<dyn DeviceBuffer>),
     Traced,
+    Pending,
 }
 
 impl StorageData {
     pub fn as_host(&self) -> Option<&HostBuffer> {
         match self {
             StorageData::Host(h) => Some(h),
-            StorageData::Device(_) | StorageData::Traced => None,
+            StorageData::Device(_) | StorageData::Traced | StorageData::Pending => None,
         }
     }
     pub fn as_host_mut(&mut self) -> Option<&mut HostBuffer> {
         match self {
             StorageData::Host(h) => Some(h),
-            StorageData::Device(_) | StorageData::Traced => None,
+            StorageData::Device(_) | StorageData::Traced | StorageData::Pending => None,
+        }
+    }
+    /// A second handle on the same data (see [`DeviceBuffer::share`]).
+    pub fn share(&self) -> Option<StorageData> {
+        match self {
+            StorageData::Device(d) => d.share().map(StorageData::Device),
+            StorageData::Host(_) | StorageData::Traced | StorageData::Pending => None,
         }
     }
     /// The host memory, or an error saying what the storage holds instead
@@ -290,6 +307,10 @@ impl StorageData {
             StorageData::Traced => crate::Error::invalid(
                 backend,
                 "the tensor is a value of a function being traced by kiln::compile, which exists once its program runs (a tensor made inside a traced function and kept after its trace failed, or read while tracing)",
+            ),
+            StorageData::Pending => crate::Error::invalid(
+                backend,
+                "the tensor is the value of a deferred op whose program did not run (an earlier error stopped it)",
             ),
             StorageData::Host(_) => crate::Error::backend(backend, "the tensor holds host memory, not this backend's buffer"),
             StorageData::Device(_) => crate::Error::backend(backend, "the tensor holds another backend's buffer"),

@@ -337,7 +337,9 @@ impl Tensor {
             None => device.backend()?,
         };
         let shapes = || inputs.iter().map(|t| crate::error::fmt_shape(t.shape())).collect::<Vec<_>>().join(" ");
-        let storages = match crate::capture::record::op(&op, inputs, &outs, device) {
+        let recorded = crate::capture::record::op(&op, inputs, &outs, device)
+            .or_else(|| crate::defer::op(&op, inputs, &metas, &outs, device, backend));
+        let storages = match recorded {
             Some(recorded) => recorded?.into_iter().collect(),
             None => crate::profile::timed(
                 op.name(),

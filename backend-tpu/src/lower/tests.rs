@@ -167,3 +167,48 @@ fn literal_bytes_are_the_literal_text_as_little_endian_bytes() {
         }
     }
 }
+
+/// The checks `op`'s one-op module carries, on contiguous inputs of types `inputs`.
+fn checks_of(op: &Op, inputs: &[Meta]) -> Vec<Check> {
+    let layouts: Vec<Layout> = inputs.iter().map(|m| Layout::contiguous(&m.shape)).collect();
+    let views: Vec<ArgView<'_>> = inputs
+        .iter()
+        .zip(&layouts)
+        .map(|(m, l)| ArgView { layout: l, len: m.shape.iter().product(), dtype: m.dtype })
+        .collect();
+    let outs = op.infer(inputs).unwrap();
+    exec_module(op, &views, &outs).unwrap().1
+}
+
+#[test]
+fn ops_that_fail_on_data_are_those_whose_lowering_checks_it() {
+    use kiln_tensor::{BinaryOp, ScatterReduce};
+    let m = |shape: &[usize], dtype: DType| Meta::new(shape, dtype);
+    let (f, i) = (DType::F32, DType::I64);
+    let cases: Vec<(Op, Vec<Meta>)> = vec![
+        (Op::Gather { dim: 1 }, vec![m(&[3, 4], f), m(&[3, 2], i)]),
+        (Op::Scatter { dim: 1, reduce: ScatterReduce::Add }, vec![m(&[3, 4], f), m(&[3, 2], i), m(&[3, 2], f)]),
+        (Op::IndexSelect { dim: 0 }, vec![m(&[3, 4], f), m(&[2], i)]),
+        (Op::IndexAdd { dim: 0 }, vec![m(&[3, 4], f), m(&[2], i), m(&[2, 4], f)]),
+        (Op::CrossEntropyBackward { smoothing: 0.0 }, vec![m(&[3, 5], f), m(&[3], i), m(&[3], f)]),
+        (Op::GroupedMatMul, vec![m(&[4, 3], f), m(&[2, 3, 5], f), m(&[2], i)]),
+        (
+            Op::PagedAttention { scale: 0.5 },
+            vec![m(&[2, 2, 4], f), m(&[3, 2, 1, 4], f), m(&[3, 2, 1, 4], f), m(&[1, 2], i), m(&[1], i), m(&[2], i)],
+        ),
+        (Op::Binary(BinaryOp::Div), vec![m(&[3], i), m(&[3], i)]),
+        (Op::Binary(BinaryOp::Div), vec![m(&[3], f), m(&[3], f)]),
+        (Op::Binary(BinaryOp::Remainder), vec![m(&[3], DType::U8), m(&[3], DType::U8)]),
+        (Op::Binary(BinaryOp::Fmod), vec![m(&[3], DType::I32), m(&[3], DType::I32)]),
+        (Op::Binary(BinaryOp::Pow), vec![m(&[3], i), m(&[3], i)]),
+        (Op::Binary(BinaryOp::Pow), vec![m(&[3], DType::U8), m(&[3], DType::U8)]),
+        (Op::Binary(BinaryOp::Pow), vec![m(&[3], f), m(&[3], f)]),
+        (Op::Binary(BinaryOp::Mul), vec![m(&[3], i), m(&[3], i)]),
+        (Op::MatMul, vec![m(&[2, 3], f), m(&[3, 2], f)]),
+        (Op::Unary(UnaryOp::Exp), vec![m(&[3], f)]),
+    ];
+    for (op, inputs) in cases {
+        let checks = checks_of(&op, &inputs);
+        assert_eq!(op.fails_on_data(&inputs), !checks.is_empty(), "{} on {inputs:?}: {checks:?}", op.name());
+    }
+}
