@@ -1,8 +1,9 @@
 //! `PjrtBackend`: the `Backend` for `Device::Tpu(n)`. Each primitive becomes a
 //! one-op StableHLO program (views read inside it), compiled once per distinct
 //! program text and cached, and dispatched asynchronously (Strict) or waited
-//! for and checked (Debug); under DeferAndFuse ops append to a pending graph
-//! that runs as one program (`graph.rs`).
+//! for and checked (Debug); under DeferAndFuse one device's ops are recorded
+//! by kiln-tensor into a pending program (`Backend::deferral`), a mesh's
+//! append to its pending graph (`graph.rs`); either runs as one program.
 use crate::cache::{self, DiskCache};
 pub use crate::graph::PjrtBuffer;
 use crate::graph::{self, data_in, data_of, only_the_storage_reaches, Arg, Graph};

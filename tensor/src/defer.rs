@@ -1,8 +1,7 @@
 //! Deferred execution for any backend (DeferAndFuse): ops on a device whose
-//! backend defers them ([`Backend::deferral`](crate::Backend::deferral)) are
-//! recorded into the device's pending [`Program`](crate::ir::Program), which
-//! runs through [`Backend::compile`](crate::Backend::compile) when a value is
-//! needed (Note \[Deferred programs\]).
+//! backend defers them ([`Backend::deferral`]) are recorded into the device's
+//! pending [`Program`](crate::ir::Program), which runs through
+//! [`Backend::compile`] when a value is needed (Note \[Deferred programs\]).
 use crate::capture::tape::{flat, Tape};
 use crate::ir::ResultKind;
 use crate::{Backend, Device, Error, Meta, Op, Result, Storage, StorageData, Tensor};
