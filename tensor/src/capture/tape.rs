@@ -12,6 +12,9 @@ pub(crate) struct Known {
     pub value: Value,
     /// Whether the program made or wrote this storage (so it may be a result).
     pub written: bool,
+    /// The storage's version when its data became a parameter: a write the
+    /// tape did not record (an eager one) makes the parameter stale.
+    pub version: u64,
 }
 
 /// A program being recorded over storages. Storages are tracked by identity:
@@ -30,9 +33,11 @@ pub(crate) struct Tape {
 impl Tape {
     /// The current value of `st`'s whole content, when the tape knows it.
     pub fn current(&self, st: &Arc<Storage>) -> Option<Value> {
-        // An entry of a storage dropped since is not this one at its address.
         let k = self.known.get(&st.addr())?;
-        (std::ptr::eq(k.storage.as_ptr(), Arc::as_ptr(st)) && k.storage.strong_count() > 0).then_some(k.value)
+        // An entry of a storage dropped since is not this one at its address,
+        // and a parameter the storage was written over since is not its value.
+        let same = std::ptr::eq(k.storage.as_ptr(), Arc::as_ptr(st)) && k.storage.strong_count() > 0;
+        (same && (k.written || k.version == st.version())).then_some(k.value)
     }
 
     /// The current value of a storage's whole content: a new parameter the
@@ -45,10 +50,12 @@ impl Tape {
         if let Some(v) = self.current(st) {
             return Ok(v);
         }
+        // Read before the data: a write in between leaves the entry stale, never wrong.
+        let version = st.version();
         let src = source(st)?;
         let v = self.program.add_param(ParamKind::State, Meta::new(&[st.len()], st.dtype()));
         self.sources.push(src);
-        self.known.insert(st.addr(), Known { storage: Arc::downgrade(st), value: v, written: false });
+        self.known.insert(st.addr(), Known { storage: Arc::downgrade(st), value: v, written: false, version });
         Ok(v)
     }
 
@@ -88,7 +95,7 @@ impl Tape {
     }
 
     fn define(&mut self, st: &Arc<Storage>, value: Value) {
-        self.known.insert(st.addr(), Known { storage: Arc::downgrade(st), value, written: true });
+        self.known.insert(st.addr(), Known { storage: Arc::downgrade(st), value, written: true, version: 0 });
     }
 }
 
