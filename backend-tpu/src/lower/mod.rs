@@ -21,7 +21,7 @@ mod view;
 
 pub use collective::manual_computation;
 pub use ops::{lower_op, Check};
-pub use program::{lower_program, Constants, LoweredProgram};
+pub use program::{lower_into, lower_program, Constants, Lowered, LoweredProgram};
 pub use shard::{mesh_decl, Sharding};
 pub use view::{read_view, write_view};
 

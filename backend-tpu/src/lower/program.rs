@@ -55,8 +55,42 @@ fn missing(v: impl std::fmt::Display) -> Error {
 /// values), and whose outputs are the results, flat, then the ops' check
 /// flags. A parameter that a result updates is donated to it.
 pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram> {
-    p.verify()?;
     let mut b = Builder::new(&[]).0;
+    let Lowered { results, checks, constants } = lower_into(&mut b, p, constants)?;
+    let mut outs = vec![];
+    let mut outputs = vec![];
+    for (j, (r, v)) in p.results().iter().zip(results).enumerate() {
+        let n = v.ty.numel();
+        outputs.push((v.dtype(), vec![n]));
+        outs.push(b.reshape(&v, &[n]));
+        if let ResultKind::Update(k) = r.kind {
+            b.alias(k, j);
+        }
+    }
+    for (v, _, _) in &checks {
+        outputs.push((DType::Bool, vec![]));
+        outs.push(v.clone());
+    }
+    let module = b.finish(&outs);
+    let checks = checks.into_iter().map(|(_, c, n)| (c, n)).collect();
+    Ok(LoweredProgram { module, outputs, checks, constants })
+}
+
+/// A program lowered into a builder (see [`lower_into`]).
+pub struct Lowered {
+    /// Each result's value, of the result's type.
+    pub results: Vec<Val>,
+    /// The device-side checks of the ops: a bool scalar each, the check, the op's name.
+    pub checks: Vec<(Val, Check, &'static str)>,
+    /// With [`Constants::Arguments`], the value (bytes, dtype) of each argument after the parameters.
+    pub constants: Vec<(Vec<u8>, DType)>,
+}
+
+/// Lowers `p` (verified first) into `b`, a builder with no arguments yet:
+/// the parameters become its arguments, flat, in order (then, with
+/// [`Constants::Arguments`], the creation values).
+pub fn lower_into(b: &mut Builder, p: &Program, constants: Constants) -> Result<Lowered> {
+    p.verify()?;
     let mut shared = Shared::default();
     let mut vals: Vec<Option<Val>> = vec![None; p.num_values()];
     for param in p.params() {
@@ -78,18 +112,18 @@ pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram
                     }
                     other => other.apply(&Layout::contiguous(x[0].shape()))?,
                 };
-                vec![read_view(&mut b, &flat, &layout)?]
+                vec![read_view(b, &flat, &layout)?]
             }
             Op::Assign { shape, strides, offset } => {
                 let n = x[0].ty.numel();
                 let flat = b.reshape(&x[0], &[n]);
                 let layout = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
-                let written = write_view(&mut b, &flat, &layout, &x[1])?;
+                let written = write_view(b, &flat, &layout, &x[1])?;
                 vec![b.reshape(&written, x[0].shape())]
             }
             Op::Full { .. } | Op::Arange { .. } if constants == Constants::Arguments => {
-                let args = shared.args(&mut b, &inst.op)?;
-                vec![creation_lower(&mut b, &inst.op, &args)?]
+                let args = shared.args(b, &inst.op)?;
+                vec![creation_lower(b, &inst.op, &args)?]
             }
             Op::Full { value, dtype, .. } => {
                 let lit = match *value {
@@ -98,14 +132,14 @@ pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram
                     Scalar::Float(v) => Lit::F(v),
                 };
                 let c = b.constant(lit, *dtype);
-                vec![creation_lower(&mut b, &inst.op, &[c])?]
+                vec![creation_lower(b, &inst.op, &[c])?]
             }
             Op::Arange { start, step, .. } => {
                 let args = [b.constant(Lit::F(*start), DType::F64), b.constant(Lit::F(*step), DType::F64)];
-                vec![creation_lower(&mut b, &inst.op, &args)?]
+                vec![creation_lower(b, &inst.op, &args)?]
             }
             op => {
-                let (r, c) = lower_op(&mut b, op, &x, &inst.outs)?;
+                let (r, c) = lower_op(b, op, &x, &inst.outs)?;
                 checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
                 r
             }
@@ -115,24 +149,12 @@ pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram
             vals[v.index()] = Some(r);
         }
     }
-    let mut outs = vec![];
-    let mut outputs = vec![];
-    for (j, r) in p.results().iter().enumerate() {
-        let v = vals[r.value.index()].clone().ok_or_else(|| missing(r.value))?;
-        let n = v.ty.numel();
-        outputs.push((v.dtype(), vec![n]));
-        outs.push(b.reshape(&v, &[n]));
-        if let ResultKind::Update(k) = r.kind {
-            b.alias(k, j);
-        }
-    }
-    for (v, _, _) in &checks {
-        outputs.push((DType::Bool, vec![]));
-        outs.push(v.clone());
-    }
-    let module = b.finish(&outs);
-    let checks = checks.into_iter().map(|(_, c, n)| (c, n)).collect();
-    Ok(LoweredProgram { module, outputs, checks, constants: shared.values })
+    let results = p
+        .results()
+        .iter()
+        .map(|r| vals[r.value.index()].clone().ok_or_else(|| missing(r.value)))
+        .collect::<Result<_>>()?;
+    Ok(Lowered { results, checks, constants: shared.values })
 }
 
 /// The arguments holding creation values, one per distinct value.

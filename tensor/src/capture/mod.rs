@@ -10,7 +10,7 @@ pub(crate) mod tape;
 
 pub use compiled::{compile, Compiled, Traced, TracedFn, Tracer};
 pub use host_values::{describe_creation, HostLog, HostValues};
-pub use recorded::{trace_program, ProgramTrace, RecordingTracer};
+pub use recorded::{record_region, trace_program, ProgramTrace, RecordedRegion, RecordingTracer};
 
 use crate::trace::WatchRead;
 

@@ -56,23 +56,31 @@ pub(super) struct Recording {
 }
 
 thread_local! {
+    /// The device of the innermost recording.
     static DEVICE: Cell<Option<Device>> = const { Cell::new(None) };
-    static RECORDING: RefCell<Option<Recording>> = const { RefCell::new(None) };
+    /// The recordings of this thread, innermost last: a local region's body
+    /// is recorded while the function around it may be recorded too.
+    static RECORDING: RefCell<Vec<Recording>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Starts recording ops on `device` on this thread; with `snapshot`, keeping
-/// each parameter's value as the function first reads it.
+/// Starts recording ops on `device` on this thread (inside any recording
+/// already going on, which resumes at `end`); with `snapshot`, keeping each
+/// parameter's value as the function first reads it.
 pub(super) fn begin(device: Device, host: HostLog, snapshot: bool) {
     RECORDING.with(|r| {
-        *r.borrow_mut() = Some(Recording { device, tape: Tape::default(), host, snapshots: snapshot.then(Vec::new) })
+        r.borrow_mut().push(Recording { device, tape: Tape::default(), host, snapshots: snapshot.then(Vec::new) })
     });
     DEVICE.with(|d| d.set(Some(device)));
 }
 
-/// Stops recording; what was recorded.
+/// Stops the innermost recording; what it recorded.
 pub(super) fn end() -> Option<Recording> {
-    DEVICE.with(|d| d.set(None));
-    RECORDING.with(|r| r.borrow_mut().take())
+    RECORDING.with(|r| {
+        let mut r = r.borrow_mut();
+        let rec = r.pop();
+        DEVICE.with(|d| d.set(r.last().map(|o| o.device)));
+        rec
+    })
 }
 
 /// Whether ops on `device` are being recorded on this thread.
@@ -84,13 +92,13 @@ fn with<R>(device: Device, f: impl FnOnce(&mut Recording) -> Result<R>) -> Optio
     if !is_recording(device) {
         return None;
     }
-    RECORDING.with(|r| r.borrow_mut().as_mut().map(f))
+    RECORDING.with(|r| r.borrow_mut().last_mut().map(f))
 }
 
 impl Recording {
     /// The value of `t` in the trace: a storage first read becomes a
     /// parameter read from the storage itself (snapshotted for export).
-    fn read(&mut self, t: &Tensor) -> Result<Value> {
+    pub(super) fn read(&mut self, t: &Tensor) -> Result<Value> {
         let snaps = &mut self.snapshots;
         self.tape.read(t, |st| {
             if let Some(snaps) = snaps {

@@ -73,20 +73,23 @@ fn record_call(
     policy: HostValues,
     snapshot: bool,
 ) -> Result<(RecordedTrace, Vec<Tensor>, Vec<HostBuffer>)> {
-    struct Clear;
+    // Ends the recording and the watching on every path out, a panic included.
+    struct Clear(bool);
     impl Drop for Clear {
         fn drop(&mut self) {
-            record::end();
-            crate::trace::end_watching();
+            if self.0 {
+                record::end();
+                crate::trace::end_watching();
+            }
         }
     }
     record::begin(device, super::HostLog::new(policy), snapshot);
     crate::trace::begin_watching();
-    let clear = Clear;
+    let mut clear = Clear(true);
     let result = f(inputs);
+    clear.0 = false;
     let watches = crate::trace::end_watching();
     let mut rec = record::end().ok_or_else(|| Error::invalid("compile", "the recording was taken while tracing"))?;
-    drop(clear);
     let snapshots = rec.snapshots.take().unwrap_or_default();
     let trace = build(rec, inputs, &result?, watches)?;
     // The call's results and effects are the program's (Note [Recording]).
@@ -125,6 +128,69 @@ pub fn trace_program(
         })
         .collect();
     Ok((ProgramTrace { program: t.program, values, returns, host_values: t.host }, outs))
+}
+
+/// A function's ops on one device recorded into a program without running
+/// them: a local region's body (Note \[Local regions\]), traced once on
+/// stand-ins for one device's blocks.
+pub struct RecordedRegion {
+    /// The program: a parameter is `input i` (the whole storage of input
+    /// `i`) or `state` (a tensor made outside the function); the results are
+    /// the returned tensors' values, fresh, in order.
+    pub program: Program,
+    /// The storage each parameter reads.
+    pub sources: Vec<Arc<Storage>>,
+    /// The undeclared host values of the function's own code that entered the program.
+    pub host_values: Vec<String>,
+}
+
+/// Records `f`'s ops on `inputs` (on `device`, Note \[Recording\]) into a
+/// program whose results are the tensors `f` returns; nothing runs. `f`
+/// must not write into a tensor it did not make.
+pub fn record_region(
+    device: Device,
+    policy: HostValues,
+    inputs: &[Tensor],
+    f: &mut TracedFn<'_>,
+) -> Result<RecordedRegion> {
+    struct Clear(bool);
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            if self.0 {
+                record::end();
+            }
+        }
+    }
+    record::begin(device, super::HostLog::new(policy), false);
+    let mut clear = Clear(true);
+    let returned = f(inputs);
+    clear.0 = false;
+    let mut rec = record::end().ok_or_else(|| Error::invalid("local_map", "the recording was taken while tracing"))?;
+    let returned = returned?;
+    let written = |st: &Arc<Storage>| rec.tape.known.get(&st.addr()).is_some_and(|k| k.written);
+    if rec.tape.sources.iter().any(written) {
+        return Err(Error::invalid(
+            "local_map",
+            "the function wrote in place into a tensor made outside it (an input): return the new value instead",
+        ));
+    }
+    for (i, t) in returned.iter().enumerate() {
+        if t.device() != device {
+            return Err(Error::invalid(
+                "local_map",
+                format!("output {i} of the function is on {}, not on {device}", t.device()),
+            ));
+        }
+        let v = rec.read(t)?;
+        rec.tape.program.add_result(v, ResultKind::Fresh)?;
+    }
+    let Recording { tape: Tape { mut program, sources, .. }, host, .. } = rec;
+    for (k, st) in sources.iter().enumerate() {
+        if let Some(i) = inputs.iter().position(|t| Arc::ptr_eq(t.storage(), st)) {
+            program.set_param_kind(k, ParamKind::Input(i))?;
+        }
+    }
+    Ok(RecordedRegion { program: program.cse().dce(), sources, host_values: host.undeclared })
 }
 
 /// Classifies what a recording read and wrote (Note \[Recording\]) and readies its program.
