@@ -10,6 +10,7 @@ use kiln::nn::models::LlamaForCausalLM;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::prelude::*;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 fn golden_path(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(format!("{name}.txt"))
@@ -110,4 +111,27 @@ fn custom_op() {
     );
     assert!(text.contains("add_rms_norm("), "{text}");
     check("custom_op", &text);
+}
+
+/// A local region's body (Note [Local regions]) as it is recorded before its
+/// lowering into the region: one device's block routed to the others with an
+/// `all_to_all` over the groups of an axis (here two groups of two devices,
+/// as an axis of size 2 in a 2x2 mesh gives), recorded on a CPU stand-in.
+#[test]
+fn local_region_with_all_to_all() {
+    use kiln::tensor::collective::{Collective, CollectiveOp};
+    let block = Tensor::from_vec((0..8).map(|i| i as f32).collect(), &[4, 2]).unwrap();
+    let exchange =
+        CollectiveOp { kind: Collective::AllToAll { split: 0, concat: 1 }, groups: vec![vec![0, 1], vec![2, 3]] };
+    let policy = kiln::tensor::capture::HostValues::Constant;
+    let mut body = |blocks: &[Tensor]| -> Result<Vec<Tensor>> {
+        let routed = Tensor::apply1(kiln::Op::Collective(exchange.clone()), &[&blocks[0].mul(2.0)?])?;
+        Ok(vec![routed.sum_dim(1, false)?])
+    };
+    let region =
+        kiln::tensor::capture::record_region(Device::Cpu, policy, std::slice::from_ref(&block), &mut body).unwrap();
+    let text = region.program.to_string();
+    assert!(text.contains("all_to_all("), "{text}");
+    assert!(Arc::ptr_eq(&region.sources[0], block.storage()), "the block is the region's one parameter");
+    check("local_region_all_to_all", &text);
 }

@@ -6,7 +6,7 @@
 //! append to its pending graph (`graph.rs`); either runs as one program.
 use crate::cache::{self, DiskCache};
 pub use crate::graph::PjrtBuffer;
-use crate::graph::{self, data_in, data_of, only_the_storage_reaches, Arg, Graph};
+use crate::graph::{self, data_in, data_of, only_the_storage_reaches, Graph};
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, CompileOptions, Event, Executable, Upload};
@@ -211,15 +211,13 @@ impl PjrtBackend {
     }
 
     /// `Backend::deferral`: one device's ops are deferred in DeferAndFuse mode
-    /// (Note \[Deferred programs\] in kiln-tensor), except while a local
-    /// region traced on it records into its capture graph. A mesh's deferred
-    /// ops append to its pending graph here (`defer`).
+    /// (Note \[Deferred programs\] in kiln-tensor). A mesh's deferred ops
+    /// append to its pending graph here (`defer`).
     pub(crate) fn deferral(&self, device: Device) -> Option<usize> {
-        let on = mode() == Mode::Defer && matches!(device, Device::Tpu(_)) && !graph::captures(device);
-        on.then_some(self.max_ops)
+        (mode() == Mode::Defer && matches!(device, Device::Tpu(_))).then_some(self.max_ops)
     }
 
-    /// Appends to the graph ops on `device` go to: the thread's capture graph
+    /// Appends to the graph a mesh's ops go to: the thread's capture graph
     /// while tracing, else the mesh's pending graph (DeferAndFuse), which runs
     /// when `f` asks (an op with a device-side check: its error surfaces at the
     /// call) or when it holds `KILN_TPU_DEFER_MAX_OPS` ops.
@@ -230,7 +228,7 @@ impl PjrtBackend {
             return r.map(|(r, _)| r);
         }
         if !matches!(device, Device::Mesh(_)) {
-            return Err(err(format!("the ops of {device} are deferred by kiln-tensor, not in a pending graph")));
+            return Err(err(format!("the ops of {device} are deferred by kiln-tensor, not in a graph")));
         }
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let g = graphs.entry(device).or_insert_with(|| Graph::new(device));
@@ -498,14 +496,7 @@ impl Backend for PjrtBackend {
             Mode::Debug => upload.wait()?,
             Mode::Strict | Mode::Defer => self.queue(Pending::Upload(upload))?,
         }
-        let b = Arc::new(b);
-        graph::with_capture(device, |g| {
-            if let Some(log) = &mut g.host {
-                let what = format!("host data ({len} {dtype} values) uploaded");
-                log.upload(Arc::as_ptr(&b) as usize, kiln_tensor::trace::in_constant_scope(), what);
-            }
-        });
-        let st = Storage::new(StorageData::Device(Box::new(PjrtBuffer::Ready(b))), dtype, len, device);
+        let st = Storage::new(StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(b)))), dtype, len, device);
         Ok(Arc::new(st))
     }
 
@@ -541,10 +532,6 @@ impl Backend for PjrtBackend {
             }
             return self.exec_mesh(op, inputs, outs, device);
         }
-        if graph::captures(device) {
-            let upload = |bytes: &[u8], dt: DType| self.upload_scalar(bytes, dt, device).map(Arg::One);
-            return self.defer(device, |g| g.append_op(op, inputs, outs, device, &upload));
-        }
         if let Some(values) = lower::creation_args(op) {
             let text = lower::creation_module(op)?;
             let args: Vec<Arc<Buffer>> =
@@ -572,9 +559,6 @@ impl Backend for PjrtBackend {
                 return self.defer(dst.device(), |g| g.append_assign(dst, src).map(|()| ((), false)));
             }
             return self.assign_mesh(dst, src);
-        }
-        if graph::captures(dst.device()) {
-            return self.defer(dst.device(), |g| g.append_assign(dst, src).map(|()| ((), false)));
         }
         let same = Arc::ptr_eq(dst.storage(), src.storage());
         // The write holds the destination's lock from reading its buffer to

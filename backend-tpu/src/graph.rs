@@ -442,11 +442,6 @@ pub(crate) fn with_capture<R>(device: Device, f: impl FnOnce(&mut Graph) -> R) -
     })
 }
 
-/// Whether this thread's capture graph records the ops of `device`.
-pub(crate) fn captures(device: Device) -> bool {
-    ACTIVE.with(|a| a.borrow().as_ref().is_some_and(|g| g.device == device))
-}
-
 /// Whether this thread is tracing a function.
 pub fn is_tracing() -> bool {
     ACTIVE.with(|a| a.borrow().is_some())

@@ -6,11 +6,14 @@
 //! captured program.
 use crate::backend::PjrtBackend;
 use crate::graph::mesh::{shard_arg, Shards};
-use crate::graph::{self, Arg, Graph, ParamSrc, PjrtBuffer};
+use crate::graph::{self, Graph, PjrtBuffer};
 use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
-use kiln_tensor::capture::HostValues;
+use kiln_tensor::capture::{record_region, HostValues};
+use kiln_tensor::collective::Collective;
+use kiln_tensor::ir::{ParamKind, Program};
 use kiln_tensor::{
-    distribute_tensor, Device, DeviceMesh, Error, Layout, LocalFn, Placement, Result, Storage, StorageData, Tensor,
+    distribute_tensor, DType, Device, DeviceMesh, Error, Layout, LocalFn, Op, Placement, Result, Storage, StorageData,
+    Tensor,
 };
 use std::sync::Arc;
 
@@ -46,6 +49,11 @@ impl PjrtBackend {
     ) -> Result<Vec<Tensor>> {
         if inputs.len() != in_placements.len() {
             return Err(local_err(format!("{} inputs and {} lists of placements", inputs.len(), in_placements.len())));
+        }
+        if kiln_tensor::collective::local_region_mesh().is_some() {
+            return Err(local_err(
+                "the function of a local region called local_map: a region runs on the devices of a mesh, not inside another local region",
+            ));
         }
         let in_shardings = inputs
             .iter()
@@ -88,29 +96,20 @@ impl PjrtBackend {
         let mut args: Vec<Arc<Shards>> = vec![];
         let mut operands: Vec<Val> = vec![];
         let mut op_shardings = vec![];
-        for (arg, val, src) in &body.graph.params {
-            let s = match (stand_in_of(&stand_ins, arg, first), src) {
-                (Some(i), _) => shards[i].clone(),
-                (None, ParamSrc::Constant(bytes)) => self.replicated_shards(bytes, val.dtype(), val.shape(), &root)?,
-                _ => return Err(local_err(OUTSIDE)),
+        for operand in body.operands()? {
+            let (s, dt) = match operand {
+                Operand::Block(i) => (shards[i].clone(), inputs[i].dtype()),
+                Operand::Constant(bytes, dt) => (self.replicated_shards(&bytes, dt, &[1], &root)?, dt),
             };
-            operands.push(shard_arg(&mut b, &s, val.dtype())?);
+            operands.push(shard_arg(&mut b, &s, dt)?);
             op_shardings.push(s.sharding.clone());
             args.push(s);
         }
         let (out_shardings, out_tys) = body.out_types(mesh)?;
         let refs: Vec<&Val> = operands.iter().collect();
-        let Body { graph, outs: body_outs, checks, n_outs, .. } = body;
-        let exchanged = graph.all_to_all_bytes;
-        let outs = lower::manual_computation(
-            &mut b,
-            &refs,
-            &op_shardings,
-            graph.builder,
-            &body_outs,
-            &out_shardings,
-            &out_tys,
-        )?;
+        let Body { builder, outs: body_outs, checks, n_outs, all_to_all_bytes: exchanged, .. } = body;
+        let outs =
+            lower::manual_computation(&mut b, &refs, &op_shardings, builder, &body_outs, &out_shardings, &out_tys)?;
         let text = b.finish_sharded(&outs, &out_shardings)?;
         let meta: Vec<_> = body_outs.iter().map(|v| (v.dtype(), v.shape().to_vec())).collect();
         let mut bufs = self.run_mesh("local_map", &text, &root, &args, &meta)?;
@@ -160,18 +159,9 @@ impl PjrtBackend {
             }
             same_root(mesh, i, t)?;
         }
-        // The capture graph steps aside while the body is traced (and comes back
-        // on every path out, a panic included).
-        struct Detached(Option<Graph>);
-        impl Drop for Detached {
-            fn drop(&mut self) {
-                if let Some(g) = self.0.take() {
-                    graph::begin_capture(g);
-                }
-            }
-        }
-        let outer = Detached(graph::end_capture());
-        let policy = outer.0.as_ref().and_then(|g| g.host.as_ref()).map_or(HostValues::Constant, |h| h.policy);
+        let policy = graph::with_capture(device, |g| g.host.as_ref().map(|h| h.policy))
+            .flatten()
+            .unwrap_or(HostValues::Constant);
         // The blocks' stand-ins: zeros uploaded to the first device (the trace reads no values).
         let first = Device::Tpu(mesh.devices()[0]);
         let stand_ins = inputs
@@ -180,10 +170,8 @@ impl PjrtBackend {
             .map(|(t, s)| Tensor::zeros(&s.shard_shape(t.shape()), t.dtype())?.to_device(first))
             .collect::<Result<Vec<_>>>()?;
         self.flush(first)?;
-        let body = trace_body(mesh, f, &stand_ins, out_placements, policy);
-        drop(outer);
-        let body = body?;
-        graph::with_capture(device, |g| self.append_region(g, mesh, body, &stand_ins, inputs, in_shardings, first))
+        let body = trace_body(mesh, f, &stand_ins, out_placements, policy)?;
+        graph::with_capture(device, |g| self.append_region(g, mesh, body, inputs, in_shardings))
             .ok_or_else(|| local_err("the capture graph was taken while tracing"))?
     }
 
@@ -194,17 +182,15 @@ impl PjrtBackend {
         g: &mut Graph,
         mesh: &DeviceMesh,
         body: Body,
-        stand_ins: &[Tensor],
         inputs: &[Tensor],
         in_shardings: &[Sharding],
-        first: Device,
     ) -> Result<Vec<Tensor>> {
         let device = mesh.device();
         let mut operands: Vec<Val> = vec![];
         let mut op_shardings = vec![];
-        for (arg, val, src) in &body.graph.params {
-            match (stand_in_of(stand_ins, arg, first), src) {
-                (Some(i), _) => {
+        for operand in body.operands()? {
+            match operand {
+                Operand::Block(i) => {
                     let t = &inputs[i];
                     let data = graph::data_of(t)?;
                     let flat = g.value_of(&data, t.storage())?;
@@ -212,28 +198,26 @@ impl PjrtBackend {
                     operands.push(g.builder.reshard(&v, &in_shardings[i]));
                     op_shardings.push(in_shardings[i].clone());
                 }
-                (None, ParamSrc::Constant(bytes)) => {
-                    let (dt, shape) = (val.dtype(), val.shape().to_vec());
-                    let v = g.constant(bytes.clone(), dt, |b| self.upload_mesh_value(b, dt, device))?;
-                    let s = Sharding::replicated(mesh, shape.len());
+                Operand::Constant(bytes, dt) => {
+                    let v = g.constant(bytes, dt, |b| self.upload_mesh_value(b, dt, device))?;
+                    let s = Sharding::replicated(mesh, 1);
                     operands.push(g.builder.reshard(&v, &s));
                     op_shardings.push(s);
                 }
-                _ => return Err(local_err(OUTSIDE)),
             }
         }
         let (out_shardings, out_tys) = body.out_types(mesh)?;
-        let Body { graph: bg, outs: body_outs, checks, n_outs, undeclared, .. } = body;
+        let Body { builder, outs: body_outs, checks, n_outs, undeclared, all_to_all_bytes, .. } = body;
         if let Some(h) = g.host.as_mut() {
             h.undeclared.extend(undeclared);
         }
-        g.all_to_all_bytes += bg.all_to_all_bytes * mesh.devices().len() as u64;
+        g.all_to_all_bytes += all_to_all_bytes * mesh.devices().len() as u64;
         let refs: Vec<&Val> = operands.iter().collect();
         let outs = lower::manual_computation(
             &mut g.builder,
             &refs,
             &op_shardings,
-            bg.builder,
+            builder,
             &body_outs,
             &out_shardings,
             &out_tys,
@@ -293,26 +277,47 @@ fn same_root(mesh: &DeviceMesh, i: usize, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Which stand-in holds the buffer `arg` (a parameter of the body's trace).
-fn stand_in_of(stand_ins: &[Tensor], arg: &Arg, first: Device) -> Option<usize> {
-    stand_ins.iter().position(|s| {
-        let held = graph::data_in(&s.storage().read(), first).ok().and_then(|d| d.ready());
-        matches!((arg, held), (Arg::One(a), Some(b)) if Arc::ptr_eq(a, &b))
-    })
+/// What feeds an argument of a region's body: input `usize`'s block, or a
+/// creation value (bytes of a dtype, Note \[Shared constants\]).
+enum Operand {
+    Block(usize),
+    Constant(Vec<u8>, DType),
 }
 
-/// A region's traced body: its graph, the blocks it returns followed by one
-/// flag (`[1]`) per device-side check, and the host values it did not declare.
+/// A region's traced body: its program lowered into a function of its own
+/// (arguments: the program's parameters, then its creation values), the
+/// blocks it returns followed by one flag (`[1]`) per device-side check,
+/// and the host values it did not declare.
 struct Body {
-    graph: Graph,
+    builder: Builder,
+    /// The kind of each parameter of the body (`Input(i)`: input `i`'s block).
+    params: Vec<ParamKind>,
+    constants: Vec<(Vec<u8>, DType)>,
     outs: Vec<Val>,
     checks: Vec<(Check, &'static str)>,
     n_outs: usize,
     undeclared: Vec<String>,
     placements: Vec<Vec<Placement>>,
+    /// The bytes one device sends to the others through the body's `all_to_all`s.
+    all_to_all_bytes: u64,
 }
 
 impl Body {
+    /// What feeds each argument of the body: a parameter is an input's
+    /// block (anything else was made outside the function), then the
+    /// creation values.
+    fn operands(&self) -> Result<Vec<Operand>> {
+        let mut ops = vec![];
+        for kind in &self.params {
+            match kind {
+                ParamKind::Input(i) => ops.push(Operand::Block(*i)),
+                _ => return Err(local_err(OUTSIDE)),
+            }
+        }
+        ops.extend(self.constants.iter().map(|(b, dt)| Operand::Constant(b.clone(), *dt)));
+        Ok(ops)
+    }
+
     /// The results' shardings (the outputs', then every check's flag split
     /// over every axis) and global types.
     fn out_types(&self, mesh: &DeviceMesh) -> Result<(Vec<Sharding>, Vec<Ty>)> {
@@ -328,9 +333,26 @@ impl Body {
     }
 }
 
-/// Traces `f` on the stand-ins (on the mesh's first device) as a region
-/// over `mesh` (see Note [Local regions]); writes into tensors made outside
-/// are undone and refused.
+/// The bytes one device sends to the others through `p`'s `all_to_all`s
+/// (each keeps one of its block's `n` pieces and sends the others).
+fn all_to_all_bytes(p: &Program) -> u64 {
+    p.insts()
+        .iter()
+        .filter_map(|inst| match &inst.op {
+            Op::Collective(c) if matches!(c.kind, Collective::AllToAll { .. }) => {
+                let m = p.meta(inst.args[0]);
+                let block = (m.shape.iter().product::<usize>() * m.dtype.size_in_bytes()) as u64;
+                let n = c.group_size() as u64;
+                Some(block / n.max(1) * n.saturating_sub(1))
+            }
+            _ => None,
+        })
+        .sum()
+}
+
+/// Records `f` on the stand-ins (on the mesh's first device) as a region
+/// over `mesh` (see Note [Local regions]) and lowers it; writes into tensors
+/// made outside are refused.
 fn trace_body(
     mesh: &DeviceMesh,
     f: &LocalFn<'_>,
@@ -339,71 +361,39 @@ fn trace_body(
     policy: HostValues,
 ) -> Result<Body> {
     let first = Device::Tpu(mesh.devices()[0]);
-    // Ends the trace if `f` panics, putting back what it wrote.
-    struct Trace;
-    impl Drop for Trace {
-        fn drop(&mut self) {
-            for (w, data) in graph::end_capture().map(|g| g.saved).unwrap_or_default() {
-                if let Some(st) = w.upgrade() {
-                    st.replace(StorageData::Device(Box::new(data)));
-                }
-            }
-        }
-    }
-    graph::begin_capture(Graph::new_capture(first, policy));
-    let trace = Trace;
-    let returned = {
+    let region = record_region(first, policy, stand_ins, &mut |blocks: &[Tensor]| {
         let _region = kiln_tensor::collective::enter_local_region(mesh);
-        f(stand_ins)
-    };
-    let mut g = graph::end_capture().ok_or_else(|| local_err("the trace's graph was taken while tracing"))?;
-    drop(trace);
-    // Writes into tensors made outside are undone (the trace never runs as such), and refused.
-    let wrote_outside = !g.saved.is_empty();
-    for (w, data) in std::mem::take(&mut g.saved) {
-        if let Some(st) = w.upgrade() {
-            st.replace(StorageData::Device(Box::new(data)));
+        let returned = f(blocks)?;
+        if returned.len() != out_placements.len() {
+            return Err(local_err(format!(
+                "the function returned {} tensors for {} lists of output placements",
+                returned.len(),
+                out_placements.len()
+            )));
         }
-    }
-    let returned = returned?;
-    if wrote_outside {
-        return Err(local_err(
-            "the function wrote in place into a tensor made outside it (an input): return the new value instead",
-        ));
-    }
-    if returned.len() != out_placements.len() {
-        return Err(local_err(format!(
-            "the function returned {} tensors for {} lists of output placements",
-            returned.len(),
-            out_placements.len()
-        )));
-    }
-    // The blocks the body returns: each returned view read from its storage's value.
-    let mut outs = vec![];
-    for (i, t) in returned.iter().enumerate() {
-        let data = graph::data_of(t)?;
-        let flat = match &data {
-            PjrtBuffer::Deferred(slot) if slot.graph == g.id => g.outs[slot.index].0.clone(),
-            PjrtBuffer::Ready(b) if stand_ins.iter().any(|s| Arc::ptr_eq(s.storage(), t.storage())) => {
-                g.param(&Arg::One(b.clone()), t.dtype(), ParamSrc::Storage(Arc::downgrade(t.storage())))?
-            }
-            _ => {
-                return Err(local_err(format!(
-                "output {i} is not a block computed by the function from its inputs (a tensor on {}, made outside it?)",
-                t.device()
-            )))
-            }
-        };
-        outs.push(lower::read_view(&mut g.builder, &flat, t.layout())?);
-    }
+        Ok(returned)
+    })?;
+    let mut builder = Builder::new(&[]).0;
+    let lowered = lower::lower_into(&mut builder, &region.program, lower::Constants::Arguments)?;
+    let mut outs = lowered.results;
     // Each device's checks come out as one flag per device (every axis
     // splits them), read after the run like a single device's.
-    let checks: Vec<(Check, &'static str)> = g.checks.iter().map(|(_, c, name, _)| (c.clone(), *name)).collect();
-    let flags: Vec<Val> = g.checks.iter().map(|(v, ..)| g.builder.reshape(v, &[1])).collect();
+    let checks: Vec<(Check, &'static str)> = lowered.checks.iter().map(|(_, c, name)| (c.clone(), *name)).collect();
     let n_outs = outs.len();
-    outs.extend(flags);
+    for (v, ..) in &lowered.checks {
+        outs.push(builder.reshape(v, &[1]));
+    }
     let mut placements = out_placements.to_vec();
     placements.extend(checks.iter().map(|_| vec![Placement::Shard(0); mesh.ndim()]));
-    let undeclared = g.host.as_mut().map(|h| std::mem::take(&mut h.undeclared)).unwrap_or_default();
-    Ok(Body { graph: g, outs, checks, n_outs, undeclared, placements })
+    Ok(Body {
+        builder,
+        all_to_all_bytes: all_to_all_bytes(&region.program),
+        params: region.program.params().iter().map(|p| p.kind.clone()).collect(),
+        constants: lowered.constants,
+        outs,
+        checks,
+        n_outs,
+        undeclared: region.host_values,
+        placements,
+    })
 }
