@@ -4,7 +4,7 @@
 //! in kiln-tensor's `capture/mod.rs`).
 use crate::backend::PjrtBackend;
 use crate::graph::mesh::Shards;
-use crate::graph::{self, data_in, data_of, escaped_value_error, out_meta, Arg, Graph, ParamSrc, PjrtBuffer};
+use crate::graph::{self, data_in, data_of, escaped_value_error, Graph, ParamSrc, PjrtBuffer};
 use crate::lower::Check;
 use crate::lower::Sharding;
 use crate::pjrt::{Buffer, Executable};
@@ -34,7 +34,7 @@ enum SourceKind {
 enum Source {
     Input(usize),
     State(Weak<Storage>),
-    Constant(Arg),
+    Constant(Arc<Shards>),
 }
 
 impl Source {
@@ -66,10 +66,10 @@ enum Return {
 /// A traced, compiled function.
 struct Trace {
     exe: Arc<Executable>,
-    /// On a mesh: the sharding each source had when traced.
-    source_shardings: Vec<Option<Sharding>>,
-    /// A trace over a device mesh: the mesh, and each sink's sharding and logical shape.
-    mesh: Option<MeshOutputs>,
+    /// The sharding each source had when traced.
+    source_shardings: Vec<Sharding>,
+    /// The mesh, and each sink's sharding and logical shape.
+    mesh: MeshOutputs,
     sources: Vec<Source>,
     donated: Vec<usize>,
     sinks: Vec<Sink>,
@@ -99,8 +99,8 @@ struct Signature {
     state_sinks: Vec<u8>,
 }
 
-/// Capture on a PJRT device ([`Backend::tracer`](kiln_tensor::Backend::tracer)):
-/// traces into a capture graph, replays its compiled program.
+/// Capture on a PJRT device mesh ([`Backend::tracer`](kiln_tensor::Backend::tracer)):
+/// traces into a capture graph, replays its compiled SPMD program.
 pub(crate) struct PjrtTracer {
     pub(crate) device: Device,
 }
@@ -161,13 +161,16 @@ fn run_trace(
     policy: HostValues,
     f: &mut TracedFn<'_>,
     inputs: &[Tensor],
-) -> Result<(Trace, Signature, Vec<Arg>)> {
+) -> Result<(Trace, Signature, Vec<Arc<Shards>>)> {
+    if !matches!(dev, Device::Mesh(_)) {
+        return Err(Error::device(
+            "compile",
+            format!("the PJRT capture graph traces functions on meshes, not on {dev}"),
+        ));
+    }
     backend.flush(dev)?;
     for t in inputs {
-        match dev {
-            Device::Mesh(_) => drop(backend.shards(t)?),
-            _ => drop(backend.buffer_of(t)?),
-        }
+        backend.shards(t)?;
     }
     struct Clear;
     impl Drop for Clear {
@@ -219,7 +222,7 @@ fn build(
     inputs: &[Tensor],
     returned: &[Tensor],
     watches: Vec<WatchRead>,
-) -> Result<(Trace, Signature, Vec<Arg>)> {
+) -> Result<(Trace, Signature, Vec<Arc<Shards>>)> {
     let Graph {
         builder: mut b,
         params,
@@ -250,7 +253,7 @@ fn build(
                     // Data uploaded inside the function (a tensor moved to the device there), or a
                     // tensor dropped inside it: a constant of the trace, and a host value unless declared.
                     (None, None) => {
-                        host.orphan(buf.addr())?;
+                        host.orphan(Arc::as_ptr(buf) as usize)?;
                         Source::Constant(buf.clone())
                     }
                 }
@@ -258,13 +261,13 @@ fn build(
         });
     }
     let kinds = sources.iter().map(Source::kind).collect();
-    let args_bufs: Vec<Arg> = params.into_iter().map(|(buf, _, _)| buf).collect();
+    let args_bufs: Vec<Arc<Shards>> = params.into_iter().map(|(buf, _, _)| buf).collect();
     // Live outputs and where they go.
     let mut out_vals = vec![];
     let mut sinks = vec![];
     let mut out_slot_index = vec![]; // graph output index of each program output
     let mut out_shardings = vec![]; // a mesh graph's: each program output's sharding and shape
-    for (idx, (val, wslot)) in outs.iter().enumerate() {
+    for (idx, (_, wslot)) in outs.iter().enumerate() {
         let Some(slot) = wslot.upgrade() else { continue };
         let Some(st) = sink_storages[idx].upgrade() else { continue };
         let holds = matches!(
@@ -287,15 +290,12 @@ fn build(
             (None, true) => Sink::State(Arc::downgrade(&st)),
             (None, false) => Sink::Fresh,
         });
-        match &out_nd[idx] {
-            // A mesh graph returns the padded n-d value, with the slot's sharding.
-            Some((v, s)) => {
-                let shape = slot.sharding.as_ref().map(|(_, shape)| shape.clone()).unwrap_or_default();
-                out_vals.push(v.clone());
-                out_shardings.push((s.clone(), shape));
-            }
-            None => out_vals.push(val.clone()),
-        }
+        // A mesh graph returns the padded n-d value, with the slot's sharding.
+        let (Some((v, s)), Some((_, shape))) = (&out_nd[idx], &slot.sharding) else {
+            return Err(Error::backend("pjrt", "an output of a mesh's capture graph has no sharding"));
+        };
+        out_vals.push(v.clone());
+        out_shardings.push((s.clone(), shape.clone()));
         out_slot_index.push(idx);
     }
     let mut returns = vec![];
@@ -323,11 +323,7 @@ fn build(
             Source::Constant(_) => None,
         };
         // On a mesh, only shards of the same sharding (and not partial) can be updated in place.
-        let fits = |j: usize| match (&args_bufs[pi], out_shardings.get(j)) {
-            (Arg::Mesh(a), Some((s, _))) => a.sharding == *s,
-            (Arg::One(_), None) => true,
-            _ => false,
-        };
+        let fits = |j: usize| out_shardings.get(j).is_some_and(|(s, _)| args_bufs[pi].sharding == *s);
         if let Some(j) = j.filter(|&j| fits(j)) {
             b.alias(pi, j);
             donated.push(pi);
@@ -343,36 +339,17 @@ fn build(
         .collect();
     let mut program_outs = out_vals;
     program_outs.extend(checks.iter().map(|c| c.0.clone()));
-    let (text, exe, meta, mesh) = match g_device {
-        Device::Mesh(_) => {
-            let mesh = kiln_tensor::DeviceMesh::of_device(g_device)?;
-            let mut shardings: Vec<Sharding> = out_shardings.iter().map(|(s, _)| s.clone()).collect();
-            shardings.extend(checks.iter().map(|_| Sharding::replicated(&mesh, 0)));
-            let text = b.finish_sharded(&program_outs, &shardings)?;
-            let exe = backend.mesh_executable(&text, &mesh)?;
-            let mut meta: Vec<(DType, Vec<usize>)> = out_shardings
-                .iter()
-                .zip(&program_outs)
-                .map(|((s, shape), v)| (v.dtype(), s.shard_shape(shape)))
-                .collect();
-            meta.extend(checks.iter().map(|_| (DType::Bool, vec![])));
-            (text, exe, meta, Some(MeshOutputs { mesh, outs: out_shardings }))
-        }
-        _ => {
-            let text = b.finish(&program_outs);
-            let exe = backend.executable(&text)?;
-            let meta = out_meta(&program_outs);
-            (text, exe, meta, None)
-        }
-    };
+    let mesh = kiln_tensor::DeviceMesh::of_device(g_device)?;
+    let mut shardings: Vec<Sharding> = out_shardings.iter().map(|(s, _)| s.clone()).collect();
+    shardings.extend(checks.iter().map(|_| Sharding::replicated(&mesh, 0)));
+    let text = b.finish_sharded(&program_outs, &shardings)?;
+    let exe = backend.mesh_executable(&text, &mesh)?;
+    let mut meta: Vec<(DType, Vec<usize>)> =
+        out_shardings.iter().zip(&program_outs).map(|((s, shape), v)| (v.dtype(), s.shard_shape(shape))).collect();
+    meta.extend(checks.iter().map(|_| (DType::Bool, vec![])));
+    let mesh = MeshOutputs { mesh, outs: out_shardings };
     let n = sinks.len();
-    let source_shardings = args_bufs
-        .iter()
-        .map(|a| match a {
-            Arg::Mesh(s) => Some(s.sharding.clone()),
-            Arg::One(_) => None,
-        })
-        .collect();
+    let source_shardings = args_bufs.iter().map(|a| a.sharding.clone()).collect();
     let trace = Trace {
         exe,
         source_shardings,
@@ -398,31 +375,26 @@ fn replay(
     t: &Trace,
     inputs: &[Tensor],
     device: Device,
-    traced: Option<Vec<Arg>>,
+    traced: Option<Vec<Arc<Shards>>>,
 ) -> Result<Vec<Tensor>> {
-    let mut args: Vec<Arg> = Vec::with_capacity(t.sources.len());
+    let mut args: Vec<Arc<Shards>> = Vec::with_capacity(t.sources.len());
     // Sources whose buffer is also reachable through a slot someone else holds.
     let mut shared = vec![false; t.sources.len()];
     // A storage's buffer, noting in `shared` whether a slot held elsewhere reaches it too.
-    let storage_buffer = |st: &Arc<kiln_tensor::Storage>, shared: &mut bool, k: usize| -> Result<Arg> {
+    let storage_buffer = |st: &Arc<kiln_tensor::Storage>, shared: &mut bool, k: usize| -> Result<Arc<Shards>> {
         let data = data_in(&st.read(), device)?;
         *shared = !graph::only_the_storage_reaches(&data);
-        match device {
-            Device::Mesh(_) => {
-                let s = backend.shards_from(data, device)?;
-                if t.source_shardings.get(k).and_then(|x| x.as_ref()) != Some(&s.sharding) {
-                    return Err(Error::invalid(
-                        "compile",
-                        format!(
-                            "state read by the compiled function now has another placement ({}) than when it was traced; compile the function again",
-                            s.sharding.attr()
-                        ),
-                    ));
-                }
-                Ok(Arg::Mesh(s))
-            }
-            _ => backend.ready_data(data).map(Arg::One),
+        let s = backend.shards_from(data, device)?;
+        if t.source_shardings.get(k) != Some(&s.sharding) {
+            return Err(Error::invalid(
+                "compile",
+                format!(
+                    "state read by the compiled function now has another placement ({}) than when it was traced; compile the function again",
+                    s.sharding.attr()
+                ),
+            ));
         }
+        Ok(s)
     };
     for (k, s) in t.sources.iter().take(if traced.is_some() { 0 } else { usize::MAX }).enumerate() {
         args.push(match s {
@@ -445,66 +417,36 @@ fn replay(
     // A donated buffer someone else still holds (a storage and this list hold one
     // each), or can still take through a slot they hold, is kept.
     let non_donatable: Vec<i64> =
-        t.donated.iter().filter(|&&i| shared[i] || args[i].holders() > 2).map(|&i| i as i64).collect();
-    // Each output's data: a buffer, or shards on a mesh.
-    let (datas, flags): (Vec<PjrtBuffer>, Vec<Arc<Buffer>>) = match &t.mesh {
-        None => {
-            let refs: Vec<&Buffer> = args
-                .iter()
-                .map(|a| match a {
-                    Arg::One(b) => Ok(&**b),
-                    Arg::Mesh(_) => Err(Error::backend("pjrt", "shards in a one-device program")),
-                })
-                .collect::<Result<_>>()?;
-            let (mut bufs, event) = t.exe.execute_with(&refs, device.index(), &t.out_meta, &non_donatable)?;
-            drop(refs);
-            backend.count_execution();
-            backend.queue_event("a compiled function", event)?;
-            let flags = bufs.split_off(t.sinks.len()).into_iter().map(Arc::new).collect();
-            (bufs.into_iter().map(|b| PjrtBuffer::Ready(Arc::new(b))).collect(), flags)
-        }
-        Some(MeshOutputs { mesh, outs: shardings }) => {
-            let shards: Vec<Arc<Shards>> = args
-                .iter()
-                .map(|a| match a {
-                    Arg::Mesh(s) => Ok(s.clone()),
-                    Arg::One(_) => Err(Error::backend("pjrt", "a one-device buffer in a program over a mesh")),
-                })
-                .collect::<Result<_>>()?;
-            let mut bufs =
-                backend.launch_mesh(&t.exe, "a compiled function", mesh, &shards, &t.out_meta, &non_donatable)?;
-            backend.count_all_to_all(t.all_to_all_bytes);
-            // Check flags are replicated: the first device's copy is read.
-            let flags = bufs.split_off(t.sinks.len()).into_iter().map(|mut f| f.swap_remove(0)).collect();
-            // A storage written in place keeps the mesh it was placed on.
-            let view_of = |st: &Arc<Storage>| match data_in(&st.read(), device) {
-                Ok(PjrtBuffer::Sharded(s)) => s.view.clone(),
-                _ => mesh.clone(),
-            };
-            let datas = bufs
-                .into_iter()
-                .zip(shardings)
-                .zip(&t.sinks)
-                .map(|((bufs, (sharding, shape)), sink)| {
-                    let view = match sink {
-                        Sink::Input(k) => view_of(inputs[*k].storage()),
-                        Sink::State(w) => w.upgrade().map_or(mesh.clone(), |st| view_of(&st)),
-                        Sink::Fresh => mesh.clone(),
-                    };
-                    let sh = Shards { bufs, sharding: sharding.clone(), shape: shape.clone(), view };
-                    PjrtBuffer::Sharded(Arc::new(sh))
-                })
-                .collect();
-            (datas, flags)
-        }
+        t.donated.iter().filter(|&&i| shared[i] || Arc::strong_count(&args[i]) > 2).map(|&i| i as i64).collect();
+    // Each output's data: its shards.
+    let MeshOutputs { mesh, outs: shardings } = &t.mesh;
+    let mut bufs = backend.launch_mesh(&t.exe, "a compiled function", mesh, &args, &t.out_meta, &non_donatable)?;
+    backend.count_all_to_all(t.all_to_all_bytes);
+    // Check flags are replicated: the first device's copy is read.
+    let flags: Vec<Arc<Buffer>> = bufs.split_off(t.sinks.len()).into_iter().map(|mut f| f.swap_remove(0)).collect();
+    // A storage written in place keeps the mesh it was placed on.
+    let view_of = |st: &Arc<Storage>| match data_in(&st.read(), device) {
+        Ok(PjrtBuffer::Sharded(s)) => s.view.clone(),
+        _ => mesh.clone(),
     };
+    let datas: Vec<PjrtBuffer> = bufs
+        .into_iter()
+        .zip(shardings)
+        .zip(&t.sinks)
+        .map(|((bufs, (sharding, shape)), sink)| {
+            let view = match sink {
+                Sink::Input(k) => view_of(inputs[*k].storage()),
+                Sink::State(w) => w.upgrade().map_or(mesh.clone(), |st| view_of(&st)),
+                Sink::Fresh => mesh.clone(),
+            };
+            let sh = Shards { bufs, sharding: sharding.clone(), shape: shape.clone(), view };
+            PjrtBuffer::Sharded(Arc::new(sh))
+        })
+        .collect();
     drop(args);
     let mut fresh: Vec<Option<Arc<Storage>>> = vec![None; t.sinks.len()];
     for (i, (sink, data)) in t.sinks.iter().zip(datas).enumerate() {
-        let len = match &t.mesh {
-            Some(m) => m.outs[i].1.iter().product(),
-            None => t.out_meta[i].1.iter().product(),
-        };
+        let len = t.mesh.outs[i].1.iter().product();
         let data = StorageData::Device(Box::new(data));
         match sink {
             Sink::Input(k) => {

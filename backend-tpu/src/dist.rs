@@ -6,7 +6,7 @@ use crate::backend::PjrtBackend;
 use crate::graph::mesh::{
     constrain, flat_value, padded, result_sharding, shard_arg, storage_sharding, write_view, MeshGraphProgram, Shards,
 };
-use crate::graph::{Arg, PjrtBuffer};
+use crate::graph::PjrtBuffer;
 use crate::lower::{self, shard, Builder, Sharding, Val};
 use crate::mode::{mode, Mode};
 use crate::pjrt::{Buffer, CompileOptions, Executable};
@@ -40,7 +40,7 @@ use std::sync::Arc;
 // device's buffer. `redistribute` is a program whose result carries the new
 // sharding. Under DeferAndFuse, ops and writes append to the mesh device's
 // pending graph (`graph.rs`) the same way: its arguments are shards
-// (`Arg::Mesh`, read by `flat_value`), each output remembers its storage's sharding and
+// (read by `flat_value`), each output remembers its storage's sharding and
 // n-d shape in its slot, and the graph runs as one SPMD program that fills
 // the slots with shards; an argument only the graph still holds is donated
 // to an output of the same type and sharding. Capture (`kiln::compile` on a
@@ -267,9 +267,9 @@ impl PjrtBackend {
     }
 
     /// A creation op's value (one element) on every device of the mesh `device`.
-    pub(crate) fn upload_mesh_value(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Arg> {
+    pub(crate) fn upload_mesh_value(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Arc<Shards>> {
         let mesh = DeviceMesh::of_device(device)?;
-        Ok(Arg::Mesh(self.replicated_shards(bytes, dtype, &[1], &mesh)?))
+        self.replicated_shards(bytes, dtype, &[1], &mesh)
     }
 
     /// `bytes` (a row-major value of `shape`) copied to every device of `mesh`.

@@ -9,7 +9,7 @@
 //! \[Deferred programs\] in kiln-tensor's `defer.rs`).
 pub mod mesh;
 
-use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
+use crate::lower::{self, Builder, Check, Sharding, Val};
 use crate::pjrt::Buffer;
 use kiln_tensor::capture::{describe_creation, HostLog, HostValues};
 use kiln_tensor::{DType, Device, DeviceMesh, Error, Meta, Op, Result, Storage, StorageData, Tensor};
@@ -72,14 +72,14 @@ pub struct Slot {
     pub view: OnceLock<kiln_tensor::DeviceMesh>,
 }
 
-/// The pending graph of one device.
+/// The pending graph of a mesh, or the capture graph of a function on one.
 pub struct Graph {
     pub id: u64,
     pub device: Device,
     pub builder: Builder,
-    /// Ready buffers (or, in a mesh graph, shards) the graph reads, in
-    /// argument order, with their flat values and sources.
-    pub params: Vec<(Arg, Val, ParamSrc)>,
+    /// Ready shards the graph reads, in argument order, with their flat
+    /// values and sources.
+    pub params: Vec<(Arc<Shards>, Val, ParamSrc)>,
     /// Outputs appended so far (flat values) and the slots waiting for them.
     pub outs: Vec<(Val, Weak<Slot>)>,
     /// The storage each output was made for (a new result, or the target of an in-place write).
@@ -96,10 +96,10 @@ pub struct Graph {
     /// A capture graph's storages written while tracing, with what they held
     /// before: put back when the trace fails.
     pub saved: Vec<(Weak<Storage>, PjrtBuffer)>,
-    /// A mesh graph's outputs (parallel to `outs`): the padded n-d value and its sharding.
+    /// The outputs' padded n-d values and shardings (parallel to `outs`).
     pub out_nd: Vec<Option<(Val, Sharding)>>,
-    /// The bytes one device sends to the others through the `all_to_all`s
-    /// appended (a local region's trace: counted when the region runs).
+    /// The bytes the `all_to_all`s of the local regions appended send between
+    /// devices (counted when a capture graph's program runs).
     pub all_to_all_bytes: u64,
 }
 
@@ -124,7 +124,12 @@ impl Graph {
 
     /// The argument holding a creation-op value (`bytes` of type `dtype`),
     /// made on first use by `upload` (Note [Shared constants] in `lower/program.rs`).
-    pub fn constant(&mut self, bytes: Vec<u8>, dtype: DType, upload: impl FnOnce(&[u8]) -> Result<Arg>) -> Result<Val> {
+    pub fn constant(
+        &mut self,
+        bytes: Vec<u8>,
+        dtype: DType,
+        upload: impl FnOnce(&[u8]) -> Result<Arc<Shards>>,
+    ) -> Result<Val> {
         let key = (dtype, bytes);
         if let Some(v) = self.constants.get(&key) {
             return Ok(v.clone());
@@ -135,25 +140,17 @@ impl Graph {
         Ok(v)
     }
 
-    /// The flat value of a ready buffer, or of shards, in the graph (a
-    /// parameter, added once; see `graph/mesh.rs` for shards).
-    pub fn param(&mut self, arg: &Arg, dtype: DType, src: ParamSrc) -> Result<Val> {
-        let found = self.params.iter().position(|(a, _, _)| a.same(arg));
-        let raw = match found {
+    /// The flat value of ready shards in the graph (a parameter, added once).
+    pub fn param(&mut self, arg: &Arc<Shards>, dtype: DType, src: ParamSrc) -> Result<Val> {
+        let raw = match self.params.iter().position(|(a, _, _)| Arc::ptr_eq(a, arg)) {
             Some(i) => self.params[i].1.clone(),
             None => {
-                let v = match arg {
-                    Arg::One(b) => self.builder.add_arg(Ty::new(&[b.numel()], b.dtype())),
-                    Arg::Mesh(s) => mesh::shard_arg(&mut self.builder, s, dtype)?,
-                };
+                let v = mesh::shard_arg(&mut self.builder, arg, dtype)?;
                 self.params.push((arg.clone(), v.clone(), src));
                 v
             }
         };
-        Ok(match arg {
-            Arg::One(_) => raw,
-            Arg::Mesh(s) => mesh::flat_value(&mut self.builder, &raw, s),
-        })
+        Ok(mesh::flat_value(&mut self.builder, &raw, arg))
     }
 
     /// Records a flat output value and returns the slot that will hold it;
@@ -212,19 +209,12 @@ impl Graph {
         match data {
             PjrtBuffer::Deferred(slot) if slot.graph == self.id => Ok(self.outs[slot.index].0.clone()),
             PjrtBuffer::Deferred(slot) if is_capture_graph(slot.graph) => Err(escaped_value_error()),
-            PjrtBuffer::Sharded(s) => {
-                self.param(&Arg::Mesh(s.clone()), storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage)))
-            }
-            PjrtBuffer::Deferred(slot) if slot.sharding.is_some() => match slot.shards.get() {
-                Some(s) => {
-                    self.param(&Arg::Mesh(s.clone()), storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage)))
-                }
+            PjrtBuffer::Sharded(s) => self.param(s, storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage))),
+            PjrtBuffer::Deferred(slot) => match slot.shards.get() {
+                Some(s) => self.param(s, storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage))),
                 None => Err(err("an input is pending in another mesh's graph")),
             },
-            other => match other.ready() {
-                Some(b) => self.param(&Arg::One(b), storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage))),
-                None => Err(err("an input is pending in another device's graph")),
-            },
+            PjrtBuffer::Ready(_) => Err(err(format!("a tensor on one device in the graph of {}", self.device))),
         }
     }
 
@@ -290,14 +280,6 @@ impl Graph {
             storages.push(st);
         }
         self.ops += 1;
-        if let (Op::Collective(c), Some(x)) = (op, inputs.first()) {
-            if let kiln_tensor::collective::Collective::AllToAll { .. } = c.kind {
-                // Each device keeps one of its block's `n` pieces and sends the others.
-                let n = c.group_size() as u64;
-                let block = (x.numel() * x.dtype().size_in_bytes()) as u64;
-                self.all_to_all_bytes += block / n.max(1) * n.saturating_sub(1);
-            }
-        }
         let has_checks = !checks.is_empty();
         for (v, c) in checks {
             self.checks.push((v, c, op.name(), inputs.iter().map(|t| (*t).clone()).collect()));
@@ -357,40 +339,8 @@ impl Graph {
     }
 }
 
-/// Makes the one-element buffer (or, on a mesh, the shards) of a creation op's value (bytes of a dtype).
-pub type Upload<'a> = dyn Fn(&[u8], DType) -> Result<Arg> + 'a;
-
-/// What a program argument is: a buffer on one device, or one shard per mesh device.
-#[derive(Debug, Clone)]
-pub enum Arg {
-    One(Arc<Buffer>),
-    Mesh(Arc<Shards>),
-}
-
-impl Arg {
-    /// Whether two arguments are the same data (the same buffer or shards).
-    pub fn same(&self, other: &Arg) -> bool {
-        match (self, other) {
-            (Arg::One(a), Arg::One(b)) => Arc::ptr_eq(a, b),
-            (Arg::Mesh(a), Arg::Mesh(b)) => Arc::ptr_eq(a, b),
-            _ => false,
-        }
-    }
-    /// The address of the data, an identity for host-value bookkeeping.
-    pub fn addr(&self) -> usize {
-        match self {
-            Arg::One(b) => Arc::as_ptr(b) as usize,
-            Arg::Mesh(s) => Arc::as_ptr(s) as usize,
-        }
-    }
-    /// How many handles hold the data (1: only this one).
-    pub fn holders(&self) -> usize {
-        match self {
-            Arg::One(b) => Arc::strong_count(b),
-            Arg::Mesh(s) => Arc::strong_count(s),
-        }
-    }
-}
+/// Makes the shards of a creation op's value (bytes of a dtype), replicated.
+pub type Upload<'a> = dyn Fn(&[u8], DType) -> Result<Arc<Shards>> + 'a;
 
 fn err(msg: impl Into<String>) -> Error {
     Error::backend("pjrt", msg)
@@ -511,9 +461,4 @@ impl kiln_tensor::DeviceBuffer for PjrtBuffer {
     fn share(&self) -> Option<Box<dyn kiln_tensor::DeviceBuffer>> {
         Some(Box::new(self.clone()))
     }
-}
-
-/// The program output types of the live outputs, for execution.
-pub fn out_meta(vals: &[Val]) -> Vec<(DType, Vec<usize>)> {
-    vals.iter().map(|v| (v.dtype(), v.shape().to_vec())).collect()
 }

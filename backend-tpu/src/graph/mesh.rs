@@ -2,7 +2,7 @@
 //! what a mesh storage holds (`Shards`), how a graph reads shards and
 //! annotates its values with shardings, and a mesh graph as one SPMD program.
 //! Below the backend: the graph's verbs use it, the backend runs its programs.
-use super::{Arg, Graph, PjrtBuffer, Slot};
+use super::{Graph, PjrtBuffer, Slot};
 use crate::lower::{self, shard, Builder, Check, Module, Sharding, Ty, Val};
 use crate::pjrt::Buffer;
 use kiln_tensor::{DType, DeviceMesh, Layout, Op, Result, Tensor};
@@ -186,13 +186,7 @@ impl Graph {
     pub(crate) fn into_mesh_program(self) -> Result<Option<MeshGraphProgram>> {
         let mesh = DeviceMesh::of_device(self.device)?;
         let Graph { builder: mut b, params, outs, out_nd, checks, .. } = self;
-        let shard_params: Vec<(Arc<Shards>, Val)> = params
-            .into_iter()
-            .filter_map(|(a, v, _)| match a {
-                Arg::Mesh(s) => Some((s, v)),
-                Arg::One(_) => None,
-            })
-            .collect();
+        let shard_params: Vec<(Arc<Shards>, Val)> = params.into_iter().map(|(a, v, _)| (a, v)).collect();
         let mut live = vec![];
         for ((_, w), nd) in outs.iter().zip(out_nd) {
             if let (Some(slot), Some((v, s))) = (w.upgrade(), nd) {
