@@ -287,6 +287,18 @@ fn incomplete_or_wrong_ops_are_clear_errors() {
     // A lowering the plugin refuses: the error names the custom op.
     let bad: Arc<dyn CustomOp> = Arc::new(BadLowering);
     assert_err(Tensor::apply_custom(&bad, &[&x.to_device(tpu).unwrap()]), &["custom ops", "bad_lowering"]);
+    // Deferred, the failure surfaces where the program runs (the first read),
+    // and every value of the failed program says it was never computed.
+    kiln::tpu::with_mode(kiln::tpu::Mode::Defer, || {
+        let xt = x.to_device(tpu).unwrap();
+        let before = xt.mul(2.0).unwrap();
+        let y = Tensor::apply_custom(&bad, &[&xt]).unwrap();
+        assert_err(y[0].to_vec::<f32>(), &["custom ops", "bad_lowering"]);
+        assert_err(y[0].to_vec::<f32>(), &["deferred op", "did not run"]);
+        assert_err(before.to_vec::<f32>(), &["deferred op", "did not run"]);
+        // The device defers afresh.
+        assert_eq!(xt.add(1.0).unwrap().to_vec::<f32>().unwrap(), vec![2.0, 3.0, 4.0]);
+    });
     // The op's own typing errors come first.
     let (a, b) = (input(&[2, 4], 1, DType::F32, Device::Cpu), input(&[2, 5], 1, DType::F32, Device::Cpu));
     assert_err(add_rms_norm(&a, &b, &input(&[4], 1, DType::F32, Device::Cpu), EPS), &["add_rms_norm", "one shape"]);
