@@ -41,6 +41,11 @@ impl PjrtProgram {
 
 impl ProgramExecutable for PjrtProgram {
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        let (results, checked) = self.run_then_check(args)?;
+        checked.map(|()| results)
+    }
+
+    fn run_then_check(&self, args: &[Tensor]) -> Result<(Vec<Tensor>, Result<()>)> {
         let backend = crate::backend()?;
         let p = &self.program;
         p.check_args(args, self.device)?;
@@ -96,9 +101,8 @@ impl ProgramExecutable for PjrtProgram {
                 ResultKind::Fresh | ResultKind::State | ResultKind::Check(_) => value,
             });
         }
-        for (flag, (c, name)) in flags.iter().zip(&self.lowered.checks) {
-            backend.verify(flag, name, c, &[])?;
-        }
-        Ok(results)
+        let checked =
+            flags.iter().zip(&self.lowered.checks).try_for_each(|(flag, (c, name))| backend.verify(flag, name, c, &[]));
+        Ok((results, checked))
     }
 }

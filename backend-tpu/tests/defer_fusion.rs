@@ -64,3 +64,24 @@ fn deferred_values_nobody_holds_are_never_computed() {
     let after = kiln_tpu::stats().unwrap();
     assert_eq!(after.executions - mid.executions, 0, "nothing is live: nothing runs ({mid:?} -> {after:?})");
 }
+
+#[test]
+fn an_op_that_checks_its_data_runs_in_the_program_of_the_ops_before_it() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    setup();
+    let x = Tensor::arange(0.0, 8.0, 1.0, (DType::F32, TPU)).unwrap();
+    let idx = Tensor::from_vec(vec![0i64, 3, 5, 7], &[4]).unwrap().to_device(TPU).unwrap();
+    kiln_tpu::sync().unwrap();
+    let before = kiln_tpu::stats().unwrap();
+    let got = with_mode(Mode::Defer, || {
+        let y = x.mul(2.0).unwrap().add(1.0).unwrap();
+        // Checked on the device: the program runs now, this op in it.
+        let picked = y.index_select(0, &idx).unwrap();
+        let mid = kiln_tpu::stats().unwrap();
+        assert_eq!(mid.executions - before.executions, 1, "{before:?} -> {mid:?}");
+        picked.mul(10.0).unwrap().to_vec::<f32>().unwrap()
+    });
+    let after = kiln_tpu::stats().unwrap();
+    assert_eq!(after.executions - before.executions, 2, "{before:?} -> {after:?}");
+    assert_eq!(got, vec![10.0, 70.0, 110.0, 150.0]);
+}

@@ -24,11 +24,13 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 //
 // The program runs when a value is needed: a backend asked for the data of a
 // pending storage (`settle`: reading data, an eager op in another mode, a
-// copy to another device), `synchronize`, or the backend's limit of ops. An
-// op that fails on some input values (`Op::fails_on_data`: an index out of
-// range, an integer division by zero) is not deferred: it runs at once,
-// reading its inputs' values, so its error surfaces at the call as in the
-// eager modes. The program's results are the storages it made or wrote that
+// copy to another device), `synchronize`, or the backend's limit of ops, and
+// right after an op that fails on some input values (`Op::fails_on_data`: an
+// index out of range, an integer division by zero), so that its error
+// surfaces at the call as in the eager modes. A failed check still writes the
+// program's values (`Executable::run_then_check`), and the op then runs again
+// on its inputs, eagerly, for the backend's error naming the offending value.
+// The program's results are the storages it made or wrote that
 // are still alive (everything else is dead code, removed by `dce`); a storage
 // it read first and then wrote is an update of that parameter, whose buffer
 // the backend may donate, since nothing else holds it any more (the storage
@@ -129,10 +131,7 @@ pub(crate) fn op(
     backend: &dyn Backend,
 ) -> Option<Result<SmallVec<[Arc<Storage>; 2]>>> {
     let limit = deferral(backend, device)?;
-    if op.fails_on_data(metas) {
-        return None;
-    }
-    Some(record(limit, device, |p| {
+    let recorded = record(limit, device, |p| {
         let args: Vec<_> = inputs.iter().map(|t| p.read(t)).collect::<Result<_>>()?;
         let storages: SmallVec<[Arc<Storage>; 2]> = outs
             .iter()
@@ -140,7 +139,23 @@ pub(crate) fn op(
             .collect();
         p.tape.op(op, &args, outs, &storages)?;
         Ok(storages)
-    }))
+    });
+    if !op.fails_on_data(metas) || recorded.is_err() {
+        return Some(recorded);
+    }
+    // Its error must surface at the call: the program runs now. When it fails,
+    // the program's values are written all the same, so the op runs again on
+    // its inputs, eagerly, for the error that names the offending value.
+    Some(match flush(device) {
+        Ok(()) => recorded,
+        Err(e) => {
+            let ready = inputs.iter().all(|t| !matches!(*t.storage().read(), StorageData::Pending));
+            match ready.then(|| backend.exec(op, inputs, outs, device)) {
+                Some(Err(named)) => Err(named),
+                Some(Ok(_)) | None => Err(e),
+            }
+        }
+    })
 }
 
 /// Records the write of `src` into the memory `dst` views when `dst`'s
@@ -243,11 +258,11 @@ fn run(p: Pending) -> Result<()> {
             Tensor::from_storage(st, l)
         })
         .collect::<Result<_>>()?;
-    let outs = exe.run(&args)?;
+    let (outs, checked) = exe.run_then_check(&args)?;
     drop(args);
     PROGRAMS_RUN.fetch_add(1, Ordering::Relaxed);
     for (st, out) in sinks.iter().zip(outs) {
         st.replace(out.storage().take_data());
     }
-    Ok(())
+    checked
 }

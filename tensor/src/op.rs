@@ -602,7 +602,7 @@ impl Op {
     /// integer division by zero or to a negative power, inconsistent group
     /// sizes or paged metadata), given its inputs' types. Every backend raises
     /// these errors at the call, so deferred execution (Note \[Deferred
-    /// programs\]) runs such an op at once instead of recording it.
+    /// programs\]) runs its program right after such an op.
     pub fn fails_on_data(&self, inputs: &[Meta]) -> bool {
         let first = inputs.first().map(|m| m.dtype);
         match self {

@@ -12,6 +12,14 @@ pub trait Executable: Send + Sync {
     /// `Update(p)` is written into `args[p]`'s memory, which is returned for
     /// it; every other result is returned as a tensor of the result's type.
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>>;
+
+    /// [`Executable::run`], except that a failed device-side check of an op
+    /// (an index out of range, ...) comes back beside the results, which
+    /// are written as the program computed them: a caller that can name the
+    /// failing value (by running the op again on its inputs) does so.
+    fn run_then_check(&self, args: &[Tensor]) -> Result<(Vec<Tensor>, Result<()>)> {
+        Ok((self.run(args)?, Ok(())))
+    }
 }
 
 /// The interpreter: a verified program and the backend that runs its ops.
