@@ -97,25 +97,27 @@ impl Pending {
     /// The value of `t` in the program (a storage first read becomes a
     /// parameter reading a second handle on its data).
     fn read(&mut self, t: &Tensor) -> Result<crate::ir::Value> {
-        let origins = &mut self.origins;
-        self.tape.read(t, |st| {
-            let shared = match &*st.read() {
-                StorageData::Pending => None,
-                data => Some(data.share().ok_or_else(|| {
-                    Error::backend(
-                        "defer",
-                        format!(
-                            "the backend of {} cannot share its buffers, which deferred programs read",
-                            st.device()
-                        ),
-                    )
-                })?),
-            };
-            // Pending, yet not in this program: its program failed.
-            let shared = shared.ok_or_else(|| StorageData::Pending.not_here("defer"))?;
-            origins.push(Arc::downgrade(st));
-            Ok(Arc::new(Storage::new(shared, st.dtype(), st.len(), st.device())))
-        })
+        self.tape.read(t, shared_source(&mut self.origins))
+    }
+}
+
+/// Where a deferred program's parameters read: a second handle on the
+/// storage's data, in a storage of its own (the original noted in `origins`).
+fn shared_source(origins: &mut Vec<Weak<Storage>>) -> impl FnOnce(&Arc<Storage>) -> Result<Arc<Storage>> + '_ {
+    move |st| {
+        let shared = match &*st.read() {
+            StorageData::Pending => None,
+            data => Some(data.share().ok_or_else(|| {
+                Error::backend(
+                    "defer",
+                    format!("the backend of {} cannot share its buffers, which deferred programs read", st.device()),
+                )
+            })?),
+        };
+        // Pending, yet not in this program: its program failed.
+        let shared = shared.ok_or_else(|| StorageData::Pending.not_here("defer"))?;
+        origins.push(Arc::downgrade(st));
+        Ok(Arc::new(Storage::new(shared, st.dtype(), st.len(), st.device())))
     }
 }
 
@@ -168,11 +170,7 @@ pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<bool> {
     }
     record(limit, device, |p| {
         let s = p.read(src)?;
-        let base = match p.tape.current(dst.storage()) {
-            Some(v) => v,
-            None => p.read(&Tensor::from_storage(dst.storage().clone(), flat(dst.storage().len()))?)?,
-        };
-        p.tape.assign(dst, base, s)?;
+        p.tape.assign(dst, s, shared_source(&mut p.origins))?;
         dst.storage().replace(StorageData::Pending);
         Ok(true)
     })

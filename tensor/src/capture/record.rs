@@ -99,14 +99,21 @@ impl Recording {
     /// The value of `t` in the trace: a storage first read becomes a
     /// parameter read from the storage itself (snapshotted for export).
     pub(super) fn read(&mut self, t: &Tensor) -> Result<Value> {
-        let snaps = &mut self.snapshots;
-        self.tape.read(t, |st| {
-            if let Some(snaps) = snaps {
-                let whole = Tensor::from_storage(st.clone(), flat(st.len()))?;
-                snaps.push(whole.backend().to_host(&whole)?);
-            }
-            Ok(st.clone())
-        })
+        self.tape.read(t, snapshot_source(&mut self.snapshots))
+    }
+}
+
+/// Where the recorder's parameters read: the storage itself, its value kept
+/// for export when `snaps` collects them.
+fn snapshot_source(
+    snaps: &mut Option<Vec<crate::HostBuffer>>,
+) -> impl FnOnce(&Arc<Storage>) -> Result<Arc<Storage>> + '_ {
+    move |st| {
+        if let Some(snaps) = snaps {
+            let w = whole(st)?;
+            snaps.push(w.backend().to_host(&w)?);
+        }
+        Ok(st.clone())
     }
 }
 
@@ -135,9 +142,7 @@ pub(crate) fn op(
 pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<bool> {
     with(dst.device(), |r| {
         let s = r.read(src)?;
-        // Read whole: a new parameter only when `read` did not just make it.
-        let base = r.tape.current(dst.storage()).map_or_else(|| r.read(&whole(dst.storage())?), Ok)?;
-        r.tape.assign(dst, base, s)?;
+        r.tape.assign(dst, s, snapshot_source(&mut r.snapshots))?;
         Ok(true)
     })
     .unwrap_or(Ok(false))

@@ -84,9 +84,16 @@ impl Tape {
         Ok(())
     }
 
-    /// Records the write of the value `src` into the memory `dst` views
-    /// (whose storage's value is `base`).
-    pub fn assign(&mut self, dst: &Tensor, base: Value, src: Value) -> Result<()> {
+    /// Records the write of the value `src` into the memory `dst` views: the
+    /// storage's next value (its current one, or a new parameter read from
+    /// the storage `source` gives, with the write applied).
+    pub fn assign(
+        &mut self,
+        dst: &Tensor,
+        src: Value,
+        source: impl FnOnce(&Arc<Storage>) -> Result<Arc<Storage>>,
+    ) -> Result<()> {
+        let base = self.storage_value(dst.storage(), source)?;
         let l = dst.layout();
         let op = Op::Assign { shape: l.shape().into(), strides: l.strides().into(), offset: l.offset() };
         let v = self.program.push(op, &[base, src])?[0];
