@@ -33,14 +33,9 @@ fn close(got: &Tensor, want: &Tensor) {
     }
 }
 
-/// Whether `t`'s storage holds a result of a pending DeferAndFuse graph.
+/// Whether `t`'s storage waits for a pending DeferAndFuse program.
 fn is_deferred(t: &Tensor) -> bool {
-    match &*t.storage().read() {
-        kiln::tensor::StorageData::Device(d) => {
-            matches!(d.as_any().downcast_ref::<kiln::tpu::PjrtBuffer>(), Some(kiln::tpu::PjrtBuffer::Deferred(_)))
-        }
-        _ => false,
-    }
+    matches!(&*t.storage().read(), kiln::tensor::StorageData::Pending)
 }
 
 /// Runs `f` in Strict, Debug and DeferAndFuse mode.
@@ -416,4 +411,48 @@ fn a_long_program_over_two_devices() {
         }
         other => panic!("expect a timeout: {expect_timeout}, got {:?}", other.map(|_| "a result")),
     }
+}
+
+/// DeferAndFuse on a mesh records one pending program (an op chain, a
+/// partial sum, an in-place update of sharded state) that runs at the first
+/// read, and gives every result the values and placements Strict mode gives.
+#[test]
+fn a_deferred_step_over_a_mesh_is_one_program_placed_as_in_strict_mode() {
+    let m = mesh(&[2, 2], &["dp", "tp"]);
+    let (x, w0) = (tensor(&[4, 6], 0.3), tensor(&[6, 4], 0.9));
+    let step = |mode: Mode| {
+        with_mode(mode, || {
+            let dx = distribute_tensor(&x, &m, &[Shard(0), Replicate]).unwrap();
+            let w = distribute_tensor(&w0, &m, &[Replicate, Shard(1)]).unwrap();
+            let y = dx.matmul(&w).unwrap().relu().unwrap();
+            let s = y.sum_dim(1, false).unwrap();
+            let update = w.mul(0.25).unwrap();
+            w.sub_(&update).unwrap();
+            let outs = [y, s, w];
+            let pending: Vec<bool> = outs.iter().map(is_deferred).collect();
+            // The first read runs the one program that computes all of them.
+            let first = outs[1].to_vec_f64().unwrap();
+            let settled: Vec<bool> = outs.iter().map(is_deferred).collect();
+            let placements: Vec<Vec<Placement>> = outs.iter().map(|t| t.placements().unwrap()).collect();
+            let values: Vec<Vec<f64>> = outs.iter().map(|t| t.to_vec_f64().unwrap()).collect();
+            assert_eq!(first, values[1]);
+            (pending, settled, placements, values)
+        })
+    };
+    let (pending, settled, placements, values) = step(Mode::Defer);
+    assert_eq!(pending, [true; 3], "every result waits for the pending program");
+    assert_eq!(settled, [false; 3], "one read ran the program computing all of them");
+    let (_, _, strict_placements, strict_values) = step(Mode::Strict);
+    assert_eq!(placements, strict_placements);
+    assert_eq!(placements[0], vec![Shard(0), Shard(1)]);
+    assert_eq!(placements[1], vec![Shard(0), PARTIAL]);
+    assert_eq!(placements[2], vec![Replicate, Shard(1)]);
+    for (got, want) in values.iter().zip(&strict_values) {
+        assert_eq!(got.len(), want.len());
+        for (a, b) in got.iter().zip(want) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{got:?} vs {want:?}");
+        }
+    }
+    let want_w: Vec<f64> = w0.to_vec_f64().unwrap().iter().map(|v| v * 0.75).collect();
+    assert_eq!(values[2], want_w);
 }

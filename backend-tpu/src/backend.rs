@@ -1,9 +1,9 @@
 //! `PjrtBackend`: the `Backend` for `Device::Tpu(n)`. Each primitive becomes a
 //! one-op StableHLO program (views read inside it), compiled once per distinct
 //! program text and cached, and dispatched asynchronously (Strict) or waited
-//! for and checked (Debug); under DeferAndFuse one device's ops are recorded
-//! by kiln-tensor into a pending program (`Backend::deferral`), a mesh's
-//! append to its pending graph (`graph.rs`); either runs as one program.
+//! for and checked (Debug); under DeferAndFuse a device's ops, on one device
+//! or a mesh, are recorded by kiln-tensor into a pending program
+//! (`Backend::deferral`) that runs as one (`program.rs`).
 use crate::cache::{self, DiskCache};
 pub use crate::graph::PjrtBuffer;
 use crate::graph::{self, data_in, data_of, only_the_storage_reaches, Graph};
@@ -51,7 +51,7 @@ pub struct Stats {
     pub hits: u64,
     /// Programs executed.
     pub executions: u64,
-    /// Deferred graphs run (DeferAndFuse), counted in `executions` too.
+    /// Deferred programs run (DeferAndFuse), counted in `executions` too.
     pub graphs: u64,
     /// Executables loaded from the on-disk cache instead of compiled.
     pub disk_hits: u64,
@@ -81,13 +81,10 @@ pub struct PjrtBackend {
     /// program over a mesh).
     cache: Mutex<ExecutableCache>,
     pending: Mutex<Vec<Pending>>,
-    /// DeferAndFuse's pending graph of each device.
-    graphs: Mutex<HashMap<Device, Graph>>,
     max_ops: usize,
     compiles: AtomicU64,
     hits: AtomicU64,
     executions: AtomicU64,
-    graphs_run: AtomicU64,
     all_to_all_bytes: AtomicU64,
     compile_ns: AtomicU64,
     disk: Option<DiskCache>,
@@ -111,7 +108,6 @@ impl PjrtBackend {
         PjrtBackend {
             cache: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
-            graphs: Mutex::new(HashMap::new()),
             max_ops: std::env::var("KILN_TPU_DEFER_MAX_OPS")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -120,7 +116,6 @@ impl PjrtBackend {
             compiles: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             executions: AtomicU64::new(0),
-            graphs_run: AtomicU64::new(0),
             all_to_all_bytes: AtomicU64::new(0),
             compile_ns: AtomicU64::new(0),
             disk: cache::cache_dir().map(|d| DiskCache::new(d, &client)),
@@ -128,8 +123,8 @@ impl PjrtBackend {
         }
     }
 
-    /// The device buffer behind a tensor's storage, running its pending graph
-    /// first when the storage holds a deferred result.
+    /// The device buffer behind a tensor's storage, running its pending
+    /// program first when the storage waits for it.
     pub(crate) fn buffer_of(&self, t: &Tensor) -> Result<Arc<Buffer>> {
         self.ready_data(data_of(t)?)
     }
@@ -174,83 +169,38 @@ impl PjrtBackend {
         if let PjrtBuffer::Sharded(s) = &data {
             return Err(err(format!("a tensor on a device mesh ({}) has no single buffer", s.view)));
         }
-        if let PjrtBuffer::Deferred(slot) = &data {
-            if graph::is_capture_graph(slot.graph) {
-                return Err(graph::escaped_value_error());
-            }
-            self.flush(slot.device)?;
-            if let Some(b) = slot.filled.get() {
-                return Ok(b.clone());
-            }
-        }
-        Err(err("a deferred result was never computed (its graph ran without it)"))
+        Err(graph::escaped_value_error())
     }
 
-    /// Runs the pending graph or program of `device` (DeferAndFuse), if any.
+    /// Runs the pending program of `device` (DeferAndFuse), if any.
     pub fn flush(&self, device: Device) -> Result<()> {
-        if let Device::Tpu(_) = device {
-            return kiln_tensor::defer::flush(device);
-        }
-        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        self.run_graph(&mut graphs, device)
+        kiln_tensor::defer::flush(device)
     }
 
-    /// Runs every pending graph and program.
+    /// Runs every pending program.
     pub fn flush_all(&self) -> Result<()> {
-        let programs = kiln_tensor::defer::flush_all();
-        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        let devices: Vec<Device> = graphs.keys().copied().collect();
-        let mut first = Ok(());
-        for d in devices {
-            let r = self.run_graph(&mut graphs, d);
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        programs.and(first)
+        kiln_tensor::defer::flush_all()
     }
 
-    /// `Backend::deferral`: one device's ops are deferred in DeferAndFuse mode
-    /// (Note \[Deferred programs\] in kiln-tensor). A mesh's deferred ops
-    /// append to its pending graph here (`defer`).
+    /// `Backend::deferral`: a device's ops, on one device or a mesh, are
+    /// deferred in DeferAndFuse mode (Note \[Deferred programs\] in
+    /// kiln-tensor), except a mesh's while this thread traces a function
+    /// into the capture graph (`trace_into`).
     pub(crate) fn deferral(&self, device: Device) -> Option<usize> {
-        (mode() == Mode::Defer && matches!(device, Device::Tpu(_))).then_some(self.max_ops)
+        let defers = match device {
+            Device::Tpu(_) => true,
+            Device::Mesh(_) => !graph::is_tracing(),
+            Device::Cpu | Device::PrivateUse1(_) => false,
+        };
+        (mode() == Mode::Defer && defers).then_some(self.max_ops)
     }
 
-    /// Appends to the graph a mesh's ops go to: the thread's capture graph
-    /// while tracing, else the mesh's pending graph (DeferAndFuse), which runs
-    /// when `f` asks (an op with a device-side check: its error surfaces at the
-    /// call) or when it holds `KILN_TPU_DEFER_MAX_OPS` ops.
-    pub(crate) fn defer<R>(&self, device: Device, f: impl FnOnce(&mut Graph) -> Result<(R, bool)>) -> Result<R> {
-        let mut f = Some(f);
-        let mut on = |g: &mut Graph| f.take().map(|f| f(g));
-        if let Some(r) = graph::with_capture(device, &mut on).flatten() {
-            return r.map(|(r, _)| r);
-        }
-        if !matches!(device, Device::Mesh(_)) {
-            return Err(err(format!("the ops of {device} are deferred by kiln-tensor, not in a graph")));
-        }
-        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
-        let g = graphs.entry(device).or_insert_with(|| Graph::new(device));
-        let (r, run_now) = on(g).ok_or_else(|| err("a deferred op was appended twice"))??;
-        if run_now || g.ops >= self.max_ops {
-            self.run_graph(&mut graphs, device)?;
-        }
-        Ok(r)
-    }
-
-    /// Compiles (or finds) and runs one device's pending graph; fills its live
-    /// slots and verifies its checks (see Note [Deferred buffers]).
-    fn run_graph(&self, graphs: &mut HashMap<Device, Graph>, device: Device) -> Result<()> {
-        let Some(slot) = graphs.get_mut(&device) else { return Ok(()) };
-        if slot.is_empty() {
-            return Ok(());
-        }
-        let g = std::mem::replace(slot, Graph::new(device));
-        match g.into_mesh_program()? {
-            Some(p) => self.run_mesh_graph(p),
-            None => Ok(()),
-        }
+    /// Appends to the thread's capture graph of `device` (a function on a
+    /// mesh being traced by `kiln::compile`).
+    pub(crate) fn trace_into<R>(&self, device: Device, f: impl FnOnce(&mut Graph) -> Result<R>) -> Result<R> {
+        graph::with_capture(device, f).unwrap_or_else(|| {
+            Err(err(format!("no function on {device} is being traced, so there is no capture graph to append to")))
+        })
     }
 
     pub fn client(&self) -> &Arc<Client> {
@@ -262,7 +212,7 @@ impl PjrtBackend {
             compiles: self.compiles.load(Ordering::Relaxed),
             hits: self.hits.load(Ordering::Relaxed),
             executions: self.executions.load(Ordering::Relaxed),
-            graphs: self.graphs_run.load(Ordering::Relaxed) + kiln_tensor::defer::programs_run(),
+            graphs: kiln_tensor::defer::programs_run(),
             disk_hits: self.disk.as_ref().map_or(0, |d| d.hits.load(Ordering::Relaxed)),
             disk_misses: self.disk.as_ref().map_or(0, |d| d.misses.load(Ordering::Relaxed)),
             disk_rebuilt: self.disk.as_ref().map_or(0, |d| d.rebuilt.load(Ordering::Relaxed)),
@@ -526,9 +476,9 @@ impl Backend for PjrtBackend {
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
         if let Device::Mesh(_) = device {
-            if mode() == Mode::Defer || graph::is_tracing() {
+            if graph::is_tracing() {
                 let upload = |bytes: &[u8], dt: DType| self.upload_mesh_value(bytes, dt, device);
-                return self.defer(device, |g| g.append_op(op, inputs, outs, device, &upload));
+                return self.trace_into(device, |g| g.append_op(op, inputs, outs, device, &upload));
             }
             return self.exec_mesh(op, inputs, outs, device);
         }
@@ -555,8 +505,8 @@ impl Backend for PjrtBackend {
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         kiln_tensor::check_assign(dst, src)?;
         if let Device::Mesh(_) = dst.device() {
-            if mode() == Mode::Defer || graph::is_tracing() {
-                return self.defer(dst.device(), |g| g.append_assign(dst, src).map(|()| ((), false)));
+            if graph::is_tracing() {
+                return self.trace_into(dst.device(), |g| g.append_assign(dst, src));
             }
             return self.assign_mesh(dst, src);
         }

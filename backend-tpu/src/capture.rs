@@ -18,8 +18,8 @@ pub mod export;
 
 // The PJRT tracer (Note [Capture] in kiln-tensor's `capture/mod.rs` gives
 // the rules every tracer follows): every op on the capture device goes into
-// one graph, whatever the mode (DeferAndFuse's machinery, with the thread's
-// capture graph instead of the device's pending one), which `build`
+// the thread's capture graph, whatever the mode (Note [Capture graphs] in
+// `graph.rs`), which `build`
 // classifies and compiles into one XLA program; state read and written is
 // donated, so XLA updates parameters and optimizer state in place. A trace
 // that fails puts back the buffers of the storages it wrote.

@@ -3,10 +3,9 @@
 //! on such tensors runs as one SPMD program over the mesh (see Note
 //! [Distributed storages]).
 use crate::backend::PjrtBackend;
-use crate::graph::mesh::{
-    constrain, flat_value, padded, result_sharding, shard_arg, storage_sharding, write_view, MeshGraphProgram, Shards,
-};
+use crate::graph::mesh::{storage_sharding, Shards};
 use crate::graph::PjrtBuffer;
+use crate::lower::mesh::{constrain, flat_value, padded, result_sharding, shard_arg, write_view};
 use crate::lower::{self, shard, Builder, Sharding, Val};
 use crate::mode::{mode, Mode};
 use crate::pjrt::{Buffer, CompileOptions, Executable};
@@ -38,18 +37,20 @@ use std::sync::Arc;
 // storage's value and returns it with the storage's sharding, then swaps the
 // new shards in. Reading data gathers the view replicated and copies the first
 // device's buffer. `redistribute` is a program whose result carries the new
-// sharding. Under DeferAndFuse, ops and writes append to the mesh device's
-// pending graph (`graph.rs`) the same way: its arguments are shards
-// (read by `flat_value`), each output remembers its storage's sharding and
-// n-d shape in its slot, and the graph runs as one SPMD program that fills
-// the slots with shards; an argument only the graph still holds is donated
-// to an output of the same type and sharding. Capture (`kiln::compile` on a
-// mesh device) traces into such a graph and replays its program over the
-// mesh: each source's shards go in, each sink gets new shards with the
+// sharding. Under DeferAndFuse, ops and writes are recorded into the mesh's
+// pending `Program` (Note [Deferred programs] in kiln-tensor), which is
+// lowered the same way (`lower_mesh_program`): its parameters are shards
+// (read by `flat_value`), each value remembers the storage it reads and the
+// sharding kiln's rules give it, and each result is returned padded with its
+// storage's sharding; a parameter a result updates with the same sharding is
+// donated. Capture (`kiln::compile` on a mesh device) traces into a capture
+// graph (Note [Capture graphs] in `graph.rs`) and replays its program over
+// the mesh: each source's shards go in, each sink gets new shards with the
 // traced sharding; an input's sharding is part of the guard, and state whose
 // sharding changed since the trace is an error, so a replay never reads
-// shards laid out for another program. `redistribute` under DeferAndFuse and
-// in traced functions is a graph result carrying the target sharding;
+// shards laid out for another program. `redistribute` in traced functions
+// is a graph result carrying the target sharding (under DeferAndFuse it
+// runs at once, after the pending program);
 // `to_local` and `from_local` inside a traced function are an error for now.
 
 fn err(msg: impl Into<String>) -> Error {
@@ -83,39 +84,19 @@ impl MeshProgram {
         let arg = match self.args.iter().position(|a| Arc::ptr_eq(a, s)) {
             Some(i) => self.vals[i].clone(),
             None => {
-                let v = shard_arg(&mut self.b, s, dtype)?;
+                let v = shard_arg(&mut self.b, &s.sharding, &s.shape, dtype)?;
                 self.args.push(s.clone());
                 self.vals.push(v.clone());
                 v
             }
         };
-        Ok(flat_value(&mut self.b, &arg, s))
+        Ok(flat_value(&mut self.b, &arg, &s.sharding, &s.shape))
     }
 }
 
 impl PjrtBackend {
-    /// Runs a mesh graph's program, fills its slots with their shards and
-    /// verifies its checks (DeferAndFuse on a mesh device).
-    pub(crate) fn run_mesh_graph(&self, p: MeshGraphProgram) -> Result<()> {
-        let MeshGraphProgram { module, args, out_meta, slots, checks, mesh } = p;
-        let mut bufs = self.run_mesh("a deferred graph", &module, &mesh, &args, &out_meta)?;
-        drop(args);
-        let flags = bufs.split_off(slots.len());
-        for (slot, bufs) in slots.iter().zip(bufs) {
-            let (sharding, shape) =
-                slot.sharding.clone().ok_or_else(|| err("a mesh graph's output without a sharding"))?;
-            let view = slot.view.get().cloned().unwrap_or_else(|| mesh.clone());
-            let _ = slot.shards.set(Arc::new(Shards { bufs, sharding, shape, view }));
-        }
-        for (flag, (c, name, inputs)) in flags.iter().zip(&checks) {
-            let refs: Vec<&Tensor> = inputs.iter().collect();
-            self.verify(&flag[0], name, c, &refs)?;
-        }
-        Ok(())
-    }
-
-    /// The shards behind a tensor on a mesh device, running its pending graph
-    /// first when the storage holds a deferred result.
+    /// The shards behind a tensor on a mesh device, running its pending
+    /// program first when the storage waits for it.
     pub(crate) fn shards(&self, t: &Tensor) -> Result<Arc<Shards>> {
         let data = crate::graph::data_of(t)?;
         self.shards_from(data, t.device())
@@ -124,15 +105,7 @@ impl PjrtBackend {
     pub(crate) fn shards_from(&self, data: PjrtBuffer, device: Device) -> Result<Arc<Shards>> {
         match data {
             PjrtBuffer::Sharded(s) => Ok(s),
-            PjrtBuffer::Deferred(slot) if slot.sharding.is_some() => {
-                if crate::graph::is_capture_graph(slot.graph) {
-                    return Err(crate::graph::escaped_value_error());
-                }
-                if slot.shards.get().is_none() {
-                    self.flush(slot.device)?;
-                }
-                slot.shards.get().cloned().ok_or_else(|| err("a deferred result was never computed"))
-            }
+            PjrtBuffer::Deferred(_) => Err(crate::graph::escaped_value_error()),
             _ => Err(err(format!("a tensor on {device} holds a one-device buffer"))),
         }
     }
@@ -227,7 +200,7 @@ impl PjrtBackend {
                 let s = self.shards(t)?;
                 let flat = p.storage_value(&s, t.dtype())?;
                 let v = lower::read_view(&mut p.b, &flat, t.layout())?;
-                let (v, need) = constrain(&mut p.b, op, i, v, &s.sharding, &s.shape, t);
+                let (v, need) = constrain(&mut p.b, op, i, v, &s.sharding, &s.shape, t.layout());
                 vals.push(v);
                 in_shardings.push((t.shape().to_vec(), need));
             }
@@ -361,14 +334,15 @@ impl PjrtBackend {
         // The destination's lock is held from reading its shards to swapping in
         // the new ones; a deferred destination is computed before it is taken.
         let (mut w, d) = loop {
-            let s = self.shards(dst)?;
+            self.shards(dst)?;
             let w = dst.storage().write();
+            if matches!(*w, StorageData::Pending) {
+                // Written by a deferred op of another thread since: compute it first.
+                continue;
+            }
             match crate::graph::data_in(&w, dst.device())? {
                 PjrtBuffer::Sharded(d) => break (w, d),
-                // A deferred result already computed: its shards are the value.
-                PjrtBuffer::Deferred(slot) if slot.shards.get().is_some_and(|x| Arc::ptr_eq(x, &s)) => break (w, s),
-                // Written in between: read it again.
-                _ => {}
+                _ => return Err(err(format!("a tensor on {} without shards", dst.device()))),
             }
         };
         let mut p = MeshProgram::new();
@@ -445,9 +419,9 @@ impl PjrtBackend {
                 ),
             ));
         }
-        if mode() == Mode::Defer || crate::graph::is_tracing() {
-            // Deferred (and traced): the view, as a result carrying the target sharding.
-            let st = self.defer(t.device(), |g| g.append_reshard(t, target, mesh.clone()).map(|st| (st, false)))?;
+        if crate::graph::is_tracing() {
+            // Traced: the view, as a result carrying the target sharding.
+            let st = self.trace_into(t.device(), |g| g.append_reshard(t, target, mesh.clone()))?;
             return Tensor::from_storage(st, Layout::contiguous(t.shape()));
         }
         let shards = self.materialize(t, target, mesh.clone())?;

@@ -1,12 +1,10 @@
-//! The graph of deferred work on meshes, the one home of building mesh
-//! programs from ops: what a PJRT storage holds (a ready buffer, shards, or a
-//! slot of a graph), and a `Graph`'s verbs (read a tensor into it, append an
-//! op or an in-place write, turn it into a program). A mesh's DeferAndFuse
-//! (the backend's pending graph per mesh, Note [Deferred buffers]) and
-//! capture on meshes and in local regions (the thread's capture graph,
-//! `capture.rs`) both build on it; it knows neither the backend nor capture.
-//! One device defers through kiln-tensor's pending programs instead (Note
-//! \[Deferred programs\] in kiln-tensor's `defer.rs`).
+//! The capture graph of a function on a mesh (`kiln::compile` there,
+//! `capture.rs`), the one home of building it from ops: what a PJRT storage
+//! holds (a ready buffer, shards, or a slot of the graph), and a `Graph`'s
+//! verbs (read a tensor into it, append an op, an in-place write or a
+//! redistribution). It knows neither the backend nor capture. DeferAndFuse,
+//! on one device and on meshes, records kiln-tensor's pending programs
+//! instead (Note \[Deferred programs\] in kiln-tensor's `defer.rs`).
 pub mod mesh;
 
 use crate::lower::{self, Builder, Check, Sharding, Val};
@@ -28,51 +26,38 @@ pub enum ParamSrc {
     Constant(Vec<u8>),
 }
 
-// Note [Deferred buffers]
-// ~~~~~~~~~~~~~~~~~~~~~~~
-// A storage on a mesh holds shards, or, under DeferAndFuse, a `Slot` of the
-// mesh's pending graph: an output that will exist once the graph runs. A
-// deferred op reads its inputs' values in the graph (a previous op's output,
-// or ready shards added as a program parameter), appends its lowering, and
-// returns storages holding new slots. An in-place write appends the write's
-// lowering and points the storage at the new slot, so every view sees it, as
-// in the eager modes.
-//
-// The graph runs when a result is needed: reading data, `synchronize` /
-// `kiln_tpu::sync()`, an op in another mode reading a deferred input, an op
-// with a device-side check (its error must surface at the call), or the size
-// limit. Only slots still referenced by some storage become program outputs
-// (the rest is dead code XLA removes). A parameter whose shards nothing but
-// the graph holds any more (its storage was overwritten in place) is donated
-// to an output of its type (`tf.aliasing_output`), so XLA updates it in place.
-// The module text is the executable cache's key: the same sequence of ops on
-// the same shapes compiles once, and the values of creation ops are program
-// arguments, so a changing scalar never recompiles.
+// Note [Capture graphs]
+// ~~~~~~~~~~~~~~~~~~~~~
+// While a function on a mesh is traced, every op, in-place write and
+// redistribution on that mesh appends to the thread's capture graph, whatever
+// the mode, and its outputs are storages holding a `Slot` of the graph: a
+// value that exists only inside the traced program. An op reads its inputs'
+// values in the graph (an earlier slot, or ready shards added as a parameter
+// with their sharding), appends its lowering with its inputs constrained and
+// its results placed (`lower/mesh.rs`), and returns storages holding new
+// slots. An in-place write appends the write's lowering and points the
+// storage at the new slot, so every view sees it. Capture (`capture.rs`)
+// turns the graph into one SPMD program whose results are the slots still
+// held; a slot that escapes the traced function is an error when read.
 
-/// The default number of ops after which a pending graph runs (`KILN_TPU_DEFER_MAX_OPS`).
+/// The default number of ops after which a pending program runs (`KILN_TPU_DEFER_MAX_OPS`).
 pub const DEFAULT_MAX_OPS: usize = 4096;
 
 static NEXT_GRAPH: AtomicU64 = AtomicU64::new(1);
 
-/// Graph ids with this bit set belong to capture graphs (`capture.rs`).
-pub const CAPTURE_BIT: u64 = 1 << 63;
-
-/// A deferred output: filled with its buffer when its graph runs.
+/// A value of a capture graph, held by the storage of a traced tensor.
 #[derive(Debug)]
 pub struct Slot {
     pub graph: u64,
     pub device: Device,
     pub index: usize,
-    pub filled: OnceLock<Arc<Buffer>>,
-    /// A mesh graph's output: its shards once the graph has run.
-    pub shards: OnceLock<Arc<Shards>>,
-    /// A mesh graph's output: the storage's sharding and n-d shape.
+    /// The storage's sharding and n-d shape.
     pub sharding: Option<(Sharding, Vec<usize>)>,
-    /// A mesh graph's output placed on a sub-mesh (`redistribute`): that mesh.
+    /// A redistribution's result placed on a sub-mesh: that mesh.
     pub view: OnceLock<kiln_tensor::DeviceMesh>,
 }
 
-/// The pending graph of a mesh, or the capture graph of a function on one.
+/// The capture graph of a function on a mesh.
 pub struct Graph {
     pub id: u64,
     pub device: Device,
@@ -145,12 +130,12 @@ impl Graph {
         let raw = match self.params.iter().position(|(a, _, _)| Arc::ptr_eq(a, arg)) {
             Some(i) => self.params[i].1.clone(),
             None => {
-                let v = mesh::shard_arg(&mut self.builder, arg, dtype)?;
+                let v = lower::mesh::shard_arg(&mut self.builder, &arg.sharding, &arg.shape, dtype)?;
                 self.params.push((arg.clone(), v.clone(), src));
                 v
             }
         };
-        Ok(mesh::flat_value(&mut self.builder, &raw, arg))
+        Ok(lower::mesh::flat_value(&mut self.builder, &raw, &arg.sharding, &arg.shape))
     }
 
     /// Records a flat output value and returns the slot that will hold it;
@@ -166,10 +151,10 @@ impl Graph {
                 let u = self.builder.reshard(&x, s);
                 let r = self.builder.reshard(&u, &s.reduced());
                 let flat = self.builder.reshape(&r, &[v.ty.numel()]);
-                (flat, Some((mesh::padded(&mut self.builder, &u, shape, s), s.clone())))
+                (flat, Some((lower::mesh::padded(&mut self.builder, &u, shape, s), s.clone())))
             }
             Some((s, shape)) => {
-                let nd = mesh::padded(&mut self.builder, &v, shape, s);
+                let nd = lower::mesh::padded(&mut self.builder, &v, shape, s);
                 (v, Some((nd, s.clone())))
             }
             None => (v, None),
@@ -178,8 +163,6 @@ impl Graph {
             graph: self.id,
             device: self.device,
             index: self.outs.len(),
-            filled: OnceLock::new(),
-            shards: OnceLock::new(),
             sharding,
             view: OnceLock::new(),
         });
@@ -189,16 +172,11 @@ impl Graph {
         slot
     }
 
-    /// A graph recording a traced function (its slots never run as such).
+    /// A graph recording a traced function.
     pub fn new_capture(device: Device, policy: HostValues) -> Graph {
         let mut g = Graph::new(device);
-        g.id |= CAPTURE_BIT;
         g.host = Some(HostLog::new(policy));
         g
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.outs.is_empty() && self.checks.is_empty()
     }
 }
 
@@ -208,18 +186,14 @@ impl Graph {
     pub(crate) fn value_of(&mut self, data: &PjrtBuffer, storage: &Arc<Storage>) -> Result<Val> {
         match data {
             PjrtBuffer::Deferred(slot) if slot.graph == self.id => Ok(self.outs[slot.index].0.clone()),
-            PjrtBuffer::Deferred(slot) if is_capture_graph(slot.graph) => Err(escaped_value_error()),
+            PjrtBuffer::Deferred(_) => Err(escaped_value_error()),
             PjrtBuffer::Sharded(s) => self.param(s, storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage))),
-            PjrtBuffer::Deferred(slot) => match slot.shards.get() {
-                Some(s) => self.param(s, storage.dtype(), ParamSrc::Storage(Arc::downgrade(storage))),
-                None => Err(err("an input is pending in another mesh's graph")),
-            },
             PjrtBuffer::Ready(_) => Err(err(format!("a tensor on one device in the graph of {}", self.device))),
         }
     }
 
-    /// Appends `op`'s lowering; returns the output storages (holding new slots)
-    /// and whether the op has device-side checks. `upload` makes the buffer of a
+    /// Appends `op`'s lowering; returns the output storages (holding new
+    /// slots). `upload` makes the buffer of a
     /// creation op's value (Note [Shared constants] in `lower/program.rs`).
     pub fn append_op(
         &mut self,
@@ -228,7 +202,7 @@ impl Graph {
         outs: &[Meta],
         device: Device,
         upload: &Upload<'_>,
-    ) -> Result<(Vec<Arc<Storage>>, bool)> {
+    ) -> Result<Vec<Arc<Storage>>> {
         let mut in_shardings = vec![];
         let (results, checks) = if let Some(values) = lower::creation_args(op) {
             if let Some(log) = &mut self.host {
@@ -247,7 +221,7 @@ impl Graph {
                 let v = lower::read_view(&mut self.builder, &flat, t.layout())?;
                 vals.push(match mesh::storage_sharding(&data) {
                     Some((s, shape)) => {
-                        let (v, need) = mesh::constrain(&mut self.builder, op, i, v, &s, &shape, t);
+                        let (v, need) = lower::mesh::constrain(&mut self.builder, op, i, v, &s, &shape, t.layout());
                         in_shardings.push((t.shape().to_vec(), need));
                         v
                     }
@@ -264,7 +238,7 @@ impl Graph {
             let sharding = match device {
                 Device::Mesh(_) => {
                     let mesh = kiln_tensor::DeviceMesh::of_device(device)?;
-                    let s = mesh::result_sharding(&self.builder, op, &in_shardings, i, r, &m.shape, &mesh);
+                    let s = lower::mesh::result_sharding(&self.builder, op, &in_shardings, i, r, &m.shape, &mesh);
                     Some((s, m.shape.to_vec()))
                 }
                 _ => None,
@@ -280,11 +254,10 @@ impl Graph {
             storages.push(st);
         }
         self.ops += 1;
-        let has_checks = !checks.is_empty();
         for (v, c) in checks {
             self.checks.push((v, c, op.name(), inputs.iter().map(|t| (*t).clone()).collect()));
         }
-        Ok((storages, has_checks))
+        Ok(storages)
     }
 
     /// Appends the write of `src` into the memory `dst` views: the storage then
@@ -306,7 +279,7 @@ impl Graph {
         let new = match device {
             Device::Mesh(_) => {
                 let mesh = kiln_tensor::DeviceMesh::of_device(device)?;
-                mesh::write_view(&mut self.builder, &dst_flat, dst.layout(), &s, &mesh)?
+                lower::mesh::write_view(&mut self.builder, &dst_flat, dst.layout(), &s, &mesh)?
             }
             _ => lower::write_view(&mut self.builder, &dst_flat, dst.layout(), &s)?,
         };
@@ -359,17 +332,13 @@ pub(crate) fn data_in(d: &StorageData, device: Device) -> Result<PjrtBuffer> {
     }
 }
 
-/// Whether a storage's data (`data`, a clone of it) can reach its buffer only
-/// through the storage: a ready buffer, or a deferred slot that nobody else
-/// holds. Whoever holds a slot can take its buffer at any time (a reader on
-/// another thread between its read and its program), so the buffer behind a
-/// shared slot must not be donated.
+/// Whether a storage's data (`data`, a clone of it) reaches its buffers
+/// only through the storage: a ready buffer or shards (whose other holders
+/// the caller counts), never a slot of a capture graph.
 pub(crate) fn only_the_storage_reaches(data: &PjrtBuffer) -> bool {
     match data {
-        PjrtBuffer::Ready(_) => true,
-        // The storage's slot and this clone.
-        PjrtBuffer::Deferred(s) => Arc::strong_count(s) <= 2,
-        PjrtBuffer::Sharded(_) => false,
+        PjrtBuffer::Ready(_) | PjrtBuffer::Sharded(_) => true,
+        PjrtBuffer::Deferred(_) => false,
     }
 }
 
@@ -395,10 +364,6 @@ pub(crate) fn with_capture<R>(device: Device, f: impl FnOnce(&mut Graph) -> R) -
 /// Whether this thread is tracing a function.
 pub fn is_tracing() -> bool {
     ACTIVE.with(|a| a.borrow().is_some())
-}
-
-pub(crate) fn is_capture_graph(id: u64) -> bool {
-    id & CAPTURE_BIT != 0
 }
 
 pub(crate) fn escaped_value_error() -> Error {
@@ -434,19 +399,18 @@ pub(crate) fn end_capture() -> Option<Graph> {
 pub enum PjrtBuffer {
     /// A device buffer.
     Ready(Arc<Buffer>),
-    /// An output of a pending graph (DeferAndFuse).
+    /// A value of the thread's capture graph (a tensor inside a traced function on a mesh).
     Deferred(Arc<Slot>),
     /// One shard per device of a mesh (a tensor on a mesh device, `dist.rs`).
     Sharded(Arc<mesh::Shards>),
 }
 
 impl PjrtBuffer {
-    /// The device buffer, when it exists: a ready one, or a deferred slot whose graph has run.
+    /// The device buffer of a tensor on one device.
     pub fn ready(&self) -> Option<Arc<Buffer>> {
         match self {
             PjrtBuffer::Ready(b) => Some(b.clone()),
-            PjrtBuffer::Deferred(s) => s.filled.get().cloned(),
-            PjrtBuffer::Sharded(_) => None,
+            PjrtBuffer::Deferred(_) | PjrtBuffer::Sharded(_) => None,
         }
     }
 }

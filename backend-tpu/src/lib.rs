@@ -220,7 +220,7 @@ impl kiln_tensor::Backend for Registered {
         program: &kiln_tensor::ir::Program,
         device: kiln_tensor::Device,
     ) -> Result<Arc<dyn kiln_tensor::ir::Executable>> {
-        Ok(Arc::new(program::PjrtProgram::new(program, device)?))
+        program::compile(program, device)
     }
     fn supports_meshes(&self) -> bool {
         self.0.supports_meshes()

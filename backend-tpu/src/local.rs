@@ -5,8 +5,9 @@
 //! of its own, or, inside a function `kiln::compile` traces, part of the
 //! captured program.
 use crate::backend::PjrtBackend;
-use crate::graph::mesh::{shard_arg, Shards};
+use crate::graph::mesh::Shards;
 use crate::graph::{self, Graph, PjrtBuffer};
+use crate::lower::mesh::shard_arg;
 use crate::lower::{self, Builder, Check, Sharding, Ty, Val};
 use kiln_tensor::capture::{record_region, HostValues};
 use kiln_tensor::collective::Collective;
@@ -101,7 +102,7 @@ impl PjrtBackend {
                 Operand::Block(i) => (shards[i].clone(), inputs[i].dtype()),
                 Operand::Constant(bytes, dt) => (self.replicated_shards(&bytes, dt, &[1], &root)?, dt),
             };
-            operands.push(shard_arg(&mut b, &s, dt)?);
+            operands.push(shard_arg(&mut b, &s.sharding, &s.shape, dt)?);
             op_shardings.push(s.sharding.clone());
             args.push(s);
         }
@@ -374,7 +375,7 @@ fn trace_body(
         Ok(returned)
     })?;
     let mut builder = Builder::new(&[]).0;
-    let lowered = lower::lower_into(&mut builder, &region.program, lower::Constants::Arguments)?;
+    let lowered = lower::lower_into(&mut builder, &region.program, lower::Constants::Arguments, None)?;
     let mut outs = lowered.results;
     // Each device's checks come out as one flag per device (every axis
     // splits them), read after the run like a single device's.

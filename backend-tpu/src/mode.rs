@@ -13,7 +13,7 @@ pub enum Mode {
     /// Each op waits for completion; index ops are bounds-checked before the
     /// call returns, and the NaN/Inf trap (if on) checks every float output.
     Debug,
-    /// DeferAndFuse: ops append to a pending graph per device, which runs as
+    /// DeferAndFuse: ops are recorded into a pending program per device, which runs as
     /// one compiled program at the next sync point (reading data, `sync()`, an
     /// op with a device-side check, or `KILN_TPU_DEFER_MAX_OPS` ops).
     Defer,

@@ -453,3 +453,53 @@ fn a_device_that_never_launches_is_an_error_after_a_bounded_wait() {
         }
     });
 }
+
+/// A `Program` lowered over a mesh (`lower_mesh_program`, DeferAndFuse's
+/// programs on meshes): each parameter is an argument of its padded global
+/// type carrying its storage's sharding, a sum over a split dimension is
+/// returned unreduced, and a write into a parameter is donated to the result
+/// that updates it, except where the update's sharding differs (a parameter
+/// holding a partial sum is updated reduced).
+#[test]
+fn a_program_over_a_mesh_takes_its_parameters_shardings_and_donates_updates_in_place() {
+    use kiln_tensor::ir::{ParamKind, Program, ResultKind};
+    use kiln_tensor::{Meta, Op, ReduceOp, ViewOp};
+    let m = tpu_mesh(&[2, 2], &["dp", "tp"]);
+    let rows = Sharding::from_placements(&m, &[Placement::Shard(0), Placement::Replicate], 2).unwrap();
+    let cols = Sharding::from_placements(&m, &[Placement::Replicate, Placement::Shard(1)], 2).unwrap();
+    let mut p = Program::new();
+    // `w` ([5, 4], rows split over dp, uneven) takes `w * 2`; `x` ([4, 6]) is summed over its split columns.
+    let w = p.add_param(ParamKind::State, Meta::new(&[20], DType::F32));
+    let x = p.add_param(ParamKind::State, Meta::new(&[24], DType::F32));
+    let w2 = p.push(Op::View(ViewOp::Reshape([5, 4].as_slice().into())), &[w]).unwrap()[0];
+    let x2 = p.push(Op::View(ViewOp::Reshape([4, 6].as_slice().into())), &[x]).unwrap()[0];
+    let sum = Op::Reduce { op: ReduceOp::Sum, dims: [1].as_slice().into(), keepdim: false };
+    let s = p.push(sum, &[x2]).unwrap()[0];
+    let doubled = p.push(Op::Binary(kiln_tensor::BinaryOp::Add), &[w2, w2]).unwrap()[0];
+    let write = Op::Assign { shape: [5, 4].as_slice().into(), strides: [4, 1].as_slice().into(), offset: 0 };
+    let new_w = p.push(write, &[w, doubled]).unwrap()[0];
+    p.add_result(new_w, ResultKind::Update(0)).unwrap();
+    p.add_result(s, ResultKind::Fresh).unwrap();
+    let lower = |w_sharding: &Sharding| {
+        let params = vec![(w_sharding.clone(), vec![5, 4]), (cols.clone(), vec![4, 6])];
+        kiln_tpu::lower::lower_mesh_program(&p, &m, params).unwrap()
+    };
+    let l = lower(&rows);
+    let text = l.module.text();
+    // `w`'s argument is padded to 6 rows (3 per dp device) and carries its sharding.
+    let arg0 =
+        r#"%a0: tensor<6x4xf32> {tf.aliasing_output = 0 : i32, sdy.sharding = #sdy.sharding<@mesh, [{"dp"}, {}]>}"#;
+    assert!(text.contains(arg0), "{text}");
+    assert!(text.contains(r#"%a1: tensor<4x6xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"tp"}]>}"#), "{text}");
+    assert_eq!(l.placements[0], (rows.clone(), vec![5, 4]));
+    assert_eq!(l.placements[1].1, vec![4]);
+    assert_eq!(l.placements[1].0.attr(), r#"#sdy.sharding<@mesh, [{}], unreduced={"tp"}>"#);
+    assert_eq!(l.outputs[0], (DType::F32, vec![3, 4]), "each device's shard of the padded update");
+    // `w` holding a partial sum: its update is reduced, so the argument (of
+    // another sharding) is not donated to it.
+    let partial =
+        Sharding::from_placements(&m, &[Placement::Replicate, Placement::Partial(PartialOp::Sum)], 2).unwrap();
+    let l = lower(&partial);
+    assert_eq!(l.placements[0].0, partial.reduced());
+    assert!(!l.module.text().contains("tf.aliasing_output"), "{}", l.module.text());
+}

@@ -10,6 +10,7 @@ mod elementwise;
 mod fused;
 mod grouped;
 mod index;
+pub(crate) mod mesh;
 mod ops;
 mod paged;
 mod program;
@@ -21,7 +22,8 @@ mod view;
 
 pub use collective::manual_computation;
 pub use ops::{lower_op, Check};
-pub use program::{lower_into, lower_program, Constants, Lowered, LoweredProgram};
+pub(crate) use program::lower_into;
+pub use program::{lower_mesh_program, lower_program, Constants, Lowered, LoweredProgram};
 pub use shard::{mesh_decl, Sharding};
 pub use view::{read_view, write_view};
 

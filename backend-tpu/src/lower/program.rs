@@ -4,11 +4,13 @@
 //! eager ops make them (`read_view`, `write_view`), creation values as
 //! constants or arguments (Note \[Shared constants\]), each primitive
 //! through `lower_op`, updated parameters donated.
+use super::mesh::{Placing, ShardedShape};
 use super::{
-    check_results, creation_args, creation_lower, lower_op, read_view, write_view, Builder, Check, Lit, Module, Ty, Val,
+    check_results, creation_args, creation_lower, lower_op, read_view, write_view, Builder, Check, Lit, Module,
+    Sharding, Ty, Val,
 };
 use kiln_tensor::ir::{Program, ResultKind};
-use kiln_tensor::{DType, Error, Layout, Op, Result, Scalar, ViewOp};
+use kiln_tensor::{DType, DeviceMesh, Error, Layout, Op, Result, Scalar, ViewOp};
 use std::collections::HashMap;
 
 // Note [Shared constants]
@@ -21,8 +23,8 @@ use std::collections::HashMap;
 // bytes) share one argument: a training step makes `beta1`, `1 - beta2` or
 // `eps` once per parameter, and a scalar operand (`x * 0.5`) is a `full` too;
 // sharing took the captured llama-16m training step from 689 scalar
-// arguments to 66. The graphs of meshes (`graph.rs`) share their values the
-// same way. A program written for elsewhere (an export) keeps its
+// arguments to 66. Over a mesh the arguments are replicated, and the capture
+// graphs of meshes (`graph.rs`) share their values the same way. A program written for elsewhere (an export) keeps its
 // values as literals, since nothing supplies its arguments there.
 
 /// Where a lowered program's creation values live (Note \[Shared constants\]).
@@ -44,6 +46,8 @@ pub struct LoweredProgram {
     /// With [`Constants::Arguments`], the value of each argument after the
     /// parameters: its bytes (one element) and dtype.
     pub constants: Vec<(Vec<u8>, DType)>,
+    /// Over a mesh, each result's sharding and n-d shape (the storage it fills).
+    pub placements: Vec<ShardedShape>,
 }
 
 fn missing(v: impl std::fmt::Display) -> Error {
@@ -56,7 +60,7 @@ fn missing(v: impl std::fmt::Display) -> Error {
 /// flags. A parameter that a result updates is donated to it.
 pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram> {
     let mut b = Builder::new(&[]).0;
-    let Lowered { results, checks, constants } = lower_into(&mut b, p, constants)?;
+    let Lowered { results, checks, constants } = lower_into(&mut b, p, constants, None)?;
     let mut outs = vec![];
     let mut outputs = vec![];
     for (j, (r, v)) in p.results().iter().zip(results).enumerate() {
@@ -73,7 +77,45 @@ pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram
     }
     let module = b.finish(&outs);
     let checks = checks.into_iter().map(|(_, c, n)| (c, n)).collect();
-    Ok(LoweredProgram { module, outputs, checks, constants })
+    Ok(LoweredProgram { module, outputs, checks, constants, placements: vec![] })
+}
+
+/// Lowers `p` (verified first) to one SPMD program over `mesh` whose
+/// arguments are the parameters' shards (`params`: each storage's sharding
+/// and n-d shape; then the creation values, replicated) and whose outputs
+/// are the results padded to the shardings kiln's rules give them, then the
+/// ops' check flags. A result updating a parameter of the same sharding is
+/// donated to it.
+pub fn lower_mesh_program(
+    p: &Program,
+    mesh: &DeviceMesh,
+    params: Vec<(Sharding, Vec<usize>)>,
+) -> Result<LoweredProgram> {
+    let mut b = Builder::new(&[]).0;
+    let mut placing = Placing::new(mesh.clone(), params);
+    let Lowered { results, checks, constants } = lower_into(&mut b, p, Constants::Arguments, Some(&mut placing))?;
+    let (mut outs, mut outputs, mut shardings, mut placements) = (vec![], vec![], vec![], vec![]);
+    for (j, (r, v)) in p.results().iter().zip(results).enumerate() {
+        let (out, s, shape) = placing.output(&mut b, r.value, &v)?;
+        if let ResultKind::Update(k) = r.kind {
+            if placing.params.get(k).is_some_and(|(ps, pshape)| *ps == s && s.unreduced.is_empty() && *pshape == shape)
+            {
+                b.alias(k, j);
+            }
+        }
+        outputs.push((out.dtype(), s.shard_shape(&shape)));
+        outs.push(out);
+        shardings.push(s.clone());
+        placements.push((s, shape));
+    }
+    for (v, _, _) in &checks {
+        outputs.push((DType::Bool, vec![]));
+        outs.push(v.clone());
+        shardings.push(Sharding::replicated(mesh, 0));
+    }
+    let module = b.finish_sharded(&outs, &shardings)?;
+    let checks = checks.into_iter().map(|(_, c, n)| (c, n)).collect();
+    Ok(LoweredProgram { module, outputs, checks, constants, placements })
 }
 
 /// A program lowered into a builder (see [`lower_into`]).
@@ -88,14 +130,23 @@ pub struct Lowered {
 
 /// Lowers `p` (verified first) into `b`, a builder with no arguments yet:
 /// the parameters become its arguments, flat, in order (then, with
-/// [`Constants::Arguments`], the creation values).
-pub fn lower_into(b: &mut Builder, p: &Program, constants: Constants) -> Result<Lowered> {
+/// [`Constants::Arguments`], the creation values). Over a mesh, `placing`
+/// holds the parameters' shardings and follows every value's placement.
+pub(crate) fn lower_into(
+    b: &mut Builder,
+    p: &Program,
+    constants: Constants,
+    mut placing: Option<&mut Placing>,
+) -> Result<Lowered> {
     p.verify()?;
     let mut shared = Shared::default();
     let mut vals: Vec<Option<Val>> = vec![None; p.num_values()];
-    for param in p.params() {
+    for (i, param) in p.params().iter().enumerate() {
         let m = p.meta(param.value);
-        let flat = b.add_arg(Ty::new(&[m.shape.iter().product()], m.dtype));
+        let flat = match placing.as_deref_mut() {
+            Some(pl) => pl.param(b, i, param.value, m.dtype)?,
+            None => b.add_arg(Ty::new(&[m.shape.iter().product()], m.dtype)),
+        };
         vals[param.value.index()] = Some(b.reshape(&flat, &m.shape));
     }
     let mut checks = vec![];
@@ -104,45 +155,44 @@ pub fn lower_into(b: &mut Builder, p: &Program, constants: Constants) -> Result<
             inst.args.iter().map(|a| vals[a.index()].clone().ok_or_else(|| missing(a))).collect::<Result<_>>()?;
         let results = match &inst.op {
             Op::View(v) => {
+                if let Some(pl) = placing.as_deref_mut() {
+                    pl.view(inst.first, inst.args[0], x[0].shape(), v)?;
+                }
                 let n = x[0].ty.numel();
                 let flat = b.reshape(&x[0], &[n]);
-                let layout = match v {
-                    ViewOp::AsStrided { shape, strides, offset } => {
-                        Layout::new(shape.clone(), strides.iter().copied().collect(), *offset)
-                    }
-                    other => other.apply(&Layout::contiguous(x[0].shape()))?,
-                };
-                vec![read_view(b, &flat, &layout)?]
+                vec![read_view(b, &flat, &view_layout(v, x[0].shape())?)?]
             }
             Op::Assign { shape, strides, offset } => {
                 let n = x[0].ty.numel();
                 let flat = b.reshape(&x[0], &[n]);
                 let layout = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
-                let written = write_view(b, &flat, &layout, &x[1])?;
+                let written = match placing.as_deref_mut() {
+                    Some(pl) => pl.assign(b, inst.first, inst.args[0], &flat, &layout, &x[1])?,
+                    None => write_view(b, &flat, &layout, &x[1])?,
+                };
                 vec![b.reshape(&written, x[0].shape())]
             }
-            Op::Full { .. } | Op::Arange { .. } if constants == Constants::Arguments => {
-                let args = shared.args(b, &inst.op)?;
-                vec![creation_lower(b, &inst.op, &args)?]
+            Op::Full { .. } | Op::Arange { .. } => {
+                let r = vec![creation(b, &inst.op, constants, &mut shared, placing.as_deref())?];
+                match placing.as_deref_mut() {
+                    Some(pl) => pl.results(b, &inst.op, &[], inst.results(), r),
+                    None => r,
+                }
             }
-            Op::Full { value, dtype, .. } => {
-                let lit = match *value {
-                    Scalar::Bool(v) => Lit::B(v),
-                    Scalar::Int(v) => Lit::I(v),
-                    Scalar::Float(v) => Lit::F(v),
-                };
-                let c = b.constant(lit, *dtype);
-                vec![creation_lower(b, &inst.op, &[c])?]
-            }
-            Op::Arange { start, step, .. } => {
-                let args = [b.constant(Lit::F(*start), DType::F64), b.constant(Lit::F(*step), DType::F64)];
-                vec![creation_lower(b, &inst.op, &args)?]
-            }
-            op => {
-                let (r, c) = lower_op(b, op, &x, &inst.outs)?;
-                checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
-                r
-            }
+            op => match placing.as_deref_mut() {
+                Some(pl) => {
+                    let (x, ins) = pl.inputs(b, op, &inst.args, x)?;
+                    let (r, c) = lower_op(b, op, &x, &inst.outs)?;
+                    check_results(op, &r, &inst.outs)?;
+                    checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
+                    pl.results(b, op, &ins, inst.results(), r)
+                }
+                None => {
+                    let (r, c) = lower_op(b, op, &x, &inst.outs)?;
+                    checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
+                    r
+                }
+            },
         };
         check_results(&inst.op, &results, &inst.outs)?;
         for (v, r) in inst.results().zip(results) {
@@ -157,6 +207,46 @@ pub fn lower_into(b: &mut Builder, p: &Program, constants: Constants) -> Result<
     Ok(Lowered { results, checks, constants: shared.values })
 }
 
+/// The layout a view op reads from a value of `shape`, flat.
+fn view_layout(v: &ViewOp, shape: &[usize]) -> Result<Layout> {
+    Ok(match v {
+        ViewOp::AsStrided { shape, strides, offset } => {
+            Layout::new(shape.clone(), strides.iter().copied().collect(), *offset)
+        }
+        other => other.apply(&Layout::contiguous(shape))?,
+    })
+}
+
+/// A creation op's value: from literals, or from arguments shared by equal
+/// values (over a mesh, replicated ones).
+fn creation(
+    b: &mut Builder,
+    op: &Op,
+    constants: Constants,
+    shared: &mut Shared,
+    placing: Option<&Placing>,
+) -> Result<Val> {
+    if constants == Constants::Arguments {
+        let args = shared.args(b, op, placing)?;
+        return creation_lower(b, op, &args);
+    }
+    let args = match *op {
+        Op::Full { value, dtype, .. } => {
+            let lit = match value {
+                Scalar::Bool(v) => Lit::B(v),
+                Scalar::Int(v) => Lit::I(v),
+                Scalar::Float(v) => Lit::F(v),
+            };
+            vec![b.constant(lit, dtype)]
+        }
+        Op::Arange { start, step, .. } => {
+            vec![b.constant(Lit::F(start), DType::F64), b.constant(Lit::F(step), DType::F64)]
+        }
+        _ => return Err(Error::backend("pjrt", format!("{} is not a creation op", op.name()))),
+    };
+    creation_lower(b, op, &args)
+}
+
 /// The arguments holding creation values, one per distinct value.
 #[derive(Default)]
 struct Shared {
@@ -166,19 +256,23 @@ struct Shared {
 
 impl Shared {
     /// The arguments of a creation op's values, made on first use.
-    fn args(&mut self, b: &mut Builder, op: &Op) -> Result<Vec<Val>> {
+    fn args(&mut self, b: &mut Builder, op: &Op, placing: Option<&Placing>) -> Result<Vec<Val>> {
         let values = creation_args(op).ok_or_else(|| Error::backend("pjrt", format!("{} has no values", op.name())))?;
-        Ok(values
-            .into_iter()
-            .map(|(bytes, dt)| {
-                self.args
-                    .entry((dt, bytes.clone()))
-                    .or_insert_with(|| {
-                        self.values.push((bytes, dt));
-                        b.add_arg(Ty::new(&[1], dt))
-                    })
-                    .clone()
-            })
-            .collect())
+        let mut args = Vec::with_capacity(values.len());
+        for (bytes, dt) in values {
+            let key = (dt, bytes);
+            if let Some(v) = self.args.get(&key) {
+                args.push(v.clone());
+                continue;
+            }
+            let v = match placing {
+                Some(pl) => pl.constant_arg(b, dt)?,
+                None => b.add_arg(Ty::new(&[1], dt)),
+            };
+            self.values.push((key.1.clone(), dt));
+            self.args.insert(key, v.clone());
+            args.push(v);
+        }
+        Ok(args)
     }
 }

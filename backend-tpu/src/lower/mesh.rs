@@ -1,0 +1,353 @@
+//! Lowering over a device mesh (Note [Distributed storages] in `dist.rs`):
+//! how a program reads a storage's shards, constrains an op's inputs to the
+//! sharding the op needs, places its results (Note [Placements of results]
+//! in `shard.rs`) and returns a storage padded to its sharding. Eager mesh
+//! ops use these verbs one op at a time; a whole `Program` over a mesh uses
+//! them through [`Placing`], which follows each value's placement as the
+//! program is lowered.
+use super::{shard, write_view as write_flat_view, Builder, Lit, Sharding, Ty, Val};
+use kiln_tensor::ir::Value;
+use kiln_tensor::{DType, DeviceMesh, Layout, Op, Result, ViewOp};
+
+/// A storage's sharding and n-d shape.
+pub type ShardedShape = (Sharding, Vec<usize>);
+
+/// The inputs of an op as its placement rule reads them: each one's shape and sharding.
+type InputShardings = Vec<(Vec<usize>, Sharding)>;
+
+/// A new argument holding the shards of a storage of `shape` split by `s`:
+/// its padded global type and sharding.
+pub(crate) fn shard_arg(b: &mut Builder, s: &Sharding, shape: &[usize], dtype: DType) -> Result<Val> {
+    b.add_sharded_arg(Ty::new(&s.padded_shape(shape), dtype), s.clone())
+}
+
+/// The flat logical value of the argument `arg` holding the shards of a
+/// storage of `shape` split by `s`: a partial sum constrained to reduced,
+/// kiln's padding sliced off, flattened.
+pub(crate) fn flat_value(b: &mut Builder, arg: &Val, s: &Sharding, shape: &[usize]) -> Val {
+    let mut v = arg.clone();
+    if !s.unreduced.is_empty() {
+        v = b.reshard(&v, &s.reduced());
+    }
+    if s.padded_shape(shape) != shape {
+        let zeros = vec![0; shape.len()];
+        let ones = vec![1; shape.len()];
+        v = b.slice(&v, &zeros, shape, &ones);
+    }
+    let n = shape.iter().product();
+    b.reshape(&v, &[n])
+}
+
+/// The sharding of result `i` (`r`, of `shape`) of `op` in a program over
+/// `mesh`: kiln's rule (Note [Placements of results]), except that a partial
+/// sum is kept only where Shardy keeps it. Shardy carries unreduced values
+/// out of the op that makes them (a reduction, a dot) but reduces them before
+/// anything that follows (a convert back to a 16-bit type, the padding of an
+/// uneven dimension); declaring such a value unreduced afterwards would leave
+/// every device holding the whole sum, and reading it would add them all up.
+/// Those results are reduced instead.
+pub(crate) fn result_sharding(
+    b: &Builder,
+    op: &Op,
+    ins: &[(Vec<usize>, Sharding)],
+    i: usize,
+    r: &Val,
+    shape: &[usize],
+    mesh: &DeviceMesh,
+) -> Sharding {
+    let s = shard::out_sharding(op, ins, i, shape, mesh);
+    let direct = matches!(b.defining_op(r), Some("stablehlo.reduce" | "stablehlo.dot_general"));
+    if s.unreduced.is_empty() || (direct && s.padded_shape(shape) == shape) {
+        s
+    } else {
+        s.reduced()
+    }
+}
+
+/// `lower::write_view` in a program over `mesh`. A write through a strided
+/// view is a scatter whose combiner replaces, which the partitioner cannot
+/// split (XLA aborts the process on it), so its operands are gathered first;
+/// the program's result annotation splits the written value again.
+pub(crate) fn write_view(b: &mut Builder, base: &Val, layout: &Layout, src: &Val, mesh: &DeviceMesh) -> Result<Val> {
+    if layout.is_contiguous() {
+        return write_flat_view(b, base, layout, src);
+    }
+    let base = b.reshard(base, &Sharding::replicated(mesh, base.ty.rank()));
+    let src = b.reshard(src, &Sharding::replicated(mesh, src.ty.rank()));
+    write_flat_view(b, &base, layout, &src)
+}
+
+/// `v` (any value of `shape`'s element count) as `shape`, padded to `s`'s
+/// padded shape: what a program over a mesh returns for a storage.
+pub(crate) fn padded(b: &mut Builder, v: &Val, shape: &[usize], s: &Sharding) -> Val {
+    let v = b.reshape(v, shape);
+    let padded = s.padded_shape(shape);
+    if padded == shape {
+        return v;
+    }
+    let high: Vec<usize> = padded.iter().zip(shape).map(|(p, n)| p - n).collect();
+    b.pad(&v, Lit::I(0), &vec![0; shape.len()], &high)
+}
+
+/// The value `v`, the view `layout` of a storage of `shape` split by
+/// `sharding`, moved to the sharding `op` needs its input `input` in (Note
+/// [Placements of results]); also returns that sharding.
+pub(crate) fn constrain(
+    b: &mut Builder,
+    op: &Op,
+    input: usize,
+    v: Val,
+    sharding: &Sharding,
+    shape: &[usize],
+    layout: &Layout,
+) -> (Val, Sharding) {
+    let view = shard::view_sharding(sharding, shape, layout).reduced();
+    let need = shard::in_sharding(op, input, &view, layout.shape());
+    // Some lowerings cannot be partitioned along the dimensions they work on:
+    // a scatter that replaces (XLA aborts on it) and the NaN-aware max and
+    // min (an "unsupported reduction computation"). Their inputs get the
+    // sharding they need spelled out even when `view` says they already have
+    // it: a view of part of a split storage carries whatever sharding the
+    // partitioner propagates through the slicing (a split row sliced out
+    // stays split), not `view`. A custom op's function is written for whole
+    // tensors, so its inputs are gathered the same way. Other ops take a view
+    // as it comes.
+    let whole = layout.is_contiguous() && layout.offset() == 0 && layout.shape() == shape;
+    if need == view && (whole || !unsplittable(op)) {
+        (v, need)
+    } else {
+        (b.reshard(&v, &need), need)
+    }
+}
+
+/// Whether `op`'s lowering cannot be partitioned along the dimensions it
+/// works on, so its inputs get their sharding spelled out (see `constrain`).
+fn unsplittable(op: &Op) -> bool {
+    use kiln_tensor::{ReduceOp, ScatterReduce};
+    match op {
+        Op::Scatter { reduce: ScatterReduce::Replace, .. }
+        | Op::Assign { .. }
+        | Op::Reduce { op: ReduceOp::Max | ReduceOp::Min, .. }
+        | Op::ArgReduce { .. }
+        | Op::LogSumExp { .. }
+        | Op::Softmax { .. }
+        | Op::Custom(_) => true,
+        Op::Scatter { reduce: ScatterReduce::Add, .. }
+        | Op::Reduce { .. }
+        | Op::Full { .. }
+        | Op::Arange { .. }
+        | Op::RandomBits { .. }
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Compare(_)
+        | Op::Where
+        | Op::Cast(_)
+        | Op::Copy
+        | Op::Rotary
+        | Op::Attention { .. }
+        | Op::AttentionBackward { .. }
+        | Op::CrossEntropyBackward { .. }
+        | Op::RmsNorm { .. }
+        | Op::RmsNormBackward { .. }
+        | Op::Cumsum { .. }
+        | Op::MatMul
+        | Op::GroupedMatMul
+        | Op::View(_)
+        | Op::Cat { .. }
+        | Op::Gather { .. }
+        | Op::IndexSelect { .. }
+        | Op::IndexAdd { .. }
+        | Op::Sort { .. }
+        | Op::TopK { .. }
+        | Op::Collective(_)
+        | Op::Dequantize(_)
+        | Op::QuantMatMul(_)
+        | Op::PagedAttention { .. } => false,
+    }
+}
+
+/// Where a value of a program over a mesh lives: the view `layout` of a
+/// storage of n-d `shape` split by `sharding`.
+#[derive(Clone)]
+struct Placed {
+    sharding: Sharding,
+    shape: Vec<usize>,
+    layout: Layout,
+    /// A view's sharding as a storage of its own, when a result keeps it (a
+    /// view op run as an op, as the eager mesh ops place its result).
+    own: Option<Sharding>,
+}
+
+impl Placed {
+    /// Whether the value is its storage's whole content in order (possibly reshaped).
+    fn is_storage(&self) -> bool {
+        let n: usize = self.shape.iter().product();
+        let whole = self.layout.numel() == n;
+        whole && (n == 0 || (self.layout.is_contiguous() && self.layout.offset() == 0))
+    }
+}
+
+/// The placements of a `Program`'s values as it is lowered over a mesh
+/// (`lower_into` with a mesh): each parameter is a storage's shards, each
+/// view reads a storage, each op's inputs are constrained and its results
+/// placed by kiln's rules, and each result is returned padded with its
+/// storage's sharding, exactly as the eager mesh ops do one op at a time.
+pub(crate) struct Placing {
+    pub mesh: DeviceMesh,
+    /// Each parameter's storage: its sharding and n-d shape.
+    pub params: Vec<ShardedShape>,
+    placed: Vec<Option<Placed>>,
+    /// A partial sum's value as made, before later ops read it reduced (what a result returns).
+    unreduced: Vec<Option<Val>>,
+}
+
+impl Placing {
+    pub fn new(mesh: DeviceMesh, params: Vec<ShardedShape>) -> Placing {
+        Placing { mesh, params, placed: vec![], unreduced: vec![] }
+    }
+
+    fn set(&mut self, v: Value, p: Placed) {
+        let i = v.index();
+        if self.placed.len() <= i {
+            self.placed.resize(i + 1, None);
+            self.unreduced.resize(i + 1, None);
+        }
+        self.placed[i] = Some(p);
+    }
+
+    fn get(&self, v: Value) -> Result<&Placed> {
+        self.placed.get(v.index()).and_then(|p| p.as_ref()).ok_or_else(|| {
+            kiln_tensor::Error::backend("pjrt", format!("{v} of a program over a mesh has no placement"))
+        })
+    }
+
+    /// Parameter `i` (value `v`, of `n` elements): its argument, read flat.
+    pub fn param(&mut self, b: &mut Builder, i: usize, v: Value, dtype: DType) -> Result<Val> {
+        let (s, shape) = self.params.get(i).cloned().ok_or_else(|| {
+            kiln_tensor::Error::backend("pjrt", format!("parameter {i} of a program over a mesh has no sharding"))
+        })?;
+        let arg = shard_arg(b, &s, &shape, dtype)?;
+        let flat = flat_value(b, &arg, &s, &shape);
+        let n = flat.ty.numel();
+        self.set(v, Placed { sharding: s, shape, layout: Layout::contiguous(&[n]), own: None });
+        Ok(flat)
+    }
+
+    /// A creation value's argument: one element, replicated.
+    pub fn constant_arg(&self, b: &mut Builder, dtype: DType) -> Result<Val> {
+        b.add_sharded_arg(Ty::new(&[1], dtype), Sharding::replicated(&self.mesh, 1))
+    }
+
+    /// The view `out` of `arg` (of shape `arg_shape`) that `view` makes.
+    pub fn view(&mut self, out: Value, arg: Value, arg_shape: &[usize], view: &ViewOp) -> Result<()> {
+        let a = self.get(arg)?.clone();
+        // A view of a whole storage reads that storage; a view of a view reads the
+        // first view as if it were a storage of its own, split as the view is.
+        let base = if a.is_storage() {
+            a
+        } else {
+            let s = shard::view_sharding(&a.sharding, &a.shape, &a.layout).reduced();
+            Placed { sharding: s, shape: arg_shape.to_vec(), layout: Layout::contiguous(arg_shape), own: None }
+        };
+        let layout = match view {
+            ViewOp::AsStrided { shape, strides, offset } => {
+                Layout::new(shape.clone(), strides.iter().copied().collect(), *offset)
+            }
+            other => other.apply(&Layout::contiguous(arg_shape))?,
+        };
+        let op = Op::View(view.clone());
+        let seen = shard::view_sharding(&base.sharding, &base.shape, &base.layout).reduced();
+        let ins = [(arg_shape.to_vec(), shard::in_sharding(&op, 0, &seen, arg_shape))];
+        let own = shard::out_sharding(&op, &ins, 0, layout.shape(), &self.mesh).reduced();
+        self.set(out, Placed { layout, own: Some(own), ..base });
+        Ok(())
+    }
+
+    /// `op`'s inputs `x` (the values `args`) constrained to the shardings it
+    /// needs, and those shardings with the inputs' shapes.
+    pub fn inputs(&self, b: &mut Builder, op: &Op, args: &[Value], x: Vec<Val>) -> Result<(Vec<Val>, InputShardings)> {
+        let mut vals = Vec::with_capacity(x.len());
+        let mut ins = Vec::with_capacity(x.len());
+        for (i, (a, v)) in args.iter().zip(x).enumerate() {
+            let p = self.get(*a)?;
+            let (v, need) = constrain(b, op, i, v, &p.sharding, &p.shape, &p.layout);
+            vals.push(v);
+            ins.push((p.layout.shape().to_vec(), need));
+        }
+        Ok((vals, ins))
+    }
+
+    /// Places `op`'s results (`results`, the values `outs`) by kiln's rule;
+    /// returns the values later ops read (a partial sum, reduced).
+    pub fn results(
+        &mut self,
+        b: &mut Builder,
+        op: &Op,
+        ins: &[(Vec<usize>, Sharding)],
+        outs: impl Iterator<Item = Value>,
+        results: Vec<Val>,
+    ) -> Vec<Val> {
+        let mut read = Vec::with_capacity(results.len());
+        for (i, (v, r)) in outs.zip(results).enumerate() {
+            let shape = r.shape().to_vec();
+            let s = result_sharding(b, op, ins, i, &r, &shape, &self.mesh);
+            let layout = Layout::contiguous(&shape);
+            self.set(v, Placed { sharding: s.clone(), shape: shape.clone(), layout, own: None });
+            // A partial sum is declared unreduced where it is made, and later ops
+            // read it reduced (as a one-op program reads its arguments): Shardy
+            // wants both transitions spelled out.
+            if s.unreduced.is_empty() {
+                read.push(r);
+            } else {
+                let u = b.reshard(&r, &s);
+                read.push(b.reshard(&u, &s.reduced()));
+                self.unreduced[v.index()] = Some(u);
+            }
+        }
+        read
+    }
+
+    /// The write of `src` into the view `layout` of `base` (the value `dst` of
+    /// a storage, flat): the storage's next value `out`, reduced.
+    pub fn assign(
+        &mut self,
+        b: &mut Builder,
+        out: Value,
+        dst: Value,
+        flat: &Val,
+        layout: &Layout,
+        src: &Val,
+    ) -> Result<Val> {
+        let p = self.get(dst)?.clone();
+        if !p.is_storage() {
+            return Err(kiln_tensor::Error::backend(
+                "pjrt",
+                format!("{dst}, written in place, is not a storage's value"),
+            ));
+        }
+        let written = write_view(b, flat, layout, src, &self.mesh)?;
+        let sharding = p.sharding.reduced();
+        self.set(out, Placed { sharding, own: None, ..p });
+        Ok(written)
+    }
+
+    /// What the program returns for the value `v` (lowered as `val`), the
+    /// content of a storage: its n-d value padded to its sharding, the
+    /// sharding, and the n-d shape.
+    pub fn output(&self, b: &mut Builder, v: Value, val: &Val) -> Result<(Val, Sharding, Vec<usize>)> {
+        let p = self.get(v)?;
+        if let (false, Some(own)) = (p.is_storage(), &p.own) {
+            // A view op's result, a storage of its own.
+            let shape = p.layout.shape().to_vec();
+            return Ok((padded(b, val, &shape, own), own.clone(), shape));
+        }
+        if !p.is_storage() {
+            return Err(kiln_tensor::Error::backend(
+                "pjrt",
+                format!("the result {v} of a program over a mesh is a view"),
+            ));
+        }
+        let val = self.unreduced[v.index()].as_ref().unwrap_or(val);
+        Ok((padded(b, val, &p.shape, &p.sharding), p.sharding.clone(), p.shape.clone()))
+    }
+}
