@@ -414,8 +414,9 @@ fn a_long_program_over_two_devices() {
 }
 
 /// DeferAndFuse on a mesh records one pending program (an op chain, a
-/// partial sum, an in-place update of sharded state) that runs at the first
-/// read, and gives every result the values and placements Strict mode gives.
+/// partial sum, an in-place update of sharded state, redistributions onto
+/// the mesh and onto a view of it) that runs at the first read, and gives
+/// every result the values, mesh and placements Strict mode gives.
 #[test]
 fn a_deferred_step_over_a_mesh_is_one_program_placed_as_in_strict_mode() {
     let m = mesh(&[2, 2], &["dp", "tp"]);
@@ -428,25 +429,31 @@ fn a_deferred_step_over_a_mesh_is_one_program_placed_as_in_strict_mode() {
             let s = y.sum_dim(1, false).unwrap();
             let update = w.mul(0.25).unwrap();
             w.sub_(&update).unwrap();
-            let outs = [y, s, w];
+            // Redistributions are ops of the program too, on the mesh or a view of it.
+            let gathered = y.redistribute(&m, &[Replicate, Replicate]).unwrap();
+            let on_tp = dx.redistribute(&m["tp"], &[Shard(1)]).unwrap();
+            let outs = [y, s, w, gathered, on_tp];
             let pending: Vec<bool> = outs.iter().map(is_deferred).collect();
             // The first read runs the one program that computes all of them.
             let first = outs[1].to_vec_f64().unwrap();
             let settled: Vec<bool> = outs.iter().map(is_deferred).collect();
-            let placements: Vec<Vec<Placement>> = outs.iter().map(|t| t.placements().unwrap()).collect();
+            let placements: Vec<(DeviceMesh, Vec<Placement>)> =
+                outs.iter().map(|t| (t.device_mesh().unwrap(), t.placements().unwrap())).collect();
             let values: Vec<Vec<f64>> = outs.iter().map(|t| t.to_vec_f64().unwrap()).collect();
             assert_eq!(first, values[1]);
             (pending, settled, placements, values)
         })
     };
     let (pending, settled, placements, values) = step(Mode::Defer);
-    assert_eq!(pending, [true; 3], "every result waits for the pending program");
-    assert_eq!(settled, [false; 3], "one read ran the program computing all of them");
+    assert_eq!(pending, [true; 5], "every result waits for the pending program");
+    assert_eq!(settled, [false; 5], "one read ran the program computing all of them");
     let (_, _, strict_placements, strict_values) = step(Mode::Strict);
     assert_eq!(placements, strict_placements);
-    assert_eq!(placements[0], vec![Shard(0), Shard(1)]);
-    assert_eq!(placements[1], vec![Shard(0), PARTIAL]);
-    assert_eq!(placements[2], vec![Replicate, Shard(1)]);
+    assert_eq!(placements[0].1, vec![Shard(0), Shard(1)]);
+    assert_eq!(placements[1].1, vec![Shard(0), PARTIAL]);
+    assert_eq!(placements[2].1, vec![Replicate, Shard(1)]);
+    assert_eq!(placements[3].1, vec![Replicate, Replicate]);
+    assert_eq!(placements[4], (m["tp"].clone(), vec![Shard(1)]));
     for (got, want) in values.iter().zip(&strict_values) {
         assert_eq!(got.len(), want.len());
         for (a, b) in got.iter().zip(want) {

@@ -340,6 +340,9 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
         }
         // Answered before the gradient of the first output is looked at.
         Op::Custom(_) => {}
+        // The same values: the gradient passes through as it is placed (a
+        // distributed leaf's gradient takes the leaf's placements as it accumulates).
+        Op::Redistribute(_) => out[0] = Some(g.clone()),
         // A collective's adjoint carries the gradient back (Note [Local regions]).
         Op::Collective(c) => {
             if ctx.needs(0) {

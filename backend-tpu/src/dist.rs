@@ -49,9 +49,13 @@ use std::sync::Arc;
 // traced sharding; an input's sharding is part of the guard, and state whose
 // sharding changed since the trace is an error, so a replay never reads
 // shards laid out for another program. `redistribute` in traced functions
-// is a graph result carrying the target sharding (under DeferAndFuse it
-// runs at once, after the pending program);
-// `to_local` and `from_local` inside a traced function are an error for now.
+// is a graph result carrying the target sharding, and under DeferAndFuse an
+// `Op::Redistribute` of the pending program, whose result the lowering
+// reshards to the target (outside autograd, as the eager move is). An op
+// whose result is a partial sum gets its inputs' shardings spelled out in a
+// program of many ops: the partitioner must compute it on the split inputs,
+// not on what a later use of an input gathers. `to_local` and `from_local`
+// inside a traced function are an error for now.
 
 fn err(msg: impl Into<String>) -> Error {
     Error::backend("pjrt", msg)
@@ -200,7 +204,7 @@ impl PjrtBackend {
                 let s = self.shards(t)?;
                 let flat = p.storage_value(&s, t.dtype())?;
                 let v = lower::read_view(&mut p.b, &flat, t.layout())?;
-                let (v, need) = constrain(&mut p.b, op, i, v, &s.sharding, &s.shape, t.layout());
+                let (v, need) = constrain(&mut p.b, op, i, v, &s.sharding, &s.shape, t.layout(), false);
                 vals.push(v);
                 in_shardings.push((t.shape().to_vec(), need));
             }
@@ -405,24 +409,38 @@ impl PjrtBackend {
         mesh: &DeviceMesh,
         placements: &[Placement],
     ) -> Result<Tensor> {
-        let data = crate::graph::data_of(t)?;
-        let (sharding, shape) = storage_sharding(&data).ok_or_else(|| err("a tensor on a mesh without shards"))?;
-        shard::check_mesh(&sharding, mesh)?;
-        let target = Sharding::from_placements(mesh, placements, t.ndim())?;
-        let current = shard::view_sharding(&sharding, &shape, t.layout());
-        if !target.unreduced.is_empty() && target.unreduced != current.unreduced {
-            return Err(Error::invalid(
+        let root = DeviceMesh::of_device(t.device())?;
+        if !root.same_root(mesh) {
+            return Err(Error::device(
                 "redistribute",
-                format!(
-                    "cannot make a Partial placement from {:?}: Partial placements come from ops (sum, matmul) or from Tensor::from_local",
-                    current.placements_on(&mesh.root())
-                ),
+                format!("expected all tensors to be on the same device mesh, but found {root} and {}", mesh.root()),
             ));
+        }
+        let target = Sharding::from_placements(mesh, placements, t.ndim())?;
+        if !target.unreduced.is_empty() {
+            // A partial sum cannot be made, only kept: the current placements decide.
+            let data = crate::graph::data_of(t)?;
+            let (sharding, shape) = storage_sharding(&data).ok_or_else(|| err("a tensor on a mesh without shards"))?;
+            let current = shard::view_sharding(&sharding, &shape, t.layout());
+            if target.unreduced != current.unreduced {
+                return Err(Error::invalid(
+                    "redistribute",
+                    format!(
+                        "cannot make a Partial placement from {:?}: Partial placements come from ops (sum, matmul) or from Tensor::from_local",
+                        current.placements_on(&mesh.root())
+                    ),
+                ));
+            }
         }
         if crate::graph::is_tracing() {
             // Traced: the view, as a result carrying the target sharding.
             let st = self.trace_into(t.device(), |g| g.append_reshard(t, target, mesh.clone()))?;
             return Tensor::from_storage(st, Layout::contiguous(t.shape()));
+        }
+        if self.deferral(t.device()).is_some() {
+            // Deferred: an op of the pending program whose result carries the
+            // target placements (outside autograd, as the eager move is).
+            return Tensor::apply1(Op::Redistribute(mesh.redistribution(placements)), &[&t.detach()]);
         }
         let shards = self.materialize(t, target, mesh.clone())?;
         let st = self.mesh_storage(shards, t.dtype(), t.device());

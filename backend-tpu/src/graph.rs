@@ -221,7 +221,8 @@ impl Graph {
                 let v = lower::read_view(&mut self.builder, &flat, t.layout())?;
                 vals.push(match mesh::storage_sharding(&data) {
                     Some((s, shape)) => {
-                        let (v, need) = lower::mesh::constrain(&mut self.builder, op, i, v, &s, &shape, t.layout());
+                        let (v, need) =
+                            lower::mesh::constrain(&mut self.builder, op, i, v, &s, &shape, t.layout(), false);
                         in_shardings.push((t.shape().to_vec(), need));
                         v
                     }

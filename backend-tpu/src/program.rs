@@ -208,12 +208,13 @@ impl ProgramExecutable for PjrtMeshProgram {
             .iter()
             .zip(bufs)
             .zip(&l.lowered.placements)
-            .map(|((r, bufs), (sharding, shape))| {
-                let view = match r.kind {
-                    ResultKind::Update(k) => view_of(k),
-                    _ => self.mesh.clone(),
+            .map(|((r, bufs), out)| {
+                let view = match (r.kind.clone(), &out.view) {
+                    (ResultKind::Update(k), _) => view_of(k),
+                    (_, Some(v)) => v.clone(),
+                    (_, None) => self.mesh.clone(),
                 };
-                let shards = Shards { bufs, sharding: sharding.clone(), shape: shape.clone(), view };
+                let shards = Shards { bufs, sharding: out.sharding.clone(), shape: out.shape.clone(), view };
                 StorageData::Device(Box::new(PjrtBuffer::Sharded(Arc::new(shards))))
             })
             .collect();

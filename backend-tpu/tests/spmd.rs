@@ -491,15 +491,15 @@ fn a_program_over_a_mesh_takes_its_parameters_shardings_and_donates_updates_in_p
         r#"%a0: tensor<6x4xf32> {tf.aliasing_output = 0 : i32, sdy.sharding = #sdy.sharding<@mesh, [{"dp"}, {}]>}"#;
     assert!(text.contains(arg0), "{text}");
     assert!(text.contains(r#"%a1: tensor<4x6xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"tp"}]>}"#), "{text}");
-    assert_eq!(l.placements[0], (rows.clone(), vec![5, 4]));
-    assert_eq!(l.placements[1].1, vec![4]);
-    assert_eq!(l.placements[1].0.attr(), r#"#sdy.sharding<@mesh, [{}], unreduced={"tp"}>"#);
+    assert_eq!((&l.placements[0].sharding, &l.placements[0].shape[..]), (&rows, &[5, 4][..]));
+    assert_eq!(l.placements[1].shape, vec![4]);
+    assert_eq!(l.placements[1].sharding.attr(), r#"#sdy.sharding<@mesh, [{}], unreduced={"tp"}>"#);
     assert_eq!(l.outputs[0], (DType::F32, vec![3, 4]), "each device's shard of the padded update");
     // `w` holding a partial sum: its update is reduced, so the argument (of
     // another sharding) is not donated to it.
     let partial =
         Sharding::from_placements(&m, &[Placement::Replicate, Placement::Partial(PartialOp::Sum)], 2).unwrap();
     let l = lower(&partial);
-    assert_eq!(l.placements[0].0, partial.reduced());
+    assert_eq!(l.placements[0].sharding, partial.reduced());
     assert!(!l.module.text().contains("tf.aliasing_output"), "{}", l.module.text());
 }

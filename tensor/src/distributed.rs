@@ -82,7 +82,7 @@ impl Tensor {
     /// The whole value on the mesh's first device, as an ordinary tensor
     /// (PyTorch's `full_tensor`): gathers shards and reduces partial values.
     pub fn full_tensor(&self) -> Result<Tensor> {
-        let mesh = self.mesh_op("full_tensor")?.root();
+        let mesh = self.mesh_op("full_tensor")?;
         let replicated = self.redistribute(&mesh, &vec![Placement::Replicate; mesh.ndim()])?;
         let mut shards = self.backend().local_shards(&replicated)?;
         Ok(shards.swap_remove(0))
@@ -105,10 +105,12 @@ impl Tensor {
         distribute_tensor(&t, &mesh, &placements)
     }
 
+    /// The root mesh of a distributed tensor (from its device alone: a
+    /// deferred value is not computed for it), or the error for `op`.
     fn mesh_op(&self, op: &'static str) -> Result<DeviceMesh> {
         if !self.is_distributed() {
             return Err(Error::device(op, format!("the tensor is on {}, not on a device mesh", self.device())));
         }
-        self.device_mesh()
+        DeviceMesh::of_device(self.device())
     }
 }

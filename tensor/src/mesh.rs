@@ -60,33 +60,7 @@ struct Root {
     devices: Vec<usize>,
 }
 
-/// How a tensor is laid over one mesh axis (PyTorch's DTensor placements).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Placement {
-    /// Split along tensor dimension `d` over the axis (uneven sizes allowed: the
-    /// last shards are shorter, as `torch.chunk` splits).
-    Shard(usize),
-    /// A full copy on every device of the axis.
-    Replicate,
-    /// Each device holds a partial value; the tensor is their reduction.
-    Partial(PartialOp),
-}
-
-/// The reduction that combines the partial values of a [`Placement::Partial`] tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PartialOp {
-    Sum,
-}
-
-impl fmt::Display for Placement {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Placement::Shard(d) => write!(f, "Shard(dim={d})"),
-            Placement::Replicate => write!(f, "Replicate()"),
-            Placement::Partial(PartialOp::Sum) => write!(f, "Partial(sum)"),
-        }
-    }
-}
+pub use crate::op::placement::{PartialOp, Placement, Redistribution};
 
 fn valid_name(n: &str) -> bool {
     let mut c = n.chars();
@@ -241,6 +215,25 @@ impl DeviceMesh {
     /// The size of the axis called `name`.
     pub fn axis_size(&self, name: &str) -> Result<usize> {
         Ok(self.root.shape[self.root_axis(name)?])
+    }
+
+    /// The payload of `Op::Redistribute` placing a tensor on this mesh with `placements`.
+    pub fn redistribution(&self, placements: &[Placement]) -> Redistribution {
+        Redistribution {
+            device: self.root.id,
+            axes: self.axis_names().into_iter().map(String::from).collect(),
+            placements: placements.iter().copied().collect(),
+        }
+    }
+
+    /// The mesh a redistribution places its result on.
+    pub fn of_redistribution(r: &Redistribution) -> Result<DeviceMesh> {
+        let root = DeviceMesh::of_device(Device::Mesh(r.device))?;
+        if r.axes.len() == root.ndim() && r.axes.iter().zip(root.axis_names()).all(|(a, b)| a == b) {
+            return Ok(root);
+        }
+        let names: Vec<&str> = r.axes.iter().map(String::as_str).collect();
+        root.sub(&names)
     }
 
     /// The sub-mesh exposing the named axes, in the given order (PyTorch's

@@ -9,6 +9,7 @@ pub mod collective;
 pub(crate) mod grouped;
 mod infer;
 pub(crate) mod paged;
+pub mod placement;
 pub mod quant;
 
 /// Shape and dtype of an op's output, as computed by [`Op::infer`].
@@ -498,6 +499,11 @@ pub enum Op {
     /// A collective between the devices of a mesh axis, inside a local region
     /// (see Note [Local regions] in `collective.rs`).
     Collective(collective::CollectiveOp),
+    /// The same values laid over a mesh with other placements (DTensor's
+    /// `redistribute`): input a tensor on a mesh device, output of its type
+    /// placed as the payload says; the backend moves the data between
+    /// devices (all-gather, all-reduce of partial sums, all-to-all, slicing).
+    Redistribute(placement::Redistribution),
     /// The float32 weight `[out, in]` of a block-quantized one: inputs
     /// `codes`, `scales` (Note [Quantized weights] in `quant.rs`), each
     /// element `code * scale` exactly as the note orders it.
@@ -572,6 +578,7 @@ impl Op {
             Op::TopK { .. } => "topk",
             Op::Assign { .. } => "copy_",
             Op::Collective(c) => c.name(),
+            Op::Redistribute(_) => "redistribute",
             Op::Dequantize(_) => "dequantize",
             Op::QuantMatMul(_) => "quant_matmul",
             Op::PagedAttention { .. } => "paged_attention",
@@ -584,7 +591,7 @@ impl Op {
         Some(match self {
             Op::Full { .. } | Op::Arange { .. } => 0,
             Op::Unary(_) | Op::Cast(_) | Op::Copy | Op::Reduce { .. } | Op::ArgReduce { .. } | Op::Cumsum { .. } => 1,
-            Op::RandomBits { .. } | Op::Collective(_) => 1,
+            Op::RandomBits { .. } | Op::Collective(_) | Op::Redistribute(_) => 1,
             Op::Dequantize(_) => 2,
             Op::QuantMatMul(_) => 3,
             Op::View(_) | Op::Sort { .. } | Op::TopK { .. } | Op::Softmax { .. } | Op::LogSumExp { .. } => 1,
@@ -662,6 +669,7 @@ impl Op {
             | Op::TopK { .. }
             | Op::Assign { .. }
             | Op::Collective(_)
+            | Op::Redistribute(_)
             | Op::Dequantize(_)
             | Op::QuantMatMul(_)
             | Op::Custom(_) => false,
@@ -680,6 +688,7 @@ impl Op {
             | Op::View(_)
             | Op::Cat { .. }
             | Op::Assign { .. }
+            | Op::Redistribute(_)
             | Op::IndexSelect { .. }
             | Op::Gather { .. }
             | Op::Dequantize(_)

@@ -3,7 +3,7 @@
 //! sharding the op needs, places its results (Note [Placements of results]
 //! in `shard.rs`) and returns a storage padded to its sharding. Eager mesh
 //! ops use these verbs one op at a time; a whole `Program` over a mesh uses
-//! them through [`Placing`], which follows each value's placement as the
+//! them through `Placing`, which follows each value's placement as the
 //! program is lowered.
 use super::{shard, write_view as write_flat_view, Builder, Lit, Sharding, Ty, Val};
 use kiln_tensor::ir::Value;
@@ -89,9 +89,20 @@ pub(crate) fn padded(b: &mut Builder, v: &Val, shape: &[usize], s: &Sharding) ->
     b.pad(&v, Lit::I(0), &vec![0; shape.len()], &high)
 }
 
+/// The sharding `op` needs its input `input` in, when that input is the
+/// view `layout` of a storage of `shape` split by `sharding` (Note
+/// [Placements of results]); also the view's own sharding.
+fn needed(op: &Op, input: usize, sharding: &Sharding, shape: &[usize], layout: &Layout) -> (Sharding, Sharding) {
+    let view = shard::view_sharding(sharding, shape, layout).reduced();
+    let need = shard::in_sharding(op, input, &view, layout.shape());
+    (view, need)
+}
+
 /// The value `v`, the view `layout` of a storage of `shape` split by
 /// `sharding`, moved to the sharding `op` needs its input `input` in (Note
-/// [Placements of results]); also returns that sharding.
+/// [Placements of results]); also returns that sharding. With `pin`, the
+/// sharding is spelled out even where the value has it already.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn constrain(
     b: &mut Builder,
     op: &Op,
@@ -100,9 +111,9 @@ pub(crate) fn constrain(
     sharding: &Sharding,
     shape: &[usize],
     layout: &Layout,
+    pin: bool,
 ) -> (Val, Sharding) {
-    let view = shard::view_sharding(sharding, shape, layout).reduced();
-    let need = shard::in_sharding(op, input, &view, layout.shape());
+    let (view, need) = needed(op, input, sharding, shape, layout);
     // Some lowerings cannot be partitioned along the dimensions they work on:
     // a scatter that replaces (XLA aborts on it) and the NaN-aware max and
     // min (an "unsupported reduction computation"). Their inputs get the
@@ -113,7 +124,7 @@ pub(crate) fn constrain(
     // tensors, so its inputs are gathered the same way. Other ops take a view
     // as it comes.
     let whole = layout.is_contiguous() && layout.offset() == 0 && layout.shape() == shape;
-    if need == view && (whole || !unsplittable(op)) {
+    if need == view && (whole || !unsplittable(op)) && !pin {
         (v, need)
     } else {
         (b.reshard(&v, &need), need)
@@ -160,6 +171,7 @@ fn unsplittable(op: &Op) -> bool {
         | Op::Sort { .. }
         | Op::TopK { .. }
         | Op::Collective(_)
+        | Op::Redistribute(_)
         | Op::Dequantize(_)
         | Op::QuantMatMul(_)
         | Op::PagedAttention { .. } => false,
@@ -176,6 +188,8 @@ struct Placed {
     /// A view's sharding as a storage of its own, when a result keeps it (a
     /// view op run as an op, as the eager mesh ops place its result).
     own: Option<Sharding>,
+    /// The view of the mesh a redistribution placed the storage on (`None`: the whole mesh).
+    view: Option<DeviceMesh>,
 }
 
 impl Placed {
@@ -185,6 +199,15 @@ impl Placed {
         let whole = self.layout.numel() == n;
         whole && (n == 0 || (self.layout.is_contiguous() && self.layout.offset() == 0))
     }
+}
+
+/// Where a result of a program over a mesh lies: the storage's sharding and
+/// n-d shape, and the view of the mesh it was placed on (`None`: the whole mesh).
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub sharding: Sharding,
+    pub shape: Vec<usize>,
+    pub view: Option<DeviceMesh>,
 }
 
 /// The placements of a `Program`'s values as it is lowered over a mesh
@@ -229,7 +252,7 @@ impl Placing {
         let arg = shard_arg(b, &s, &shape, dtype)?;
         let flat = flat_value(b, &arg, &s, &shape);
         let n = flat.ty.numel();
-        self.set(v, Placed { sharding: s, shape, layout: Layout::contiguous(&[n]), own: None });
+        self.set(v, Placed { sharding: s, shape, layout: Layout::contiguous(&[n]), own: None, view: None });
         Ok(flat)
     }
 
@@ -247,7 +270,13 @@ impl Placing {
             a
         } else {
             let s = shard::view_sharding(&a.sharding, &a.shape, &a.layout).reduced();
-            Placed { sharding: s, shape: arg_shape.to_vec(), layout: Layout::contiguous(arg_shape), own: None }
+            Placed {
+                sharding: s,
+                shape: arg_shape.to_vec(),
+                layout: Layout::contiguous(arg_shape),
+                own: None,
+                view: None,
+            }
         };
         let layout = match view {
             ViewOp::AsStrided { shape, strides, offset } => {
@@ -264,15 +293,30 @@ impl Placing {
     }
 
     /// `op`'s inputs `x` (the values `args`) constrained to the shardings it
-    /// needs, and those shardings with the inputs' shapes.
-    pub fn inputs(&self, b: &mut Builder, op: &Op, args: &[Value], x: Vec<Val>) -> Result<(Vec<Val>, InputShardings)> {
+    /// needs, and those shardings with the inputs' shapes. An op that leaves
+    /// a partial sum (results of types `outs`) gets every input's sharding
+    /// spelled out: the partial sum is right only where the partitioner
+    /// computes the op on the split inputs, and inside a program it would
+    /// otherwise follow what later uses of an input ask for (a gather).
+    pub fn inputs(
+        &self,
+        b: &mut Builder,
+        op: &Op,
+        args: &[Value],
+        x: Vec<Val>,
+        outs: &[kiln_tensor::Meta],
+    ) -> Result<(Vec<Val>, InputShardings)> {
+        let placed: Vec<&Placed> = args.iter().map(|a| self.get(*a)).collect::<Result<_>>()?;
+        let ins: InputShardings = placed
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.layout.shape().to_vec(), needed(op, i, &p.sharding, &p.shape, &p.layout).1))
+            .collect();
+        let partial =
+            (0..outs.len()).any(|i| !shard::out_sharding(op, &ins, i, &outs[i].shape, &self.mesh).unreduced.is_empty());
         let mut vals = Vec::with_capacity(x.len());
-        let mut ins = Vec::with_capacity(x.len());
-        for (i, (a, v)) in args.iter().zip(x).enumerate() {
-            let p = self.get(*a)?;
-            let (v, need) = constrain(b, op, i, v, &p.sharding, &p.shape, &p.layout);
-            vals.push(v);
-            ins.push((p.layout.shape().to_vec(), need));
+        for (i, (p, v)) in placed.iter().zip(x).enumerate() {
+            vals.push(constrain(b, op, i, v, &p.sharding, &p.shape, &p.layout, partial).0);
         }
         Ok((vals, ins))
     }
@@ -286,17 +330,24 @@ impl Placing {
         ins: &[(Vec<usize>, Sharding)],
         outs: impl Iterator<Item = Value>,
         results: Vec<Val>,
-    ) -> Vec<Val> {
+    ) -> Result<Vec<Val>> {
         let mut read = Vec::with_capacity(results.len());
         for (i, (v, r)) in outs.zip(results).enumerate() {
             let shape = r.shape().to_vec();
             let s = result_sharding(b, op, ins, i, &r, &shape, &self.mesh);
             let layout = Layout::contiguous(&shape);
-            self.set(v, Placed { sharding: s.clone(), shape: shape.clone(), layout, own: None });
+            let view = match op {
+                Op::Redistribute(r) => Some(DeviceMesh::of_redistribution(r)?),
+                _ => None,
+            };
+            self.set(v, Placed { sharding: s.clone(), shape: shape.clone(), layout, own: None, view });
             // A partial sum is declared unreduced where it is made, and later ops
             // read it reduced (as a one-op program reads its arguments): Shardy
-            // wants both transitions spelled out.
-            if s.unreduced.is_empty() {
+            // wants both transitions spelled out. A redistribution is spelled
+            // out where it happens.
+            if matches!(op, Op::Redistribute(_)) && s.unreduced.is_empty() {
+                read.push(b.reshard(&r, &s));
+            } else if s.unreduced.is_empty() {
                 read.push(r);
             } else {
                 let u = b.reshard(&r, &s);
@@ -304,7 +355,7 @@ impl Placing {
                 self.unreduced[v.index()] = Some(u);
             }
         }
-        read
+        Ok(read)
     }
 
     /// The write of `src` into the view `layout` of `base` (the value `dst` of
@@ -332,14 +383,15 @@ impl Placing {
     }
 
     /// What the program returns for the value `v` (lowered as `val`), the
-    /// content of a storage: its n-d value padded to its sharding, the
-    /// sharding, and the n-d shape.
-    pub fn output(&self, b: &mut Builder, v: Value, val: &Val) -> Result<(Val, Sharding, Vec<usize>)> {
+    /// content of a storage: its n-d value padded to its sharding, and where
+    /// the storage lies.
+    pub fn output(&self, b: &mut Builder, v: Value, val: &Val) -> Result<(Val, Output)> {
         let p = self.get(v)?;
         if let (false, Some(own)) = (p.is_storage(), &p.own) {
             // A view op's result, a storage of its own.
             let shape = p.layout.shape().to_vec();
-            return Ok((padded(b, val, &shape, own), own.clone(), shape));
+            let out = Output { sharding: own.clone(), shape: shape.clone(), view: None };
+            return Ok((padded(b, val, &shape, own), out));
         }
         if !p.is_storage() {
             return Err(kiln_tensor::Error::backend(
@@ -348,6 +400,7 @@ impl Placing {
             ));
         }
         let val = self.unreduced[v.index()].as_ref().unwrap_or(val);
-        Ok((padded(b, val, &p.shape, &p.sharding), p.sharding.clone(), p.shape.clone()))
+        let out = Output { sharding: p.sharding.clone(), shape: p.shape.clone(), view: p.view.clone() };
+        Ok((padded(b, val, &p.shape, &p.sharding), out))
     }
 }

@@ -10,7 +10,7 @@ mod elementwise;
 mod fused;
 mod grouped;
 mod index;
-pub(crate) mod mesh;
+pub mod mesh;
 mod ops;
 mod paged;
 mod program;

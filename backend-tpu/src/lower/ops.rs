@@ -166,6 +166,8 @@ pub fn lower_op(b: &mut Builder, op: &Op, x: &[Val], outs: &[Meta]) -> Result<Lo
             one(b.reshape(&w, &outs[0].shape))
         }
         Op::Collective(c) => one(super::collective::lower(b, c, &x[0], &outs[0])),
+        // The value is unchanged; over a mesh its result sharding moves it (`lower/mesh.rs`).
+        Op::Redistribute(_) => one(x[0].clone()),
         Op::Dequantize(spec) => one(super::quant::dequantize(b, spec, &x[0], &x[1])),
         Op::QuantMatMul(spec) => one(super::quant::quant_matmul(b, spec, &x[0], &x[1], &x[2], outs[0].dtype)),
         Op::Rotary => one(rotary(b, &x[0], &x[1], &x[2])),

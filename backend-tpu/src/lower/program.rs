@@ -4,7 +4,7 @@
 //! eager ops make them (`read_view`, `write_view`), creation values as
 //! constants or arguments (Note \[Shared constants\]), each primitive
 //! through `lower_op`, updated parameters donated.
-use super::mesh::{Placing, ShardedShape};
+use super::mesh::{Output, Placing, ShardedShape};
 use super::{
     check_results, creation_args, creation_lower, lower_op, read_view, write_view, Builder, Check, Lit, Module,
     Sharding, Ty, Val,
@@ -46,8 +46,8 @@ pub struct LoweredProgram {
     /// With [`Constants::Arguments`], the value of each argument after the
     /// parameters: its bytes (one element) and dtype.
     pub constants: Vec<(Vec<u8>, DType)>,
-    /// Over a mesh, each result's sharding and n-d shape (the storage it fills).
-    pub placements: Vec<ShardedShape>,
+    /// Over a mesh, where each result lies (the storage it fills).
+    pub placements: Vec<Output>,
 }
 
 fn missing(v: impl std::fmt::Display) -> Error {
@@ -86,17 +86,14 @@ pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram
 /// are the results padded to the shardings kiln's rules give them, then the
 /// ops' check flags. A result updating a parameter of the same sharding is
 /// donated to it.
-pub fn lower_mesh_program(
-    p: &Program,
-    mesh: &DeviceMesh,
-    params: Vec<(Sharding, Vec<usize>)>,
-) -> Result<LoweredProgram> {
+pub fn lower_mesh_program(p: &Program, mesh: &DeviceMesh, params: Vec<ShardedShape>) -> Result<LoweredProgram> {
     let mut b = Builder::new(&[]).0;
     let mut placing = Placing::new(mesh.clone(), params);
     let Lowered { results, checks, constants } = lower_into(&mut b, p, Constants::Arguments, Some(&mut placing))?;
     let (mut outs, mut outputs, mut shardings, mut placements) = (vec![], vec![], vec![], vec![]);
     for (j, (r, v)) in p.results().iter().zip(results).enumerate() {
-        let (out, s, shape) = placing.output(&mut b, r.value, &v)?;
+        let (out, placed) = placing.output(&mut b, r.value, &v)?;
+        let (s, shape) = (placed.sharding.clone(), placed.shape.clone());
         if let ResultKind::Update(k) = r.kind {
             if placing.params.get(k).is_some_and(|(ps, pshape)| *ps == s && s.unreduced.is_empty() && *pshape == shape)
             {
@@ -105,8 +102,8 @@ pub fn lower_mesh_program(
         }
         outputs.push((out.dtype(), s.shard_shape(&shape)));
         outs.push(out);
-        shardings.push(s.clone());
-        placements.push((s, shape));
+        shardings.push(s);
+        placements.push(placed);
     }
     for (v, _, _) in &checks {
         outputs.push((DType::Bool, vec![]));
@@ -118,7 +115,7 @@ pub fn lower_mesh_program(
     Ok(LoweredProgram { module, outputs, checks, constants, placements })
 }
 
-/// A program lowered into a builder (see [`lower_into`]).
+/// A program lowered into a builder (see `lower_into`).
 pub struct Lowered {
     /// Each result's value, of the result's type.
     pub results: Vec<Val>,
@@ -175,17 +172,17 @@ pub(crate) fn lower_into(
             Op::Full { .. } | Op::Arange { .. } => {
                 let r = vec![creation(b, &inst.op, constants, &mut shared, placing.as_deref())?];
                 match placing.as_deref_mut() {
-                    Some(pl) => pl.results(b, &inst.op, &[], inst.results(), r),
+                    Some(pl) => pl.results(b, &inst.op, &[], inst.results(), r)?,
                     None => r,
                 }
             }
             op => match placing.as_deref_mut() {
                 Some(pl) => {
-                    let (x, ins) = pl.inputs(b, op, &inst.args, x)?;
+                    let (x, ins) = pl.inputs(b, op, &inst.args, x, &inst.outs)?;
                     let (r, c) = lower_op(b, op, &x, &inst.outs)?;
                     check_results(op, &r, &inst.outs)?;
                     checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
-                    pl.results(b, op, &ins, inst.results(), r)
+                    pl.results(b, op, &ins, inst.results(), r)?
                 }
                 None => {
                     let (r, c) = lower_op(b, op, &x, &inst.outs)?;

@@ -87,6 +87,8 @@ pub fn in_sharding(op: &kiln_tensor::Op, input: usize, s: &Sharding, shape: &[us
     let whole = || Sharding::replicated(&s.mesh, shape.len());
     match op {
         Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_) | Op::Copy | Op::MatMul => s.reduced(),
+        // Taken as it lies; the result's sharding is the move.
+        Op::Redistribute(_) => s.clone(),
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean, .. } => s.reduced(),
         Op::Reduce { dims, .. } => gather(dims),
         Op::Softmax { dim, .. } | Op::LogSumExp { dim } | Op::Gather { dim } => gather(&[*dim]),
@@ -161,6 +163,7 @@ fn batch_inputs(op: &kiln_tensor::Op) -> Option<&'static [usize]> {
         | Op::TopK { .. }
         | Op::Assign { .. }
         | Op::Collective(_)
+        | Op::Redistribute(_)
         | Op::Dequantize(_)
         | Op::QuantMatMul(_)
         | Op::PagedAttention { .. }
@@ -195,6 +198,10 @@ pub fn out_sharding(
         Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_) | Op::Copy => {
             ins.iter().find(|(shape, s)| shape == out_shape && !s.is_replicated()).map_or(rep, |(_, s)| s.clone())
         }
+        // The placements asked for, on the mesh asked for (its root's axes).
+        Op::Redistribute(r) => kiln_tensor::DeviceMesh::of_redistribution(r)
+            .and_then(|m| Sharding::from_placements(&m, &r.placements, out_shape.len()))
+            .unwrap_or(rep),
         Op::Reduce { op: r, dims, keepdim } if out == 0 => {
             let Some((shape, s)) = ins.first() else { return rep };
             let mut kept = vec![];

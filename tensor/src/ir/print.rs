@@ -128,6 +128,14 @@ pub fn attributes(op: &Op) -> Vec<(&'static str, String)> {
             a.push(("groups", format!("[{}]", groups.join(", "))));
             a
         }
+        Op::Redistribute(r) => {
+            let p: Vec<String> = r.placements.iter().map(|p| p.to_string()).collect();
+            vec![
+                ("mesh", r.device.to_string()),
+                ("axes", format!("[{}]", r.axes.join(", "))),
+                ("placements", format!("[{}]", p.join(", "))),
+            ]
+        }
         Op::Dequantize(q) | Op::QuantMatMul(q) => {
             let codes = match q.codes {
                 Codes::E4M3 => "e4m3",

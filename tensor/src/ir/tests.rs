@@ -166,3 +166,27 @@ fn renumbering_makes_equal_programs_equal() {
     );
     assert_eq!(r, r.renumbered());
 }
+
+/// A redistribution prints its mesh, view and placements, which tell it
+/// apart from another one for `cse`; placements that do not fit the input
+/// are refused when it is recorded.
+#[test]
+fn redistributions_print_their_placements_and_stay_apart() {
+    use crate::op::placement::{Placement, Redistribution};
+    let (mut p, s) = state16();
+    let to = |placement| Redistribution { device: 3, axes: smallvec!["dp".into()], placements: smallvec![placement] };
+    let a = p.push(Op::Redistribute(to(Placement::Shard(0))), &[s]).unwrap()[0];
+    let b = p.push(Op::Redistribute(to(Placement::Replicate)), &[s]).unwrap()[0];
+    let c = p.push(Op::Redistribute(to(Placement::Shard(0))), &[s]).unwrap()[0];
+    for v in [a, b, c] {
+        p.add_result(v, ResultKind::Fresh).unwrap();
+    }
+    let text = p.to_string();
+    assert!(text.contains("redistribute(%0) {mesh=3, axes=[dp], placements=[Shard(dim=0)]} : f32[16]"), "{text}");
+    let d = p.cse();
+    assert_eq!(d.insts().len(), 2, "{d}");
+    assert_ne!(d.results()[0].value, d.results()[1].value);
+    assert_eq!(d.results()[0].value, d.results()[2].value);
+    let e = p.push(Op::Redistribute(to(Placement::Shard(1))), &[s]).unwrap_err().to_string();
+    assert!(e.contains("Shard(dim=1) of a tensor with 1 dimension(s)"), "{e}");
+}

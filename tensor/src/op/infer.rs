@@ -125,6 +125,7 @@ impl Op {
             Op::TopK { k, dim, .. } => indexing::topk(&c, k, dim)?,
             Op::Assign { shape, strides, offset } => indexing::assign(&c, shape, strides, offset)?,
             Op::Collective(c) => c.infer(&inputs[0])?,
+            Op::Redistribute(r) => smallvec![r.infer(&inputs[0])?],
         })
     }
 }
