@@ -463,3 +463,40 @@ fn a_deferred_step_over_a_mesh_is_one_program_placed_as_in_strict_mode() {
     let want_w: Vec<f64> = w0.to_vec_f64().unwrap().iter().map(|v| v * 0.75).collect();
     assert_eq!(values[2], want_w);
 }
+
+/// Inside a function traced on a mesh, the values the trace made report the
+/// mesh and placements its program gives them, as the same ops run eagerly
+/// report theirs, and the replayed program computes what they compute.
+#[test]
+fn traced_values_on_a_mesh_know_their_placements() {
+    let m = mesh(&[2, 2], &["dp", "tp"]);
+    let (x, w) = (tensor(&[4, 6], 0.3), tensor(&[6, 4], 0.9));
+    let dx = distribute_tensor(&x, &m, &[Shard(0), Replicate]).unwrap();
+    let dw = distribute_tensor(&w, &m, &[Replicate, Shard(1)]).unwrap();
+    type Seen = Vec<(Vec<Placement>, Vec<Placement>, DeviceMesh, Vec<Placement>)>;
+    let step = |x: &Tensor, seen: &std::sync::Mutex<Seen>| -> kiln::Result<Vec<Tensor>> {
+        let y = x.matmul(&dw)?.relu()?;
+        let s = y.sum_dim(1, false)?;
+        let r = s.redistribute(&m["dp"], &[Shard(0)])?;
+        seen.lock().unwrap().push((y.placements()?, s.placements()?, r.device_mesh()?, r.placements()?));
+        Ok(vec![r])
+    };
+    let eager_seen = std::sync::Mutex::new(vec![]);
+    let want = step(&dx, &eager_seen).unwrap().remove(0);
+    let traced_seen = std::sync::Mutex::new(vec![]);
+    let mut f = kiln::compile(m.device(), |xs: &[Tensor]| step(&xs[0], &traced_seen));
+    for _ in 0..3 {
+        let got = f.call(std::slice::from_ref(&dx)).unwrap().remove(0);
+        close(&got, &want);
+        assert_eq!((got.device_mesh().unwrap(), got.placements().unwrap()), (m["dp"].clone(), vec![Shard(0)]));
+    }
+    assert!(f.stats().replays >= 1, "{:?}", f.stats());
+    let eager = eager_seen.into_inner().unwrap().remove(0);
+    assert_eq!(eager.0, vec![Shard(0), Shard(1)]);
+    assert_eq!(eager.1, vec![Shard(0), PARTIAL]);
+    let traced = traced_seen.into_inner().unwrap();
+    assert!(traced.len() >= 2, "traced twice before the replay");
+    for t in traced {
+        assert_eq!(t, eager);
+    }
+}

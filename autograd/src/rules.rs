@@ -340,6 +340,14 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
         }
         // Answered before the gradient of the first output is looked at.
         Op::Custom(_) => {}
+        // Recorded outside autograd: `kiln::local_map` gives a region its
+        // gradient (the adjoint region), so a graph never holds this op.
+        Op::LocalMap(_) => {
+            return Err(kiln_tensor::Error::invalid(
+                "local_map",
+                "a local region's gradient comes from kiln::local_map, not from the region as an op",
+            ));
+        }
         // The same values: the gradient passes through as it is placed (a
         // distributed leaf's gradient takes the leaf's placements as it accumulates).
         Op::Redistribute(_) => out[0] = Some(g.clone()),

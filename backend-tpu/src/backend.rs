@@ -4,9 +4,9 @@
 //! for and checked (Debug); under DeferAndFuse a device's ops, on one device
 //! or a mesh, are recorded by kiln-tensor into a pending program
 //! (`Backend::deferral`) that runs as one (`program.rs`).
+pub use crate::buffer::PjrtBuffer;
+use crate::buffer::{self, data_in, data_of};
 use crate::cache::{self, DiskCache};
-pub use crate::graph::PjrtBuffer;
-use crate::graph::{self, data_in, data_of, only_the_storage_reaches, Graph};
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
 use crate::pjrt::{Buffer, Client, CompileOptions, Event, Executable, Upload};
@@ -112,7 +112,7 @@ impl PjrtBackend {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .filter(|&n: &usize| n > 0)
-                .unwrap_or(graph::DEFAULT_MAX_OPS),
+                .unwrap_or(buffer::DEFAULT_MAX_OPS),
             compiles: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             executions: AtomicU64::new(0),
@@ -163,13 +163,10 @@ impl PjrtBackend {
     }
 
     pub(crate) fn ready_data(&self, data: PjrtBuffer) -> Result<Arc<Buffer>> {
-        if let Some(b) = data.ready() {
-            return Ok(b);
+        match data {
+            PjrtBuffer::Ready(b) => Ok(b),
+            PjrtBuffer::Sharded(s) => Err(err(format!("a tensor on a device mesh ({}) has no single buffer", s.view))),
         }
-        if let PjrtBuffer::Sharded(s) = &data {
-            return Err(err(format!("a tensor on a device mesh ({}) has no single buffer", s.view)));
-        }
-        Err(graph::escaped_value_error())
     }
 
     /// Runs the pending program of `device` (DeferAndFuse), if any.
@@ -183,24 +180,13 @@ impl PjrtBackend {
     }
 
     /// `Backend::deferral`: a device's ops, on one device or a mesh, are
-    /// deferred in DeferAndFuse mode (Note \[Deferred programs\] in
-    /// kiln-tensor), except a mesh's while this thread traces a function
-    /// into the capture graph (`trace_into`).
+    /// deferred in DeferAndFuse mode (Note \[Deferred programs\] in kiln-tensor).
     pub(crate) fn deferral(&self, device: Device) -> Option<usize> {
         let defers = match device {
-            Device::Tpu(_) => true,
-            Device::Mesh(_) => !graph::is_tracing(),
+            Device::Tpu(_) | Device::Mesh(_) => true,
             Device::Cpu | Device::PrivateUse1(_) => false,
         };
         (mode() == Mode::Defer && defers).then_some(self.max_ops)
-    }
-
-    /// Appends to the thread's capture graph of `device` (a function on a
-    /// mesh being traced by `kiln::compile`).
-    pub(crate) fn trace_into<R>(&self, device: Device, f: impl FnOnce(&mut Graph) -> Result<R>) -> Result<R> {
-        graph::with_capture(device, f).unwrap_or_else(|| {
-            Err(err(format!("no function on {device} is being traced, so there is no capture graph to append to")))
-        })
     }
 
     pub fn client(&self) -> &Arc<Client> {
@@ -451,9 +437,6 @@ impl Backend for PjrtBackend {
     }
 
     fn to_host(&self, t: &Tensor) -> Result<HostBuffer> {
-        if graph::is_tracing() {
-            return Err(graph::read_while_tracing(kiln_tensor::reading_via().unwrap_or("to_host"), t));
-        }
         if let Device::Mesh(_) = t.device() {
             return self.to_host_mesh(t);
         }
@@ -476,10 +459,6 @@ impl Backend for PjrtBackend {
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {
         if let Device::Mesh(_) = device {
-            if graph::is_tracing() {
-                let upload = |bytes: &[u8], dt: DType| self.upload_mesh_value(bytes, dt, device);
-                return self.trace_into(device, |g| g.append_op(op, inputs, outs, device, &upload));
-            }
             return self.exec_mesh(op, inputs, outs, device);
         }
         if let Some(values) = lower::creation_args(op) {
@@ -505,39 +484,32 @@ impl Backend for PjrtBackend {
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         kiln_tensor::check_assign(dst, src)?;
         if let Device::Mesh(_) = dst.device() {
-            if graph::is_tracing() {
-                return self.trace_into(dst.device(), |g| g.append_assign(dst, src));
-            }
             return self.assign_mesh(dst, src);
         }
         let same = Arc::ptr_eq(dst.storage(), src.storage());
         // The write holds the destination's lock from reading its buffer to
         // replacing it (Note [Storage mutability]); the source is read first, and a
         // deferred destination is computed before the lock is taken (running a
-        // graph takes the graph lock, which deferred writes take before storage locks).
+        // pending program takes its lock, which deferred writes take before storage locks).
         let src_buf = if same { None } else { Some(self.buffer_of(src)?) };
-        let (mut g, dst_buf, unshared) = loop {
+        let (mut g, dst_buf) = loop {
             self.buffer_of(dst)?;
             let g = dst.storage().write();
             if matches!(*g, StorageData::Pending) {
                 // Written by a deferred op of another thread since: compute it first.
                 continue;
             }
-            let data = data_in(&g, dst.device())?;
-            let unshared = only_the_storage_reaches(&data);
-            if let Some(b) = data.ready() {
-                break (g, b, unshared);
-            }
+            let b = self.ready_data(data_in(&g, dst.device())?)?;
+            break (g, b);
         };
         let src_view = ArgView {
             layout: src.layout(),
             len: src_buf.as_ref().map_or(dst_buf.numel(), |b| b.numel()),
             dtype: src.dtype(),
         };
-        // Nobody else holds the destination's buffer (the storage, or its filled
-        // slot, and this clone) and nobody holds its slot: donate it, so the write
-        // happens in place instead of into a copy.
-        let donate = unshared && Arc::strong_count(&dst_buf) == 2;
+        // Nobody else holds the destination's buffer (the storage and this
+        // clone): donate it, so the write happens in place instead of into a copy.
+        let donate = Arc::strong_count(&dst_buf) == 2;
         let text = lower::assign_module(dst.layout(), dst_buf.numel(), src_view, same, donate)?;
         let mut args: Vec<&Buffer> = vec![&dst_buf];
         if let Some(s) = &src_buf {
@@ -550,9 +522,6 @@ impl Backend for PjrtBackend {
     }
 
     fn nonzero(&self, t: &Tensor) -> Result<Tensor> {
-        if graph::is_tracing() {
-            return Err(graph::read_while_tracing("nonzero", t));
-        }
         let host = self.to_host(t)?;
         let shape = t.shape().to_vec();
         // (On a mesh device, the indices come back replicated over the mesh, as `to_device` makes them.)

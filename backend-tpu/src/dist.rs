@@ -3,13 +3,15 @@
 //! on such tensors runs as one SPMD program over the mesh (see Note
 //! [Distributed storages]).
 use crate::backend::PjrtBackend;
-use crate::graph::mesh::{storage_sharding, Shards};
-use crate::graph::PjrtBuffer;
+use crate::buffer::PjrtBuffer;
+use crate::buffer::Shards;
+use crate::lower::mesh::Placing;
 use crate::lower::mesh::{constrain, flat_value, padded, result_sharding, shard_arg, write_view};
 use crate::lower::{self, shard, Builder, Sharding, Val};
 use crate::mode::{mode, Mode};
 use crate::pjrt::{Buffer, CompileOptions, Executable};
 use crate::stablehlo::Module;
+use kiln_tensor::capture::is_recording;
 use kiln_tensor::{
     DType, Device, DeviceMesh, Error, HostBuffer, Layout, Meta, Op, Placement, Result, Storage, StorageData, Tensor,
 };
@@ -43,15 +45,15 @@ use std::sync::Arc;
 // (read by `flat_value`), each value remembers the storage it reads and the
 // sharding kiln's rules give it, and each result is returned padded with its
 // storage's sharding; a parameter a result updates with the same sharding is
-// donated. Capture (`kiln::compile` on a mesh device) traces into a capture
-// graph (Note [Capture graphs] in `graph.rs`) and replays its program over
-// the mesh: each source's shards go in, each sink gets new shards with the
-// traced sharding; an input's sharding is part of the guard, and state whose
-// sharding changed since the trace is an error, so a replay never reads
-// shards laid out for another program. `redistribute` in traced functions
-// is a graph result carrying the target sharding, and under DeferAndFuse an
-// `Op::Redistribute` of the pending program, whose result the lowering
-// reshards to the target (outside autograd, as the eager move is). An op
+// donated. Capture (`kiln::compile` on a mesh device) records a `Program`
+// the same way and runs it lowered for the shardings its inputs and state
+// have at each call (one lowering per set, so a replay never reads shards
+// laid out for another program); an input's placements are part of the
+// guard. While tracing, a recorded value lies where the program so far,
+// lowered over the mesh, puts it (`storage_placement`). `redistribute`
+// under DeferAndFuse and in traced functions is an `Op::Redistribute`,
+// whose result the lowering reshards to the target (outside autograd, as
+// the eager move is), and a local region an `Op::LocalMap`. An op
 // whose result is a partial sum gets its inputs' shardings spelled out in a
 // program of many ops: the partitioner must compute it on the split inputs,
 // not on what a later use of an input gathers. `to_local` and `from_local`
@@ -102,14 +104,13 @@ impl PjrtBackend {
     /// The shards behind a tensor on a mesh device, running its pending
     /// program first when the storage waits for it.
     pub(crate) fn shards(&self, t: &Tensor) -> Result<Arc<Shards>> {
-        let data = crate::graph::data_of(t)?;
+        let data = crate::buffer::data_of(t)?;
         self.shards_from(data, t.device())
     }
 
     pub(crate) fn shards_from(&self, data: PjrtBuffer, device: Device) -> Result<Arc<Shards>> {
         match data {
             PjrtBuffer::Sharded(s) => Ok(s),
-            PjrtBuffer::Deferred(_) => Err(crate::graph::escaped_value_error()),
             _ => Err(err(format!("a tensor on {device} holds a one-device buffer"))),
         }
     }
@@ -243,12 +244,6 @@ impl PjrtBackend {
             .collect())
     }
 
-    /// A creation op's value (one element) on every device of the mesh `device`.
-    pub(crate) fn upload_mesh_value(&self, bytes: &[u8], dtype: DType, device: Device) -> Result<Arc<Shards>> {
-        let mesh = DeviceMesh::of_device(device)?;
-        self.replicated_shards(bytes, dtype, &[1], &mesh)
-    }
-
     /// `bytes` (a row-major value of `shape`) copied to every device of `mesh`.
     pub(crate) fn replicated_shards(
         &self,
@@ -290,19 +285,13 @@ impl PjrtBackend {
         let dtype = buf.dtype();
         let s = self.replicated_shards(&buf.to_le_bytes(), dtype, &[buf.len()], &mesh)?;
         let len = buf.len();
-        crate::graph::with_capture(device, |g| {
-            if let Some(log) = &mut g.host {
-                let what = format!("host data ({len} {dtype} values) uploaded");
-                log.upload(Arc::as_ptr(&s) as usize, kiln_tensor::trace::in_constant_scope(), what);
-            }
-        });
         Ok(Arc::new(Storage::new(StorageData::Device(Box::new(PjrtBuffer::Sharded(s))), dtype, len, device)))
     }
 
     /// The view of `t` as a fresh storage of its shape with `sharding` (a
     /// program whose result carries it): redistribution, and the gather reads use.
     pub(crate) fn materialize(&self, t: &Tensor, sharding: Sharding, view: DeviceMesh) -> Result<Arc<Shards>> {
-        if crate::graph::is_tracing() {
+        if is_recording(t.device()) {
             return Err(unsupported_mode(t.device()));
         }
         let mesh = sharding.mesh.clone();
@@ -344,7 +333,7 @@ impl PjrtBackend {
                 // Written by a deferred op of another thread since: compute it first.
                 continue;
             }
-            match crate::graph::data_in(&w, dst.device())? {
+            match crate::buffer::data_in(&w, dst.device())? {
                 PjrtBuffer::Sharded(d) => break (w, d),
                 _ => return Err(err(format!("a tensor on {} without shards", dst.device()))),
             }
@@ -385,14 +374,7 @@ impl PjrtBackend {
         if !matches!(t.device(), Device::Mesh(_)) {
             return Err(Error::device("placements", format!("{} is not a device mesh", t.device())));
         }
-        // From the storage's sharding, ready or pending (a pending one is not run for this).
-        let data = crate::graph::data_of(t)?;
-        let (sharding, shape) = storage_sharding(&data).ok_or_else(|| err("a tensor on a mesh without shards"))?;
-        let placed_on = match &data {
-            PjrtBuffer::Sharded(s) => s.view.clone(),
-            PjrtBuffer::Deferred(slot) => slot.view.get().cloned().unwrap_or_else(|| sharding.mesh.clone()),
-            PjrtBuffer::Ready(_) => sharding.mesh.clone(),
-        };
+        let (sharding, shape, placed_on) = self.storage_placement(t)?;
         let view = shard::view_sharding(&sharding, &shape, t.layout());
         if let Some(p) = view.placements_on(&placed_on) {
             return Ok((placed_on, p));
@@ -400,6 +382,42 @@ impl PjrtBackend {
         let root = placed_on.root();
         let p = view.placements_on(&root).ok_or_else(|| err("a sharding off its own mesh"))?;
         Ok((root, p))
+    }
+
+    /// Where the storage of `t` (on a mesh device) lies: its sharding, n-d
+    /// shape and the view of the mesh it was placed on. A value that a trace
+    /// on the mesh recorded (it has no data yet) lies where its program,
+    /// lowered over the mesh, puts it; a deferred one is computed first.
+    fn storage_placement(&self, t: &Tensor) -> Result<(Sharding, Vec<usize>, DeviceMesh)> {
+        if matches!(*t.storage().read(), StorageData::Traced) {
+            return self.recorded_placement(t);
+        }
+        match crate::buffer::data_of(t)? {
+            PjrtBuffer::Sharded(s) => Ok((s.sharding.clone(), s.shape.clone(), s.view.clone())),
+            PjrtBuffer::Ready(_) => Err(err(format!("a tensor on {} holds a one-device buffer", t.device()))),
+        }
+    }
+
+    /// Where a value recorded by this thread's trace on `t`'s mesh lies: the
+    /// recorded program so far, lowered over the mesh for the shardings of
+    /// the storages it reads, places it.
+    fn recorded_placement(&self, t: &Tensor) -> Result<(Sharding, Vec<usize>, DeviceMesh)> {
+        let mesh = DeviceMesh::of_device(t.device())?;
+        let found = kiln_tensor::capture::inspect_recording(t.device(), t.storage(), |p, sources, v| {
+            let v = v.ok_or_else(|| StorageData::Traced.not_here("pjrt"))?;
+            let params = sources
+                .iter()
+                .map(|st| {
+                    let s = self.shards(&Tensor::from_storage(st.clone(), Layout::contiguous(&[st.len()]))?)?;
+                    Ok((s.sharding.clone(), s.shape.clone()))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut placing = Placing::new(mesh.clone(), params);
+            lower::lower_into(&mut Builder::new(&[]).0, p, lower::Constants::Arguments, Some(&mut placing))?;
+            let out = placing.placed(v)?;
+            Ok((out.sharding, out.shape, out.view.unwrap_or_else(|| mesh.clone())))
+        });
+        found.unwrap_or_else(|| Err(StorageData::Traced.not_here("pjrt")))
     }
 
     /// `Backend::redistribute`.
@@ -419,8 +437,7 @@ impl PjrtBackend {
         let target = Sharding::from_placements(mesh, placements, t.ndim())?;
         if !target.unreduced.is_empty() {
             // A partial sum cannot be made, only kept: the current placements decide.
-            let data = crate::graph::data_of(t)?;
-            let (sharding, shape) = storage_sharding(&data).ok_or_else(|| err("a tensor on a mesh without shards"))?;
+            let (sharding, shape, _) = self.storage_placement(t)?;
             let current = shard::view_sharding(&sharding, &shape, t.layout());
             if target.unreduced != current.unreduced {
                 return Err(Error::invalid(
@@ -432,13 +449,8 @@ impl PjrtBackend {
                 ));
             }
         }
-        if crate::graph::is_tracing() {
-            // Traced: the view, as a result carrying the target sharding.
-            let st = self.trace_into(t.device(), |g| g.append_reshard(t, target, mesh.clone()))?;
-            return Tensor::from_storage(st, Layout::contiguous(t.shape()));
-        }
-        if self.deferral(t.device()).is_some() {
-            // Deferred: an op of the pending program whose result carries the
+        if self.deferral(t.device()).is_some() || is_recording(t.device()) {
+            // Deferred or traced: an op of the program whose result carries the
             // target placements (outside autograd, as the eager move is).
             return Tensor::apply1(Op::Redistribute(mesh.redistribution(placements)), &[&t.detach()]);
         }
@@ -449,7 +461,7 @@ impl PjrtBackend {
 
     /// `Backend::local_shards`: each device's real (unpadded) shard of `t`'s view.
     pub(crate) fn local_shards_of(&self, t: &Tensor) -> Result<Vec<Tensor>> {
-        if crate::graph::is_tracing() {
+        if is_recording(t.device()) {
             return Err(unsupported_mode(t.device()));
         }
         let (mesh, placements) = self.placements_of(t)?;
@@ -484,7 +496,7 @@ impl PjrtBackend {
         placements: &[Placement],
         shape: &[usize],
     ) -> Result<Tensor> {
-        if crate::graph::is_tracing() {
+        if is_recording(mesh.device()) {
             return Err(unsupported_mode(mesh.device()));
         }
         let sharding = Sharding::from_placements(mesh, placements, shape.len())?;

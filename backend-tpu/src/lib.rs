@@ -11,10 +11,10 @@
 //! # Ok::<(), kiln_tensor::Error>(())
 //! ```
 mod backend;
+mod buffer;
 pub mod cache;
-mod capture;
 mod dist;
-mod graph;
+mod export;
 mod local;
 pub mod lower;
 mod mode;
@@ -26,8 +26,7 @@ pub mod stablehlo;
 pub mod store;
 
 pub use backend::{PjrtBackend, PjrtBuffer, Stats};
-pub use capture::export::{check_inputs, ArgKind, ExportedProgram, Flat, Program, Refusal, ResultKind};
-pub use graph::is_tracing;
+pub use export::{check_inputs, ArgKind, ExportedProgram, Flat, Program, Refusal, ResultKind};
 pub use kiln_tensor::capture::{compile, Compiled};
 
 /// The message a failed device-side check of op `name` gives when no
@@ -195,8 +194,8 @@ impl kiln_tensor::Backend for Registered {
     fn synchronize(&self, device: kiln_tensor::Device) -> Result<()> {
         self.0.synchronize(device)
     }
-    // Capture and programs sit above the backend (`capture.rs`, `program.rs`
-    // use it), so the registered backend, not `PjrtBackend`, hands them out.
+    // Programs sit above the backend (`program.rs` uses it), so the
+    // registered backend, not `PjrtBackend`, hands them out.
     fn capture(
         &self,
         device: kiln_tensor::Device,
@@ -205,12 +204,8 @@ impl kiln_tensor::Backend for Registered {
         Some(Box::new(kiln_tensor::capture::compile(device, f)))
     }
     fn tracer(&self, device: kiln_tensor::Device) -> Result<Box<dyn kiln_tensor::capture::Tracer>> {
-        match device {
-            // One device: the backend-free recorder, its programs lowered by `compile`.
-            kiln_tensor::Device::Tpu(_) => Ok(Box::new(kiln_tensor::capture::RecordingTracer::new(device))),
-            // Meshes and local regions: the PJRT capture graph (`capture.rs`).
-            _ => Ok(Box::new(capture::PjrtTracer { device })),
-        }
+        // The backend-free recorder on one device and on meshes, its programs lowered by `compile`.
+        Ok(Box::new(kiln_tensor::capture::RecordingTracer::new(device)))
     }
     fn deferral(&self, device: kiln_tensor::Device) -> Option<usize> {
         self.0.deferral(device)

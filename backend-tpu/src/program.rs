@@ -4,8 +4,8 @@
 //! mesh (`PjrtMeshProgram`), the program is lowered over the mesh for the
 //! shardings its arguments carry (`lower::lower_mesh_program`), once per
 //! set of shardings, and runs as one SPMD program on their shards.
-use crate::graph::mesh::Shards;
-use crate::graph::{data_in, only_the_storage_reaches, PjrtBuffer};
+use crate::buffer::Shards;
+use crate::buffer::{data_in, PjrtBuffer};
 use crate::lower::mesh::ShardedShape;
 use crate::lower::{lower_mesh_program, lower_program, Constants, LoweredProgram};
 use crate::pjrt::{Buffer, Executable};
@@ -36,7 +36,7 @@ fn donatable(p: &Program, args: &[Tensor], held: impl Fn(usize) -> usize, device
             updated[k]
                 && args[k].is_whole_storage()
                 && held(k) <= 2
-                && data_in(&args[k].storage().read(), device).is_ok_and(|d| only_the_storage_reaches(&d))
+                && data_in(&args[k].storage().read(), device).is_ok()
         })
         .collect()
 }
@@ -197,6 +197,7 @@ impl ProgramExecutable for PjrtMeshProgram {
         let mut bufs =
             backend.launch_mesh(&l.exe, "a program", &self.mesh, &all, &l.lowered.outputs, &non_donatable)?;
         drop(all);
+        backend.count_all_to_all(l.lowered.all_to_all_bytes);
         let flags = bufs.split_off(p.results().len());
         // A storage written in place keeps the mesh it was placed on.
         let view_of = |k: usize| match data_in(&args[k].storage().read(), self.device) {

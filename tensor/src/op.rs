@@ -11,6 +11,7 @@ mod infer;
 pub(crate) mod paged;
 pub mod placement;
 pub mod quant;
+pub mod region;
 
 /// Shape and dtype of an op's output, as computed by [`Op::infer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -504,6 +505,11 @@ pub enum Op {
     /// placed as the payload says; the backend moves the data between
     /// devices (all-gather, all-reduce of partial sums, all-to-all, slicing).
     Redistribute(placement::Redistribution),
+    /// A local region (`kiln::local_map`) inside a program over a mesh: its
+    /// body, a program of its own, runs on every device's blocks of the
+    /// inputs (Note [Local regions] in `collective.rs`). Recorded only where a
+    /// function traced on a mesh calls `local_map`.
+    LocalMap(region::LocalRegion),
     /// The float32 weight `[out, in]` of a block-quantized one: inputs
     /// `codes`, `scales` (Note [Quantized weights] in `quant.rs`), each
     /// element `code * scale` exactly as the note orders it.
@@ -579,6 +585,7 @@ impl Op {
             Op::Assign { .. } => "copy_",
             Op::Collective(c) => c.name(),
             Op::Redistribute(_) => "redistribute",
+            Op::LocalMap(_) => "local_map",
             Op::Dequantize(_) => "dequantize",
             Op::QuantMatMul(_) => "quant_matmul",
             Op::PagedAttention { .. } => "paged_attention",
@@ -601,7 +608,7 @@ impl Op {
             Op::RmsNormBackward { .. } => 4,
             Op::Attention { .. } | Op::Rotary | Op::CrossEntropyBackward { .. } => 3,
             Op::AttentionBackward { .. } | Op::PagedAttention { .. } => 6,
-            Op::Cat { .. } | Op::Custom(_) => return None,
+            Op::Cat { .. } | Op::Custom(_) | Op::LocalMap(_) => return None,
         })
     }
 
@@ -624,6 +631,7 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::GroupedMatMul
             | Op::PagedAttention { .. } => true,
+            Op::LocalMap(r) => r.checks,
             Op::Binary(
                 BinaryOp::Add
                 | BinaryOp::Sub
@@ -689,6 +697,7 @@ impl Op {
             | Op::Cat { .. }
             | Op::Assign { .. }
             | Op::Redistribute(_)
+            | Op::LocalMap(_)
             | Op::IndexSelect { .. }
             | Op::Gather { .. }
             | Op::Dequantize(_)

@@ -108,6 +108,12 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
                 "collectives run inside kiln::local_map over a device mesh; the CPU backend has no meshes",
             ))
         }
+        Op::LocalMap(_) => {
+            return Err(Error::device(
+                "local_map",
+                "local regions run over device meshes; the CPU backend has no meshes",
+            ))
+        }
         Op::Redistribute(_) => {
             return Err(Error::device(
                 "redistribute",

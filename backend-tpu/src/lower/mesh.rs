@@ -142,6 +142,7 @@ fn unsplittable(op: &Op) -> bool {
         | Op::ArgReduce { .. }
         | Op::LogSumExp { .. }
         | Op::Softmax { .. }
+        | Op::LocalMap(_)
         | Op::Custom(_) => true,
         Op::Scatter { reduce: ScatterReduce::Add, .. }
         | Op::Reduce { .. }
@@ -382,25 +383,24 @@ impl Placing {
         Ok(written)
     }
 
+    /// Where the value `v`, the content of a storage, lies.
+    pub fn placed(&self, v: Value) -> Result<Output> {
+        let p = self.get(v)?;
+        match (p.is_storage(), &p.own) {
+            (false, Some(own)) => Ok(Output { sharding: own.clone(), shape: p.layout.shape().to_vec(), view: None }),
+            (false, None) => {
+                Err(kiln_tensor::Error::backend("pjrt", format!("{v} of a program over a mesh is a view")))
+            }
+            (true, _) => Ok(Output { sharding: p.sharding.clone(), shape: p.shape.clone(), view: p.view.clone() }),
+        }
+    }
+
     /// What the program returns for the value `v` (lowered as `val`), the
     /// content of a storage: its n-d value padded to its sharding, and where
     /// the storage lies.
     pub fn output(&self, b: &mut Builder, v: Value, val: &Val) -> Result<(Val, Output)> {
-        let p = self.get(v)?;
-        if let (false, Some(own)) = (p.is_storage(), &p.own) {
-            // A view op's result, a storage of its own.
-            let shape = p.layout.shape().to_vec();
-            let out = Output { sharding: own.clone(), shape: shape.clone(), view: None };
-            return Ok((padded(b, val, &shape, own), out));
-        }
-        if !p.is_storage() {
-            return Err(kiln_tensor::Error::backend(
-                "pjrt",
-                format!("the result {v} of a program over a mesh is a view"),
-            ));
-        }
+        let out = self.placed(v)?;
         let val = self.unreduced[v.index()].as_ref().unwrap_or(val);
-        let out = Output { sharding: p.sharding.clone(), shape: p.shape.clone(), view: p.view.clone() };
-        Ok((padded(b, val, &p.shape, &p.sharding), out))
+        Ok((padded(b, val, &out.shape, &out.sharding), out))
     }
 }

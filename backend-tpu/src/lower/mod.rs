@@ -17,6 +17,7 @@ mod program;
 mod quant;
 mod random;
 mod reduce;
+pub mod region;
 pub mod shard;
 mod view;
 

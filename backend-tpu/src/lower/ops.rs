@@ -168,6 +168,10 @@ pub fn lower_op(b: &mut Builder, op: &Op, x: &[Val], outs: &[Meta]) -> Result<Lo
         Op::Collective(c) => one(super::collective::lower(b, c, &x[0], &outs[0])),
         // The value is unchanged; over a mesh its result sharding moves it (`lower/mesh.rs`).
         Op::Redistribute(_) => one(x[0].clone()),
+        // A region exists only over a mesh, where the program's lowering builds it (`lower/region.rs`).
+        Op::LocalMap(_) => {
+            Err(kiln_tensor::Error::backend("pjrt", "a local region is lowered only inside a program over a mesh"))
+        }
         Op::Dequantize(spec) => one(super::quant::dequantize(b, spec, &x[0], &x[1])),
         Op::QuantMatMul(spec) => one(super::quant::quant_matmul(b, spec, &x[0], &x[1], &x[2], outs[0].dtype)),
         Op::Rotary => one(rotary(b, &x[0], &x[1], &x[2])),

@@ -5,11 +5,13 @@
 //! constants or arguments (Note \[Shared constants\]), each primitive
 //! through `lower_op`, updated parameters donated.
 use super::mesh::{Output, Placing, ShardedShape};
+use super::region::{Body, Operand};
 use super::{
     check_results, creation_args, creation_lower, lower_op, read_view, write_view, Builder, Check, Lit, Module,
     Sharding, Ty, Val,
 };
-use kiln_tensor::ir::{Program, ResultKind};
+use kiln_tensor::ir::{Inst, Program, ResultKind};
+use kiln_tensor::op::region::LocalRegion;
 use kiln_tensor::{DType, DeviceMesh, Error, Layout, Op, Result, Scalar, ViewOp};
 use std::collections::HashMap;
 
@@ -23,8 +25,7 @@ use std::collections::HashMap;
 // bytes) share one argument: a training step makes `beta1`, `1 - beta2` or
 // `eps` once per parameter, and a scalar operand (`x * 0.5`) is a `full` too;
 // sharing took the captured llama-16m training step from 689 scalar
-// arguments to 66. Over a mesh the arguments are replicated, and the capture
-// graphs of meshes (`graph.rs`) share their values the same way. A program written for elsewhere (an export) keeps its
+// arguments to 66. Over a mesh the arguments are replicated. A program written for elsewhere (an export) keeps its
 // values as literals, since nothing supplies its arguments there.
 
 /// Where a lowered program's creation values live (Note \[Shared constants\]).
@@ -48,6 +49,8 @@ pub struct LoweredProgram {
     pub constants: Vec<(Vec<u8>, DType)>,
     /// Over a mesh, where each result lies (the storage it fills).
     pub placements: Vec<Output>,
+    /// The bytes the `all_to_all`s of its local regions send between devices per run.
+    pub all_to_all_bytes: u64,
 }
 
 fn missing(v: impl std::fmt::Display) -> Error {
@@ -60,7 +63,7 @@ fn missing(v: impl std::fmt::Display) -> Error {
 /// flags. A parameter that a result updates is donated to it.
 pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram> {
     let mut b = Builder::new(&[]).0;
-    let Lowered { results, checks, constants } = lower_into(&mut b, p, constants, None)?;
+    let Lowered { results, checks, constants, .. } = lower_into(&mut b, p, constants, None)?;
     let mut outs = vec![];
     let mut outputs = vec![];
     for (j, (r, v)) in p.results().iter().zip(results).enumerate() {
@@ -77,7 +80,7 @@ pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram
     }
     let module = b.finish(&outs);
     let checks = checks.into_iter().map(|(_, c, n)| (c, n)).collect();
-    Ok(LoweredProgram { module, outputs, checks, constants, placements: vec![] })
+    Ok(LoweredProgram { module, outputs, checks, constants, placements: vec![], all_to_all_bytes: 0 })
 }
 
 /// Lowers `p` (verified first) to one SPMD program over `mesh` whose
@@ -89,7 +92,8 @@ pub fn lower_program(p: &Program, constants: Constants) -> Result<LoweredProgram
 pub fn lower_mesh_program(p: &Program, mesh: &DeviceMesh, params: Vec<ShardedShape>) -> Result<LoweredProgram> {
     let mut b = Builder::new(&[]).0;
     let mut placing = Placing::new(mesh.clone(), params);
-    let Lowered { results, checks, constants } = lower_into(&mut b, p, Constants::Arguments, Some(&mut placing))?;
+    let Lowered { results, checks, constants, all_to_all_bytes } =
+        lower_into(&mut b, p, Constants::Arguments, Some(&mut placing))?;
     let (mut outs, mut outputs, mut shardings, mut placements) = (vec![], vec![], vec![], vec![]);
     for (j, (r, v)) in p.results().iter().zip(results).enumerate() {
         let (out, placed) = placing.output(&mut b, r.value, &v)?;
@@ -112,7 +116,7 @@ pub fn lower_mesh_program(p: &Program, mesh: &DeviceMesh, params: Vec<ShardedSha
     }
     let module = b.finish_sharded(&outs, &shardings)?;
     let checks = checks.into_iter().map(|(_, c, n)| (c, n)).collect();
-    Ok(LoweredProgram { module, outputs, checks, constants, placements })
+    Ok(LoweredProgram { module, outputs, checks, constants, placements, all_to_all_bytes })
 }
 
 /// A program lowered into a builder (see `lower_into`).
@@ -123,6 +127,8 @@ pub struct Lowered {
     pub checks: Vec<(Val, Check, &'static str)>,
     /// With [`Constants::Arguments`], the value (bytes, dtype) of each argument after the parameters.
     pub constants: Vec<(Vec<u8>, DType)>,
+    /// The bytes the `all_to_all`s of its local regions send between devices per run.
+    pub all_to_all_bytes: u64,
 }
 
 /// Lowers `p` (verified first) into `b`, a builder with no arguments yet:
@@ -147,6 +153,7 @@ pub(crate) fn lower_into(
         vals[param.value.index()] = Some(b.reshape(&flat, &m.shape));
     }
     let mut checks = vec![];
+    let mut all_to_all_bytes = 0;
     for inst in p.insts() {
         let x: Vec<Val> =
             inst.args.iter().map(|a| vals[a.index()].clone().ok_or_else(|| missing(a))).collect::<Result<_>>()?;
@@ -176,6 +183,15 @@ pub(crate) fn lower_into(
                     None => r,
                 }
             }
+            Op::LocalMap(r) => {
+                let pl = placing.as_deref_mut().ok_or_else(|| {
+                    Error::backend("pjrt", "a local region is lowered only inside a program over a mesh")
+                })?;
+                let (results, region_checks, bytes) = lower_region(b, inst, r, x, &mut shared, pl)?;
+                checks.extend(region_checks);
+                all_to_all_bytes += bytes;
+                results
+            }
             op => match placing.as_deref_mut() {
                 Some(pl) => {
                     let (x, ins) = pl.inputs(b, op, &inst.args, x, &inst.outs)?;
@@ -201,7 +217,50 @@ pub(crate) fn lower_into(
         .iter()
         .map(|r| vals[r.value.index()].clone().ok_or_else(|| missing(r.value)))
         .collect::<Result<_>>()?;
-    Ok(Lowered { results, checks, constants: shared.values })
+    Ok(Lowered { results, checks, constants: shared.values, all_to_all_bytes })
+}
+
+/// The region `r` (instruction `inst`, on the values `x`) lowered over the
+/// mesh `pl` places values on (`lower/region.rs`): its results, its checks,
+/// and the bytes its `all_to_all`s send per run.
+#[allow(clippy::type_complexity)]
+fn lower_region(
+    b: &mut Builder,
+    inst: &Inst,
+    r: &LocalRegion,
+    x: Vec<Val>,
+    shared: &mut Shared,
+    pl: &mut Placing,
+) -> Result<(Vec<Val>, Vec<(Val, Check, &'static str)>, u64)> {
+    let program = r
+        .body
+        .as_any()
+        .downcast_ref::<Program>()
+        .ok_or_else(|| Error::backend("pjrt", "a local region's body is not a program"))?;
+    let body = Body::new(program, &pl.mesh, &r.out_placements)?;
+    let bytes = body.all_to_all_bytes * pl.mesh.devices().len() as u64;
+    let op = Op::LocalMap(r.clone());
+    // Each input resharded to the region's placements (a region's inputs are spelled out).
+    let (x, ins) = pl.inputs(b, &op, &inst.args, x, &inst.outs)?;
+    let mut operands = vec![];
+    let mut shardings = vec![];
+    for operand in body.operands()? {
+        match operand {
+            Operand::Block(i) => {
+                operands.push(x[i].clone());
+                shardings.push(ins[i].1.clone());
+            }
+            Operand::Constant(bytes, dt) => {
+                let v = shared.arg(b, bytes, dt, Some(pl))?;
+                let s = Sharding::replicated(&pl.mesh, 1);
+                operands.push(b.reshard(&v, &s));
+                shardings.push(s);
+            }
+        }
+    }
+    let (outs, _, checks) = body.emit(b, &pl.mesh, &operands, &shardings)?;
+    check_results(&op, &outs, &inst.outs)?;
+    Ok((pl.results(b, &op, &ins, inst.results(), outs)?, checks, bytes))
 }
 
 /// The layout a view op reads from a value of `shape`, flat.
@@ -255,21 +314,22 @@ impl Shared {
     /// The arguments of a creation op's values, made on first use.
     fn args(&mut self, b: &mut Builder, op: &Op, placing: Option<&Placing>) -> Result<Vec<Val>> {
         let values = creation_args(op).ok_or_else(|| Error::backend("pjrt", format!("{} has no values", op.name())))?;
-        let mut args = Vec::with_capacity(values.len());
-        for (bytes, dt) in values {
-            let key = (dt, bytes);
-            if let Some(v) = self.args.get(&key) {
-                args.push(v.clone());
-                continue;
-            }
-            let v = match placing {
-                Some(pl) => pl.constant_arg(b, dt)?,
-                None => b.add_arg(Ty::new(&[1], dt)),
-            };
-            self.values.push((key.1.clone(), dt));
-            self.args.insert(key, v.clone());
-            args.push(v);
+        values.into_iter().map(|(bytes, dt)| self.arg(b, bytes, dt, placing)).collect()
+    }
+
+    /// The argument holding one value (`bytes` of `dtype`), made on first use
+    /// (over a mesh, replicated).
+    fn arg(&mut self, b: &mut Builder, bytes: Vec<u8>, dt: DType, placing: Option<&Placing>) -> Result<Val> {
+        let key = (dt, bytes);
+        if let Some(v) = self.args.get(&key) {
+            return Ok(v.clone());
         }
-        Ok(args)
+        let v = match placing {
+            Some(pl) => pl.constant_arg(b, dt)?,
+            None => b.add_arg(Ty::new(&[1], dt)),
+        };
+        self.values.push((key.1.clone(), dt));
+        self.args.insert(key, v.clone());
+        Ok(v)
     }
 }

@@ -89,6 +89,10 @@ pub fn in_sharding(op: &kiln_tensor::Op, input: usize, s: &Sharding, shape: &[us
         Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::Cast(_) | Op::Copy | Op::MatMul => s.reduced(),
         // Taken as it lies; the result's sharding is the move.
         Op::Redistribute(_) => s.clone(),
+        // Each device takes its blocks as the region's placements cut them.
+        Op::LocalMap(r) => kiln_tensor::DeviceMesh::of_device(kiln_tensor::Device::Mesh(r.device))
+            .and_then(|m| Sharding::from_placements(&m, &r.in_placements[input], shape.len()))
+            .unwrap_or_else(|_| whole()),
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean, .. } => s.reduced(),
         Op::Reduce { dims, .. } => gather(dims),
         Op::Softmax { dim, .. } | Op::LogSumExp { dim } | Op::Gather { dim } => gather(&[*dim]),
@@ -164,6 +168,7 @@ fn batch_inputs(op: &kiln_tensor::Op) -> Option<&'static [usize]> {
         | Op::Assign { .. }
         | Op::Collective(_)
         | Op::Redistribute(_)
+        | Op::LocalMap(_)
         | Op::Dequantize(_)
         | Op::QuantMatMul(_)
         | Op::PagedAttention { .. }
@@ -201,6 +206,10 @@ pub fn out_sharding(
         // The placements asked for, on the mesh asked for (its root's axes).
         Op::Redistribute(r) => kiln_tensor::DeviceMesh::of_redistribution(r)
             .and_then(|m| Sharding::from_placements(&m, &r.placements, out_shape.len()))
+            .unwrap_or(rep),
+        // The blocks the region returns, laid out as its placements say.
+        Op::LocalMap(r) => kiln_tensor::DeviceMesh::of_device(kiln_tensor::Device::Mesh(r.device))
+            .and_then(|m| Sharding::from_placements(&m, &r.out_placements[out], out_shape.len()))
             .unwrap_or(rep),
         Op::Reduce { op: r, dims, keepdim } if out == 0 => {
             let Some((shape, s)) = ins.first() else { return rep };

@@ -24,7 +24,7 @@ pub enum HostValues {
     Constant,
 }
 
-/// The host values a capture graph saw.
+/// The host values a trace saw.
 #[derive(Debug, Default)]
 pub struct HostLog {
     pub policy: HostValues,

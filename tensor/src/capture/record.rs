@@ -83,9 +83,41 @@ pub(super) fn end() -> Option<Recording> {
     })
 }
 
-/// Whether ops on `device` are being recorded on this thread.
-pub(crate) fn is_recording(device: Device) -> bool {
+/// Whether ops on `device` are being recorded on this thread (a function
+/// `kiln::compile` traces there): a backend refuses what a recorded program
+/// cannot hold, and records what it would otherwise run.
+pub fn is_recording(device: Device) -> bool {
     DEVICE.with(|d| d.get()) == Some(device)
+}
+
+/// Runs `f` on what this thread has recorded on `device` so far: the
+/// program, the storage each of its parameters reads, and the current value
+/// of `st` in it (`None` when the program never met it). A backend answers
+/// questions about a traced value from it, such as where a value of a
+/// program over a mesh will lie. `None` when nothing records on `device`.
+pub fn inspect_recording<R>(
+    device: Device,
+    st: &Arc<Storage>,
+    f: impl FnOnce(&crate::ir::Program, &[Arc<Storage>], Option<Value>) -> R,
+) -> Option<R> {
+    if !is_recording(device) {
+        return None;
+    }
+    RECORDING.with(|r| r.borrow().last().map(|rec| f(&rec.tape.program, &rec.tape.sources, rec.tape.current(st))))
+}
+
+/// How the trace on `device` treats host values (for a nested trace of its own).
+pub fn recording_policy(device: Device) -> Option<super::HostValues> {
+    with(device, |r| Ok(r.host.policy)).and_then(Result::ok)
+}
+
+/// Adds host values a nested trace (a local region's body) took in without
+/// declaring them to the record of the trace on `device`.
+pub fn note_host_values(device: Device, values: Vec<String>) {
+    let _ = with(device, |r| {
+        r.host.undeclared.extend(values);
+        Ok(())
+    });
 }
 
 fn with<R>(device: Device, f: impl FnOnce(&mut Recording) -> Result<R>) -> Option<Result<R>> {

@@ -62,6 +62,15 @@ impl Tracer for RecordingTracer {
         let (trace, returned, _) = record_call(self.device, f, inputs, policy, false)?;
         Ok((Box::new(trace), returned))
     }
+
+    /// A distributed input's mesh and placements: a trace is recorded for them.
+    fn guard_extra(&self, t: &Tensor) -> Option<String> {
+        if !t.is_distributed() {
+            return None;
+        }
+        let (mesh, placements) = t.backend().placements(t).ok()?;
+        Some(format!("{placements:?} on {mesh}"))
+    }
 }
 
 /// Runs `f` on `inputs` while recording on `device`; the trace, the call's

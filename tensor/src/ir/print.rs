@@ -136,6 +136,21 @@ pub fn attributes(op: &Op) -> Vec<(&'static str, String)> {
                 ("placements", format!("[{}]", p.join(", "))),
             ]
         }
+        Op::LocalMap(r) => {
+            let lists = |ps: &[Vec<crate::Placement>]| {
+                let each: Vec<String> = ps
+                    .iter()
+                    .map(|p| format!("[{}]", p.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")))
+                    .collect();
+                format!("[{}]", each.join(", "))
+            };
+            vec![
+                ("mesh", r.device.to_string()),
+                ("in", lists(&r.in_placements)),
+                ("out", lists(&r.out_placements)),
+                ("body", format!("{:016x}", fnv1a(r.text.as_bytes()))),
+            ]
+        }
         Op::Dequantize(q) | Op::QuantMatMul(q) => {
             let codes = match q.codes {
                 Codes::E4M3 => "e4m3",

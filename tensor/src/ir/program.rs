@@ -307,3 +307,12 @@ impl Program {
         last
     }
 }
+
+impl crate::op::region::RegionBody for Program {
+    fn text(&self) -> String {
+        self.to_string()
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}

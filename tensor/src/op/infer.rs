@@ -126,6 +126,7 @@ impl Op {
             Op::Assign { shape, strides, offset } => indexing::assign(&c, shape, strides, offset)?,
             Op::Collective(c) => c.infer(&inputs[0])?,
             Op::Redistribute(r) => smallvec![r.infer(&inputs[0])?],
+            Op::LocalMap(r) => r.infer(inputs)?.into_iter().collect(),
         })
     }
 }

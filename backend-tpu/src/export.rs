@@ -2,7 +2,7 @@
 //! `export.rs`): the form of an exported program (the meaning of each of its
 //! arguments and results), what export refuses, and programs loaded back
 //! from their text or artifact.
-use crate::graph::PjrtBuffer;
+use crate::buffer::PjrtBuffer;
 use crate::pjrt::CompileOptions;
 use crate::stablehlo::Module;
 use kiln_tensor::{DType, Device, Error, HostBuffer, Layout, Result, Storage, StorageData, Tensor};
