@@ -494,9 +494,17 @@ fn traced_values_on_a_mesh_know_their_placements() {
     let eager = eager_seen.into_inner().unwrap().remove(0);
     assert_eq!(eager.0, vec![Shard(0), Shard(1)]);
     assert_eq!(eager.1, vec![Shard(0), PARTIAL]);
-    let traced = traced_seen.into_inner().unwrap();
+    let traced = std::mem::take(&mut *traced_seen.lock().unwrap());
     assert!(traced.len() >= 2, "traced twice before the replay");
     for t in traced {
         assert_eq!(t, eager);
     }
+    // Other placements of the input: a new trace, whose values lie elsewhere.
+    let dx2 = distribute_tensor(&x, &m, &[Replicate, Replicate]).unwrap();
+    let eager2_seen = std::sync::Mutex::new(vec![]);
+    let want2 = step(&dx2, &eager2_seen).unwrap().remove(0);
+    close(&f.call(std::slice::from_ref(&dx2)).unwrap().remove(0), &want2);
+    let eager2 = eager2_seen.into_inner().unwrap().remove(0);
+    assert_eq!(eager2.0, vec![Replicate, Shard(1)]);
+    assert_eq!(traced_seen.into_inner().unwrap(), vec![eager2]);
 }

@@ -5,7 +5,6 @@
 use crate::backend::PjrtBackend;
 use crate::buffer::PjrtBuffer;
 use crate::buffer::Shards;
-use crate::lower::mesh::Placing;
 use crate::lower::mesh::{constrain, flat_value, padded, result_sharding, shard_arg, write_view};
 use crate::lower::{self, shard, Builder, Sharding, Val};
 use crate::mode::{mode, Mode};
@@ -399,23 +398,32 @@ impl PjrtBackend {
     }
 
     /// Where a value recorded by this thread's trace on `t`'s mesh lies: the
-    /// recorded program so far, lowered over the mesh for the shardings of
-    /// the storages it reads, places it.
+    /// recorded program, lowered over the mesh for the shardings of the
+    /// storages it reads, places it. The lowering follows the recording
+    /// (`lower::Follower`), lowering only what was recorded since the last question.
     fn recorded_placement(&self, t: &Tensor) -> Result<(Sharding, Vec<usize>, DeviceMesh)> {
+        thread_local! {
+            static FOLLOWER: std::cell::RefCell<Option<lower::Follower>> = const { std::cell::RefCell::new(None) };
+        }
         let mesh = DeviceMesh::of_device(t.device())?;
-        let found = kiln_tensor::capture::inspect_recording(t.device(), t.storage(), |p, sources, v| {
+        let found = kiln_tensor::capture::inspect_recording(t.device(), t.storage(), |rec, v| {
             let v = v.ok_or_else(|| StorageData::Traced.not_here("pjrt"))?;
-            let params = sources
-                .iter()
-                .map(|st| {
+            FOLLOWER.with(|f| {
+                let mut f = f.borrow_mut();
+                let mut follower = match f.take() {
+                    Some(fl) if fl.recording == rec.id => fl,
+                    _ => lower::Follower::new(rec.id, mesh.clone()),
+                };
+                follower.advance(rec.program, |i| {
+                    let st = &rec.sources[i];
                     let s = self.shards(&Tensor::from_storage(st.clone(), Layout::contiguous(&[st.len()]))?)?;
                     Ok((s.sharding.clone(), s.shape.clone()))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let mut placing = Placing::new(mesh.clone(), params);
-            lower::lower_into(&mut Builder::new(&[]).0, p, lower::Constants::Arguments, Some(&mut placing))?;
-            let out = placing.placed(v)?;
-            Ok((out.sharding, out.shape, out.view.unwrap_or_else(|| mesh.clone())))
+                })?;
+                let out = follower.placed(v)?;
+                // Kept only after a success: a failed step leaves nothing half followed.
+                *f = Some(follower);
+                Ok((out.sharding, out.shape, out.view.unwrap_or_else(|| mesh.clone())))
+            })
         });
         found.unwrap_or_else(|| Err(StorageData::Traced.not_here("pjrt")))
     }

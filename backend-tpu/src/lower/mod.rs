@@ -23,7 +23,7 @@ mod view;
 
 pub use collective::manual_computation;
 pub use ops::{lower_op, Check};
-pub(crate) use program::lower_into;
+pub(crate) use program::{lower_into, Follower};
 pub use program::{lower_mesh_program, lower_program, Constants, Lowered, LoweredProgram};
 pub use shard::{mesh_decl, Sharding};
 pub use view::{read_view, write_view};

@@ -10,7 +10,7 @@ use super::{
     check_results, creation_args, creation_lower, lower_op, read_view, write_view, Builder, Check, Lit, Module,
     Sharding, Ty, Val,
 };
-use kiln_tensor::ir::{Inst, Program, ResultKind};
+use kiln_tensor::ir::{Inst, Program, ResultKind, Value};
 use kiln_tensor::op::region::LocalRegion;
 use kiln_tensor::{DType, DeviceMesh, Error, Layout, Op, Result, Scalar, ViewOp};
 use std::collections::HashMap;
@@ -139,85 +139,129 @@ pub(crate) fn lower_into(
     b: &mut Builder,
     p: &Program,
     constants: Constants,
-    mut placing: Option<&mut Placing>,
+    placing: Option<&mut Placing>,
 ) -> Result<Lowered> {
     p.verify()?;
-    let mut shared = Shared::default();
-    let mut vals: Vec<Option<Val>> = vec![None; p.num_values()];
-    for (i, param) in p.params().iter().enumerate() {
-        let m = p.meta(param.value);
-        let flat = match placing.as_deref_mut() {
-            Some(pl) => pl.param(b, i, param.value, m.dtype)?,
-            None => b.add_arg(Ty::new(&[m.shape.iter().product()], m.dtype)),
-        };
-        vals[param.value.index()] = Some(b.reshape(&flat, &m.shape));
-    }
-    let mut checks = vec![];
-    let mut all_to_all_bytes = 0;
-    for inst in p.insts() {
-        let x: Vec<Val> =
-            inst.args.iter().map(|a| vals[a.index()].clone().ok_or_else(|| missing(a))).collect::<Result<_>>()?;
-        let results = match &inst.op {
-            Op::View(v) => {
-                if let Some(pl) = placing.as_deref_mut() {
-                    pl.view(inst.first, inst.args[0], x[0].shape(), v)?;
-                }
-                let n = x[0].ty.numel();
-                let flat = b.reshape(&x[0], &[n]);
-                vec![read_view(b, &flat, &view_layout(v, x[0].shape())?)?]
-            }
-            Op::Assign { shape, strides, offset } => {
-                let n = x[0].ty.numel();
-                let flat = b.reshape(&x[0], &[n]);
-                let layout = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
-                let written = match placing.as_deref_mut() {
-                    Some(pl) => pl.assign(b, inst.first, inst.args[0], &flat, &layout, &x[1])?,
-                    None => write_view(b, &flat, &layout, &x[1])?,
-                };
-                vec![b.reshape(&written, x[0].shape())]
-            }
-            Op::Full { .. } | Op::Arange { .. } => {
-                let r = vec![creation(b, &inst.op, constants, &mut shared, placing.as_deref())?];
-                match placing.as_deref_mut() {
-                    Some(pl) => pl.results(b, &inst.op, &[], inst.results(), r)?,
-                    None => r,
-                }
-            }
-            Op::LocalMap(r) => {
-                let pl = placing.as_deref_mut().ok_or_else(|| {
-                    Error::backend("pjrt", "a local region is lowered only inside a program over a mesh")
-                })?;
-                let (results, region_checks, bytes) = lower_region(b, inst, r, x, &mut shared, pl)?;
-                checks.extend(region_checks);
-                all_to_all_bytes += bytes;
-                results
-            }
-            op => match placing.as_deref_mut() {
-                Some(pl) => {
-                    let (x, ins) = pl.inputs(b, op, &inst.args, x, &inst.outs)?;
-                    let (r, c) = lower_op(b, op, &x, &inst.outs)?;
-                    check_results(op, &r, &inst.outs)?;
-                    checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
-                    pl.results(b, op, &ins, inst.results(), r)?
-                }
-                None => {
-                    let (r, c) = lower_op(b, op, &x, &inst.outs)?;
-                    checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
-                    r
-                }
-            },
-        };
-        check_results(&inst.op, &results, &inst.outs)?;
-        for (v, r) in inst.results().zip(results) {
-            vals[v.index()] = Some(r);
+    let mut l = ProgramLowering::new(constants);
+    l.advance(b, p, placing)?;
+    l.finish(p)
+}
+
+/// A program's lowering that can resume: a program only grows while it is
+/// recorded (parameters and instructions are appended), so a lowering that
+/// follows a recording lowers only what was added since it last looked.
+pub(crate) struct ProgramLowering {
+    constants: Constants,
+    vals: Vec<Option<Val>>,
+    shared: Shared,
+    checks: Vec<(Val, Check, &'static str)>,
+    all_to_all_bytes: u64,
+    params_done: usize,
+    insts_done: usize,
+}
+
+impl ProgramLowering {
+    pub(crate) fn new(constants: Constants) -> ProgramLowering {
+        ProgramLowering {
+            constants,
+            vals: vec![],
+            shared: Shared::default(),
+            checks: vec![],
+            all_to_all_bytes: 0,
+            params_done: 0,
+            insts_done: 0,
         }
     }
-    let results = p
-        .results()
-        .iter()
-        .map(|r| vals[r.value.index()].clone().ok_or_else(|| missing(r.value)))
-        .collect::<Result<_>>()?;
-    Ok(Lowered { results, checks, constants: shared.values, all_to_all_bytes })
+
+    /// Lowers what `p` holds beyond what this lowering has seen: its new
+    /// parameters, then its new instructions (each reads only values defined
+    /// before it, so this order defines every operand first).
+    pub(crate) fn advance(&mut self, b: &mut Builder, p: &Program, mut placing: Option<&mut Placing>) -> Result<()> {
+        self.vals.resize(p.num_values(), None);
+        for (i, param) in p.params().iter().enumerate().skip(self.params_done) {
+            let m = p.meta(param.value);
+            let flat = match placing.as_deref_mut() {
+                Some(pl) => pl.param(b, i, param.value, m.dtype)?,
+                None => b.add_arg(Ty::new(&[m.shape.iter().product()], m.dtype)),
+            };
+            self.vals[param.value.index()] = Some(b.reshape(&flat, &m.shape));
+        }
+        self.params_done = p.params().len();
+        for inst in &p.insts()[self.insts_done..] {
+            let x: Vec<Val> = inst
+                .args
+                .iter()
+                .map(|a| self.vals[a.index()].clone().ok_or_else(|| missing(a)))
+                .collect::<Result<_>>()?;
+            let results = match &inst.op {
+                Op::View(v) => {
+                    if let Some(pl) = placing.as_deref_mut() {
+                        pl.view(inst.first, inst.args[0], x[0].shape(), v)?;
+                    }
+                    let n = x[0].ty.numel();
+                    let flat = b.reshape(&x[0], &[n]);
+                    vec![read_view(b, &flat, &view_layout(v, x[0].shape())?)?]
+                }
+                Op::Assign { shape, strides, offset } => {
+                    let n = x[0].ty.numel();
+                    let flat = b.reshape(&x[0], &[n]);
+                    let layout = Layout::new(shape.clone(), strides.iter().copied().collect(), *offset);
+                    let written = match placing.as_deref_mut() {
+                        Some(pl) => pl.assign(b, inst.first, inst.args[0], &flat, &layout, &x[1])?,
+                        None => write_view(b, &flat, &layout, &x[1])?,
+                    };
+                    vec![b.reshape(&written, x[0].shape())]
+                }
+                Op::Full { .. } | Op::Arange { .. } => {
+                    let r = vec![creation(b, &inst.op, self.constants, &mut self.shared, placing.as_deref())?];
+                    match placing.as_deref_mut() {
+                        Some(pl) => pl.results(b, &inst.op, &[], inst.results(), r)?,
+                        None => r,
+                    }
+                }
+                Op::LocalMap(r) => {
+                    let pl = placing.as_deref_mut().ok_or_else(|| {
+                        Error::backend("pjrt", "a local region is lowered only inside a program over a mesh")
+                    })?;
+                    let (results, region_checks, bytes) = lower_region(b, inst, r, x, &mut self.shared, pl)?;
+                    self.checks.extend(region_checks);
+                    self.all_to_all_bytes += bytes;
+                    results
+                }
+                op => match placing.as_deref_mut() {
+                    Some(pl) => {
+                        let (x, ins) = pl.inputs(b, op, &inst.args, x, &inst.outs)?;
+                        let (r, c) = lower_op(b, op, &x, &inst.outs)?;
+                        check_results(op, &r, &inst.outs)?;
+                        self.checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
+                        pl.results(b, op, &ins, inst.results(), r)?
+                    }
+                    None => {
+                        let (r, c) = lower_op(b, op, &x, &inst.outs)?;
+                        self.checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
+                        r
+                    }
+                },
+            };
+            check_results(&inst.op, &results, &inst.outs)?;
+            for (v, r) in inst.results().zip(results) {
+                self.vals[v.index()] = Some(r);
+            }
+        }
+        self.insts_done = p.insts().len();
+        Ok(())
+    }
+
+    /// The lowering of all of `p`, with its results.
+    pub(crate) fn finish(self, p: &Program) -> Result<Lowered> {
+        let results = p
+            .results()
+            .iter()
+            .map(|r| self.vals[r.value.index()].clone().ok_or_else(|| missing(r.value)))
+            .collect::<Result<_>>()?;
+        let ProgramLowering { checks, shared, all_to_all_bytes, .. } = self;
+        Ok(Lowered { results, checks, constants: shared.values, all_to_all_bytes })
+    }
 }
 
 /// The region `r` (instruction `inst`, on the values `x`) lowered over the
@@ -331,5 +375,43 @@ impl Shared {
         self.values.push((key.1.clone(), dt));
         self.args.insert(key, v.clone());
         Ok(v)
+    }
+}
+
+/// A lowering over a mesh that follows a recording in progress, to tell
+/// where its values lie while the function is still being traced (a value's
+/// placements, the current placement a `redistribute` checks). It lowers only
+/// what the recording added since it last looked, into a builder of its own
+/// that is never compiled, so a trace asking after every op stays linear.
+pub(crate) struct Follower {
+    /// The recording followed (`RecordingView::id`).
+    pub recording: u64,
+    builder: Builder,
+    lowering: ProgramLowering,
+    placing: Placing,
+}
+
+impl Follower {
+    pub(crate) fn new(recording: u64, mesh: DeviceMesh) -> Follower {
+        Follower {
+            recording,
+            builder: Builder::new(&[]).0,
+            lowering: ProgramLowering::new(Constants::Arguments),
+            placing: Placing::new(mesh, vec![]),
+        }
+    }
+
+    /// Follows `p` to its end; `param` gives where the storage of each new
+    /// parameter (by index) lies.
+    pub(crate) fn advance(&mut self, p: &Program, mut param: impl FnMut(usize) -> Result<ShardedShape>) -> Result<()> {
+        for i in self.placing.params.len()..p.params().len() {
+            self.placing.params.push(param(i)?);
+        }
+        self.lowering.advance(&mut self.builder, p, Some(&mut self.placing))
+    }
+
+    /// Where the value `v` (the content of a storage) lies.
+    pub(crate) fn placed(&self, v: Value) -> Result<Output> {
+        self.placing.placed(v)
     }
 }

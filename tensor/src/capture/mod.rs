@@ -10,7 +10,7 @@ pub(crate) mod tape;
 
 pub use compiled::{compile, Compiled, Traced, TracedFn, Tracer};
 pub use host_values::{describe_creation, HostLog, HostValues};
-pub use record::{inspect_recording, is_recording, note_host_values, recording_policy};
+pub use record::{inspect_recording, is_recording, note_host_values, recording_policy, RecordingView};
 pub use recorded::{record_region, trace_program, ProgramTrace, RecordedRegion, RecordingTracer};
 
 use crate::trace::WatchRead;

@@ -48,12 +48,16 @@ fn traced_storages(outs: &[Meta], device: Device) -> SmallVec<[Arc<Storage>; 2]>
 
 /// What a trace on the recorder collected.
 pub(super) struct Recording {
+    /// This recording among all of the process's (for a backend that follows one).
+    pub id: u64,
     pub device: Device,
     pub tape: Tape,
     pub host: HostLog,
     /// With `Some`, each parameter's value when first read (for export).
     pub snapshots: Option<Vec<crate::HostBuffer>>,
 }
+
+static NEXT_RECORDING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 thread_local! {
     /// The device of the innermost recording.
@@ -68,7 +72,9 @@ thread_local! {
 /// parameter's value as the function first reads it.
 pub(super) fn begin(device: Device, host: HostLog, snapshot: bool) {
     RECORDING.with(|r| {
-        r.borrow_mut().push(Recording { device, tape: Tape::default(), host, snapshots: snapshot.then(Vec::new) })
+        let id = NEXT_RECORDING.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let snapshots = snapshot.then(Vec::new);
+        r.borrow_mut().push(Recording { id, device, tape: Tape::default(), host, snapshots })
     });
     DEVICE.with(|d| d.set(Some(device)));
 }
@@ -90,20 +96,35 @@ pub fn is_recording(device: Device) -> bool {
     DEVICE.with(|d| d.get()) == Some(device)
 }
 
-/// Runs `f` on what this thread has recorded on `device` so far: the
-/// program, the storage each of its parameters reads, and the current value
-/// of `st` in it (`None` when the program never met it). A backend answers
-/// questions about a traced value from it, such as where a value of a
-/// program over a mesh will lie. `None` when nothing records on `device`.
+/// What a backend sees of a recording in progress ([`inspect_recording`]).
+pub struct RecordingView<'a> {
+    /// The recording among all of the process's: its program only grows
+    /// (parameters and instructions are appended), so a backend may follow
+    /// it, handling only what was added since it last looked.
+    pub id: u64,
+    pub program: &'a crate::ir::Program,
+    /// The storage each parameter reads.
+    pub sources: &'a [Arc<Storage>],
+}
+
+/// Runs `f` on what this thread has recorded on `device` so far and on the
+/// current value of `st` in it (`None` when the program never met it). A
+/// backend answers questions about a traced value from it, such as where a
+/// value of a program over a mesh will lie. `None` when nothing records on `device`.
 pub fn inspect_recording<R>(
     device: Device,
     st: &Arc<Storage>,
-    f: impl FnOnce(&crate::ir::Program, &[Arc<Storage>], Option<Value>) -> R,
+    f: impl FnOnce(RecordingView<'_>, Option<Value>) -> R,
 ) -> Option<R> {
     if !is_recording(device) {
         return None;
     }
-    RECORDING.with(|r| r.borrow().last().map(|rec| f(&rec.tape.program, &rec.tape.sources, rec.tape.current(st))))
+    RECORDING.with(|r| {
+        r.borrow().last().map(|rec| {
+            let view = RecordingView { id: rec.id, program: &rec.tape.program, sources: &rec.tape.sources };
+            f(view, rec.tape.current(st))
+        })
+    })
 }
 
 /// How the trace on `device` treats host values (for a nested trace of its own).
