@@ -460,7 +460,8 @@ impl PjrtBackend {
         if self.deferral(t.device()).is_some() || is_recording(t.device()) {
             // Deferred or traced: an op of the program whose result carries the
             // target placements (outside autograd, as the eager move is).
-            return Tensor::apply1(Op::Redistribute(mesh.redistribution(placements)), &[&t.detach()]);
+            let op = Op::Redistribute(Arc::new(mesh.redistribution(placements)));
+            return Tensor::apply1(op, &[&t.detach()]);
         }
         let shards = self.materialize(t, target, mesh.clone())?;
         let st = self.mesh_storage(shards, t.dtype(), t.device());

@@ -188,7 +188,7 @@ impl PjrtBackend {
         // Outside autograd: `kiln::local_map` gives the region its gradient.
         let detached: Vec<Tensor> = inputs.iter().map(Tensor::detach).collect();
         let refs: Vec<&Tensor> = detached.iter().collect();
-        Ok(Tensor::apply(Op::LocalMap(region), &refs)?.into_vec())
+        Ok(Tensor::apply(Op::LocalMap(Arc::new(region)), &refs)?.into_vec())
     }
 }
 

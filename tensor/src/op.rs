@@ -504,12 +504,12 @@ pub enum Op {
     /// `redistribute`): input a tensor on a mesh device, output of its type
     /// placed as the payload says; the backend moves the data between
     /// devices (all-gather, all-reduce of partial sums, all-to-all, slicing).
-    Redistribute(placement::Redistribution),
+    Redistribute(std::sync::Arc<placement::Redistribution>),
     /// A local region (`kiln::local_map`) inside a program over a mesh: its
     /// body, a program of its own, runs on every device's blocks of the
     /// inputs (Note [Local regions] in `collective.rs`). Recorded only where a
     /// function traced on a mesh calls `local_map`.
-    LocalMap(region::LocalRegion),
+    LocalMap(std::sync::Arc<region::LocalRegion>),
     /// The float32 weight `[out, in]` of a block-quantized one: inputs
     /// `codes`, `scales` (Note [Quantized weights] in `quant.rs`), each
     /// element `code * scale` exactly as the note orders it.

@@ -283,9 +283,9 @@ fn lower_region(
         .ok_or_else(|| Error::backend("pjrt", "a local region's body is not a program"))?;
     let body = Body::new(program, &pl.mesh, &r.out_placements)?;
     let bytes = body.all_to_all_bytes * pl.mesh.devices().len() as u64;
-    let op = Op::LocalMap(r.clone());
+    let op = &inst.op;
     // Each input resharded to the region's placements (a region's inputs are spelled out).
-    let (x, ins) = pl.inputs(b, &op, &inst.args, x, &inst.outs)?;
+    let (x, ins) = pl.inputs(b, op, &inst.args, x, &inst.outs)?;
     let mut operands = vec![];
     let mut shardings = vec![];
     for operand in body.operands()? {
@@ -303,8 +303,8 @@ fn lower_region(
         }
     }
     let (outs, _, checks) = body.emit(b, &pl.mesh, &operands, &shardings)?;
-    check_results(&op, &outs, &inst.outs)?;
-    Ok((pl.results(b, &op, &ins, inst.results(), outs)?, checks, bytes))
+    check_results(op, &outs, &inst.outs)?;
+    Ok((pl.results(b, op, &ins, inst.results(), outs)?, checks, bytes))
 }
 
 /// The layout a view op reads from a value of `shape`, flat.

@@ -174,7 +174,13 @@ fn renumbering_makes_equal_programs_equal() {
 fn redistributions_print_their_placements_and_stay_apart() {
     use crate::op::placement::{Placement, Redistribution};
     let (mut p, s) = state16();
-    let to = |placement| Redistribution { device: 3, axes: smallvec!["dp".into()], placements: smallvec![placement] };
+    let to = |placement| {
+        std::sync::Arc::new(Redistribution {
+            device: 3,
+            axes: smallvec!["dp".into()],
+            placements: smallvec![placement],
+        })
+    };
     let a = p.push(Op::Redistribute(to(Placement::Shard(0))), &[s]).unwrap()[0];
     let b = p.push(Op::Redistribute(to(Placement::Replicate)), &[s]).unwrap()[0];
     let c = p.push(Op::Redistribute(to(Placement::Shard(0))), &[s]).unwrap()[0];
