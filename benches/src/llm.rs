@@ -57,6 +57,15 @@ pub fn preset(name: &str) -> std::result::Result<LlamaConfig, String> {
             "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
             "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": false,
         }),
+        // Qwen3-0.6B's shapes with random weights: its decoder's f32 weights
+        // (about 1.8 GB besides the tied 0.6 GB embedding) are many times a CPU's
+        // L3, so decoding it is bound by memory bandwidth.
+        "qwen3-0.6b" => json!({
+            "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+            "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+            "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": true,
+        }),
         // A tiny model for smoke runs and tests.
         "llama-tiny" => json!({
             "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -64,7 +73,11 @@ pub fn preset(name: &str) -> std::result::Result<LlamaConfig, String> {
             "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
             "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": false,
         }),
-        other => return Err(format!("unknown preset {other:?} (expected llama-16m, qwen3-moe-16m or llama-tiny)")),
+        other => {
+            return Err(format!(
+                "unknown preset {other:?} (expected llama-16m, qwen3-moe-16m, qwen3-0.6b or llama-tiny)"
+            ))
+        }
     };
     LlamaConfig::from_json(&v).map_err(|e| e.to_string())
 }
@@ -82,7 +95,13 @@ pub fn peak_rss_mb() -> f64 {
 }
 
 fn line(bench: &str, a: &LlmArgs) -> Line {
-    Line::new(bench, "float32", &a.device.to_string()).set("preset", a.preset.as_str())
+    // How the ops ran: captured, the PJRT backend's mode, or one by one on the CPU.
+    let mode = match (a.compiled, a.device, &a.parallel) {
+        (true, ..) => "compiled",
+        (false, Device::Tpu(_) | Device::Mesh(_), _) | (false, _, Some(_)) => kiln::tpu::mode().name(),
+        (false, _, None) => "eager",
+    };
+    Line::new(bench, "float32", &a.device.to_string()).set("preset", a.preset.as_str()).set("mode", mode)
 }
 
 /// Random token ids `[b, t]` in `[0, vocab)`, from the global generator.
@@ -412,6 +431,20 @@ mod tests {
         let bpp = num(&nv, "weight_bytes_per_param");
         assert!(bpp > 0.5 && bpp < 4.0, "NVFP4 decoder weights beside f32 embeddings: {bpp}");
         assert!(preset("llama-16m").is_ok() && preset("gpt").is_err());
+        // The eager line names how its ops ran.
+        assert_eq!(t.get("mode").and_then(|v| v.as_str()), Some("eager"));
         Ok(())
+    }
+
+    /// The memory-bound preset has Qwen3-0.6B's shapes: about 596M parameters
+    /// with the embedding tied, 440M of them in the decoder layers.
+    #[test]
+    fn the_qwen3_preset_has_the_real_models_shapes() {
+        let c = preset("qwen3-0.6b").unwrap();
+        let (h, q, kv) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+        let layer = h * q * 2 + h * kv * 2 + 3 * h * c.intermediate_size + 2 * h + 2 * c.head_dim;
+        let total = c.vocab_size * h + c.num_hidden_layers * layer + h;
+        assert!(c.tie_word_embeddings && c.head_dim == 128 && q == 2048, "{c:?}");
+        assert!((590_000_000..600_000_000).contains(&total), "{total} parameters");
     }
 }

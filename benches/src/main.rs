@@ -74,15 +74,19 @@ BENCHMARKS:
 
 OPTIONS:
     --device DEV       cpu (default), tpu, tpu:N
-    --mode MODE        the PJRT backend's mode: strict (default), debug, defer; or compiled
-                       (train: the whole step captured by kiln::compile, capturable AdamW)
+    --mode MODE        the PJRT backend's mode (--device tpu): strict (default), debug, defer;
+                       or compiled (train on any device: the whole step captured by kiln::compile,
+                       capturable AdamW); a mode the device or benchmark cannot honour is an error.
+                       Model lines name the mode they ran in (eager on the CPU)
     --sizes LIST       matmul sizes (default 1024,4096)
     --dim D            side of the [D, D] tensors of `ops` (default 4096)
     --only LIST        run only the ops whose names contain one of these words
     --target-secs S    time the timed runs of one benchmark take (default 2 for ops, 3 for matmul)
     --min-runs N       fewest timed runs (default 3)
     --max-runs N       most timed runs (default 1000)
-    --preset P         model of train/infer/decode (default llama-16m)
+    --preset P         model of train/infer/decode (default llama-16m): llama-16m, qwen3-moe-16m,
+                       llama-tiny, or qwen3-0.6b (Qwen3-0.6B's shapes, random weights: weights many
+                       times the L3, for memory-bound decoding)
     --batch B, --seq T batch and sequence length of train/infer (default 8 and 256)
     --steps N          timed steps of train/infer/decode/autograd (default 8; decode 3)
     --warmup W         untimed steps before them (default 2; decode 1)
@@ -247,6 +251,20 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
     if a.dim == 0 || a.sizes.contains(&0) {
         return Err("sizes must be positive".into());
     }
+    // A mode the device or the benchmark cannot honour is an error, never ignored.
+    if let (Some(m), false) = (a.mode, matches!(a.device, Device::Tpu(_))) {
+        return Err(format!(
+            "--mode {}: strict, debug and defer are the PJRT backend's modes (--device tpu); on {} ops run one by one (eager) unless --mode compiled",
+            m.name(),
+            a.device
+        ));
+    }
+    if a.compiled && a.cmd != "train" {
+        return Err(format!(
+            "--mode compiled: {} runs eagerly (only train captures its step with kiln::compile)",
+            a.cmd
+        ));
+    }
     Ok(Some(a))
 }
 
@@ -386,5 +404,17 @@ mod tests {
         let a = args("train --preset llama-tiny --batch 2 --seq 16 --steps 3").unwrap().unwrap();
         assert_eq!((a.batch, a.seq, a.steps, a.preset.as_str()), (2, 16, Some(3), "llama-tiny"));
         assert!(args("train --batch 0").is_err());
+    }
+
+    #[test]
+    fn a_mode_the_run_cannot_honour_is_an_error() {
+        let e = args("train --device cpu --mode defer").err().unwrap_or_default();
+        assert!(e.contains("PJRT backend's modes") && e.contains("on cpu"), "{e}");
+        let e = args("decode --device cpu --mode compiled").err().unwrap_or_default();
+        assert!(e.contains("decode runs eagerly"), "{e}");
+        let a = args("train --device cpu --mode compiled").unwrap().unwrap();
+        assert!(a.compiled && a.mode.is_none());
+        let a = args("train --device tpu --mode defer").unwrap().unwrap();
+        assert_eq!(a.mode, Some(kiln::tpu::Mode::Defer));
     }
 }
