@@ -29,7 +29,9 @@ use std::fmt::{self, Write};
 // storage), `state` (state the function created), `check "message"`. A
 // custom op prints its name and, when it has a StableHLO lowering, a 64-bit
 // FNV-1a tag of it (`{lowering=..}`): ops of one name that compute different
-// things print differently.
+// things print differently. A local region (`local_map`) prints its
+// placements and a tag of its body's text, then the body itself, a program
+// of its own, on the lines below it, indented.
 
 /// FNV-1a, 64 bits: a short, stable tag for a custom op's lowering in the text.
 fn fnv1a(bytes: &[u8]) -> u64 {
@@ -245,6 +247,12 @@ impl fmt::Display for Program {
                 args.join(", "),
                 types.join(", ")
             )?;
+            // A local region's body follows it, indented: a program of its own.
+            if let Op::LocalMap(r) = &inst.op {
+                for line in r.text.lines() {
+                    writeln!(f, "    {line}")?;
+                }
+            }
         }
         let results: Vec<String> = self
             .results

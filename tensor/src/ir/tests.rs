@@ -196,3 +196,47 @@ fn redistributions_print_their_placements_and_stay_apart() {
     let e = p.push(Op::Redistribute(to(Placement::Shard(1))), &[s]).unwrap_err().to_string();
     assert!(e.contains("Shard(dim=1) of a tensor with 1 dimension(s)"), "{e}");
 }
+
+/// A local region prints as one instruction with its body, a program of its
+/// own, indented below it; two regions differ when their bodies do.
+#[test]
+fn a_local_region_prints_its_body_below_it() {
+    use crate::op::placement::Placement;
+    use crate::op::region::LocalRegion;
+    let mut body = Program::new();
+    let block = body.add_param(ParamKind::Input(0), Meta::new(&[4], DType::F32));
+    let e = body.push(Op::Unary(UnaryOp::Exp), &[block]).unwrap()[0];
+    body.add_result(e, ResultKind::Fresh).unwrap();
+    let region = |body: Program| {
+        let text: std::sync::Arc<str> = body.to_string().into();
+        std::sync::Arc::new(LocalRegion {
+            device: 0,
+            ins: vec![Meta::new(&[16], DType::F32)],
+            in_placements: vec![vec![Placement::Shard(0)]],
+            outs: vec![Meta::new(&[16], DType::F32)],
+            out_placements: vec![vec![Placement::Shard(0)]],
+            checks: false,
+            body: std::sync::Arc::new(body),
+            text,
+        })
+    };
+    let (mut p, s) = state16();
+    let a = p.push(Op::LocalMap(region(body.clone())), &[s]).unwrap()[0];
+    let mut other = body.clone();
+    let l = other.push(Op::Unary(UnaryOp::Log), &[block]).unwrap()[0];
+    other.results.clear();
+    other.add_result(l, ResultKind::Fresh).unwrap();
+    let b = p.push(Op::LocalMap(region(other)), &[s]).unwrap()[0];
+    p.add_result(a, ResultKind::Fresh).unwrap();
+    p.add_result(b, ResultKind::Fresh).unwrap();
+    let text = p.to_string();
+    let want = "  %1 = local_map(%0) {mesh=0, in=[[Shard(dim=0)]], out=[[Shard(dim=0)]], body=";
+    assert!(text.contains(want), "{text}");
+    assert!(text.contains("\n    program(%0: f32[4] input 0) {\n      %1 = exp(%0) : f32[4]\n"), "{text}");
+    assert_eq!(p.cse().insts().len(), 2, "different bodies stay apart");
+    // The wrong inputs for the region are refused where it is recorded.
+    let (mut q, _) = state16();
+    let t = q.add_param(ParamKind::State, Meta::new(&[8], DType::F32));
+    let err = q.push(Op::LocalMap(region(body)), &[t]).unwrap_err().to_string();
+    assert!(err.contains("the region was recorded for inputs"), "{err}");
+}
