@@ -25,8 +25,8 @@ fn local_err(msg: impl Into<String>) -> Error {
 }
 
 impl PjrtBackend {
-    /// `Backend::local_map`: run now (eagerly), or appended to the capture
-    /// graph of the function `kiln::compile` is tracing.
+    /// `Backend::local_map`: run now (eagerly), or recorded as one
+    /// `Op::LocalMap` of the function `kiln::compile` is tracing on the mesh.
     pub(crate) fn run_local_map(
         &self,
         mesh: &DeviceMesh,
