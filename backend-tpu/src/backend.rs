@@ -5,7 +5,7 @@
 //! or a mesh, are recorded by kiln-tensor into a pending program
 //! (`Backend::deferral`) that runs as one (`program.rs`).
 pub use crate::buffer::PjrtBuffer;
-use crate::buffer::{self, data_in, data_of};
+use crate::buffer::{data_in, data_of};
 use crate::cache::{self, DiskCache};
 use crate::lower::{self, ArgView, Check};
 use crate::mode::{mode, nan_trap, Mode};
@@ -100,6 +100,9 @@ fn err(msg: impl Into<String>) -> Error {
     Error::backend("pjrt", msg)
 }
 
+/// The default number of ops after which a pending program runs (`KILN_TPU_DEFER_MAX_OPS`).
+pub const DEFAULT_MAX_OPS: usize = 4096;
+
 /// The number of pending dispatches after which finished ones are collected.
 const REAP_AT: usize = 64;
 
@@ -112,7 +115,7 @@ impl PjrtBackend {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .filter(|&n: &usize| n > 0)
-                .unwrap_or(buffer::DEFAULT_MAX_OPS),
+                .unwrap_or(DEFAULT_MAX_OPS),
             compiles: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             executions: AtomicU64::new(0),

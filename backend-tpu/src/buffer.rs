@@ -8,9 +8,6 @@ use crate::pjrt::Buffer;
 use kiln_tensor::{Device, DeviceMesh, Error, Result, StorageData, Tensor};
 use std::sync::Arc;
 
-/// The default number of ops after which a pending program runs (`KILN_TPU_DEFER_MAX_OPS`).
-pub const DEFAULT_MAX_OPS: usize = 4096;
-
 /// What a storage on a PJRT device holds.
 #[derive(Debug, Clone)]
 pub enum PjrtBuffer {

@@ -8,7 +8,7 @@ use crate::backend::PjrtBackend;
 use crate::buffer::PjrtBuffer;
 use crate::buffer::Shards;
 use crate::lower::mesh::shard_arg;
-use crate::lower::region::{check_placements, Body, Operand};
+use crate::lower::region::{check_placements, global_shape, Body, Operand};
 use crate::lower::{Builder, Sharding};
 use kiln_tensor::capture::{
     is_recording, note_host_values, record_region, recording_policy, HostValues, RecordedRegion,
@@ -167,8 +167,7 @@ impl PjrtBackend {
             check_placements("output", i, p)?;
             let block = program.meta(r.value);
             let s = Sharding::from_placements(mesh, p, block.shape.len())?;
-            let shape: Vec<usize> = block.shape.iter().enumerate().map(|(d, &n)| n * s.splits(d)).collect();
-            outs.push(Meta::new(&shape, block.dtype));
+            outs.push(Meta::new(&global_shape(&block.shape, &s), block.dtype));
         }
         let checks = program.insts().iter().any(|inst| {
             let metas: Vec<Meta> = inst.args.iter().map(|a| program.meta(*a).clone()).collect();

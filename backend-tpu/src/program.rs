@@ -21,10 +21,10 @@ pub(crate) fn compile(program: &Program, device: Device) -> Result<Arc<dyn Progr
     }
 }
 
-/// Which arguments may be donated: those a result updates, read whole, whose
-/// buffer only their storage and the caller's list reach (`held` counts the
-/// holders of the argument's buffer).
-fn donatable(p: &Program, args: &[Tensor], held: impl Fn(usize) -> usize, device: Device) -> Vec<bool> {
+/// The arguments that must not be donated, as PJRT takes them: all but
+/// those a result updates, read whole, whose buffer only their storage and
+/// the caller's list reach (`held` counts the holders of the argument's buffer).
+fn non_donatable(p: &Program, args: &[Tensor], held: impl Fn(usize) -> usize, device: Device) -> Vec<i64> {
     let mut updated = vec![false; args.len()];
     for r in p.results() {
         if let ResultKind::Update(k) = r.kind {
@@ -32,12 +32,14 @@ fn donatable(p: &Program, args: &[Tensor], held: impl Fn(usize) -> usize, device
         }
     }
     (0..args.len())
-        .map(|k| {
-            updated[k]
+        .filter(|&k| {
+            let donate = updated[k]
                 && args[k].is_whole_storage()
                 && held(k) <= 2
-                && data_in(&args[k].storage().read(), device).is_ok()
+                && data_in(&args[k].storage().read(), device).is_ok();
+            !donate
         })
+        .map(|k| k as i64)
         .collect()
 }
 
@@ -114,8 +116,7 @@ impl ProgramExecutable for PjrtProgram {
         p.check_args(args, self.device)?;
         let flat = whole(args)?;
         let bufs: Vec<Arc<Buffer>> = flat.iter().map(|a| backend.buffer_of(a)).collect::<Result<_>>()?;
-        let donate = donatable(p, args, |k| Arc::strong_count(&bufs[k]), self.device);
-        let non_donatable: Vec<i64> = (0..args.len()).filter(|&k| !donate[k]).map(|k| k as i64).collect();
+        let non_donatable = non_donatable(p, args, |k| Arc::strong_count(&bufs[k]), self.device);
         let refs: Vec<&Buffer> = bufs.iter().chain(&self.constants).map(|b| &**b).collect();
         let (mut outs, event) =
             self.exe.execute_with(&refs, self.device.index(), &self.lowered.outputs, &non_donatable)?;
@@ -189,8 +190,7 @@ impl ProgramExecutable for PjrtMeshProgram {
         let flat = whole(args)?;
         let shards: Vec<Arc<Shards>> = flat.iter().map(|a| backend.shards(a)).collect::<Result<_>>()?;
         let l = self.lowering(shards.iter().map(|s| (s.sharding.clone(), s.shape.clone())).collect())?;
-        let donate = donatable(p, args, |k| Arc::strong_count(&shards[k]), self.device);
-        let non_donatable: Vec<i64> = (0..args.len()).filter(|&k| !donate[k]).map(|k| k as i64).collect();
+        let non_donatable = non_donatable(p, args, |k| Arc::strong_count(&shards[k]), self.device);
         let all: Vec<Arc<Shards>> = shards.iter().chain(&l.constants).cloned().collect();
         drop(shards);
         drop(flat);

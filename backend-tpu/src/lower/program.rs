@@ -193,14 +193,16 @@ impl ProgramLowering {
                 .iter()
                 .map(|a| self.vals[a.index()].clone().ok_or_else(|| missing(a)))
                 .collect::<Result<_>>()?;
-            let results = match &inst.op {
+            // The op's results, and, over a mesh, the input shardings that place
+            // them (views and writes place their results themselves).
+            let (results, place) = match &inst.op {
                 Op::View(v) => {
                     if let Some(pl) = placing.as_deref_mut() {
                         pl.view(inst.first, inst.args[0], x[0].shape(), v)?;
                     }
                     let n = x[0].ty.numel();
                     let flat = b.reshape(&x[0], &[n]);
-                    vec![read_view(b, &flat, &view_layout(v, x[0].shape())?)?]
+                    (vec![read_view(b, &flat, &view_layout(v, x[0].shape())?)?], None)
                 }
                 Op::Assign { shape, strides, offset } => {
                     let n = x[0].ty.numel();
@@ -210,40 +212,39 @@ impl ProgramLowering {
                         Some(pl) => pl.assign(b, inst.first, inst.args[0], &flat, &layout, &x[1])?,
                         None => write_view(b, &flat, &layout, &x[1])?,
                     };
-                    vec![b.reshape(&written, x[0].shape())]
+                    (vec![b.reshape(&written, x[0].shape())], None)
                 }
                 Op::Full { .. } | Op::Arange { .. } => {
                     let r = vec![creation(b, &inst.op, self.constants, &mut self.shared, placing.as_deref())?];
-                    match placing.as_deref_mut() {
-                        Some(pl) => pl.results(b, &inst.op, &[], inst.results(), r)?,
-                        None => r,
-                    }
+                    (r, Some(vec![]))
                 }
                 Op::LocalMap(r) => {
                     let pl = placing.as_deref_mut().ok_or_else(|| {
                         Error::backend("pjrt", "a local region is lowered only inside a program over a mesh")
                     })?;
-                    let (results, region_checks, bytes) = lower_region(b, inst, r, x, &mut self.shared, pl)?;
+                    let (results, ins, region_checks, bytes) = lower_region(b, inst, r, x, &mut self.shared, pl)?;
                     self.checks.extend(region_checks);
                     self.all_to_all_bytes += bytes;
-                    results
+                    (results, Some(ins))
                 }
-                op => match placing.as_deref_mut() {
-                    Some(pl) => {
-                        let (x, ins) = pl.inputs(b, op, &inst.args, x, &inst.outs)?;
-                        let (r, c) = lower_op(b, op, &x, &inst.outs)?;
-                        check_results(op, &r, &inst.outs)?;
-                        self.checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
-                        pl.results(b, op, &ins, inst.results(), r)?
-                    }
-                    None => {
-                        let (r, c) = lower_op(b, op, &x, &inst.outs)?;
-                        self.checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
-                        r
-                    }
-                },
+                op => {
+                    let (x, ins) = match placing.as_deref_mut() {
+                        Some(pl) => {
+                            let (x, ins) = pl.inputs(b, op, &inst.args, x, &inst.outs)?;
+                            (x, Some(ins))
+                        }
+                        None => (x, None),
+                    };
+                    let (r, c) = lower_op(b, op, &x, &inst.outs)?;
+                    self.checks.extend(c.into_iter().map(|(v, c)| (v, c, op.name())));
+                    (r, ins)
+                }
             };
             check_results(&inst.op, &results, &inst.outs)?;
+            let results = match (placing.as_deref_mut(), place) {
+                (Some(pl), Some(ins)) => pl.results(b, &inst.op, &ins, inst.results(), results)?,
+                _ => results,
+            };
             for (v, r) in inst.results().zip(results) {
                 self.vals[v.index()] = Some(r);
             }
@@ -265,8 +266,9 @@ impl ProgramLowering {
 }
 
 /// The region `r` (instruction `inst`, on the values `x`) lowered over the
-/// mesh `pl` places values on (`lower/region.rs`): its results, its checks,
-/// and the bytes its `all_to_all`s send per run.
+/// mesh `pl` places values on (`lower/region.rs`): its results (not placed
+/// yet), the shardings its inputs entered with, its checks, and the bytes its
+/// `all_to_all`s send per run.
 #[allow(clippy::type_complexity)]
 fn lower_region(
     b: &mut Builder,
@@ -275,7 +277,7 @@ fn lower_region(
     x: Vec<Val>,
     shared: &mut Shared,
     pl: &mut Placing,
-) -> Result<(Vec<Val>, Vec<(Val, Check, &'static str)>, u64)> {
+) -> Result<(Vec<Val>, Vec<(Vec<usize>, Sharding)>, Vec<(Val, Check, &'static str)>, u64)> {
     let program = r
         .body
         .as_any()
@@ -303,8 +305,7 @@ fn lower_region(
         }
     }
     let (outs, _, checks) = body.emit(b, &pl.mesh, &operands, &shardings)?;
-    check_results(op, &outs, &inst.outs)?;
-    Ok((pl.results(b, op, &ins, inst.results(), outs)?, checks, bytes))
+    Ok((outs, ins, checks, bytes))
 }
 
 /// The layout a view op reads from a value of `shape`, flat.

@@ -26,7 +26,7 @@ pub fn check_placements(what: &str, i: usize, p: &[Placement]) -> Result<()> {
 }
 
 /// The global shape of blocks of shape `local` laid out with `s`.
-fn global_shape(local: &[usize], s: &Sharding) -> Vec<usize> {
+pub fn global_shape(local: &[usize], s: &Sharding) -> Vec<usize> {
     local.iter().enumerate().map(|(d, &n)| n * s.splits(d)).collect()
 }
 
