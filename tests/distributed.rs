@@ -274,6 +274,12 @@ fn misuse_is_a_clear_error() {
     assert!(e(distribute_tensor(&x, &m, &[Shard(0), Shard(1)])).contains("2 placements for a mesh of 1 axes"));
     assert!(e(distribute_tensor(&x, &m, &[PARTIAL])).contains("no partial values"));
     assert!(e(d.redistribute(&m, &[PARTIAL])).contains("cannot make a Partial placement"));
+    // Another mesh than the tensor's, in every mode (deferred, the move is an op of the program).
+    let other = mesh(&[2], &["y"]);
+    for mode in [Mode::Strict, Mode::Defer] {
+        let got = with_mode(mode, || e(d.redistribute(&other, &[Replicate])));
+        assert!(got.contains("expected all tensors to be on the same device mesh"), "{mode:?}: {got}");
+    }
     assert!(one.placements().unwrap_err().to_string().contains("not a device mesh"));
     assert!(x.to_local().unwrap_err().to_string().contains("not on a device mesh"));
     // Inside a traced function, shards are not traced yet: an error, not a fallback.

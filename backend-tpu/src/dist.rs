@@ -435,14 +435,8 @@ impl PjrtBackend {
         mesh: &DeviceMesh,
         placements: &[Placement],
     ) -> Result<Tensor> {
-        let root = DeviceMesh::of_device(t.device())?;
-        if !root.same_root(mesh) {
-            return Err(Error::device(
-                "redistribute",
-                format!("expected all tensors to be on the same device mesh, but found {root} and {}", mesh.root()),
-            ));
-        }
         let target = Sharding::from_placements(mesh, placements, t.ndim())?;
+        shard::check_mesh(&target, &DeviceMesh::of_device(t.device())?)?;
         if !target.unreduced.is_empty() {
             // A partial sum cannot be made, only kept: the current placements decide.
             let (sharding, shape, _) = self.storage_placement(t)?;
