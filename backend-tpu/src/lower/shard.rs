@@ -91,7 +91,7 @@ pub fn in_sharding(op: &kiln_tensor::Op, input: usize, s: &Sharding, shape: &[us
         Op::Redistribute(_) => s.clone(),
         // Each device takes its blocks as the region's placements cut them.
         Op::LocalMap(r) => kiln_tensor::DeviceMesh::of_device(kiln_tensor::Device::Mesh(r.device))
-            .and_then(|m| Sharding::from_placements(&m, &r.in_placements[input], shape.len()))
+            .and_then(|m| Sharding::from_placements(&m, r.in_placements.get(input).map_or(&[], |p| p), shape.len()))
             .unwrap_or_else(|_| whole()),
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean, .. } => s.reduced(),
         Op::Reduce { dims, .. } => gather(dims),
@@ -209,7 +209,7 @@ pub fn out_sharding(
             .unwrap_or(rep),
         // The blocks the region returns, laid out as its placements say.
         Op::LocalMap(r) => kiln_tensor::DeviceMesh::of_device(kiln_tensor::Device::Mesh(r.device))
-            .and_then(|m| Sharding::from_placements(&m, &r.out_placements[out], out_shape.len()))
+            .and_then(|m| Sharding::from_placements(&m, r.out_placements.get(out).map_or(&[], |p| p), out_shape.len()))
             .unwrap_or(rep),
         Op::Reduce { op: r, dims, keepdim } if out == 0 => {
             let Some((shape, s)) = ins.first() else { return rep };

@@ -237,6 +237,11 @@ fn a_local_region_prints_its_body_below_it() {
     // The wrong inputs for the region are refused where it is recorded.
     let (mut q, _) = state16();
     let t = q.add_param(ParamKind::State, Meta::new(&[8], DType::F32));
-    let err = q.push(Op::LocalMap(region(body)), &[t]).unwrap_err().to_string();
+    let err = q.push(Op::LocalMap(region(body.clone())), &[t]).unwrap_err().to_string();
     assert!(err.contains("the region was recorded for inputs"), "{err}");
+    // A region whose placements do not match its inputs is refused too (never indexed past).
+    let mut short = (*region(body)).clone();
+    short.in_placements.clear();
+    let err = p.push(Op::LocalMap(std::sync::Arc::new(short)), &[s]).unwrap_err().to_string();
+    assert!(err.contains("needs as many lists of placements, got 0 and 1"), "{err}");
 }

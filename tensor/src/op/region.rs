@@ -53,6 +53,18 @@ impl PartialEq for LocalRegion {
 impl LocalRegion {
     /// The outputs' types, once the inputs are the ones the region was recorded for.
     pub fn infer(&self, inputs: &[Meta]) -> Result<Vec<Meta>> {
+        if self.in_placements.len() != self.ins.len() || self.out_placements.len() != self.outs.len() {
+            return Err(Error::invalid(
+                "local_map",
+                format!(
+                    "a region of {} inputs and {} outputs needs as many lists of placements, got {} and {}",
+                    self.ins.len(),
+                    self.outs.len(),
+                    self.in_placements.len(),
+                    self.out_placements.len()
+                ),
+            ));
+        }
         if inputs != self.ins.as_slice() {
             let fmt =
                 |ms: &[Meta]| ms.iter().map(|m| format!("{:?} {}", m.shape.as_slice(), m.dtype)).collect::<Vec<_>>();
