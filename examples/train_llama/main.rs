@@ -398,7 +398,7 @@ fn run(mut args: Args) -> Result<()> {
         tracing::info!(target: "kiln::train", step, loss, lr, grad_norm, tokens_per_sec = tps, "trained a step");
         bar.set_position(step);
         bar.set_message(format!("loss {loss:.4} | {tps:.0} tok/s | lr {lr:.2e}"));
-        if step % args.eval_every == 0 || step == args.steps {
+        if step.is_multiple_of(args.eval_every) || step == args.steps {
             let mut model = model.borrow_mut();
             model.eval();
             let mut line = format!("step {step:>6}  train loss {loss:.4}");
@@ -429,7 +429,7 @@ fn run(mut args: Args) -> Result<()> {
             report(format!("{line}  [{tps:.0} tok/s]"));
             model.train(true);
         }
-        if step % args.save_every == 0 || step == args.steps {
+        if step.is_multiple_of(args.save_every) || step == args.steps {
             // The log first: a checkpoint never gets ahead of loss.csv (a resume
             // keeps the rows up to its step and trains the rest again).
             write_log(&csv_path, &rows)?;

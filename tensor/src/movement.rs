@@ -27,7 +27,7 @@ pub(crate) fn infer_size(op: &'static str, shape: &[isize], numel: usize) -> Res
     let bad = || Error::shape(op, format!("shape '{shape:?}' is invalid for input of size {numel}"));
     match infer {
         Some(i) => {
-            if known == 0 || numel % known != 0 {
+            if known == 0 || !numel.is_multiple_of(known) {
                 return Err(bad());
             }
             out[i] = numel / known;

@@ -214,7 +214,7 @@ impl HostBuffer {
     /// Decodes little-endian bytes of `dtype`; the length must be a multiple of the element size.
     pub fn from_le_bytes(dtype: DType, b: &[u8]) -> Result<HostBuffer> {
         let es = dtype.size_in_bytes();
-        if b.len() % es != 0 {
+        if !b.len().is_multiple_of(es) {
             return Err(Error::invalid(
                 "from_le_bytes",
                 format!("{} bytes is not a whole number of {dtype} elements ({es} bytes each)", b.len()),

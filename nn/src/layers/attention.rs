@@ -209,7 +209,7 @@ impl Attention {
     /// A block with `N(0, std²)` projection weights and unit norms.
     pub fn new(cfg: &AttentionConfig, std: f64, opts: impl Into<TensorOptions>) -> Result<Attention> {
         let opts = opts.into();
-        if cfg.num_kv_heads == 0 || cfg.num_heads % cfg.num_kv_heads != 0 {
+        if cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
             return Err(Error::invalid(
                 "Attention",
                 format!(

@@ -62,7 +62,7 @@ impl RotaryEmbedding {
     /// Frequencies for `head_dim` (even) with base `theta`, computed in float32
     /// as transformers computes them.
     pub fn new(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Result<RotaryEmbedding> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(Error::invalid(
                 "RotaryEmbedding",
                 format!("head_dim must be even and positive, got {head_dim}"),

@@ -333,7 +333,7 @@ impl LlamaConfig {
             !m.mlp_only_layers.contains(&layer)
                 && m.num_experts > 0
                 && m.decoder_sparse_step > 0
-                && (layer + 1) % m.decoder_sparse_step == 0
+                && (layer + 1).is_multiple_of(m.decoder_sparse_step)
         })
     }
 
@@ -376,13 +376,13 @@ impl LlamaConfig {
                 return bad(format!("{key} must be positive, got 0"));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return bad(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim must be even for rotary embeddings, got {}", self.head_dim));
         }
         let positive = |key: &str, v: f64| -> Result<()> {

@@ -65,7 +65,7 @@ impl CollectiveOp {
             }
         };
         let divisible = |d: usize| {
-            if x.shape[d] % n != 0 {
+            if !x.shape[d].is_multiple_of(n) {
                 Err(Error::shape(
                     name,
                     format!("dimension {d} of a {:?} block does not split into {n} equal pieces", x.shape.as_slice()),

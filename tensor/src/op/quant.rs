@@ -130,7 +130,7 @@ impl QuantSpec {
             ));
         }
         let [out, inp] = self.weight_shape(codes.1);
-        if self.codes == Codes::E2M1 && self.block[1] % 2 != 0 {
+        if self.codes == Codes::E2M1 && !self.block[1].is_multiple_of(2) {
             return Err(Error::invalid(op, format!("FP4 groups must hold whole bytes, got {:?}", self.block)));
         }
         if !matches!(scales.0, DType::F32 | DType::F8E4M3FN | DType::U8) {

@@ -48,7 +48,7 @@ pub fn gpt_oss_mxfp4_experts(blocks: &Tensor, scales: &Tensor) -> Result<Vec<Qua
 /// rows interleaved gate, up, gate, up, ...) as its `(gate, up)` weights.
 pub fn split_interleaved_gate_up(w: &QuantizedWeight) -> Result<(QuantizedWeight, QuantizedWeight)> {
     let rows = w.shape[0];
-    if rows % 2 != 0 || w.spec.block[0] != 1 {
+    if !rows.is_multiple_of(2) || w.spec.block[0] != 1 {
         return Err(Error::invalid(
             "split_interleaved_gate_up",
             format!("a fused gate_up weight needs an even number of rows, each its own scale row; got {:?} in blocks of {:?}", w.shape, w.spec.block),

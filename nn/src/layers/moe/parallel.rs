@@ -54,7 +54,7 @@ impl ExpertParallel {
                 format!("the mesh {mesh} has no axis {axis:?} to split the experts over"),
             )
         })?;
-        if p == 0 || experts % p != 0 {
+        if p == 0 || !experts.is_multiple_of(p) {
             return Err(Error::invalid(
                 "expert parallelism",
                 format!("{experts} experts do not split evenly over the {p} devices of axis {axis:?}"),
