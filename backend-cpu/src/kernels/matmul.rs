@@ -9,6 +9,7 @@ use super::copy::materialize_vec;
 use super::elem::{advise_huge_pages, Elem};
 use super::iter::{par_blocks, threads, Nest};
 use super::map::map1;
+use super::rowdot_bf16::{self, RowDot};
 use super::{buf, Input};
 use gemm::Parallelism;
 use half::{bf16, f16};
@@ -79,7 +80,7 @@ pub(crate) fn matmul(a: &Input<'_>, b: &Input<'_>, out: &Meta) -> Result<HostBuf
     Ok(match a.dtype() {
         DType::F32 => buf(gemm_batched::<f32>(a.slice()?, b.slice()?, &g)),
         DType::F64 => buf(gemm_batched::<f64>(a.slice()?, b.slice()?, &g)),
-        DType::BF16 => buf(via_f32::<bf16>(a, b)?),
+        DType::BF16 => buf(bf16_matmul(a, b, &g)?),
         DType::F16 => buf(via_f32::<f16>(a, b)?),
         dt => with_dtype!(dt, T => buf(loop_matmul::<T>(a, b, &g)?)),
     })
@@ -97,6 +98,29 @@ fn widen<T: Elem>(x: &Input<'_>) -> Result<(Vec<f32>, Layout)> {
         return Ok((v, Layout::new(l.shape().into(), l.strides().into(), 0)));
     }
     Ok((map1::<T, f32>(x, 1, |v| v.cast_f32())?, Layout::contiguous(l.shape())))
+}
+
+/// bf16 products: as dot products of rows where Note [bf16 dot products]
+/// says so, else widened to f32 for gemm.
+fn bf16_matmul(a: &Input<'_>, b: &Input<'_>, g: &Geometry) -> Result<Vec<bf16>> {
+    let (m, k, n) = (g.m, g.k, g.n);
+    if g.b_rs != 1 || !rowdot_bf16::applies(m, k) {
+        return via_f32::<bf16>(a, b);
+    }
+    let (av, bv) = (a.slice::<bf16>()?, b.slice::<bf16>()?);
+    let mut out = vec![bf16::ZERO; g.batches() * m * n];
+    for (&(oa, ob), out) in g.offsets.iter().zip(out.chunks_exact_mut(m * n)) {
+        // The left operand row by row: in place when row-major, else copied.
+        let copy: Vec<bf16>;
+        let (x, x_rs) = if g.a_cs == 1 {
+            (&av[oa..], g.a_rs)
+        } else {
+            copy = (0..m).flat_map(|i| (0..k).map(move |p| av[oa + i * g.a_rs + p * g.a_cs])).collect();
+            (&copy[..], k)
+        };
+        RowDot { x, x_rs, w: &bv[ob..], w_rs: g.b_cs, m, n, k }.run(out);
+    }
+    Ok(out)
 }
 
 fn via_f32<T: Elem>(a: &Input<'_>, b: &Input<'_>) -> Result<Vec<T>> {

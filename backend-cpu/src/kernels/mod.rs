@@ -4,8 +4,8 @@
 //! engines), `simd` (CPU-feature dispatch and vectorisable f32 math), `elem`
 //! (what kernels need from each element type), `elementwise` (unary, binary,
 //! compare, where), `copy` (full, arange, cast, copies, assign, cat), `reduce`
-//! (reductions, arg-reductions, cumsum), `softmax` (fused softmax and log_softmax), `matmul` (and `rowdot`, its
-//! dot-product way for `x @ W.T`; `grouped`, one product per group of rows),
+//! (reductions, arg-reductions, cumsum), `softmax` (fused softmax and log_softmax), `matmul` (and `rowdot` and
+//! `rowdot_bf16`, its dot-product ways for `x @ W.T`; `grouped`, one product per group of rows),
 //! `attention` (fused scaled dot-product attention and its gradients), `rotary`
 //! (rotary position embedding), `norm` (RMS normalisation and its gradients), `index` (gather, scatter,
 //! index_select, index_add, nonzero), `sort` (sort, topk) and `random` (Philox random bits).
@@ -28,6 +28,7 @@ mod random;
 mod reduce;
 mod rotary;
 mod rowdot;
+mod rowdot_bf16;
 mod simd;
 mod softmax;
 mod sort;

@@ -316,3 +316,101 @@ fn attention_rows_do_not_depend_on_the_chunking() {
         }
     }
 }
+
+/// The largest error one bf16 product element may carry against the exact
+/// sum `want` of its `k` terms whose magnitudes add to `abs`: f32 sums
+/// (at most k roundings of 2^-24 each, relative to `abs`), then one rounding
+/// to bf16 (half an ulp of 8 significant bits: 2^-8 relative).
+fn bf16_bound(want: f64, abs: f64, k: usize) -> f64 {
+    let sum = k as f64 * 2f64.powi(-24) * abs;
+    2f64.powi(-8) * (want.abs() + sum) + sum
+}
+
+/// Note [bf16 dot products]: every way this CPU has, against the exact sums,
+/// for depths that are not a multiple of any way's step, widths that are not a
+/// multiple of the tile, row counts around the row tile, rows at a stride.
+#[test]
+fn bf16_products_as_dot_products_every_way() {
+    use crate::kernels::rowdot_bf16::{ways, RowDot};
+    assert!(!ways().is_empty(), "this test needs an x86-64 CPU with AVX2 + FMA");
+    for &(k, n) in &[(256usize, 1usize), (300, 37), (1031, 5), (257, 9), (33, 7)] {
+        let w = bf(&noise(n * k, n as u64 + 40));
+        for m in [1usize, 2, 6, 7, 13, 33] {
+            // Rows at a stride of k + 3: the gap must not be read into the sums.
+            let x_rs = k + 3;
+            let x = bf(&noise(m * x_rs, (m * k) as u64));
+            for &way in ways() {
+                let mut out = vec![bf16::NAN; m * n];
+                RowDot { x: &x, x_rs, w: &w, w_rs: k, m, n, k }.run_way(way, &mut out);
+                for i in 0..m {
+                    for j in 0..n {
+                        let terms = (0..k).map(|p| x[i * x_rs + p].to_f64() * w[j * k + p].to_f64());
+                        let (want, abs) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                        let got = out[i * n + j].to_f64();
+                        let bound = bf16_bound(want, abs, k);
+                        assert!(
+                            (got - want).abs() <= bound,
+                            "{way:?}, k {k}, n {n}, m {m}, ({i}, {j}): {got} vs {want} (bound {bound})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// bf16 `x @ W.T` through `matmul`: one row to a prompt's worth, a left operand
+/// stored by columns, a batch of products, against the exact sums.
+#[test]
+fn bf16_linear_products() {
+    let _off = super::batch_invariance(false);
+    let (k, n) = (300usize, 37usize);
+    let (wv, xv) = (bf(&noise(2 * n * k, 50)), bf(&noise(2 * 40 * k, 51)));
+    let w = t(wv.clone(), &[2, n, k]);
+    for m in [1usize, 7, 32, 33, 40] {
+        let x = t(xv[..2 * m * k].to_vec(), &[2, m, k]);
+        let by_columns = x.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
+        for x in [&x, &by_columns] {
+            let got = vals::<bf16>(&mm(x, &w.transpose(1, 2).unwrap()));
+            for (e, g) in got.iter().enumerate() {
+                let (b, i, j) = (e / (m * n), e / n % m, e % n);
+                let terms = (0..k).map(|p| xv[(b * m + i) * k + p].to_f64() * wv[(b * n + j) * k + p].to_f64());
+                let (want, abs) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                assert!((g.to_f64() - want).abs() <= bf16_bound(want, abs, k), "m {m}, {e}: {g} vs {want}");
+            }
+        }
+    }
+}
+
+/// With batch invariance on, a bf16 row of `x @ w.T` has the same bits alone
+/// as among any number of rows (Note [bf16 dot products]). The data cancel
+/// exactly (the second half of each row of `w` negates the first, `x` repeats
+/// its first half at 256 times the scale), so each element is the rounding
+/// error of its f32 sums alone and shows any change in their order through
+/// the rounding to bf16.
+#[test]
+fn bf16_rows_do_not_depend_on_the_rest_of_the_batch() {
+    let _on = super::batch_invariance(true);
+    let halves = |rows: usize, k: usize, seed: u64, sign: f32, scale: f32| -> Vec<bf16> {
+        let v = noise(rows * k / 2, seed);
+        let row = |r: usize| v[r * k / 2..][..k / 2].iter().map(|x| x * scale).collect::<Vec<f32>>();
+        (0..rows)
+            .flat_map(|r| [row(r), row(r).iter().map(|x| x * sign).collect()].concat())
+            .map(bf16::from_f32)
+            .collect()
+    };
+    for &(k, n) in &[(256usize, 3usize), (1100, 40)] {
+        let big = 200;
+        let x = t(halves(big, k, k as u64, 1.0, 256.0), &[big, k]);
+        let wt = t(halves(n, k, n as u64 + 7, -1.0, 1.0), &[n, k]).t().unwrap();
+        let all = vals::<bf16>(&mm(&x, &wt));
+        assert!(all.iter().any(|v| v.to_f32() != 0.0), "k {k}: the sums' rounding errors should show");
+        for m in [1usize, 5, 33, 64, 129] {
+            for off in [0usize, 1, 70] {
+                let part = vals::<bf16>(&mm(&x.narrow(0, off as isize, m).unwrap(), &wt));
+                let same = part.iter().zip(&all[off * n..]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "k {k}, n {n}: rows {off}..{} alone differ from the same rows among {big}", off + m);
+            }
+        }
+    }
+}
