@@ -8,7 +8,10 @@
 //! `rowdot_bf16`, its dot-product ways for `x @ W.T`; `grouped`, one product per group of rows),
 //! `attention` (fused scaled dot-product attention and its gradients), `rotary`
 //! (rotary position embedding), `norm` (RMS normalisation and its gradients), `index` (gather, scatter,
-//! index_select, index_add, nonzero), `sort` (sort, topk) and `random` (Philox random bits).
+//! index_select, index_add, nonzero), `quant` (block-quantized weights, and
+//! `quant_rowdot`, their few-row products with codes decoded in the
+//! registers), `paged` (paged KV caches), `sort` (sort, topk) and `random`
+//! (Philox random bits).
 //!
 //! Inputs are read through their strided layouts directly; every output is a
 //! fresh contiguous buffer of the shape and dtype `Op::infer` gave.
@@ -24,6 +27,7 @@ mod matmul;
 mod norm;
 mod paged;
 mod quant;
+mod quant_rowdot;
 mod random;
 mod reduce;
 mod rotary;

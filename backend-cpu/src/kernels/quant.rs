@@ -14,8 +14,11 @@
 // CPU's best instruction set). With a few input rows (decoding a
 // token) each tile row is one dot product per input row; with more (a
 // prompt) the tile is a `gemm` call. Sums run in float32, and the result is
-// rounded once to the input's dtype.
+// rounded once to the input's dtype. Where the CPU has AVX-512, products of a
+// few rows do not come here: their codes are decoded in the registers (Note
+// [Codes decoded in the registers]).
 use super::copy::{contiguous, narrow_f32, widen_f32};
+use super::quant_rowdot::{self, QuantRowDot};
 use super::simd::{dispatch, fmadd, Kernel};
 use super::{buf, Input};
 use gemm::Parallelism;
@@ -48,13 +51,13 @@ fn bytes<'a>(x: &Input<'a>) -> Result<Cow<'a, [u8]>> {
 /// The block scales with the global one applied. One-byte scales (E4M3,
 /// E8M0) take one of 256 values, so those are computed once per call into a
 /// table (the division by a global scale included) and looked up per block.
-enum Scales<'a> {
+pub(super) enum Scales<'a> {
     F32(Cow<'a, [f32]>, Option<Global>),
     Table(Cow<'a, [u8]>, Box<[f32; 256]>),
 }
 
 impl<'a> Scales<'a> {
-    fn new(x: &Input<'a>, global: Option<Global>) -> Result<Scales<'a>> {
+    pub(super) fn new(x: &Input<'a>, global: Option<Global>) -> Result<Scales<'a>> {
         let table = |decode: fn(u8) -> f32| {
             let mut t = Box::new([0f32; 256]);
             for (b, v) in t.iter_mut().enumerate() {
@@ -72,7 +75,7 @@ impl<'a> Scales<'a> {
 
     /// Block scale `i`, effective.
     #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
+    pub(super) fn get(&self, i: usize) -> f32 {
         match self {
             Scales::F32(v, g) => Global::apply(*g, v[i]),
             Scales::Table(v, t) => t[v[i] as usize],
@@ -84,7 +87,7 @@ impl<'a> Scales<'a> {
 /// vectorise: the exponent rebiased into an f32 for normal numbers, `m * 2^-9`
 /// for subnormals, NaN for 0x7F / 0xFF.
 #[inline(always)]
-fn e4m3(c: u8) -> f32 {
+pub(super) fn e4m3(c: u8) -> f32 {
     let c = c as u32;
     let (e, m) = ((c >> 3) & 15, c & 7);
     let normal = f32::from_bits(((e + 120) << 23) | (m << 20));
@@ -96,7 +99,7 @@ fn e4m3(c: u8) -> f32 {
 /// An E2M1 code's value (low 4 bits of `n`) from its bits, branch-free: index
 /// `2e + m` is `2^(e-1) * (1 + m/2)`, or `m / 2` when `e` is 0; bit 3 is the sign.
 #[inline(always)]
-fn e2m1_fast(n: u8) -> f32 {
+pub(super) fn e2m1_fast(n: u8) -> f32 {
     let n = n as u32;
     let (e, m) = ((n >> 1) & 3, n & 1);
     let bits = if e == 0 { m * 0x3F00_0000 } else { ((e + 126) << 23) | (m << 22) };
@@ -270,6 +273,18 @@ pub(crate) fn quant_matmul(
     let xshape = x.layout.shape();
     let m: usize = xshape[..xshape.len() - 1].iter().product();
     let (c, s) = (bytes(codes)?, Scales::new(scales, spec.global)?);
+    let narrow = |out: Vec<f32>| match x.dtype() {
+        DType::BF16 => buf(narrow_f32::<bf16>(out)),
+        DType::F16 => buf(narrow_f32::<f16>(out)),
+        _ => buf(out),
+    };
+    // A few rows (every row count for invariant products): codes decoded in
+    // the registers where the CPU can (Note [Codes decoded in the registers]).
+    if (m < GEMM_ROWS || kiln_tensor::is_batch_invariant()) && quant_rowdot::applies(spec, k) {
+        let mut out = vec![0f32; m * n];
+        QuantRowDot { spec, codes: &c, scales: &s, x: &xs, m, n, k }.run(&mut out);
+        return Ok(narrow(out));
+    }
     // Each task: one tile of W's rows, giving the output columns [t * TILE, ...).
     let tiles: Vec<Vec<f32>> = (0..n.div_ceil(TILE))
         .into_par_iter()
@@ -285,9 +300,5 @@ pub(crate) fn quant_matmul(
             out[i * n + c0..][..rows].copy_from_slice(&y[i * rows..][..rows]);
         }
     }
-    Ok(match x.dtype() {
-        DType::BF16 => buf(narrow_f32::<bf16>(out)),
-        DType::F16 => buf(narrow_f32::<f16>(out)),
-        _ => buf(out),
-    })
+    Ok(narrow(out))
 }

@@ -78,3 +78,111 @@ fn the_quantized_product_is_the_dequantized_one() {
         }
     }
 }
+
+/// Deterministic pseudo-random bytes.
+fn bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 40) as u8
+        })
+        .collect()
+}
+
+/// Note [Codes decoded in the registers]: with wide steps and without, for
+/// each format and scale type, against the f64 sums over the dequantized
+/// weight: depths with and without a remainder after the wide and the
+/// 16-element steps, partial blocks of rows and columns, 1 to 7 rows.
+#[test]
+fn codes_decoded_in_the_registers_are_the_dequantized_weight() {
+    use crate::kernels::quant::Scales;
+    use crate::kernels::quant_rowdot::{applies, QuantRowDot};
+    use kiln_tensor::Layout;
+    let e4m3_codes = |n: usize| bytes(n, 1).into_iter().map(|b| if b & 0x7F == 0x7F { b ^ 1 } else { b }).collect();
+    for (spec, scale_kind) in [
+        (QuantSpec { codes: Codes::E4M3, block: [128, 128], global: None }, "f32"),
+        (QuantSpec { codes: Codes::E4M3, block: [3, 48], global: None }, "f32"),
+        (QuantSpec { codes: Codes::E4M3, block: [1, 1000], global: None }, "f32"),
+        (QuantSpec { codes: Codes::E2M1, block: [1, 16], global: Some(Global::Mul(0.75)) }, "e4m3"),
+        (QuantSpec { codes: Codes::E2M1, block: [1, 32], global: None }, "e8m0"),
+    ] {
+        for &(n, k) in &[(37usize, 336usize), (9, 330), (5, 64), (6, 16), (4, 10)] {
+            if !applies(&spec, k) {
+                // Only the wide blocks of 1000 columns wider than some depths stay out.
+                assert!(spec.block[1] % 16 != 0 && spec.block[1] < k, "{spec:?}, k {k}");
+                continue;
+            }
+            let [sr, sc] = spec.scales_shape(n, k);
+            let (codes, codes_t) = match spec.codes {
+                Codes::E4M3 => {
+                    let c: Vec<u8> = e4m3_codes(n * k);
+                    (c.clone(), host(HostBuffer::F8E4M3FN(c.into_iter().map(f8e4m3fn::from_bits).collect()), &[n, k]))
+                }
+                Codes::E2M1 => {
+                    let c = bytes(n * k / 2, 2);
+                    (c.clone(), t(c, &[n, k / 2]))
+                }
+            };
+            let sv = bytes(sr * sc, 3);
+            let (scale_buf, scales_t) = match scale_kind {
+                "f32" => {
+                    let v: Vec<f32> = sv.iter().map(|&b| 0.5 + b as f32 / 128.0).collect();
+                    (HostBuffer::F32(v.clone()), f32s(&v, &[sr, sc]))
+                }
+                // E4M3 scales between 2^-3 and 2^4 (exponent field 4..11), E8M0 around 1.
+                "e4m3" => {
+                    let v: Vec<f8e4m3fn> = sv.iter().map(|&b| f8e4m3fn::from_bits(0x20 + b % 0x40)).collect();
+                    (HostBuffer::F8E4M3FN(v.clone()), host(HostBuffer::F8E4M3FN(v), &[sr, sc]))
+                }
+                _ => {
+                    let v: Vec<u8> = sv.iter().map(|&b| 120 + b % 16).collect();
+                    (HostBuffer::U8(v.clone()), t(v, &[sr, sc]))
+                }
+            };
+            let w = vals::<f32>(&run(Op::Dequantize(spec.clone()), &[&codes_t, &scales_t]));
+            let layout = Layout::contiguous(&[sr, sc]);
+            let scales = Scales::new(&crate::kernels::Input { buf: &scale_buf, layout: &layout }, spec.global).unwrap();
+            for m in [1usize, 4, 5, 7] {
+                let x = noise(m * k, (m * k) as u64);
+                let job = QuantRowDot { spec: &spec, codes: &codes, scales: &scales, x: &x, m, n, k };
+                let wide =
+                    [false, true].into_iter().filter(|&w| !w || std::arch::is_x86_feature_detected!("avx512vbmi"));
+                for wide in wide {
+                    let mut out = vec![f32::NAN; m * n];
+                    job.run_steps(wide, &mut out);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let terms = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64);
+                            let (want, abs) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                            // k f32 roundings of the running sums, each within 2^-24 of `abs`.
+                            let bound = k as f64 * 2f64.powi(-24) * abs;
+                            let got = out[i * n + j] as f64;
+                            assert!(
+                                (got - want).abs() <= bound,
+                                "{spec:?}, wide {wide}, k {k}, n {n}, m {m}, ({i}, {j}): {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An E4M3 NaN code (0x7F, 0xFF) makes its output NaN, in a wide step, a
+/// 16-element step and the remainder alike; the other columns stay finite.
+#[test]
+fn nan_codes_give_nan_products() {
+    let _off = super::batch_invariance(false);
+    let (n, k) = (4usize, 90usize);
+    let spec = QuantSpec { codes: Codes::E4M3, block: [1, 16], global: None };
+    let mut c = vec![0x38u8; n * k];
+    c[k + 5] = 0x7F;
+    c[2 * k + 70] = 0xFF;
+    c[3 * k + 88] = 0x7F;
+    let codes = host(HostBuffer::F8E4M3FN(c.into_iter().map(f8e4m3fn::from_bits).collect()), &[n, k]);
+    let scales = f32s(&vec![1.0; n * 6], &[n, 6]);
+    let y = vals::<f32>(&run(Op::QuantMatMul(spec), &[&f32s(&noise(k, 9), &[1, k]), &codes, &scales]));
+    assert!(y[0].is_finite() && y[1..].iter().all(|v| v.is_nan()), "{y:?}");
+}

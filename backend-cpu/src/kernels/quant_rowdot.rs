@@ -1,0 +1,480 @@
+//! Quantized products of a few rows, `x @ W.T` with `W`'s codes decoded in
+//! the vector registers (Note [Codes decoded in the registers]).
+// Only x86-64 with AVX-512 has the instructions this way uses; elsewhere
+// `quant_matmul` keeps its tiles.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_imports))]
+use super::iter::threads;
+use super::quant::Scales;
+use super::simd::{level, Level};
+use kiln_tensor::quant::{Codes, QuantSpec};
+use rayon::prelude::*;
+
+// Note [Codes decoded in the registers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Note [Dequantizing inside the product] decodes a tile of W into a float32
+// buffer and reads it back for the dot products: in a decoding step every
+// code is then written and read again as four bytes, and the loops that
+// decode it cost more than the bytes the codes save (FP8 and NVFP4 decoding
+// ran slower than the f32 weights they replace). With AVX-512 the products
+// of a few rows (a decoding step; every row count with batch invariance on)
+// run here instead: 16 codes at a time go from memory into a register and
+// become 16 f32 weights there, which meet the rows of `x` in fused
+// multiply-adds, as in Note [Dot-product products]: tiles of R rows of `x`
+// by C rows of W, one accumulator per pair, lanes summed by a fixed tree.
+//
+// - E4M3: the code's 7 magnitude bits shifted into an f32's exponent and
+//   significand (bits 20..27) are, as an f32, its value times 2^-120 for
+//   normal and subnormal codes alike; a multiply by 2^120 (exact) and the
+//   sign bit give the value, 0x7F / 0xFF become NaN.
+// - E2M1: the bytes' nibbles are spread over the 16 lanes (element 2j is
+//   byte j's low nibble), and a permute picks each value from the 16 a code
+//   can take.
+//
+// Each weight is then `value * scale`, one rounding, the order of Note
+// [Quantized weights]; a step's 16 elements share one block scale, so blocks
+// must be a multiple of 16 columns wide (or cover the whole depth). The last
+// `k % 16` elements are decoded one by one into a zeroed step. An element's
+// bits depend on k and its two rows only: these products are row-invariant.
+
+/// Elements per step (one AVX-512 register of f32).
+const STEP: usize = 16;
+/// A product is split across threads from this many multiply-adds on.
+const PAR_MIN: usize = 1 << 16;
+
+/// One product: `x` float32 rows `m x k` (contiguous), W `n x k` as `spec`'s
+/// codes and scales; the result goes to `out[i * n + j]`.
+pub(super) struct QuantRowDot<'a> {
+    pub spec: &'a QuantSpec,
+    pub codes: &'a [u8],
+    pub scales: &'a Scales<'a>,
+    pub x: &'a [f32],
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// Whether this CPU decodes `spec`'s codes in the registers for depth `k`
+/// (Note [Codes decoded in the registers]).
+pub(super) fn applies(spec: &QuantSpec, k: usize) -> bool {
+    let b1 = spec.block[1];
+    level() == Level::Avx512 && b1 > 0 && (b1.is_multiple_of(STEP) || b1 >= k)
+}
+
+impl QuantRowDot<'_> {
+    /// Writes every `out[i * n + j]` (`out` holds `m * n` elements), with
+    /// wide steps where the CPU has them; panics (before any read) when an
+    /// operand is shorter than its shape, or when [`applies`] says no.
+    pub(super) fn run(&self, out: &mut [f32]) {
+        self.run_steps(wide_steps(), out)
+    }
+
+    /// As [`QuantRowDot::run`], with wide steps or without; panics when
+    /// asked for wide steps on a CPU without AVX512-VBMI.
+    pub(super) fn run_steps(&self, wide: bool, out: &mut [f32]) {
+        let QuantRowDot { spec, m, n, k, .. } = *self;
+        assert!(applies(spec, k), "quant_rowdot: not for this CPU or block");
+        assert_eq!(out.len(), m * n, "quant_rowdot: output of the wrong size");
+        assert!(self.x.len() >= m * k, "quant_rowdot: x too short");
+        let row_bytes = match spec.codes {
+            Codes::E4M3 => k,
+            Codes::E2M1 => k / 2,
+        };
+        assert!(spec.codes == Codes::E4M3 || k.is_multiple_of(2), "quant_rowdot: odd depth of E2M1 codes");
+        assert!(self.codes.len() >= n * row_bytes, "quant_rowdot: codes too short");
+        if m == 0 || n == 0 {
+            return;
+        }
+        let out = OutRows(out.as_mut_ptr());
+        // Codes 64 at a time where the CPU has byte permutes, with `x` in the
+        // order they come out in.
+        assert!(!wide || wide_steps(), "quant_rowdot: wide steps need AVX512-VBMI");
+        let permuted: Vec<f32>;
+        let x = if wide {
+            permuted = permute_rows(self.x, m, k);
+            &permuted[..]
+        } else {
+            self.x
+        };
+        let step_blocks: Vec<usize> = (0..k / STEP).map(|st| st * STEP / spec.block[1]).collect();
+        let plan = Plan { job: QuantRowDot { x, ..*self }, step_blocks, row_bytes };
+        let cols = |j0: usize, j1: usize| {
+            // SAFETY: the asserts bound every read (x rows < m, code rows < n);
+            // columns j0..j1 of each output row are written by this call only (the
+            // ranges handed out are disjoint) and lie inside `out`; `applies`
+            // confirmed AVX-512, `wide_e4m3` AVX512-VBMI.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                if wide {
+                    x86::columns_wide(&plan, out, j0, j1)
+                } else {
+                    x86::columns(&plan, out, j0, j1)
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (j0, j1, &plan);
+        };
+        if m * n * k < PAR_MIN || threads() == 1 {
+            cols(0, n);
+            return;
+        }
+        let parts = (threads() * 4).min(n.div_ceil(TILE_C)).max(1);
+        let per = n.div_ceil(parts).next_multiple_of(TILE_C);
+        (0..n.div_ceil(per)).into_par_iter().for_each(|p| cols(p * per, ((p + 1) * per).min(n)));
+    }
+}
+
+/// A product ready to run: `x` permuted for wide steps, the block column of
+/// each 16-element step, the bytes of a row of codes.
+struct Plan<'a> {
+    job: QuantRowDot<'a>,
+    step_blocks: Vec<usize>,
+    row_bytes: usize,
+}
+
+/// Elements per wide step (one register of bytes).
+const WIDE: usize = 64;
+
+/// Whether the CPU has the byte permutes of the wide steps (detected once).
+fn wide_steps() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *VBMI.get_or_init(|| is_x86_feature_detected!("avx512vbmi"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Rows of `x` with each whole chunk of 64 elements in the order a wide step
+/// decodes W's codes: vector `v` of the chunk holds, in its 128-bit lane `l`,
+/// elements `16 l + 4 v .. 16 l + 4 v + 4`; the rest of a row as it was.
+fn permute_rows(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let mut out = x[..m * k].to_vec();
+    for row in out.chunks_exact_mut(k) {
+        for chunk in row.chunks_exact_mut(WIDE) {
+            let orig: [f32; WIDE] = chunk.try_into().expect("a whole chunk");
+            for v in 0..4 {
+                for l in 0..4 {
+                    chunk[16 * v + 4 * l..][..4].copy_from_slice(&orig[16 * l + 4 * v..][..4]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Rows of `x` and of W per tile.
+const TILE_R: usize = 4;
+const TILE_C: usize = 4;
+
+/// The output's base pointer, shared by the threads that write disjoint columns.
+#[derive(Clone, Copy)]
+struct OutRows(*mut f32);
+// SAFETY: threads write disjoint elements of one allocation that outlives the
+// parallel loop (`QuantRowDot::run`).
+unsafe impl Send for OutRows {}
+// SAFETY: as above.
+unsafe impl Sync for OutRows {}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{OutRows, Plan, STEP, TILE_C, TILE_R};
+    use crate::kernels::quant::{e2m1_fast, e4m3};
+    use kiln_tensor::quant::{Codes, E2M1_VALUES};
+    use std::arch::x86_64::*;
+
+    /// Columns `j0..j1` of every row, 16 codes per step.
+    ///
+    /// # Safety
+    /// As the closure in [`QuantRowDot::run`] argues.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn columns(plan: &Plan<'_>, out: OutRows, j0: usize, j1: usize) {
+        // SAFETY: forwarded.
+        unsafe { columns_impl::<false>(plan, out, j0, j1) }
+    }
+
+    /// Columns `j0..j1` of every row, codes 64 per step (`x` permuted by
+    /// `permute_rows`).
+    ///
+    /// # Safety
+    /// As the closure in [`QuantRowDot::run`] argues, with AVX512-VBMI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+    pub(super) unsafe fn columns_wide(plan: &Plan<'_>, out: OutRows, j0: usize, j1: usize) {
+        // SAFETY: forwarded.
+        unsafe { columns_impl::<true>(plan, out, j0, j1) }
+    }
+
+    /// R x C tiles (edge tiles narrower).
+    #[inline(always)]
+    unsafe fn columns_impl<const WIDE: bool>(plan: &Plan<'_>, out: OutRows, j0: usize, j1: usize) {
+        let m = plan.job.m;
+        let mut j = j0;
+        while j < j1 {
+            let mut i = 0;
+            // SAFETY (all tiles): rows < m, columns j0..j1, as the caller's contract.
+            unsafe {
+                if j + TILE_C <= j1 {
+                    while i + TILE_R <= m {
+                        tile::<TILE_R, TILE_C, WIDE>(plan, out, i, j);
+                        i += TILE_R;
+                    }
+                    while i < m {
+                        tile::<1, TILE_C, WIDE>(plan, out, i, j);
+                        i += 1;
+                    }
+                    j += TILE_C;
+                } else {
+                    while i < m {
+                        tile::<1, 1, WIDE>(plan, out, i, j);
+                        i += 1;
+                    }
+                    j += 1;
+                }
+            }
+        }
+    }
+
+    /// The constants of the decoding, in registers for the whole tile.
+    #[derive(Clone, Copy)]
+    struct Consts {
+        low7: __m512i,
+        sign8: __m512i,
+        e4m3_unit: __m512,
+        nan: __m512,
+        nibble_shifts: __m512i,
+        low4: __m512i,
+        e2m1_values: __m512,
+        /// The high and low bytes of the bf16 value of each E4M3 magnitude
+        /// (codes 0..128; exact: E4M3 has 4 significant bits), 64 per register.
+        e4m3_high: [__m512i; 2],
+        e4m3_low: [__m512i; 2],
+        /// The same for the 16 E2M1 codes, repeated in each 128-bit lane.
+        e2m1_high: __m512i,
+        e2m1_low: __m512i,
+        low_nibble: __m512i,
+        high_nibble: __m512i,
+        zero: __m512i,
+    }
+
+    impl Consts {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        fn new() -> Consts {
+            let table: [f32; 16] = std::array::from_fn(|c| {
+                let v = E2M1_VALUES[c & 7];
+                if c & 8 != 0 {
+                    -v
+                } else {
+                    v
+                }
+            });
+            let bf16_bits = |c: usize| (e4m3(c as u8).to_bits() >> 16) as u16;
+            let high: [u8; 128] = std::array::from_fn(|c| (bf16_bits(c) >> 8) as u8);
+            let low: [u8; 128] = std::array::from_fn(|c| bf16_bits(c) as u8);
+            // SAFETY: 64 bytes from offsets 0 and 64 of 128-byte local arrays.
+            let halves = |t: &[u8; 128]| unsafe {
+                [_mm512_loadu_si512(t.as_ptr().cast()), _mm512_loadu_si512(t[64..].as_ptr().cast())]
+            };
+            let e2m1_bits = |c: usize| (table[c % 16].to_bits() >> 16) as u16;
+            let e2m1_high: [u8; 64] = std::array::from_fn(|c| (e2m1_bits(c) >> 8) as u8);
+            let e2m1_low: [u8; 64] = std::array::from_fn(|c| e2m1_bits(c) as u8);
+            Consts {
+                // SAFETY: 64 bytes of local arrays.
+                e2m1_high: unsafe { _mm512_loadu_si512(e2m1_high.as_ptr().cast()) },
+                // SAFETY: as above.
+                e2m1_low: unsafe { _mm512_loadu_si512(e2m1_low.as_ptr().cast()) },
+                low_nibble: _mm512_set1_epi16(0x0F),
+                high_nibble: _mm512_set1_epi16(0x0F00),
+                e4m3_high: halves(&high),
+                e4m3_low: halves(&low),
+                zero: _mm512_setzero_si512(),
+                low7: _mm512_set1_epi32(0x7F),
+                sign8: _mm512_set1_epi32(0x80),
+                e4m3_unit: _mm512_set1_ps(2f32.powi(120)),
+                nan: _mm512_set1_ps(f32::NAN),
+                nibble_shifts: _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0),
+                low4: _mm512_set1_epi32(0xF),
+                // SAFETY: 16 f32 in a local array.
+                e2m1_values: unsafe { _mm512_loadu_ps(table.as_ptr()) },
+            }
+        }
+
+        /// 16 weights of a row from element `p` on, decoded and scaled by `s`.
+        ///
+        /// # Safety
+        /// The codes of elements `p..p + 16` must be inside `row`.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        unsafe fn weights(&self, codes: &Codes, row: *const u8, p: usize, s: __m512) -> __m512 {
+            match codes {
+                Codes::E4M3 => {
+                    // SAFETY: 16 bytes from p, inside the row by the caller's contract.
+                    let c = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(row.add(p).cast()) });
+                    let mag = _mm512_and_si512(c, self.low7);
+                    let v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32::<20>(mag)), self.e4m3_unit);
+                    let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(c, self.sign8));
+                    let v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+                    let nan = _mm512_cmpeq_epi32_mask(mag, self.low7);
+                    _mm512_mul_ps(_mm512_mask_mov_ps(v, nan, self.nan), s)
+                }
+                Codes::E2M1 => {
+                    // SAFETY: 8 bytes (16 codes) from p / 2, inside the row by the
+                    // caller's contract (p is even: a multiple of 16).
+                    let b = unsafe { _mm_loadl_epi64(row.add(p / 2).cast()) };
+                    // Each byte twice, then lane 2j keeps the low nibble, 2j + 1 the high.
+                    let twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+                    let idx = _mm512_and_si512(_mm512_srlv_epi32(twice, self.nibble_shifts), self.low4);
+                    _mm512_mul_ps(_mm512_permutexvar_ps(idx, self.e2m1_values), s)
+                }
+            }
+        }
+    }
+
+    impl Consts {
+        /// 64 weights of a row from element `p` on, decoded and scaled by `s`
+        /// (lane `l` scaling elements `p + 16 l ..`), in the order of
+        /// `permute_rows`. Each code picks the bytes of its bf16 value from
+        /// tables (an E4M3 magnitude from two of 128 bytes, 0x7F giving NaN,
+        /// its sign bit joining the high byte; an E2M1 code, sign included,
+        /// from 16), and bf16 becomes f32 by moving into the high half of a
+        /// 32-bit lane.
+        ///
+        /// # Safety
+        /// Elements `p..p + 64` must be inside `row`.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+        unsafe fn weights_wide(&self, codes: &Codes, row: *const u8, p: usize, s: __m512) -> [__m512; 4] {
+            let (low, high) = match codes {
+                Codes::E4M3 => {
+                    // SAFETY: 64 bytes from p, inside the row by the caller's contract.
+                    let c = unsafe { _mm512_loadu_si512(row.add(p).cast()) };
+                    let [h0, h1] = self.e4m3_high;
+                    let [l0, l1] = self.e4m3_low;
+                    // Bit 7 of each index is ignored: 128 entries.
+                    let high = _mm512_permutex2var_epi8(h0, c, h1);
+                    let low = _mm512_permutex2var_epi8(l0, c, l1);
+                    // high | (c & 0x80): the sign.
+                    (low, _mm512_ternarylogic_epi32::<0xF8>(high, c, _mm512_set1_epi8(-128)))
+                }
+                Codes::E2M1 => {
+                    // SAFETY: 32 bytes (64 codes) from p / 2, inside the row by the
+                    // caller's contract (p is a multiple of 64).
+                    let b = _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(row.add(p / 2).cast()) });
+                    // Byte 2j: element 2j's code (the low nibble), byte 2j + 1: the high.
+                    let c = _mm512_or_si512(
+                        _mm512_and_si512(b, self.low_nibble),
+                        _mm512_and_si512(_mm512_slli_epi16::<4>(b), self.high_nibble),
+                    );
+                    (_mm512_shuffle_epi8(self.e2m1_low, c), _mm512_shuffle_epi8(self.e2m1_high, c))
+                }
+            };
+            let w0 = _mm512_unpacklo_epi8(low, high);
+            let w1 = _mm512_unpackhi_epi8(low, high);
+            let f = |w| _mm512_castsi512_ps(w);
+            [
+                _mm512_mul_ps(f(_mm512_unpacklo_epi16(self.zero, w0)), s),
+                _mm512_mul_ps(f(_mm512_unpackhi_epi16(self.zero, w0)), s),
+                _mm512_mul_ps(f(_mm512_unpacklo_epi16(self.zero, w1)), s),
+                _mm512_mul_ps(f(_mm512_unpackhi_epi16(self.zero, w1)), s),
+            ]
+        }
+    }
+
+    /// The R x C outputs of rows `i..i + R` and columns `j..j + C`.
+    ///
+    /// # Safety
+    /// Rows `i + r < m`, columns `j + c` in the caller's range.
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const C: usize, const WIDE: bool>(
+        plan: &Plan<'_>,
+        out: OutRows,
+        i: usize,
+        j: usize,
+    ) {
+        let (job, row_bytes) = (&plan.job, plan.row_bytes);
+        let (k, spec) = (job.k, job.spec);
+        let [b0, b1] = spec.block;
+        let scale_cols = k.div_ceil(b1);
+        let xs: [&[f32]; R] = std::array::from_fn(|r| &job.x[(i + r) * k..][..k]);
+        let rows: [&[u8]; C] = std::array::from_fn(|c| &job.codes[(j + c) * row_bytes..][..row_bytes]);
+        let scale_row: [usize; C] = std::array::from_fn(|c| (j + c) / b0 * scale_cols);
+        let consts = Consts::new();
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let steps = k / STEP;
+        let scale = |c: usize, st: usize| job.scales.get(scale_row[c] + plan.step_blocks[st]);
+        let (full, mut p) = (steps * STEP, 0);
+        if WIDE {
+            while p + super::WIDE <= k {
+                let st = p / STEP;
+                // Lane l of a wide step's weights holds elements p + 16 l ..: their scale.
+                let s: [__m512; C] = std::array::from_fn(|c| {
+                    let [s0, s1, s2, s3] = std::array::from_fn(|l| scale(c, st + l));
+                    _mm512_set_ps(s3, s3, s3, s3, s2, s2, s2, s2, s1, s1, s1, s1, s0, s0, s0, s0)
+                });
+                // SAFETY: elements p..p + 64 <= k of each row; WIDE only with VBMI.
+                let w: [[__m512; 4]; C] =
+                    std::array::from_fn(|c| unsafe { consts.weights_wide(&spec.codes, rows[c].as_ptr(), p, s[c]) });
+                // The chunk's 4 vectors of weights, each for all C rows of W.
+                let by_vector: [[__m512; C]; 4] = std::array::from_fn(|v| std::array::from_fn(|c| w[c][v]));
+                for r in 0..R {
+                    for (v, wv) in by_vector.iter().enumerate() {
+                        // SAFETY: 16 f32 from p + 16 v, inside the row's chunk p..p + 64.
+                        let xv = unsafe { _mm512_loadu_ps(xs[r].as_ptr().add(p + 16 * v)) };
+                        for c in 0..C {
+                            acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+                        }
+                    }
+                }
+                p += super::WIDE;
+            }
+        }
+        while p < full {
+            let w: [__m512; C] = std::array::from_fn(|c| {
+                let s = _mm512_set1_ps(scale(c, p / STEP));
+                // SAFETY: elements p..p + 16 <= k of a row of `row_bytes` bytes.
+                unsafe { consts.weights(&spec.codes, rows[c].as_ptr(), p, s) }
+            });
+            for r in 0..R {
+                // SAFETY: 16 f32 from p < k - 15 of a row of k.
+                let xv = unsafe { _mm512_loadu_ps(xs[r].as_ptr().add(p)) };
+                for c in 0..C {
+                    acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
+                }
+            }
+            p += STEP;
+        }
+        let p = steps * STEP;
+        if p < k {
+            // The last elements one by one into a zeroed step.
+            let w: [__m512; C] = std::array::from_fn(|c| {
+                let mut v = [0f32; STEP];
+                for (q, v) in v.iter_mut().enumerate().take(k - p) {
+                    let e = p + q;
+                    let code = match spec.codes {
+                        Codes::E4M3 => e4m3(rows[c][e]),
+                        Codes::E2M1 => e2m1_fast((rows[c][e / 2] >> (4 * (e % 2))) & 0xF),
+                    };
+                    *v = code * job.scales.get(scale_row[c] + e / b1);
+                }
+                // SAFETY: 16 f32 in a local array.
+                unsafe { _mm512_loadu_ps(v.as_ptr()) }
+            });
+            for r in 0..R {
+                let mut v = [0f32; STEP];
+                v[..k - p].copy_from_slice(&xs[r][p..]);
+                // SAFETY: 16 f32 in a local array.
+                let xv = unsafe { _mm512_loadu_ps(v.as_ptr()) };
+                for c in 0..C {
+                    acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (c, &v) in acc.iter().enumerate() {
+                // SAFETY: row i + r < m, column j + c < n in this call's range,
+                // written by this call only (the caller's contract).
+                unsafe { *out.0.add((i + r) * job.n + j + c) = _mm512_reduce_add_ps(v) };
+            }
+        }
+    }
+}
