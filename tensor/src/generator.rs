@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 // ~~~~~~~~~~~~~~~~~
 // A generator is a state tensor, int64 `[2]` = `[key, offset]`, on its
 // device. A draw of `n` numbers runs `Op::RandomBits` on the state, which
-// returns the bits and the state advanced by `ceil(n / 4)` Philox blocks, and
-// writes the new state into the state tensor in place. Three things follow:
+// returns the bits and the state advanced by `ceil(n / 4)` Philox blocks; the
+// generator's own state tensor moves on by as many blocks, in place. Three
+// things follow:
 //
 // - a draw never leaves the device: on a PJRT device the bits are computed
 //   there and the state stays there, so drawing costs no host round trip;
@@ -27,9 +28,14 @@ use std::sync::{Arc, Mutex};
 //   generator exactly as eager execution would; under DeferAndFuse the draws
 //   fuse with the ops that use them.
 //
-// A draw holds the generator's lock from reading the state to writing it back,
-// so threads sharing a generator get disjoint numbers. The key is the seed; a
-// fresh or reseeded generator starts at offset 0.
+// A draw takes its range of counters under the generator's lock: it copies
+// the state and advances the state's offset by the draw's blocks, two ops on
+// two elements, so threads sharing a generator get disjoint numbers. The
+// kernel then runs on the copy with the lock released: a kernel may fork
+// into the thread pool, and a lock held across it would wait on pool threads
+// that may themselves be waiting for the lock (a thread outside the pool
+// drawing while the pool's tasks draw too). The key is the seed; a fresh or
+// reseeded generator starts at offset 0.
 
 /// PyTorch's default seed, so that an unseeded program is still deterministic.
 pub const DEFAULT_SEED: u64 = 67_280_421_310_721;
@@ -142,9 +148,20 @@ impl Generator {
             return Err(e);
         }
         let _ng = GradModeGuard::set(false);
-        let st = self.lock();
-        let mut outs = Tensor::apply_on(Op::RandomBits { shape: shape.into() }, &[&st], self.0.device)?;
-        st.copy_(&outs[1])?;
+        // The draw's range of counters, taken under the lock; the kernel runs
+        // after it is released (Note [Generators]).
+        let start = {
+            let st = self.lock();
+            let start = st.deep_clone()?;
+            let blocks = shape.iter().product::<usize>().div_ceil(4);
+            let advance = {
+                let _c = ConstantScope::enter();
+                Tensor::from_vec(vec![0i64, blocks as i64], &[2])?.to_device(self.0.device)?
+            };
+            st.add_(&advance)?;
+            start
+        };
+        let mut outs = Tensor::apply_on(Op::RandomBits { shape: shape.into() }, &[&start], self.0.device)?;
         Ok(outs.swap_remove(0))
     }
 }

@@ -55,6 +55,42 @@ pub(crate) fn random_bits(state: &Input<'_>, numel: usize) -> Result<Vec<HostBuf
 mod tests {
     use super::*;
 
+    /// One generator drawn from by every thread of the pool and by a thread
+    /// outside it, whose large draws fork the kernel into the pool. Were the
+    /// generator's lock held across the kernel, the pool's threads would wait
+    /// for the lock while the lock's holder waits for them to run its kernel
+    /// (Note [Generators]). The draws must end, and give disjoint numbers.
+    #[test]
+    fn draws_from_the_pool_and_outside_it_do_not_deadlock() {
+        crate::register();
+        let g = kiln_tensor::Generator::new(kiln_tensor::Device::Cpu).unwrap().manual_seed(7).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let draws = |g: &kiln_tensor::Generator, n: usize, times: usize| -> Vec<i64> {
+            (0..times).map(|_| g.random_bits(&[n]).unwrap().to_vec::<i64>().unwrap()[0]).collect()
+        };
+        let (small, large) = (64, 16 * CHUNK_BLOCKS * 4);
+        {
+            let (g, tx) = (g.clone(), tx.clone());
+            std::thread::spawn(move || tx.send(draws(&g, large, 20)).unwrap());
+        }
+        for _ in 0..rayon::current_num_threads() {
+            let (g, tx) = (g.clone(), tx.clone());
+            rayon::spawn(move || tx.send(draws(&g, small, 2000)).unwrap());
+        }
+        drop(tx);
+        let mut firsts = Vec::new();
+        for _ in 0..rayon::current_num_threads() + 1 {
+            let got = rx
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .expect("draws did not finish: the generator's lock was held across a parallel kernel");
+            firsts.extend(got);
+        }
+        let total = firsts.len();
+        firsts.sort_unstable();
+        firsts.dedup();
+        assert_eq!(firsts.len(), total, "two draws started at the same counter");
+    }
+
     #[test]
     fn philox_matches_the_known_answer_vectors() {
         // Random123's kat_vectors for philox4x32_10.
