@@ -39,6 +39,17 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    /// On a thread of rayon's global pool, where the kernels fork (Note
+    /// [Loops on the compute threads] in kiln-tensor); in place on one already.
+    fn run_on_compute_threads(&self, f: &mut (dyn FnMut() + Send)) {
+        if rayon::current_thread_index().is_some() {
+            return f();
+        }
+        // From outside the pool, `join` runs both closures on its threads and
+        // waits: `f` runs on a pool thread, the empty one beside it.
+        rayon::join(f, || ());
+    }
+
     fn from_host(&self, buf: HostBuffer, device: Device) -> Result<Arc<Storage>> {
         if device != Device::Cpu {
             return Err(Error::device("from_host", format!("the CPU backend cannot allocate on {device}")));

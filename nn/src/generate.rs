@@ -4,7 +4,7 @@
 use crate::models::LlamaForCausalLM;
 use kiln_tensor::generator::default_generator;
 use kiln_tensor::trace::ConstantScope;
-use kiln_tensor::{DType, Error, Generator, Result, Tensor};
+use kiln_tensor::{on_compute_threads, DType, Error, Generator, Result, Tensor};
 
 /// How each next token is chosen (transformers' order: temperature, then
 /// top-k, then top-p, then min-p, then a draw from what is left).
@@ -179,30 +179,35 @@ pub fn generate(
     let mut cache = model.new_cache(p.saturating_add(max_new_tokens.min(256)));
     let mut finished = vec![false; b];
     let mut next = prompt;
-    for _ in 0..max_new_tokens {
-        let logits = if sampling.use_cache {
-            model.forward_cached(&next, None, &mut cache, true)?
-        } else {
-            let len = rows[0].len();
-            let all = Tensor::from_vec(rows.concat(), &[b, len])?.to_device(device)?;
-            let l = model.forward(&all, None)?;
-            l.narrow(1, len as isize - 1, 1)?
-        };
-        let logits = logits.squeeze_dim(1)?; // [B, V]
-        let mut tokens = choose(&logits, sampling, &generator)?.to_vec::<i64>()?;
-        for (i, tok) in tokens.iter_mut().enumerate() {
-            if finished[i] {
-                *tok = sampling.eos_token_ids[0];
-            } else if sampling.eos_token_ids.contains(tok) {
-                finished[i] = true;
+    // One op after another: on the backend's compute threads (Note [Loops
+    // on the compute threads] in kiln-tensor).
+    on_compute_threads(device, || -> Result<()> {
+        for _ in 0..max_new_tokens {
+            let logits = if sampling.use_cache {
+                model.forward_cached(&next, None, &mut cache, true)?
+            } else {
+                let len = rows[0].len();
+                let all = Tensor::from_vec(rows.concat(), &[b, len])?.to_device(device)?;
+                let l = model.forward(&all, None)?;
+                l.narrow(1, len as isize - 1, 1)?
+            };
+            let logits = logits.squeeze_dim(1)?; // [B, V]
+            let mut tokens = choose(&logits, sampling, &generator)?.to_vec::<i64>()?;
+            for (i, tok) in tokens.iter_mut().enumerate() {
+                if finished[i] {
+                    *tok = sampling.eos_token_ids[0];
+                } else if sampling.eos_token_ids.contains(tok) {
+                    finished[i] = true;
+                }
+                rows[i].push(*tok);
             }
-            rows[i].push(*tok);
+            if !sampling.eos_token_ids.is_empty() && finished.iter().all(|&f| f) {
+                break;
+            }
+            next = Tensor::from_vec(tokens, &[b, 1])?.to_device(device)?;
         }
-        if !sampling.eos_token_ids.is_empty() && finished.iter().all(|&f| f) {
-            break;
-        }
-        next = Tensor::from_vec(tokens, &[b, 1])?.to_device(device)?;
-    }
+        Ok(())
+    })?;
     let len = rows[0].len();
     Tensor::from_vec(rows.concat(), &[b, len])?.to_device(device)
 }

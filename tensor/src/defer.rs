@@ -65,6 +65,11 @@ thread_local! {
     static RUNNING: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Whether this thread is running a pending program.
+pub(crate) fn running_program() -> bool {
+    RUNNING.with(|r| r.get())
+}
+
 fn lock() -> MutexGuard<'static, Vec<Pending>> {
     PENDING.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -133,6 +133,14 @@ pub trait Backend: Send + Sync + 'static {
     fn deferral(&self, _device: Device) -> Option<usize> {
         None
     }
+    /// Runs `f` once on a thread this backend computes on, when a loop of
+    /// ops run from there saves cross-thread wake-ups (Note \[Loops on the
+    /// compute threads\] in `compute_threads.rs`); the default runs it on the
+    /// calling thread. Called through [`crate::on_compute_threads`], which
+    /// carries the caller's thread state.
+    fn run_on_compute_threads(&self, f: &mut (dyn FnMut() + Send)) {
+        f()
+    }
     /// `f` captured into programs of this backend on `device` (`kiln::compile`
     /// on PJRT), for library code that knows no backend crate, such as the
     /// serving engine's decode step; `None` where ops run one by one anyway.

@@ -447,6 +447,11 @@ thread_local! {
     static HELD: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Whether this thread holds any storage's in-place lock.
+pub(crate) fn holds_exclusive() -> bool {
+    HELD.with(|h| !h.borrow().is_empty())
+}
+
 /// A held in-place lock (see [`Storage::exclusive`]).
 pub struct Exclusive<'a> {
     guard: Option<MutexGuard<'a, ()>>,

@@ -89,6 +89,11 @@ pub(super) fn end() -> Option<Recording> {
     })
 }
 
+/// Whether any device's ops are being recorded on this thread.
+pub(crate) fn any_recording() -> bool {
+    DEVICE.with(|d| d.get()).is_some()
+}
+
 /// Whether ops on `device` are being recorded on this thread (a function
 /// `kiln::compile` traces there): a backend refuses what a recorded program
 /// cannot hold, and records what it would otherwise run.

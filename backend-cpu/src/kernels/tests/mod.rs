@@ -85,3 +85,25 @@ pub(super) fn hf(v: &[f32]) -> Vec<f16> {
 pub(super) fn same_f32(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x.is_nan() && y.is_nan()) || x.to_bits() == y.to_bits())
 }
+
+/// Note [Loops on the compute threads]: a loop handed to the CPU backend runs
+/// on a thread of its pool, with the caller's grad mode, autocast and
+/// constant scope, and the caller's own state is untouched afterwards.
+#[test]
+fn loops_run_on_the_pool_with_the_callers_thread_state() {
+    use kiln_tensor::{autocast, autocast_dtype, is_grad_enabled, on_compute_threads, DType, Device, GradModeGuard};
+    crate::register();
+    assert_eq!(rayon::current_thread_index(), None, "the test itself runs outside the pool");
+    let _ng = GradModeGuard::set(false);
+    let _ac = autocast(DType::BF16).unwrap();
+    let _cs = kiln_tensor::trace::ConstantScope::enter();
+    let seen = on_compute_threads(Device::Cpu, || {
+        (rayon::current_thread_index(), is_grad_enabled(), autocast_dtype(), kiln_tensor::trace::in_constant_scope())
+    });
+    assert!(seen.0.is_some(), "the loop ran outside the pool");
+    assert_eq!((seen.1, seen.2, seen.3), (false, Some(DType::BF16), true), "the caller's state did not go with it");
+    // The pool thread's own state is back as it was: a plain loop sees the defaults.
+    drop((_ng, _ac, _cs));
+    let plain = on_compute_threads(Device::Cpu, || (is_grad_enabled(), autocast_dtype()));
+    assert_eq!(plain, (true, None));
+}
