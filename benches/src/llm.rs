@@ -12,6 +12,7 @@ use kiln::nn::models::causal_lm_loss;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::nn::{LlamaConfig, LlamaForCausalLM, Module};
 use kiln::prelude::*;
+use kiln::tensor::on_compute_threads;
 use serde_json::json;
 use std::time::Instant;
 
@@ -320,37 +321,92 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
             params += lin.weight.numel();
         }
     }
+    // Bytes a decoding step reads: every weight once, but of an embedding
+    // table that is not also the LM head, one row.
+    let embed = cfg.vocab_size * cfg.hidden_size * dtype.size_in_bytes();
+    let read_per_token = if cfg.tie_word_embeddings { bytes } else { bytes - embed };
     let prompt = random_ids(1, a.prompt, cfg.vocab_size, a.device)?;
     let _g = no_grad();
     let mut times = Vec::new();
+    let mut sleeps = Vec::new();
     for run in 0..a.warmup + a.steps.max(1) {
         let mut cache = model.new_cache(a.prompt + a.new_tokens);
         let logits = model.forward_cached(&prompt, None, &mut cache, true)?;
         let mut next = logits.argmax(Some(-1), false)?;
         next.to_vec::<i64>()?;
-        let t0 = Instant::now();
-        for _ in 0..a.new_tokens {
-            let logits = model.forward_cached(&next, None, &mut cache, true)?;
-            next = logits.argmax(Some(-1), false)?;
-            // Reading the token is part of a decoding step (it decides when to stop).
-            next.to_vec::<i64>()?;
-        }
+        let (t0, s0) = (Instant::now(), thread_sleeps());
+        // The loop runs where generate() runs it (Note [Loops on the compute
+        // threads] in kiln-tensor).
+        on_compute_threads(a.device, || -> Result<()> {
+            for _ in 0..a.new_tokens {
+                let logits = model.forward_cached(&next, None, &mut cache, true)?;
+                next = logits.argmax(Some(-1), false)?;
+                // Reading the token is part of a decoding step (it decides when to stop).
+                next.to_vec::<i64>()?;
+            }
+            Ok(())
+        })?;
         if run >= a.warmup {
             times.push(t0.elapsed().as_secs_f64());
+            sleeps.push((thread_sleeps() - s0) as f64 / a.new_tokens as f64);
         }
     }
+    sleeps.sort_by(f64::total_cmp);
     times.sort_by(f64::total_cmp);
     let t = median(&times);
-    Ok(line("decode", a)
+    let tok_s = a.new_tokens as f64 / t;
+    let mut out = line("decode", a).set("dtype", dtype.to_string());
+    if a.device == Device::Cpu {
+        // The memory roofline: bytes read per token over the read bandwidth
+        // measured now, in this process (a sum over 1 GiB).
+        let gbps = read_bandwidth_gbps()?;
+        out = out
+            .set("weight_gb_per_token", sig4(read_per_token as f64 / 1e9))
+            .set("read_gbps", sig4(gbps))
+            .set("roofline_tokens_per_s", sig4(gbps * 1e9 / read_per_token as f64))
+            .set("roofline_fraction", sig4(tok_s * read_per_token as f64 / (gbps * 1e9)));
+    }
+    Ok(out
         .set("weights", a.weights.clone())
         .set("weight_bytes_per_param", sig4(bytes as f64 / params as f64))
         .set("batch", 1)
         .set("prompt", a.prompt)
         .set("new_tokens", a.new_tokens)
         .set("steps", a.steps)
-        .set("tokens_per_s", sig4(a.new_tokens as f64 / t))
+        .set("tokens_per_s", sig4(tok_s))
+        .set("thread_sleeps_per_token", sig4(median(&sleeps)))
         .set("median_ms", sig4(t * 1e3))
         .set("peak_rss_mb", sig4(peak_rss_mb())))
+}
+
+/// Times the process's threads have gone to sleep so far (their voluntary
+/// context switches, Linux only; 0 elsewhere): each is a wake-up to come.
+fn thread_sleeps() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("status")).ok())
+        .filter_map(|s| {
+            let line = s.lines().find(|l| l.starts_with("voluntary_ctxt_switches:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .sum()
+}
+
+/// The CPU's read bandwidth in GB/s: the best of 5 sums over 1 GiB of f32,
+/// which no cache holds.
+fn read_bandwidth_gbps() -> Result<f64> {
+    let n = 1usize << 28;
+    let x = Tensor::ones(&[n], (DType::F32, Device::Cpu))?;
+    let times = (0..5)
+        .map(|_| {
+            let t0 = Instant::now();
+            x.sum()?.item_f64()?;
+            Ok(t0.elapsed().as_secs_f64())
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    Ok((n * 4) as f64 / times.into_iter().fold(f64::INFINITY, f64::min) / 1e9)
 }
 
 /// `autograd`: an MLP of four `[512, 1024] @ [1024, 1024]` layers with GELU,
