@@ -7,7 +7,7 @@ use super::kv::{PagedBatch, PagedKvCache, SeqChunk};
 use super::request::{Event, FinishReason, Request};
 use crate::generate::choose;
 use crate::models::LlamaForCausalLM;
-use kiln_tensor::{Error, Generator, Result, Tensor};
+use kiln_tensor::{on_compute_threads, Error, Generator, Result, Tensor};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -436,8 +436,14 @@ impl Engine {
     /// Runs one iteration (Note [Iteration-level scheduling]) and returns the
     /// tokens and ends it produced. A failure of the model step ends every
     /// sequence of the step with `FinishReason::Error` and its message (the
-    /// other requests go on).
+    /// other requests go on). The step's ops run on the model device's compute
+    /// threads (Note [Loops on the compute threads] in kiln-tensor).
     pub fn step(&mut self) -> Vec<StepOutput> {
+        let device = self.model.device();
+        on_compute_threads(device, || self.step_here())
+    }
+
+    fn step_here(&mut self) -> Vec<StepOutput> {
         let mut out = vec![];
         let plan = self.schedule(&mut out);
         if plan.is_empty() {
