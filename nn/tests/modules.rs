@@ -44,7 +44,7 @@ fn parameter_names_are_hugging_face_names() {
     assert!(names.contains(&"model.layers.2.self_attn.k_norm.weight".to_string()));
     assert_eq!(qwen.num_parameters(), 139_760);
     assert_eq!(names, SafetensorsFile::open(fixture_dir("qwen3/model.safetensors")).unwrap().names());
-    assert!(qwen.output_weight().same(&qwen.model.embed_tokens.weight));
+    assert!(qwen.output_weight().unwrap().same(&qwen.model.embed_tokens.weight));
 }
 
 #[test]

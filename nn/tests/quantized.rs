@@ -482,3 +482,32 @@ fn transformers_loads_what_kiln_quantizes() {
         }
     }
 }
+
+/// A kept-quantized `lm_head` (an untied model whose checkpoint quantizes it)
+/// gives the logits of its dequantized weight, as the decoder's Linears do.
+#[test]
+fn a_quantized_lm_head_gives_the_logits_of_its_dequantized_weight() {
+    use kiln::nn::quantize::{quantize_weight, QuantScheme};
+    let cfg = kiln::nn::LlamaConfig::from_json_str(
+        r#"{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    kiln::manual_seed(3);
+    let mut model = LlamaForCausalLM::new(&cfg, DType::F32).unwrap();
+    let head = model.lm_head.as_ref().unwrap().weight.clone();
+    let q = quantize_weight(&head, QuantScheme::Fp8Channel).unwrap();
+    let dense = Tensor::dequantize(&q.codes, &q.scales, &q.spec).unwrap();
+    let ids = Tensor::new([[1i64, 5, 9, 2]]).unwrap();
+    let mut reference = model.clone();
+    reference.lm_head.as_mut().unwrap().weight = dense;
+    let want = reference.forward(&ids, None).unwrap();
+    model.keep_quantized(&BTreeMap::from([("lm_head".to_string(), q)]), Device::Cpu).unwrap();
+    assert!(model.output_weight().is_none(), "a quantized head has no dense weight to hand out");
+    let got = model.forward(&ids, None).unwrap();
+    // The two products sum 32 terms in f32, maybe in different orders: within
+    // 32 * 2^-24 of the terms' magnitudes, whose sums stay below 1 here.
+    assert!(want.abs().unwrap().max().unwrap().item_f64().unwrap() > 0.05, "logits too small to tell");
+    assert_close("logits", &got, &want, 32.0 * 2f64.powi(-24), 0.0);
+}

@@ -572,16 +572,23 @@ impl LlamaForCausalLM {
         self.model.embed_tokens.weight.device()
     }
 
-    /// The `[vocab, hidden]` matrix that maps hidden states to logits.
-    pub fn output_weight(&self) -> &Tensor {
+    /// The dense `[vocab, hidden]` matrix that maps hidden states to logits;
+    /// `None` when `lm_head` keeps its weight quantized (its codes and scales
+    /// are `lm_head.quantized_weight()`).
+    pub fn output_weight(&self) -> Option<&Tensor> {
         match &self.lm_head {
-            Some(l) => &l.weight,
-            None => &self.model.embed_tokens.weight,
+            Some(l) if l.is_quantized() => None,
+            Some(l) => Some(&l.weight),
+            None => Some(&self.model.embed_tokens.weight),
         }
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        hidden.linear(self.output_weight(), self.lm_head.as_ref().and_then(|l| l.bias.as_ref()))
+        match &self.lm_head {
+            // Through the Linear, which multiplies a weight kept quantized by its codes.
+            Some(head) => head.forward(hidden),
+            None => hidden.linear(&self.model.embed_tokens.weight, None),
+        }
     }
 
     /// Logits `[B, T, vocab]` for token ids `[B, T]` (int64 or another integer
