@@ -305,9 +305,18 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
     let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
     let dtype = if a.weights == "bf16" { DType::BF16 } else { DType::F32 };
     let mut model = LlamaForCausalLM::new(&cfg, (dtype, a.device))?;
-    if !matches!(a.weights.as_str(), "f32" | "bf16") {
-        let scheme = kiln::nn::quantize::QuantScheme::parse(&a.weights)?;
+    let (scheme, head) = match a.weights.strip_suffix("+head") {
+        Some(s) => (s, true),
+        None => (a.weights.as_str(), false),
+    };
+    if !matches!(scheme, "f32" | "bf16") {
+        let scheme = kiln::nn::quantize::QuantScheme::parse(scheme)?;
         kiln::nn::quantize::quantize_model(&mut model, scheme)?;
+        if head {
+            kiln::nn::quantize::quantize_lm_head(&mut model, scheme)?;
+        }
+    } else if head {
+        return Err(Error::invalid("kiln-bench", format!("--weights {}: +head needs a quantized scheme", a.weights)));
     }
     // Resident bytes of the weights per parameter (quantized weights count their elements).
     let (mut bytes, mut params) = (0usize, 0usize);
@@ -324,7 +333,8 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
     // Bytes a decoding step reads: every weight once, but of an embedding
     // table that is not also the LM head, one row.
     let embed = cfg.vocab_size * cfg.hidden_size * dtype.size_in_bytes();
-    let read_per_token = if cfg.tie_word_embeddings { bytes } else { bytes - embed };
+    let head_reads_embedding = cfg.tie_word_embeddings && !head;
+    let read_per_token = if head_reads_embedding { bytes } else { bytes - embed };
     let prompt = random_ids(1, a.prompt, cfg.vocab_size, a.device)?;
     let _g = no_grad();
     let mut times = Vec::new();

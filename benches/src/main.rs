@@ -96,7 +96,8 @@ OPTIONS:
                        master weights, gradients and AdamW state)
     --weights W        decode: the decoder Linear weights as f32 (default), bf16 (the whole model in
                        bf16), or kept quantized: fp8 (128x128 blocks), fp8-channel, nvfp4, mxfp4
-                       (activations f32); the line has weight_bytes_per_param
+                       (activations f32), and with a `+head` suffix (nvfp4+head) the LM head too,
+                       as llama.cpp's quantized files have it; the line has weight_bytes_per_param
     -h, --help         this text
 
 METHOD:

@@ -25,6 +25,7 @@
 // (Note [Quantized weights] in kiln-tensor), so a saved and reloaded model
 // computes what the in-memory quantized one does.
 use crate::io::{save_safetensors, write_atomic, QuantizedWeight};
+use crate::layers::Linear;
 use crate::models::LlamaForCausalLM;
 use crate::module::Module;
 use kiln_tensor::quant::{Codes, Global, QuantSpec};
@@ -225,6 +226,27 @@ pub fn quantize_model(model: &mut LlamaForCausalLM, scheme: QuantScheme) -> Resu
         q.insert(name, quantize_weight(&lin.weight, scheme)?);
     }
     model.keep_quantized(&q, device)
+}
+
+/// Keeps the output projection (the LM head) quantized in `scheme` too,
+/// as llama.cpp's quantized files carry an `output.weight` of their own
+/// type: a batch-1 decoding step reads the whole head for every token, and
+/// with tied embeddings it is a quarter of Qwen3-0.6B's weights. A tied
+/// model gets an `lm_head` Linear of its own holding the quantized matrix,
+/// while the embedding lookup keeps the dense table. Checkpoints in the
+/// compressed-tensors and ModelOpt formats leave the head dense; a model
+/// whose head is quantized this way is not saved by `save_pretrained`.
+pub fn quantize_lm_head(model: &mut LlamaForCausalLM, scheme: QuantScheme) -> Result<()> {
+    let device = model.device();
+    let w = model
+        .output_weight()
+        .ok_or_else(|| Error::invalid("quantize_lm_head", "the LM head is already quantized"))?
+        .clone();
+    let q = quantize_weight(&w, scheme)?;
+    if model.lm_head.is_none() {
+        model.lm_head = Some(Linear::from_weights(w.detach(), None)?);
+    }
+    model.keep_quantized(&BTreeMap::from([("lm_head".to_string(), q)]), device)
 }
 
 /// Writes `model` (dense) to `dir` as a compressed-tensors checkpoint of

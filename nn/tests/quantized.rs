@@ -511,3 +511,35 @@ fn a_quantized_lm_head_gives_the_logits_of_its_dequantized_weight() {
     assert!(want.abs().unwrap().max().unwrap().item_f64().unwrap() > 0.05, "logits too small to tell");
     assert_close("logits", &got, &want, 32.0 * 2f64.powi(-24), 0.0);
 }
+
+/// `quantize_lm_head` on a tied model: the head becomes a quantized Linear of
+/// its own (logits of the dequantized embedding matrix), the lookup keeps
+/// the dense table, and a second call is an error.
+#[test]
+fn a_tied_head_quantizes_into_a_linear_of_its_own() {
+    use kiln::nn::quantize::{quantize_lm_head, quantize_weight, QuantScheme};
+    let cfg = kiln::nn::LlamaConfig::from_json_str(
+        r#"{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    kiln::manual_seed(4);
+    let mut model = LlamaForCausalLM::new(&cfg, DType::F32).unwrap();
+    let table = model.model.embed_tokens.weight.clone();
+    let q = quantize_weight(&table, QuantScheme::Nvfp4).unwrap();
+    let mut reference = model.clone();
+    reference.lm_head = Some(
+        kiln::nn::layers::Linear::from_weights(Tensor::dequantize(&q.codes, &q.scales, &q.spec).unwrap(), None)
+            .unwrap(),
+    );
+    quantize_lm_head(&mut model, QuantScheme::Nvfp4).unwrap();
+    assert!(model.lm_head.as_ref().unwrap().is_quantized());
+    assert!(model.model.embed_tokens.weight.same(&table), "the lookup keeps the dense table");
+    let ids = Tensor::new([[3i64, 60, 7]]).unwrap();
+    let (got, want) = (model.forward(&ids, None).unwrap(), reference.forward(&ids, None).unwrap());
+    assert!(want.abs().unwrap().max().unwrap().item_f64().unwrap() > 0.05, "logits too small to tell");
+    // Sums of 32 terms in f32, maybe in different orders (see above).
+    assert_close("logits", &got, &want, 32.0 * 2f64.powi(-24), 0.0);
+    assert!(quantize_lm_head(&mut model, QuantScheme::Nvfp4).is_err(), "a quantized head quantized again");
+}
