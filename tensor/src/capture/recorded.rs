@@ -214,7 +214,18 @@ fn build(rec: Recording, inputs: &[Tensor], returned: &[Tensor], watches: Vec<Wa
             // Held by someone besides this list: state that outlives the call.
             None if Arc::strong_count(st) > 1 => {
                 let v = program.params()[k].value;
-                let drawn = program.insts().iter().any(|i| matches!(i.op, Op::RandomBits { .. }) && i.args[0] == v);
+                // A draw reads a copy of the generator's state, taken under its
+                // lock (Note [Generators]).
+                let copies: Vec<_> = program
+                    .insts()
+                    .iter()
+                    .filter(|i| matches!(i.op, Op::Copy) && i.args[0] == v)
+                    .map(|i| i.first)
+                    .collect();
+                let drawn = program
+                    .insts()
+                    .iter()
+                    .any(|i| matches!(i.op, Op::RandomBits { .. }) && (i.args[0] == v || copies.contains(&i.args[0])));
                 let kind = if drawn { ParamKind::Generator } else { ParamKind::State };
                 (kind, Binding::State(Arc::downgrade(st)))
             }
