@@ -104,23 +104,57 @@ fn widen<T: Elem>(x: &Input<'_>) -> Result<(Vec<f32>, Layout)> {
 /// says so, else widened to f32 for gemm.
 fn bf16_matmul(a: &Input<'_>, b: &Input<'_>, g: &Geometry) -> Result<Vec<bf16>> {
     let (m, k, n) = (g.m, g.k, g.n);
-    if g.b_rs != 1 || !rowdot_bf16::applies(m, k) {
+    if !rowdot_bf16::applies(m, k, g.b_rs == 1) {
         return via_f32::<bf16>(a, b);
     }
     let (av, bv) = (a.slice::<bf16>()?, b.slice::<bf16>()?);
     let mut out = vec![bf16::ZERO; g.batches() * m * n];
     for (&(oa, ob), out) in g.offsets.iter().zip(out.chunks_exact_mut(m * n)) {
-        // The left operand row by row: in place when row-major, else copied.
-        let copy: Vec<bf16>;
+        // Rows along the depth: in place where the operand has them, else copied.
+        let (x_copy, w_copy): (Vec<bf16>, Vec<bf16>);
         let (x, x_rs) = if g.a_cs == 1 {
             (&av[oa..], g.a_rs)
         } else {
-            copy = (0..m).flat_map(|i| (0..k).map(move |p| av[oa + i * g.a_rs + p * g.a_cs])).collect();
-            (&copy[..], k)
+            x_copy = rows_along_depth(av, oa, m, k, g.a_rs, g.a_cs);
+            (&x_copy[..], k)
         };
-        RowDot { x, x_rs, w: &bv[ob..], w_rs: g.b_cs, m, n, k }.run(out);
+        let (w, w_rs) = if g.b_rs == 1 {
+            (&bv[ob..], g.b_cs)
+        } else {
+            w_copy = rows_along_depth(bv, ob, n, k, g.b_cs, g.b_rs);
+            (&w_copy[..], k)
+        };
+        RowDot { x, x_rs, w, w_rs, m, n, k }.run(out);
     }
     Ok(out)
+}
+
+/// The `rows x depth` matrix whose element `(i, p)` is `v[off + i * rs + p * ds]`,
+/// row-major, copied in square blocks so that both sides stay in cache.
+fn rows_along_depth(v: &[bf16], off: usize, rows: usize, depth: usize, rs: usize, ds: usize) -> Vec<bf16> {
+    const BLOCK: usize = 32;
+    let mut out = vec![bf16::ZERO; rows * depth];
+    if rows == 0 || depth == 0 {
+        return out;
+    }
+    // The largest index read, so every index below is inside `v`.
+    assert!(off + (rows - 1) * rs + (depth - 1) * ds < v.len(), "rows_along_depth: out of bounds");
+    out.par_chunks_mut(BLOCK * depth).enumerate().for_each(|(b, dst)| {
+        let i0 = b * BLOCK;
+        let n_rows = dst.len() / depth;
+        for p0 in (0..depth).step_by(BLOCK) {
+            let p1 = (p0 + BLOCK).min(depth);
+            for r in 0..n_rows {
+                let src = off + (i0 + r) * rs;
+                for p in p0..p1 {
+                    // SAFETY: i0 + r < rows and p < depth, so the index is at most
+                    // the one the assert bounds; `r * depth + p` < `dst.len()`.
+                    unsafe { *dst.get_unchecked_mut(r * depth + p) = *v.get_unchecked(src + p * ds) };
+                }
+            }
+        }
+    });
+    out
 }
 
 fn via_f32<T: Elem>(a: &Input<'_>, b: &Input<'_>) -> Result<Vec<T>> {

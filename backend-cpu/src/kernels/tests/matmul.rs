@@ -365,9 +365,9 @@ fn bf16_products_as_dot_products_every_way() {
 fn bf16_linear_products() {
     let _off = super::batch_invariance(false);
     let (k, n) = (300usize, 37usize);
-    let (wv, xv) = (bf(&noise(2 * n * k, 50)), bf(&noise(2 * 40 * k, 51)));
+    let (wv, xv) = (bf(&noise(2 * n * k, 50)), bf(&noise(2 * 100 * k, 51)));
     let w = t(wv.clone(), &[2, n, k]);
-    for m in [1usize, 7, 32, 33, 40] {
+    for m in [1usize, 7, 32, 33, 40, 100] {
         let x = t(xv[..2 * m * k].to_vec(), &[2, m, k]);
         let by_columns = x.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
         for x in [&x, &by_columns] {
@@ -411,6 +411,27 @@ fn bf16_rows_do_not_depend_on_the_rest_of_the_batch() {
                 let same = part.iter().zip(&all[off * n..]).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "k {k}, n {n}: rows {off}..{} alone differ from the same rows among {big}", off + m);
             }
+        }
+    }
+}
+
+/// bf16 `x @ W` with `W` laid out `[k, n]` (the input gradient's layout): from
+/// `MIN_ROWS_COPIED` rows on, its rows along the depth are copied first; both
+/// sides of the switch against the exact sums.
+#[test]
+fn bf16_products_of_a_weight_copied_into_rows() {
+    let _off = super::batch_invariance(false);
+    let (k, n) = (300usize, 37usize);
+    let wv = bf(&noise(k * n, 60));
+    let w = t(wv.clone(), &[k, n]);
+    for m in [200usize, 300] {
+        let xv = bf(&noise(m * k, 61));
+        let got = vals::<bf16>(&mm(&t(xv.clone(), &[m, k]), &w));
+        for (e, g) in got.iter().enumerate() {
+            let (i, j) = (e / n, e % n);
+            let terms = (0..k).map(|p| xv[i * k + p].to_f64() * wv[p * n + j].to_f64());
+            let (want, abs) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+            assert!((g.to_f64() - want).abs() <= bf16_bound(want, abs, k), "m {m}, ({i}, {j}): {g} vs {want}");
         }
     }
 }
