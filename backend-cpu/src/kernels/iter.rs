@@ -16,6 +16,36 @@ pub(crate) fn threads() -> usize {
     rayon::current_num_threads()
 }
 
+/// A pointer that may cross to rayon's threads: each task writes a disjoint range.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr<T>(pub(crate) *mut T);
+// SAFETY: the pointer is only used to write disjoint ranges of one allocation
+// that outlives the parallel loop (every user says how its ranges are disjoint).
+unsafe impl<T: Send> Send for OutPtr<T> {}
+// SAFETY: as above; tasks never touch each other's range.
+unsafe impl<T: Send> Sync for OutPtr<T> {}
+
+impl<T> OutPtr<T> {
+    /// The pointer (a method, so closures capture the `Send` wrapper, not the raw field).
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// Runs `f(j0, j1)` over disjoint ranges covering `0..n` columns: the whole
+/// range on this thread when the work (`m * n * k` multiply-adds) is below
+/// 2^16 or there is one thread, else equal ranges, several per thread, each a
+/// multiple of `tile` columns but the last, in parallel.
+pub(crate) fn column_ranges(m: usize, n: usize, k: usize, tile: usize, f: impl Fn(usize, usize) + Sync) {
+    if m * n * k < 1 << 16 || threads() == 1 {
+        f(0, n);
+        return;
+    }
+    let parts = (threads() * 4).min(n.div_ceil(tile)).max(1);
+    let per = n.div_ceil(parts).next_multiple_of(tile);
+    (0..n.div_ceil(per)).into_par_iter().for_each(|p| f(p * per, ((p + 1) * per).min(n)));
+}
+
 /// A loop nest over `N` operands that share a shape, each with its own strides
 /// and offset (in elements).
 ///

@@ -7,7 +7,7 @@
 //! their own type (wrapping).
 use super::copy::materialize_vec;
 use super::elem::{advise_huge_pages, Elem};
-use super::iter::{par_blocks, threads, Nest};
+use super::iter::{par_blocks, threads, Nest, OutPtr};
 use super::map::map1;
 use super::rowdot_bf16::{self, RowDot};
 use super::{buf, Input};
@@ -237,22 +237,6 @@ const CHUNK_WORK: usize = 1 << 28;
 // 1.01x-1.06x in four runs but 2048^3 at 0.97x-1.02x, as a last chunk of 256
 // columns there is a quarter of the whole product's time. On two threads, 1024^3
 // and smaller keep their four equal parts.
-
-/// A pointer that may cross to rayon's threads: each task writes a disjoint range.
-#[derive(Clone, Copy)]
-struct OutPtr<T>(*mut T);
-// SAFETY: the pointer is only used to write disjoint ranges of one allocation
-// that outlives the parallel loop (see `gemm_batched` and `gemm_one`).
-unsafe impl<T: Send> Send for OutPtr<T> {}
-// SAFETY: as above; tasks never touch each other's range.
-unsafe impl<T: Send> Sync for OutPtr<T> {}
-
-impl<T> OutPtr<T> {
-    /// The pointer (a method, so closures capture the `Send` wrapper, not the raw field).
-    fn get(self) -> *mut T {
-        self.0
-    }
-}
 
 /// All products of a batch into one fresh buffer. The buffer is not zeroed
 /// first: gemm is called with `read_dst = false`, so it writes every element of

@@ -3,11 +3,10 @@
 // Only x86-64 with AVX-512 has the instructions this way uses; elsewhere
 // `quant_matmul` keeps its tiles.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_imports))]
-use super::iter::threads;
+use super::iter::{column_ranges, OutPtr};
 use super::quant::Scales;
 use super::simd::{level, Level};
 use kiln_tensor::quant::{Codes, QuantSpec};
-use rayon::prelude::*;
 
 // Note [Codes decoded in the registers]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -38,8 +37,6 @@ use rayon::prelude::*;
 
 /// Elements per step (one AVX-512 register of f32).
 const STEP: usize = 16;
-/// A product is split across threads from this many multiply-adds on.
-const PAR_MIN: usize = 1 << 16;
 
 /// One product: `x` float32 rows `m x k` (contiguous), W `n x k` as `spec`'s
 /// codes and scales; the result goes to `out[i * n + j]`.
@@ -84,7 +81,7 @@ impl QuantRowDot<'_> {
         if m == 0 || n == 0 {
             return;
         }
-        let out = OutRows(out.as_mut_ptr());
+        let out = OutPtr(out.as_mut_ptr());
         // Codes 64 at a time where the CPU has byte permutes, with `x` in the
         // order they come out in.
         assert!(!wide || wide_steps(), "quant_rowdot: wide steps need AVX512-VBMI");
@@ -97,11 +94,11 @@ impl QuantRowDot<'_> {
         };
         let step_blocks: Vec<usize> = (0..k / STEP).map(|st| st * STEP / spec.block[1]).collect();
         let plan = Plan { job: QuantRowDot { x, ..*self }, step_blocks, row_bytes };
-        let cols = |j0: usize, j1: usize| {
+        column_ranges(m, n, k, TILE_C, |j0, j1| {
             // SAFETY: the asserts bound every read (x rows < m, code rows < n);
             // columns j0..j1 of each output row are written by this call only (the
             // ranges handed out are disjoint) and lie inside `out`; `applies`
-            // confirmed AVX-512, `wide_e4m3` AVX512-VBMI.
+            // confirmed AVX-512, `wide_steps` AVX512-VBMI.
             #[cfg(target_arch = "x86_64")]
             unsafe {
                 if wide {
@@ -112,14 +109,7 @@ impl QuantRowDot<'_> {
             }
             #[cfg(not(target_arch = "x86_64"))]
             let _ = (j0, j1, &plan);
-        };
-        if m * n * k < PAR_MIN || threads() == 1 {
-            cols(0, n);
-            return;
-        }
-        let parts = (threads() * 4).min(n.div_ceil(TILE_C)).max(1);
-        let per = n.div_ceil(parts).next_multiple_of(TILE_C);
-        (0..n.div_ceil(per)).into_par_iter().for_each(|p| cols(p * per, ((p + 1) * per).min(n)));
+        });
     }
 }
 
@@ -167,18 +157,10 @@ fn permute_rows(x: &[f32], m: usize, k: usize) -> Vec<f32> {
 const TILE_R: usize = 4;
 const TILE_C: usize = 4;
 
-/// The output's base pointer, shared by the threads that write disjoint columns.
-#[derive(Clone, Copy)]
-struct OutRows(*mut f32);
-// SAFETY: threads write disjoint elements of one allocation that outlives the
-// parallel loop (`QuantRowDot::run`).
-unsafe impl Send for OutRows {}
-// SAFETY: as above.
-unsafe impl Sync for OutRows {}
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{OutRows, Plan, STEP, TILE_C, TILE_R};
+    use super::{Plan, STEP, TILE_C, TILE_R};
+    use crate::kernels::iter::OutPtr;
     use crate::kernels::quant::{e2m1_fast, e4m3};
     use kiln_tensor::quant::{Codes, E2M1_VALUES};
     use std::arch::x86_64::*;
@@ -188,7 +170,7 @@ mod x86 {
     /// # Safety
     /// As the closure in [`QuantRowDot::run`] argues.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn columns(plan: &Plan<'_>, out: OutRows, j0: usize, j1: usize) {
+    pub(super) unsafe fn columns(plan: &Plan<'_>, out: OutPtr<f32>, j0: usize, j1: usize) {
         // SAFETY: forwarded.
         unsafe { columns_impl::<false>(plan, out, j0, j1) }
     }
@@ -199,14 +181,14 @@ mod x86 {
     /// # Safety
     /// As the closure in [`QuantRowDot::run`] argues, with AVX512-VBMI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
-    pub(super) unsafe fn columns_wide(plan: &Plan<'_>, out: OutRows, j0: usize, j1: usize) {
+    pub(super) unsafe fn columns_wide(plan: &Plan<'_>, out: OutPtr<f32>, j0: usize, j1: usize) {
         // SAFETY: forwarded.
         unsafe { columns_impl::<true>(plan, out, j0, j1) }
     }
 
     /// R x C tiles (edge tiles narrower).
     #[inline(always)]
-    unsafe fn columns_impl<const WIDE: bool>(plan: &Plan<'_>, out: OutRows, j0: usize, j1: usize) {
+    unsafe fn columns_impl<const WIDE: bool>(plan: &Plan<'_>, out: OutPtr<f32>, j0: usize, j1: usize) {
         let m = plan.job.m;
         let mut j = j0;
         while j < j1 {
@@ -387,7 +369,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn tile<const R: usize, const C: usize, const WIDE: bool>(
         plan: &Plan<'_>,
-        out: OutRows,
+        out: OutPtr<f32>,
         i: usize,
         j: usize,
     ) {
@@ -473,7 +455,7 @@ mod x86 {
             for (c, &v) in acc.iter().enumerate() {
                 // SAFETY: row i + r < m, column j + c < n in this call's range,
                 // written by this call only (the caller's contract).
-                unsafe { *out.0.add((i + r) * job.n + j + c) = _mm512_reduce_add_ps(v) };
+                unsafe { *out.get().add((i + r) * job.n + j + c) = _mm512_reduce_add_ps(v) };
             }
         }
     }

@@ -2,10 +2,9 @@
 //! dot products of rows in the vector registers (Note [bf16 dot products]).
 // Only x86-64 has the vector units this way uses; elsewhere `matmul` declines.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_imports))]
-use super::iter::threads;
+use super::iter::{column_ranges, OutPtr};
 use super::simd::{level, Level};
 use half::bf16;
-use rayon::prelude::*;
 
 // Note [bf16 dot products]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -54,8 +53,6 @@ const MIN_DEPTH: usize = 256;
 const MIN_ROWS_COPIED: usize = 256;
 /// Rows of `x` per block: the block's rows take at most this many elements.
 const BLOCK_ELEMS: usize = 1 << 17;
-/// A product is split across threads from this many multiply-adds on.
-const PAR_MIN: usize = 1 << 16;
 
 /// One batch of products: `x` rows `i < m` at `x[i * x_rs..][..k]`, `w` rows
 /// `j < n` at `w[j * w_rs..][..k]`; the result goes to `out[i * n + j]`.
@@ -134,23 +131,15 @@ impl RowDot<'_> {
         }
         assert!((m - 1) * self.x_rs + k <= self.x.len(), "rowdot_bf16: x rows out of bounds");
         assert!((n - 1) * self.w_rs + k <= self.w.len(), "rowdot_bf16: w rows out of bounds");
-        let out = OutRows(out.as_mut_ptr());
-        let cols = |j0: usize, j1: usize| {
+        let out = OutPtr(out.as_mut_ptr());
+        column_ranges(m, n, k, TILE_C, |j0, j1| {
             // SAFETY: the asserts above bound every row read (rows < m of x, < n of
             // w, k elements each) inside the slices; the columns j0..j1 of each
             // output row are written by this call only (the ranges handed out are
             // disjoint), inside `out`'s m * n elements; the CPU has the way's
             // features (`ways()` detected them).
             unsafe { self.columns(way, out, j0, j1) }
-        };
-        if m * n * k < PAR_MIN || threads() == 1 {
-            cols(0, n);
-            return;
-        }
-        // Equal column ranges, several per thread (multiples of the tile width).
-        let parts = (threads() * 4).min(n.div_ceil(TILE_C)).max(1);
-        let per = n.div_ceil(parts).next_multiple_of(TILE_C);
-        (0..n.div_ceil(per)).into_par_iter().for_each(|p| cols(p * per, ((p + 1) * per).min(n)));
+        });
     }
 
     /// Columns `j0..j1` of every row.
@@ -158,7 +147,7 @@ impl RowDot<'_> {
     /// # Safety
     /// As the closure in [`RowDot::run`] argues: rows in bounds, the columns
     /// ours alone, the way's features present.
-    unsafe fn columns(&self, way: Way, out: OutRows, j0: usize, j1: usize) {
+    unsafe fn columns(&self, way: Way, out: OutPtr<bf16>, j0: usize, j1: usize) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller's contract; each entry point needs its way's features.
         unsafe {
@@ -176,18 +165,10 @@ impl RowDot<'_> {
 /// Columns per tile.
 const TILE_C: usize = 4;
 
-/// The output's base pointer, shared by the threads that write disjoint columns.
-#[derive(Clone, Copy)]
-pub(super) struct OutRows(*mut bf16);
-// SAFETY: threads write disjoint elements of one allocation that outlives the
-// parallel loop (`RowDot::run`).
-unsafe impl Send for OutRows {}
-// SAFETY: as above.
-unsafe impl Sync for OutRows {}
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{OutRows, RowDot, BLOCK_ELEMS, TILE_C};
+    use super::{RowDot, BLOCK_ELEMS, TILE_C};
+    use crate::kernels::iter::OutPtr;
     use half::bf16;
     use std::arch::x86_64::*;
 
@@ -302,7 +283,7 @@ mod x86 {
     /// # Safety
     /// As [`RowDot::columns`], with AVX512-BF16.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn dot_bf16(job: &RowDot<'_>, out: OutRows, j0: usize, j1: usize) {
+    pub(super) unsafe fn dot_bf16(job: &RowDot<'_>, out: OutPtr<bf16>, j0: usize, j1: usize) {
         // SAFETY: forwarded.
         unsafe { run::<DotBf16, 6, TILE_C>(job, out, j0, j1) }
     }
@@ -310,7 +291,7 @@ mod x86 {
     /// # Safety
     /// As [`RowDot::columns`], with AVX-512.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn widen16(job: &RowDot<'_>, out: OutRows, j0: usize, j1: usize) {
+    pub(super) unsafe fn widen16(job: &RowDot<'_>, out: OutPtr<bf16>, j0: usize, j1: usize) {
         // SAFETY: forwarded.
         unsafe { run::<Widen16, 6, TILE_C>(job, out, j0, j1) }
     }
@@ -318,14 +299,14 @@ mod x86 {
     /// # Safety
     /// As [`RowDot::columns`], with AVX2 + FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn widen8(job: &RowDot<'_>, out: OutRows, j0: usize, j1: usize) {
+    pub(super) unsafe fn widen8(job: &RowDot<'_>, out: OutPtr<bf16>, j0: usize, j1: usize) {
         // SAFETY: forwarded.
         unsafe { run::<Widen8, 2, TILE_C>(job, out, j0, j1) }
     }
 
     /// Columns `j0..j1` with R x C tiles (edge tiles narrower), blocks of rows outermost.
     #[inline(always)]
-    unsafe fn run<U: Unit, const R: usize, const C: usize>(job: &RowDot<'_>, out: OutRows, j0: usize, j1: usize) {
+    unsafe fn run<U: Unit, const R: usize, const C: usize>(job: &RowDot<'_>, out: OutPtr<bf16>, j0: usize, j1: usize) {
         let (m, k) = (job.m, job.k);
         let rows_per_block = (BLOCK_ELEMS / k).max(R) / R * R;
         let mut i0 = 0;
@@ -360,7 +341,7 @@ mod x86 {
 
     /// The R x C outputs of rows `i..i + R` and columns `j..j + C`.
     #[inline(always)]
-    unsafe fn tile<U: Unit, const R: usize, const C: usize>(job: &RowDot<'_>, out: OutRows, i: usize, j: usize) {
+    unsafe fn tile<U: Unit, const R: usize, const C: usize>(job: &RowDot<'_>, out: OutPtr<bf16>, i: usize, j: usize) {
         let k = job.k;
         let xs: [*const bf16; R] = std::array::from_fn(|r| job.x[(i + r) * job.x_rs..][..k].as_ptr());
         let ws: [*const bf16; C] = std::array::from_fn(|c| job.w[(j + c) * job.w_rs..][..k].as_ptr());
@@ -401,7 +382,7 @@ mod x86 {
                 for (c, &v) in acc.iter().enumerate() {
                     // The caller's contract: row i + r < m, column j + c in this
                     // call's range, written by this call only.
-                    *out.0.add((i + r) * job.n + j + c) = bf16::from_f32(U::sum(v));
+                    *out.get().add((i + r) * job.n + j + c) = bf16::from_f32(U::sum(v));
                 }
             }
         }
