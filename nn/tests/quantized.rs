@@ -483,17 +483,22 @@ fn transformers_loads_what_kiln_quantizes() {
     }
 }
 
+/// A one-layer Llama of hidden size 32 (so its products sum 32 terms).
+fn tiny_lm(tied: bool) -> kiln::nn::LlamaConfig {
+    kiln::nn::LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "tie_word_embeddings": {tied}}}"#
+    ))
+    .unwrap()
+}
+
 /// A kept-quantized `lm_head` (an untied model whose checkpoint quantizes it)
 /// gives the logits of its dequantized weight, as the decoder's Linears do.
 #[test]
 fn a_quantized_lm_head_gives_the_logits_of_its_dequantized_weight() {
     use kiln::nn::quantize::{quantize_weight, QuantScheme};
-    let cfg = kiln::nn::LlamaConfig::from_json_str(
-        r#"{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "tie_word_embeddings": false}"#,
-    )
-    .unwrap();
+    let cfg = tiny_lm(false);
     kiln::manual_seed(3);
     let mut model = LlamaForCausalLM::new(&cfg, DType::F32).unwrap();
     let head = model.lm_head.as_ref().unwrap().weight.clone();
@@ -518,12 +523,7 @@ fn a_quantized_lm_head_gives_the_logits_of_its_dequantized_weight() {
 #[test]
 fn a_tied_head_quantizes_into_a_linear_of_its_own() {
     use kiln::nn::quantize::{quantize_lm_head, quantize_weight, QuantScheme};
-    let cfg = kiln::nn::LlamaConfig::from_json_str(
-        r#"{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "tie_word_embeddings": true}"#,
-    )
-    .unwrap();
+    let cfg = tiny_lm(true);
     kiln::manual_seed(4);
     let mut model = LlamaForCausalLM::new(&cfg, DType::F32).unwrap();
     let table = model.model.embed_tokens.weight.clone();
