@@ -29,11 +29,21 @@ use kiln_tensor::quant::{Codes, QuantSpec};
 //   byte j's low nibble), and a permute picks each value from the 16 a code
 //   can take.
 //
+// With AVX512-VBMI a step takes 64 codes: each code picks the two bytes of
+// its bf16 value from tables (two of 128 bytes for E4M3, its sign bit then
+// joining the high byte, 0x7F giving NaN; one of 16 for E2M1, sign
+// included), and the bf16 values become f32 by unpacking with zeros, which
+// works within 128-bit lanes: the four f32 registers of a step hold the
+// elements in a fixed shuffled order, so each row of `x` is permuted into
+// that order once per call (`permute_rows`); lane l of every register holds
+// elements 16 l .. 16 l + 15 of the step, so it takes their block's scale.
+//
 // Each weight is then `value * scale`, one rounding, the order of Note
-// [Quantized weights]; a step's 16 elements share one block scale, so blocks
-// must be a multiple of 16 columns wide (or cover the whole depth). The last
-// `k % 16` elements are decoded one by one into a zeroed step. An element's
-// bits depend on k and its two rows only: these products are row-invariant.
+// [Quantized weights]; 16 consecutive elements share one block scale, so
+// blocks must be a multiple of 16 columns wide (or cover the whole depth).
+// The last `k % 16` elements are decoded one by one into a zeroed step. An
+// element's bits depend on k, the step width the CPU allows and its two rows
+// only: these products are row-invariant.
 
 /// Elements per step (one AVX-512 register of f32).
 const STEP: usize = 16;
