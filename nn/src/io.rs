@@ -1,8 +1,10 @@
 //! Reading and writing tensors: safetensors files (memory-mapped, any dtype
 //! converted on load, atomic saves) and Hugging Face checkpoint directories
 //! (`model.safetensors`, or shards listed in `model.safetensors.index.json`),
-//! found by path or by repo id in the Hugging Face cache (`hub`).
+//! found by path or by repo id in the Hugging Face cache (`hub`), and GGUF
+//! files, llama.cpp's format (`gguf`).
 
+pub mod gguf;
 mod hf;
 pub mod hub;
 pub mod quant;

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""The `gguf` package (llama.cpp's own Python reader, writer and quantizers)
+on the GGUF side of kiln's tests (`nn/tests/gguf.rs`).
+
+    gguf_reference.py make OUT.gguf OUT_REF.safetensors SEED
+        Writes a GGUF file with a tensor of every type kiln reads, on shapes
+        that are not multiples of anything but the block: the 32-element
+        types quantized from random values by `gguf.quants.quantize`, the
+        K types as random blocks (their f16 scales drawn finite), the plain
+        types as random values. OUT_REF holds each tensor dequantized by
+        `gguf.quants.dequantize`, in float32, under the same name.
+
+    gguf_reference.py check KILN.gguf SOURCE.safetensors
+        Reads a GGUF file kiln wrote: prints its metadata as JSON (one
+        [type, value] per key) on stdout, and checks that every tensor holds
+        exactly the bytes `gguf.quants.quantize` makes of the float32 source
+        of the same name, with PyTorch's shape reversed into GGUF's `ne`.
+"""
+import json
+import sys
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+import gguf
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+
+def random_k_blocks(rng, qtype, rows, cols):
+    """Random bytes for `rows` x `cols` elements of a K type, with each f16
+    field (d, dmin) replaced by a finite value of a weight's magnitude."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    b = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    f16_fields = {T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}[qtype]
+    for at in f16_fields:
+        b[:, at:at + 2] = (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return b.reshape(rows, cols // block * size)
+
+
+def make(out, ref, seed):
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_uint32("test.u32", 7)
+    w.add_string("test.str", "héllo")
+    w.add_array("test.strings", ["a", "", "ç"])
+    w.add_float32("test.f32", 0.25)
+    refs = {}
+    plain = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}
+    for qtype, dt in plain.items():
+        x = rng.standard_normal((5, 33)).astype(np.float32)
+        if dt is None:
+            raw = quantize(x, qtype)
+            w.add_tensor(f"plain.{qtype.name}", raw, raw_shape=raw.shape, raw_dtype=qtype)
+            refs[f"plain.{qtype.name}"] = dequantize(raw, qtype)
+        else:
+            w.add_tensor(f"plain.{qtype.name}", x.astype(dt))
+            refs[f"plain.{qtype.name}"] = x.astype(dt).astype(np.float32)
+    for qtype in [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]:
+        # 7 rows of 96: three blocks per row, with an all-zero block (scale 0).
+        x = rng.standard_normal((7, 96)).astype(np.float32)
+        x[3, 32:64] = 0
+        raw = quantize(x, qtype)
+        w.add_tensor(f"q.{qtype.name}", raw, raw_shape=raw.shape, raw_dtype=qtype)
+        refs[f"q.{qtype.name}"] = dequantize(raw, qtype)
+    for qtype in [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]:
+        raw = random_k_blocks(rng, qtype, 3, 512)
+        w.add_tensor(f"k.{qtype.name}", raw, raw_shape=raw.shape, raw_dtype=qtype)
+        refs[f"k.{qtype.name}"] = dequantize(raw, qtype)
+    # A 3-D tensor: GGUF's ne is the reverse of the shape.
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    raw = quantize(x, T.Q8_0)
+    w.add_tensor("q.3d", raw, raw_shape=raw.shape, raw_dtype=T.Q8_0)
+    refs["q.3d"] = dequantize(raw, T.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in refs.items()}, ref)
+
+
+def field_value(f):
+    t = f.types[0]
+    if t == gguf.GGUFValueType.ARRAY:
+        # parts: key length, key, value type, item type, count, items...; the
+        # item type from the file itself, as `types` omits it when empty.
+        item = gguf.GGUFValueType(int(f.parts[3][0]))
+        return [item.name, f.contents() if f.data else []]
+    return f.contents()
+
+
+def check(path, source):
+    r = gguf.GGUFReader(path)
+    meta = {}
+    for name, f in r.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        v = field_value(f)
+        if isinstance(v, float) and not np.isfinite(v):
+            v = repr(v)
+        meta[name] = [f.types[0].name, v]
+    src = load_file(source)
+    seen = set()
+    for t in r.tensors:
+        seen.add(t.name)
+        x = src[t.name].astype(np.float32)
+        want = quantize(x, t.tensor_type)
+        got = np.asarray(t.data)
+        assert list(t.shape) == list(reversed(x.shape)), (t.name, list(t.shape), x.shape)
+        assert got.tobytes() == np.ascontiguousarray(want).tobytes(), f"{t.name}: bytes differ from gguf.quants.quantize"
+    assert seen == set(src), (sorted(seen), sorted(src))
+    print(json.dumps(meta, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make":
+        make(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "check":
+        check(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(f"unknown command {sys.argv[1]}")
