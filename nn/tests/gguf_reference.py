@@ -10,6 +10,16 @@ on the GGUF side of kiln's tests (`nn/tests/gguf.rs`).
         types as random values. OUT_REF holds each tensor dequantized by
         `gguf.quants.dequantize`, in float32, under the same name.
 
+    gguf_reference.py convert HF_DIR OUT.gguf
+        Writes a Llama or Qwen3 checkpoint directory (float32) as llama.cpp's
+        `convert_hf_to_gguf.py` does, F32 throughout: its metadata calls,
+        `gguf.TensorNameMap` for the names, its `permute` of q_proj / k_proj
+        rows for the `llama` architecture, no output.weight when tied.
+
+    gguf_reference.py check-model KILN.gguf HF_DIR
+        Checks a GGUF model kiln wrote (F32) against the checkpoint it came
+        from, by the same rules: every tensor where `convert` would put it.
+
     gguf_reference.py check KILN.gguf SOURCE.safetensors
         Reads a GGUF file kiln wrote: prints its metadata as JSON (one
         [type, value] per key) on stdout, and checks that every tensor holds
@@ -113,9 +123,88 @@ def check(path, source):
     print(json.dumps(meta, ensure_ascii=False))
 
 
+def hf_checkpoint(hf_dir):
+    cfg = json.load(open(f"{hf_dir}/config.json"))
+    return cfg, load_file(f"{hf_dir}/model.safetensors")
+
+
+def permute(w, n_head):
+    """convert_hf_to_gguf.py's LlamaModel.permute (q: heads, k: kv heads)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def converted(cfg, tensors):
+    """{gguf name: float32 array} as the converter writes them."""
+    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3}[cfg["model_type"]]
+    tmap = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    out = {}
+    for name, w in tensors.items():
+        if cfg["model_type"] == "llama":
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                w = permute(w, cfg["num_attention_heads"])
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                w = permute(w, cfg["num_key_value_heads"])
+        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        out[new] = w.astype(np.float32)
+    return out
+
+
+def convert(hf_dir, out):
+    cfg, tensors = hf_checkpoint(hf_dir)
+    arch = cfg["model_type"]
+    w = gguf.GGUFWriter(out, arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(0)
+    w.add_tokenizer_model("none")
+    for name, a in converted(cfg, tensors).items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def check_model(path, hf_dir):
+    cfg, tensors = hf_checkpoint(hf_dir)
+    want = converted(cfg, tensors)
+    r = gguf.GGUFReader(path)
+    got = {t.name: t for t in r.tensors}
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    for name, a in want.items():
+        t = got[name]
+        assert t.tensor_type == T.F32, (name, t.tensor_type)
+        assert list(t.shape) == list(reversed(a.shape)), (name, list(t.shape), a.shape)
+        assert np.array_equal(np.asarray(t.data).reshape(a.shape), a), f"{name}: values differ"
+    arch = cfg["model_type"]
+    f = lambda k: r.fields[k].contents()  # noqa: E731
+    assert f("general.architecture") == arch
+    assert f(f"{arch}.block_count") == cfg["num_hidden_layers"]
+    assert f(f"{arch}.attention.head_count_kv") == cfg["num_key_value_heads"]
+    assert f(f"{arch}.feed_forward_length") == cfg["intermediate_size"]
+    print("ok")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "convert":
+        convert(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "check-model":
+        check_model(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "check":
         check(sys.argv[2], sys.argv[3])
     else:

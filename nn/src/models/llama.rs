@@ -61,6 +61,7 @@ impl KvCache {
     }
 }
 
+mod gguf;
 mod moe;
 mod paged;
 mod pretrained;
@@ -676,12 +677,16 @@ impl LlamaForCausalLM {
         self.save_impl(dir.as_ref(), Some(max_shard_bytes))
     }
 
-    fn save_impl(&self, dir: &Path, shard: Option<usize>) -> Result<()> {
-        let quantized = self.model.layers.iter().any(|l| {
+    /// Whether some Linear keeps its weight quantized (`QuantizedLoad::Keep`).
+    fn has_quantized_weights(&self) -> bool {
+        self.model.layers.iter().any(|l| {
             let a = &l.self_attn;
             [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj].iter().any(|lin| lin.is_quantized()) || l.mlp.is_quantized()
-        }) || self.lm_head.as_ref().is_some_and(|h| h.is_quantized());
-        if quantized {
+        }) || self.lm_head.as_ref().is_some_and(|h| h.is_quantized())
+    }
+
+    fn save_impl(&self, dir: &Path, shard: Option<usize>) -> Result<()> {
+        if self.has_quantized_weights() {
             return Err(Error::invalid(
                 "save_pretrained",
                 "the model keeps some weights quantized; load it dequantized (QuantizedLoad::Dequantize) to save \
