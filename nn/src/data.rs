@@ -75,6 +75,12 @@ impl HfTokenizer {
             json.parse().map_err(|e| Error::invalid("HfTokenizer", format!("cannot parse the tokenizer JSON: {e}")))?;
         Ok(HfTokenizer { inner })
     }
+    /// The tokenizer stored in a GGUF file (a byte-level BPE: Llama 3,
+    /// Qwen2/3, GPT-2; Note [GGUF tokenizers]).
+    pub fn from_gguf(path: impl AsRef<Path>) -> Result<HfTokenizer> {
+        let f = crate::io::gguf::GgufFile::open(path)?;
+        HfTokenizer::from_json(&crate::io::gguf::tokenizer_json(&f)?.to_string())
+    }
 }
 
 #[cfg(feature = "hf-tokenizers")]

@@ -166,7 +166,7 @@ fn files_kiln_writes_hold_the_gguf_package_bytes() {
                 // other sign reach +8, which clips to code 15).
                 let bound = |amax: f32| match ty {
                     GgmlType::Q8_0 => amax / 254.0 + amax * 2f32.powi(-11),
-                    _ => amax / 8.0 * (1.0 + 2f32.powi(-10)),
+                    _ => amax / 8.0 + amax * 2f32.powi(-11),
                 };
                 for (blk_a, blk_b) in a.chunks(32).zip(b.chunks(32)) {
                     let amax = blk_b.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -275,4 +275,39 @@ fn malformed_files_are_errors_not_panics() {
     let f = GgufFile::open(&p).unwrap();
     let e = f.tensor("wa", None, Device::Cpu).unwrap_err().to_string();
     assert!(e.contains("IQ4_NL, which kiln cannot dequantize"), "{e}");
+}
+
+#[test]
+fn tokenizers_in_gguf_files_encode_as_the_tokenizers_package_does() {
+    use kiln::nn::data::{HfTokenizer, Tokenizer};
+    use kiln::nn::io::gguf::{tokenizer_metadata, GgufTensor};
+    let text = support::fixture_dir("llama").join("../../data/tinyshakespeare.txt");
+    for pre in ["qwen2", "llama-bpe", "gpt-2"] {
+        let dir = temp_dir(&format!("gguf-tok-{pre}"));
+        run_python(&["tokenizer".as_ref(), dir.as_os_str(), pre.as_ref(), text.as_os_str()]);
+        let expected: Vec<(String, Vec<u32>)> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+        // As llama.cpp's converter stores it (written by the gguf package).
+        let from_gguf = HfTokenizer::from_gguf(dir.join("tokenizer.gguf")).unwrap();
+        // And as kiln writes it from the tokenizer.json.
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap()).unwrap();
+        let meta = tokenizer_metadata(&json).unwrap();
+        let ours = dir.join("kiln.gguf");
+        save_gguf(&ours, &meta, &[] as &[GgufTensor]).unwrap();
+        let theirs = GgufFile::open(dir.join("tokenizer.gguf")).unwrap();
+        for (k, v) in &meta {
+            assert_eq!(theirs.get(k), Some(v), "{pre}: {k} differs from the converter's");
+        }
+        let round_trip = HfTokenizer::from_gguf(&ours).unwrap();
+        for (text, ids) in &expected {
+            assert_eq!(&from_gguf.encode(text).unwrap(), ids, "{pre}: {text:?}");
+            assert_eq!(&round_trip.encode(text).unwrap(), ids, "{pre}: {text:?} (kiln's file)");
+            let back = from_gguf.decode(ids).unwrap();
+            assert_eq!(&from_gguf.encode(&back).unwrap(), ids, "{pre}: decode({text:?})");
+        }
+    }
+    // What GGUF cannot name is an error, not a tokenizer that splits differently.
+    let odd = serde_json::json!({"model": {"type": "WordPiece"}});
+    assert!(tokenizer_metadata(&odd).unwrap_err().to_string().contains("WordPiece"));
 }

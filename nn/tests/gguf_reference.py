@@ -20,6 +20,14 @@ on the GGUF side of kiln's tests (`nn/tests/gguf.rs`).
         Checks a GGUF model kiln wrote (F32) against the checkpoint it came
         from, by the same rules: every tensor where `convert` would put it.
 
+    gguf_reference.py tokenizer OUT_DIR PRE TEXT_FILE
+        Trains a small byte-level BPE (the `tokenizers` package) whose split
+        regex is the one llama.cpp names PRE (qwen2, llama-bpe, gpt-2), with
+        special tokens, on TEXT_FILE; writes OUT_DIR/tokenizer.json, the same
+        tokenizer as llama.cpp's converter stores it in OUT_DIR/tokenizer.gguf
+        (tokens by id, token types, merges, the pre-tokenizer's name), and
+        OUT_DIR/expected.json: the ids the package encodes SAMPLES to.
+
     gguf_reference.py check KILN.gguf SOURCE.safetensors
         Reads a GGUF file kiln wrote: prints its metadata as JSON (one
         [type, value] per key) on stdout, and checks that every tensor holds
@@ -123,6 +131,68 @@ def check(path, source):
     print(json.dumps(meta, ensure_ascii=False))
 
 
+PATTERNS = {
+    "gpt-2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+SAMPLES = [
+    "Hello world",
+    "  leading spaces and trailing  ",
+    "Numbers 1234567 and 3.14159, dates 2026-12-05",
+    "Contractions: I'LL, you've, they'd, it's",
+    "New\nlines\r\n\n\ttabs",
+    "Unicode: café cafe\u0301 naïve 東京 🙂",
+    "<|im_start|>user\nWhat is 12+34?<|im_end|>\n<|im_start|>assistant\n",
+    "ROMEO: But soft, what light through yonder window breaks?",
+]
+
+
+def tokenizer(out_dir, pre, text_file):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(ignore_merges=(pre == "llama-bpe")))
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PATTERNS[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = open(text_file, encoding="utf-8").read()[:200_000]
+    tok.train_from_iterator([text], trainer=trainer)
+    tok.save(f"{out_dir}/tokenizer.json")
+    spec = json.load(open(f"{out_dir}/tokenizer.json"))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    by_id = {i: t for t, i in vocab.items()}
+    added = {a["id"]: a for a in spec["added_tokens"]}
+    tokens, types = [], []
+    for i in range(max(by_id) + 1):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if i in added and added[i]["special"] else gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    w = gguf.GGUFWriter(f"{out_dir}/tokenizer.gguf", "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    expected = [[s, tok.encode(s, add_special_tokens=False).ids] for s in SAMPLES]
+    json.dump(expected, open(f"{out_dir}/expected.json", "w"), ensure_ascii=False)
+
+
 def hf_checkpoint(hf_dir):
     cfg = json.load(open(f"{hf_dir}/config.json"))
     return cfg, load_file(f"{hf_dir}/model.safetensors")
@@ -203,6 +273,8 @@ if __name__ == "__main__":
         make(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif sys.argv[1] == "convert":
         convert(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "tokenizer":
+        tokenizer(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "check-model":
         check_model(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "check":

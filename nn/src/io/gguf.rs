@@ -1,6 +1,8 @@
 //! GGUF files, llama.cpp's checkpoint format (Note [GGUF files]):
 //! [`GgufFile`] reads one (memory-mapped; metadata, tensor infos, tensors
-//! dequantized exactly), [`save_gguf`] writes one atomically.
+//! dequantized exactly), [`save_gguf`] writes one atomically;
+//! [`tokenizer_json`] and [`tokenizer_metadata`] carry a tokenizer between
+//! GGUF metadata and Hugging Face's `tokenizer.json`.
 //!
 // Note [GGUF files]
 // ~~~~~~~~~~~~~~~~~
@@ -26,9 +28,11 @@
 // duplicates, each tensor's bytes inside the data section. Version 1 files
 // (32-bit counts) and big-endian files are refused with the reason.
 mod blocks;
+mod tokenizer;
 mod write;
 
 pub use blocks::GgmlType;
+pub use tokenizer::{tokenizer_json, tokenizer_metadata};
 pub use write::{save_gguf, GgufTensor};
 
 use kiln_tensor::{Device, Error, HostBuffer, Result, Tensor};
