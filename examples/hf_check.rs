@@ -38,7 +38,7 @@ hf_check: run a Hugging Face Llama/Qwen3 checkpoint through kiln
 
 USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safetensors --out OUT.safetensors [OPTIONS]
 
-  --model DIR          config.json + model.safetensors (or a sharded index)
+  --model DIR|FILE     config.json + model.safetensors (or a sharded index), or a .gguf file
   --input-ids FILE     safetensors with input_ids (int64 [B, T]) and, for --generate, generate.prompt
   --out FILE           where to write the results (safetensors)
   --dtype f32|bf16     compute dtype [default: f32]
@@ -235,7 +235,13 @@ fn main() {
 fn run(a: Args) -> Result<()> {
     let t0 = Instant::now();
     let opts = PretrainedOptions::new(a.dtype, a.device).with_quantized(a.quantized).with_weights_only(a.weights_only);
-    let mut model = LlamaForCausalLM::from_pretrained_with(&a.model, &opts)?;
+    let gguf = a.model.is_file() && a.model.extension().is_some_and(|e| e == "gguf");
+    let mut model = if gguf {
+        // llama.cpp's format: every tensor dequantized exactly into --dtype.
+        LlamaForCausalLM::from_gguf(&a.model, a.dtype, a.device)?
+    } else {
+        LlamaForCausalLM::from_pretrained_with(&a.model, &opts)?
+    };
     model.set_mixed_precision(a.precision)?;
     if let Some((mesh, recipe)) = &a.parallel {
         recipe.apply(&mut model, mesh)?;
