@@ -24,6 +24,7 @@
 // Weights are dequantized for the forward exactly as they load
 // (Note [Quantized weights] in kiln-tensor), so a saved and reloaded model
 // computes what the in-memory quantized one does.
+use crate::io::gguf::{pack_blocks, GgmlType};
 use crate::io::{save_safetensors, write_atomic, QuantizedWeight};
 use crate::layers::Linear;
 use crate::models::LlamaForCausalLM;
@@ -46,15 +47,19 @@ pub enum QuantScheme {
     Nvfp4,
     /// MXFP4: E2M1 codes, an E8M0 power of two per 32 elements.
     Mxfp4,
+    /// GGUF's Q8_0: int8 codes and a scale per 32 elements (ggml's rounding).
+    Q8_0,
+    /// GGUF's Q4_0: 4-bit integer codes and a scale per 32 elements (ggml's rounding).
+    Q4_0,
 }
 
 impl QuantScheme {
-    /// Parses `fp8-block`, `fp8-block:64x64`, `fp8-channel`, `nvfp4`, `mxfp4`.
+    /// Parses `fp8-block`, `fp8-block:64x64`, `fp8-channel`, `nvfp4`, `mxfp4`, `q8_0`, `q4_0`.
     pub fn parse(s: &str) -> Result<QuantScheme> {
         let bad = || {
             Error::invalid(
                 "QuantScheme",
-                format!("{s:?}: expected fp8-block, fp8-block:RxC, fp8-channel, nvfp4 or mxfp4"),
+                format!("{s:?}: expected fp8-block, fp8-block:RxC, fp8-channel, nvfp4, mxfp4, q8_0 or q4_0"),
             )
         };
         Ok(match s {
@@ -62,6 +67,8 @@ impl QuantScheme {
             "fp8-channel" => QuantScheme::Fp8Channel,
             "nvfp4" => QuantScheme::Nvfp4,
             "mxfp4" => QuantScheme::Mxfp4,
+            "q8_0" => QuantScheme::Q8_0,
+            "q4_0" => QuantScheme::Q4_0,
             _ => {
                 let (r, c) = s.strip_prefix("fp8-block:").and_then(|b| b.split_once('x')).ok_or_else(bad)?;
                 let (r, c) = (r.parse().map_err(|_| bad())?, c.parse().map_err(|_| bad())?);
@@ -121,6 +128,18 @@ pub fn quantize_weight(w: &Tensor, scheme: QuantScheme) -> Result<QuantizedWeigh
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
         return Err(Error::invalid("quantize_weight", format!("element {i} of the weight is {}", v[i])));
     }
+    let ggml = match scheme {
+        QuantScheme::Q8_0 => Some(GgmlType::Q8_0),
+        QuantScheme::Q4_0 => Some(GgmlType::Q4_0),
+        QuantScheme::Fp8Block(_) | QuantScheme::Fp8Channel | QuantScheme::Nvfp4 | QuantScheme::Mxfp4 => None,
+    };
+    if let Some(ty) = ggml {
+        // ggml's reference quantizer, blocks of 32 along each row.
+        if !inp.is_multiple_of(32) {
+            return Err(Error::shape("quantize_weight", format!("{ty} blocks hold 32 columns; in = {inp}")));
+        }
+        return pack_blocks(ty, &ty.quantize(&v), out, inp);
+    }
     let fp4 = matches!(scheme, QuantScheme::Nvfp4 | QuantScheme::Mxfp4);
     if fp4 && inp % 2 != 0 {
         return Err(Error::shape("quantize_weight", format!("FP4 packs two columns per byte; in = {inp} is odd")));
@@ -134,6 +153,7 @@ pub fn quantize_weight(w: &Tensor, scheme: QuantScheme) -> Result<QuantizedWeigh
             ([1, 16], Some(Global::Div(if a > 0.0 { (448.0 * 6.0 / a).min(f32::MAX) } else { 1.0 })))
         }
         QuantScheme::Mxfp4 => ([1, 32], None),
+        QuantScheme::Q8_0 | QuantScheme::Q4_0 => unreachable!("returned above"),
     };
     let codes = if fp4 { Codes::E2M1 } else { Codes::E4M3 };
     let spec = QuantSpec { codes, block, global };
@@ -178,6 +198,7 @@ pub fn quantize_weight(w: &Tensor, scheme: QuantScheme) -> Result<QuantizedWeigh
                 .collect();
             Tensor::from_host(HostBuffer::U8(s), &[rows, cols], Device::Cpu)?
         }
+        QuantScheme::Q8_0 | QuantScheme::Q4_0 => unreachable!("returned above"),
     };
     // The effective scales the loader will multiply by, to divide by here.
     let eff = crate::io::quant::scale_values(&spec, &scales)?;
@@ -257,6 +278,12 @@ pub fn quantize_lm_head(model: &mut LlamaForCausalLM, scheme: QuantScheme) -> Re
 /// embeddings, norms and `lm_head` as they are. Files are written atomically.
 pub fn save_quantized(model: &LlamaForCausalLM, dir: impl AsRef<Path>, scheme: QuantScheme) -> Result<()> {
     let dir = dir.as_ref();
+    if let QuantScheme::Q8_0 | QuantScheme::Q4_0 = scheme {
+        return Err(Error::invalid(
+            "save_quantized",
+            format!("{scheme:?} is a GGUF format: write it with LlamaForCausalLM::save_gguf"),
+        ));
+    }
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::invalid("save_quantized", format!("{}: cannot create: {e}", dir.display())))?;
     let mut dense = model.clone();
@@ -289,11 +316,13 @@ pub fn save_quantized(model: &LlamaForCausalLM, dir: impl AsRef<Path>, scheme: Q
             "dynamic": false, "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"}),
         QuantScheme::Mxfp4 => json!({"num_bits": 4, "type": "float", "strategy": "group", "symmetric": true,
             "dynamic": false, "group_size": 32, "scale_dtype": "torch.uint8"}),
+        QuantScheme::Q8_0 | QuantScheme::Q4_0 => unreachable!("refused above"),
     };
     let format = match scheme {
         QuantScheme::Fp8Block(_) | QuantScheme::Fp8Channel => "float-quantized",
         QuantScheme::Nvfp4 => "nvfp4-pack-quantized",
         QuantScheme::Mxfp4 => "mxfp4-pack-quantized",
+        QuantScheme::Q8_0 | QuantScheme::Q4_0 => unreachable!("refused above"),
     };
     let mut ignore = vec![json!("lm_head")];
     if model.config().moe.is_some() {
@@ -352,6 +381,7 @@ mod tests {
     fn schemes_parse() {
         assert_eq!(QuantScheme::parse("fp8-block:64x32").unwrap(), QuantScheme::Fp8Block([64, 32]));
         assert_eq!(QuantScheme::parse("nvfp4").unwrap(), QuantScheme::Nvfp4);
+        assert_eq!(QuantScheme::parse("q4_0").unwrap(), QuantScheme::Q4_0);
         assert!(QuantScheme::parse("fp8-block:0x4").is_err() && QuantScheme::parse("int4").is_err());
     }
 }

@@ -140,3 +140,35 @@ fn what_kiln_does_not_map_is_an_error() {
     let e = LlamaForCausalLM::from_gguf(&p2, DType::F32, Device::Cpu).unwrap_err().to_string();
     assert!(e.contains("no llama.block_count"), "{e}");
 }
+
+/// Q8_0 and Q4_0 matrices kept packed (`QuantizedLoad::Keep`) compute with
+/// exactly the weights the dequantized load holds: on the CPU (codes decoded
+/// in the registers) and through PJRT (the lowering of int8 / int4 codes).
+#[test]
+fn packed_q8_0_and_q4_0_weights_compute_as_their_dequantized_values() {
+    use kiln::nn::models::{PretrainedOptions, QuantizedLoad};
+    support::register_tpu();
+    let dir = temp_dir("gguf-packed");
+    for name in ["llama", "qwen3"] {
+        let src = fixture_dir(name);
+        let ids = load_safetensors(src.join("golden.safetensors")).unwrap()["input_ids"].clone();
+        let model = LlamaForCausalLM::from_pretrained(&src, DType::F32, Device::Cpu).unwrap();
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_0] {
+            let file = dir.join(format!("{name}-{ty}.gguf"));
+            model.save_gguf(&file, ty, &[]).unwrap();
+            let dense = LlamaForCausalLM::from_gguf(&file, DType::F32, Device::Cpu).unwrap();
+            let want = dense.forward(&ids, None).unwrap();
+            for device in [Device::Cpu, Device::Tpu(0)] {
+                let opts = PretrainedOptions::new(DType::F32, device).with_quantized(QuantizedLoad::Keep);
+                let mut kept = LlamaForCausalLM::from_gguf_with(&file, &opts).unwrap();
+                let packed = kept.linears_mut().into_iter().filter(|(_, l)| l.is_quantized()).count();
+                // 7 per layer and the head (a tied model's from the embedding table).
+                assert_eq!(packed, 7 * 3 + 1, "{name} {ty}: packed Linear layers");
+                let got = kept.forward(&ids.to_device(device).unwrap(), None).unwrap().to_device(Device::Cpu).unwrap();
+                let (diff, _) = support::compare(&got, &want, 0.0, 0.0);
+                println!("{name} {ty} {device}: max |kept - dequantized| = {diff:.2e}");
+                assert!(diff <= 2e-5, "{name} {ty} on {device}: kept and dequantized differ by {diff}");
+            }
+        }
+    }
+}

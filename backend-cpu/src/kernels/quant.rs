@@ -44,7 +44,13 @@ fn bytes<'a>(x: &Input<'a>) -> Result<Cow<'a, [u8]>> {
             Cow::Borrowed(v) => Cow::Borrowed(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len()) }),
             Cow::Owned(v) => Cow::Owned(v.iter().map(|c| c.to_bits()).collect()),
         },
-        d => return Err(Error::dtype("dequantize", format!("expected uint8 or float8_e4m3fn data, got {d}"))),
+        DType::I8 => match contiguous::<i8>(x)? {
+            // SAFETY: `i8` and `u8` have the same size and alignment and every
+            // bit pattern is valid in both; the slice keeps its length and lifetime.
+            Cow::Borrowed(v) => Cow::Borrowed(unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len()) }),
+            Cow::Owned(v) => Cow::Owned(v.iter().map(|&c| c as u8).collect()),
+        },
+        d => return Err(Error::dtype("dequantize", format!("expected uint8, int8 or float8_e4m3fn data, got {d}"))),
     })
 }
 
@@ -106,6 +112,23 @@ pub(super) fn e2m1_fast(n: u8) -> f32 {
     f32::from_bits(bits | ((n & 8) << 28))
 }
 
+/// A 4-bit integer code's value (low 4 bits of `n`): `n - 8`.
+#[inline(always)]
+pub(super) fn i4(n: u8) -> f32 {
+    (n & 0xF) as i32 as f32 - 8.0
+}
+
+/// The value of element `e` of a row of codes (one by one, for the edges).
+#[inline(always)]
+pub(super) fn code_value(codes: Codes, row: &[u8], e: usize) -> f32 {
+    match codes {
+        Codes::E4M3 => e4m3(row[e]),
+        Codes::E2M1 => e2m1_fast((row[e / 2] >> (4 * (e % 2))) & 0xF),
+        Codes::I8 => row[e] as i8 as f32,
+        Codes::I4 => i4(row[e / 2] >> (4 * (e % 2))),
+    }
+}
+
 /// Dequantizes rows `r0 .. r0 + dst.len() / inp` of W into `dst` (the
 /// products in the order of Note [Quantized weights]).
 #[inline(always)]
@@ -126,6 +149,17 @@ fn dequant_tile(spec: &QuantSpec, inp: usize, codes: &[u8], scales: &Scales<'_>,
                 for (o, &b) in out.chunks_exact_mut(2).zip(&codes[i * (inp / 2)..][..inp / 2]) {
                     o[0] = e2m1_fast(b & 0xF);
                     o[1] = e2m1_fast(b >> 4);
+                }
+            }
+            Codes::I8 => {
+                for (o, &c) in out.iter_mut().zip(&codes[i * inp..][..inp]) {
+                    *o = c as i8 as f32;
+                }
+            }
+            Codes::I4 => {
+                for (o, &b) in out.chunks_exact_mut(2).zip(&codes[i * (inp / 2)..][..inp / 2]) {
+                    o[0] = i4(b);
+                    o[1] = i4(b >> 4);
                 }
             }
         }

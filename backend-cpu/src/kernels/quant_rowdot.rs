@@ -82,11 +82,9 @@ impl QuantRowDot<'_> {
         assert!(applies(spec, k), "quant_rowdot: not for this CPU or block");
         assert_eq!(out.len(), m * n, "quant_rowdot: output of the wrong size");
         assert!(self.x.len() >= m * k, "quant_rowdot: x too short");
-        let row_bytes = match spec.codes {
-            Codes::E4M3 => k,
-            Codes::E2M1 => k / 2,
-        };
-        assert!(spec.codes == Codes::E4M3 || k.is_multiple_of(2), "quant_rowdot: odd depth of E2M1 codes");
+        let nibbles = spec.codes.packed_in_nibbles();
+        let row_bytes = if nibbles { k / 2 } else { k };
+        assert!(!nibbles || k.is_multiple_of(2), "quant_rowdot: odd depth of 4-bit codes");
         assert!(self.codes.len() >= n * row_bytes, "quant_rowdot: codes too short");
         if m == 0 || n == 0 {
             return;
@@ -95,6 +93,10 @@ impl QuantRowDot<'_> {
         // Codes 64 at a time where the CPU has byte permutes, with `x` in the
         // order they come out in.
         assert!(!wide || wide_steps(), "quant_rowdot: wide steps need AVX512-VBMI");
+        // Int8 codes widen to f32 16 at a time as fast as a byte table would
+        // give bf16 (and a table cannot hold their two's complement in 128
+        // entries): they take the 16-code steps.
+        let wide = wide && spec.codes != Codes::I8;
         let permuted: Vec<f32>;
         let x = if wide {
             permuted = permute_rows(self.x, m, k);
@@ -171,8 +173,8 @@ const TILE_C: usize = 4;
 mod x86 {
     use super::{Plan, STEP, TILE_C, TILE_R};
     use crate::kernels::iter::OutPtr;
-    use crate::kernels::quant::{e2m1_fast, e4m3};
-    use kiln_tensor::quant::{Codes, E2M1_VALUES};
+    use crate::kernels::quant::{code_value, e4m3};
+    use kiln_tensor::quant::Codes;
     use std::arch::x86_64::*;
 
     /// Columns `j0..j1` of every row, 16 codes per step.
@@ -235,14 +237,15 @@ mod x86 {
         nan: __m512,
         nibble_shifts: __m512i,
         low4: __m512i,
-        e2m1_values: __m512,
+        /// The value of each of the 16 nibbles of a 4-bit code.
+        nibble_values: __m512,
         /// The high and low bytes of the bf16 value of each E4M3 magnitude
         /// (codes 0..128; exact: E4M3 has 4 significant bits), 64 per register.
         e4m3_high: [__m512i; 2],
         e4m3_low: [__m512i; 2],
-        /// The same for the 16 E2M1 codes, repeated in each 128-bit lane.
-        e2m1_high: __m512i,
-        e2m1_low: __m512i,
+        /// The same for the 16 nibbles of a 4-bit code, repeated in each 128-bit lane.
+        nibble_high: __m512i,
+        nibble_low: __m512i,
         low_nibble: __m512i,
         high_nibble: __m512i,
         zero: __m512i,
@@ -251,15 +254,9 @@ mod x86 {
     impl Consts {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-        fn new() -> Consts {
-            let table: [f32; 16] = std::array::from_fn(|c| {
-                let v = E2M1_VALUES[c & 7];
-                if c & 8 != 0 {
-                    -v
-                } else {
-                    v
-                }
-            });
+        fn new(codes: Codes) -> Consts {
+            // Byte codes read no nibble table: any will do.
+            let table: [f32; 16] = codes.nibble_values().unwrap_or([0.0; 16]);
             let bf16_bits = |c: usize| (e4m3(c as u8).to_bits() >> 16) as u16;
             let high: [u8; 128] = std::array::from_fn(|c| (bf16_bits(c) >> 8) as u8);
             let low: [u8; 128] = std::array::from_fn(|c| bf16_bits(c) as u8);
@@ -267,14 +264,15 @@ mod x86 {
             let halves = |t: &[u8; 128]| unsafe {
                 [_mm512_loadu_si512(t.as_ptr().cast()), _mm512_loadu_si512(t[64..].as_ptr().cast())]
             };
-            let e2m1_bits = |c: usize| (table[c % 16].to_bits() >> 16) as u16;
-            let e2m1_high: [u8; 64] = std::array::from_fn(|c| (e2m1_bits(c) >> 8) as u8);
-            let e2m1_low: [u8; 64] = std::array::from_fn(|c| e2m1_bits(c) as u8);
+            // Exact in bf16: E2M1 values and the integers -8..7 have at most 3 significant bits.
+            let nibble_bits = |c: usize| (table[c % 16].to_bits() >> 16) as u16;
+            let nibble_high: [u8; 64] = std::array::from_fn(|c| (nibble_bits(c) >> 8) as u8);
+            let nibble_low: [u8; 64] = std::array::from_fn(|c| nibble_bits(c) as u8);
             Consts {
                 // SAFETY: 64 bytes of local arrays.
-                e2m1_high: unsafe { _mm512_loadu_si512(e2m1_high.as_ptr().cast()) },
+                nibble_high: unsafe { _mm512_loadu_si512(nibble_high.as_ptr().cast()) },
                 // SAFETY: as above.
-                e2m1_low: unsafe { _mm512_loadu_si512(e2m1_low.as_ptr().cast()) },
+                nibble_low: unsafe { _mm512_loadu_si512(nibble_low.as_ptr().cast()) },
                 low_nibble: _mm512_set1_epi16(0x0F),
                 high_nibble: _mm512_set1_epi16(0x0F00),
                 e4m3_high: halves(&high),
@@ -287,7 +285,7 @@ mod x86 {
                 nibble_shifts: _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0),
                 low4: _mm512_set1_epi32(0xF),
                 // SAFETY: 16 f32 in a local array.
-                e2m1_values: unsafe { _mm512_loadu_ps(table.as_ptr()) },
+                nibble_values: unsafe { _mm512_loadu_ps(table.as_ptr()) },
             }
         }
 
@@ -309,14 +307,19 @@ mod x86 {
                     let nan = _mm512_cmpeq_epi32_mask(mag, self.low7);
                     _mm512_mul_ps(_mm512_mask_mov_ps(v, nan, self.nan), s)
                 }
-                Codes::E2M1 => {
+                Codes::E2M1 | Codes::I4 => {
                     // SAFETY: 8 bytes (16 codes) from p / 2, inside the row by the
                     // caller's contract (p is even: a multiple of 16).
                     let b = unsafe { _mm_loadl_epi64(row.add(p / 2).cast()) };
                     // Each byte twice, then lane 2j keeps the low nibble, 2j + 1 the high.
                     let twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
                     let idx = _mm512_and_si512(_mm512_srlv_epi32(twice, self.nibble_shifts), self.low4);
-                    _mm512_mul_ps(_mm512_permutexvar_ps(idx, self.e2m1_values), s)
+                    _mm512_mul_ps(_mm512_permutexvar_ps(idx, self.nibble_values), s)
+                }
+                Codes::I8 => {
+                    // SAFETY: 16 bytes from p, inside the row by the caller's contract.
+                    let c = _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(row.add(p).cast()) });
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(c), s)
                 }
             }
         }
@@ -348,7 +351,7 @@ mod x86 {
                     // high | (c & 0x80): the sign.
                     (low, _mm512_ternarylogic_epi32::<0xF8>(high, c, _mm512_set1_epi8(-128)))
                 }
-                Codes::E2M1 => {
+                Codes::E2M1 | Codes::I4 => {
                     // SAFETY: 32 bytes (64 codes) from p / 2, inside the row by the
                     // caller's contract (p is a multiple of 64).
                     let b = _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(row.add(p / 2).cast()) });
@@ -357,8 +360,9 @@ mod x86 {
                         _mm512_and_si512(b, self.low_nibble),
                         _mm512_and_si512(_mm512_slli_epi16::<4>(b), self.high_nibble),
                     );
-                    (_mm512_shuffle_epi8(self.e2m1_low, c), _mm512_shuffle_epi8(self.e2m1_high, c))
+                    (_mm512_shuffle_epi8(self.nibble_low, c), _mm512_shuffle_epi8(self.nibble_high, c))
                 }
+                Codes::I8 => unreachable!("int8 codes take the 16-code steps"),
             };
             let w0 = _mm512_unpacklo_epi8(low, high);
             let w1 = _mm512_unpackhi_epi8(low, high);
@@ -390,7 +394,7 @@ mod x86 {
         let xs: [&[f32]; R] = std::array::from_fn(|r| &job.x[(i + r) * k..][..k]);
         let rows: [&[u8]; C] = std::array::from_fn(|c| &job.codes[(j + c) * row_bytes..][..row_bytes]);
         let scale_row: [usize; C] = std::array::from_fn(|c| (j + c) / b0 * scale_cols);
-        let consts = Consts::new();
+        let consts = Consts::new(spec.codes);
         let mut acc = [[_mm512_setzero_ps(); C]; R];
         let steps = k / STEP;
         let scale = |c: usize, st: usize| job.scales.get(scale_row[c] + plan.step_blocks[st]);
@@ -442,11 +446,7 @@ mod x86 {
                 let mut v = [0f32; STEP];
                 for (q, v) in v.iter_mut().enumerate().take(k - p) {
                     let e = p + q;
-                    let code = match spec.codes {
-                        Codes::E4M3 => e4m3(rows[c][e]),
-                        Codes::E2M1 => e2m1_fast((rows[c][e / 2] >> (4 * (e % 2))) & 0xF),
-                    };
-                    *v = code * job.scales.get(scale_row[c] + e / b1);
+                    *v = code_value(spec.codes, rows[c], e) * job.scales.get(scale_row[c] + e / b1);
                 }
                 // SAFETY: 16 f32 in a local array.
                 unsafe { _mm512_loadu_ps(v.as_ptr()) }

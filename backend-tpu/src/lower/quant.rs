@@ -41,19 +41,31 @@ fn e2m1(b: &mut Builder, n: &Val) -> Val {
 /// The element values `[out, in]` (float32) of the codes.
 fn codes_f32(b: &mut Builder, spec: &QuantSpec, codes: &Val) -> Val {
     match spec.codes {
-        Codes::E4M3 => b.convert_raw(codes, DType::F32),
+        Codes::E4M3 | Codes::I8 => b.convert_raw(codes, DType::F32),
         Codes::E2M1 => {
-            let (n, half) = (codes.shape()[0], codes.shape()[1]);
-            let c = b.convert_raw(codes, DType::I32);
-            let lo = int_op(b, "and", &c, 15);
-            let hi = int_op(b, "shift_right_logical", &c, 4);
-            let lo = b.reshape(&lo, &[n, half, 1]);
-            let hi = b.reshape(&hi, &[n, half, 1]);
-            let both = b.concat(&[&lo, &hi], 2);
-            let both = b.reshape(&both, &[n, half * 2]);
-            e2m1(b, &both)
+            let n = nibbles(b, codes);
+            e2m1(b, &n)
+        }
+        Codes::I4 => {
+            let n = nibbles(b, codes);
+            let f = b.convert_raw(&n, DType::F32);
+            let eight = b.splat_like(Lit::F(8.0), &f);
+            b.sub(&f, &eight)
         }
     }
+}
+
+/// The 4-bit codes of a uint8 tensor `[out, in / 2]` as int32 `[out, in]`,
+/// element `2j` from byte `j`'s low nibble.
+fn nibbles(b: &mut Builder, codes: &Val) -> Val {
+    let (n, half) = (codes.shape()[0], codes.shape()[1]);
+    let c = b.convert_raw(codes, DType::I32);
+    let lo = int_op(b, "and", &c, 15);
+    let hi = int_op(b, "shift_right_logical", &c, 4);
+    let lo = b.reshape(&lo, &[n, half, 1]);
+    let hi = b.reshape(&hi, &[n, half, 1]);
+    let both = b.concat(&[&lo, &hi], 2);
+    b.reshape(&both, &[n, half * 2])
 }
 
 /// The effective block scales (float32, `[rows, cols]`): decoded, then

@@ -1,6 +1,7 @@
 //! GGUF files, llama.cpp's checkpoint format (Note [GGUF files]):
 //! [`GgufFile`] reads one (memory-mapped; metadata, tensor infos, tensors
-//! dequantized exactly), [`save_gguf`] writes one atomically;
+//! dequantized exactly, or Q8_0 / Q4_0 kept packed), [`save_gguf`] writes
+//! one atomically;
 //! [`tokenizer_json`] and [`tokenizer_metadata`] carry a tokenizer between
 //! GGUF metadata and Hugging Face's `tokenizer.json`.
 //!
@@ -28,10 +29,12 @@
 // duplicates, each tensor's bytes inside the data section. Version 1 files
 // (32-bit counts) and big-endian files are refused with the reason.
 mod blocks;
+mod packed;
 mod tokenizer;
 mod write;
 
 pub use blocks::GgmlType;
+pub use packed::{pack_blocks, packable};
 pub use tokenizer::{tokenizer_json, tokenizer_metadata};
 pub use write::{save_gguf, GgufTensor};
 

@@ -157,6 +157,8 @@ pub fn attributes(op: &Op) -> Vec<(&'static str, String)> {
             let codes = match q.codes {
                 Codes::E4M3 => "e4m3",
                 Codes::E2M1 => "e2m1",
+                Codes::I8 => "i8",
+                Codes::I4 => "i4",
             };
             let mut a = vec![("codes", codes.to_string()), ("block", list(&q.block))];
             match q.global {

@@ -14,6 +14,11 @@
 //   E2M1 codes per byte, element `2j` in the low nibble and `2j + 1` in the
 //   high one (compressed-tensors' and ModelOpt's order). An E2M1 code is a
 //   sign bit (bit 3) and an index into `[0, 0.5, 1, 1.5, 2, 3, 4, 6]`.
+//   8-bit integers (`Codes::I8`, GGUF's Q8_0): an int8 tensor `[out, in]`,
+//   the code its own value. 4-bit integers (`Codes::I4`, GGUF's Q4_0): a
+//   uint8 tensor `[out, in / 2]` packed as E2M1 is, a nibble `q` standing
+//   for `q - 8` (GGUF's own order, `j` and `j + 16` in a byte, is repacked
+//   on load).
 // * `scales [ceil(out / block[0]), ceil(in / block[1])]`, one per block of
 //   `block[0]` rows by `block[1]` columns (the last blocks may be partial):
 //   float32, float8_e4m3fn (NVFP4's group scales) or uint8 holding E8M0
@@ -32,7 +37,8 @@
 // `[1, in]`, DeepSeek-style `[128, 128]`, NVFP4 `[1, 16]`, MXFP4 `[1, 32]`.
 //
 // Resident size per weight: 8 bits (+ one scale per block) for FP8, 4 + 8/16
-// = 4.5 bits for NVFP4, 4 + 8/32 = 4.25 for MXFP4.
+// = 4.5 bits for NVFP4, 4 + 8/32 = 4.25 for MXFP4, 8 + 32/32 = 9 bits for
+// Q8_0 and 4 + 32/32 = 5 for Q4_0 (their f16 scales held as float32, exactly).
 use crate::{f8e4m3fn, DType, Error, Result};
 
 /// How the element codes are stored.
@@ -42,6 +48,36 @@ pub enum Codes {
     E4M3,
     /// FP4 E2M1, two per byte (low nibble first), `[out, in / 2]`.
     E2M1,
+    /// 8-bit integers, `[out, in]` (GGUF's Q8_0).
+    I8,
+    /// 4-bit integers `q - 8`, two per byte (low nibble first), `[out, in / 2]` (GGUF's Q4_0).
+    I4,
+}
+
+impl Codes {
+    /// Whether two codes share a byte.
+    pub fn packed_in_nibbles(self) -> bool {
+        match self {
+            Codes::E4M3 | Codes::I8 => false,
+            Codes::E2M1 | Codes::I4 => true,
+        }
+    }
+
+    /// The value of each of the 16 nibbles of a 4-bit code (`None` for byte codes).
+    pub fn nibble_values(self) -> Option<[f32; 16]> {
+        match self {
+            Codes::E4M3 | Codes::I8 => None,
+            Codes::E2M1 => Some(std::array::from_fn(|c| {
+                let v = E2M1_VALUES[c & 7];
+                if c & 8 != 0 {
+                    -v
+                } else {
+                    v
+                }
+            })),
+            Codes::I4 => Some(std::array::from_fn(|c| c as f32 - 8.0)),
+        }
+    }
 }
 
 /// How the per-tensor global scale combines with each block scale.
@@ -97,9 +133,10 @@ impl QuantSpec {
 
     /// The logical `[out, in]` of codes of shape `codes`.
     pub fn weight_shape(&self, codes: &[usize]) -> [usize; 2] {
-        match self.codes {
-            Codes::E4M3 => [codes[0], codes[1]],
-            Codes::E2M1 => [codes[0], codes[1] * 2],
+        if self.codes.packed_in_nibbles() {
+            [codes[0], codes[1] * 2]
+        } else {
+            [codes[0], codes[1]]
         }
     }
 
@@ -107,7 +144,8 @@ impl QuantSpec {
     pub fn codes_dtype(&self) -> DType {
         match self.codes {
             Codes::E4M3 => DType::F8E4M3FN,
-            Codes::E2M1 => DType::U8,
+            Codes::E2M1 | Codes::I4 => DType::U8,
+            Codes::I8 => DType::I8,
         }
     }
 
@@ -130,8 +168,8 @@ impl QuantSpec {
             ));
         }
         let [out, inp] = self.weight_shape(codes.1);
-        if self.codes == Codes::E2M1 && !self.block[1].is_multiple_of(2) {
-            return Err(Error::invalid(op, format!("FP4 groups must hold whole bytes, got {:?}", self.block)));
+        if self.codes.packed_in_nibbles() && !self.block[1].is_multiple_of(2) {
+            return Err(Error::invalid(op, format!("4-bit groups must hold whole bytes, got {:?}", self.block)));
         }
         if !matches!(scales.0, DType::F32 | DType::F8E4M3FN | DType::U8) {
             return Err(Error::dtype(

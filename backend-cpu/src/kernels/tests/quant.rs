@@ -51,6 +51,21 @@ fn every_code_decodes() {
         let want = f8e4m3fn::from_bits(c as u8).to_f32();
         assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "code {c:#x}: {g} vs {want}");
     }
+    // Int8: every byte, two's complement; int4: every byte, low nibble first, `q - 8`.
+    let spec = QuantSpec { codes: Codes::I8, block: [1, 1], global: None };
+    let codes = host(HostBuffer::I8((0..=255u8).map(|b| b as i8).collect()), &[256, 1]);
+    let w = vals::<f32>(&run(Op::Dequantize(spec), &[&codes, &f32s(&[1.0; 256], &[256, 1])]));
+    for (b, g) in w.iter().enumerate() {
+        assert_eq!(*g, b as u8 as i8 as f32, "int8 code {b:#x}");
+    }
+    let spec = QuantSpec { codes: Codes::I4, block: [1, 2], global: None };
+    let packed: Vec<u8> = (0..=255).collect();
+    let w = vals::<f32>(&run(Op::Dequantize(spec), &[&t(packed, &[256, 1]), &f32s(&[0.5; 256], &[256, 1])]));
+    for b in 0..256usize {
+        for (k, n) in [b & 0xF, b >> 4].into_iter().enumerate() {
+            assert_eq!(w[2 * b + k], (n as f32 - 8.0) * 0.5, "int4 byte {b:#x}, nibble {k}");
+        }
+    }
     // E8M0 scales: every exponent (0 is 2^-127, 255 NaN), times code 1.0 (0x2 | 0x2 << 4).
     let spec = QuantSpec { codes: Codes::E2M1, block: [1, 2], global: None };
     let scales = t((0..=255u8).collect::<Vec<_>>(), &[256, 1]);
@@ -64,17 +79,28 @@ fn every_code_decodes() {
 #[test]
 fn the_quantized_product_is_the_dequantized_one() {
     let _off = super::batch_invariance(false);
-    let spec = QuantSpec { codes: Codes::E4M3, block: [16, 8], global: None };
     let (n, k) = (37, 24);
-    let codes = e4m3(&(0..n * k).map(|i| ((i * 7 % 29) as f32 - 14.0) * 0.5).collect::<Vec<_>>(), &[n, k]);
+    let e4 = QuantSpec { codes: Codes::E4M3, block: [16, 8], global: None };
+    let e4_codes = e4m3(&(0..n * k).map(|i| ((i * 7 % 29) as f32 - 14.0) * 0.5).collect::<Vec<_>>(), &[n, k]);
+    let i8_codes = host(HostBuffer::I8(bytes(n * k, 4).into_iter().map(|b| b as i8).collect()), &[n, k]);
+    let i4_codes = t(bytes(n * k / 2, 5), &[n, k / 2]);
+    let with = |codes: Codes| QuantSpec { codes, ..e4.clone() };
+    for (spec, codes) in [(e4.clone(), e4_codes), (with(Codes::I8), i8_codes), (with(Codes::I4), i4_codes)] {
+        product_matches_dequantized(&spec, &codes, k);
+    }
+}
+
+/// `QuantMatMul` with 1, 5 and 12 rows (dot products and the `gemm` tile)
+/// against `MatMul` with the dequantized weight.
+fn product_matches_dequantized(spec: &QuantSpec, codes: &Tensor, k: usize) {
     let scales = f32s(&(0..9).map(|i| 0.25 + i as f32 * 0.125).collect::<Vec<_>>(), &[3, 3]);
-    let w = run(Op::Dequantize(spec.clone()), &[&codes, &scales]);
+    let w = run(Op::Dequantize(spec.clone()), &[codes, &scales]);
     for m in [1usize, 5, 12] {
         let x = f32s(&(0..m * k).map(|i| ((i * 5 % 17) as f32 - 8.0) * 0.1).collect::<Vec<_>>(), &[m, k]);
-        let y = vals::<f32>(&run(Op::QuantMatMul(spec.clone()), &[&x, &codes, &scales]));
+        let y = vals::<f32>(&run(Op::QuantMatMul(spec.clone()), &[&x, codes, &scales]));
         let want = vals::<f32>(&run(Op::MatMul, &[&x, &w.t().unwrap()]));
         for (g, w) in y.iter().zip(&want) {
-            assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{m} rows: {g} vs {w}");
+            assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{:?}, {m} rows: {g} vs {w}", spec.codes);
         }
     }
 }
@@ -106,6 +132,8 @@ fn codes_decoded_in_the_registers_are_the_dequantized_weight() {
         (QuantSpec { codes: Codes::E4M3, block: [1, 1000], global: None }, "f32"),
         (QuantSpec { codes: Codes::E2M1, block: [1, 16], global: Some(Global::Mul(0.75)) }, "e4m3"),
         (QuantSpec { codes: Codes::E2M1, block: [1, 32], global: None }, "e8m0"),
+        (QuantSpec { codes: Codes::I8, block: [1, 32], global: None }, "f32"),
+        (QuantSpec { codes: Codes::I4, block: [1, 32], global: None }, "f32"),
     ] {
         for &(n, k) in &[(37usize, 336usize), (9, 330), (5, 64), (6, 16), (4, 10)] {
             if !applies(&spec, k) {
@@ -119,9 +147,13 @@ fn codes_decoded_in_the_registers_are_the_dequantized_weight() {
                     let c: Vec<u8> = e4m3_codes(n * k);
                     (c.clone(), host(HostBuffer::F8E4M3FN(c.into_iter().map(f8e4m3fn::from_bits).collect()), &[n, k]))
                 }
-                Codes::E2M1 => {
+                Codes::E2M1 | Codes::I4 => {
                     let c = bytes(n * k / 2, 2);
                     (c.clone(), t(c, &[n, k / 2]))
+                }
+                Codes::I8 => {
+                    let c = bytes(n * k, 2);
+                    (c.clone(), host(HostBuffer::I8(c.into_iter().map(|b| b as i8).collect()), &[n, k]))
                 }
             };
             let sv = bytes(sr * sc, 3);

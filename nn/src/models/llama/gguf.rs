@@ -33,8 +33,9 @@
 // they print as (1e-5, not 9.99999974e-6), which is what the converter wrote.
 // Not read (a clear error): Llama 3.1's `rope_freqs` scaling factors, YaRN,
 // partial rotary dimensions, Qwen3-MoE's stacked expert tensors.
-use super::LlamaForCausalLM;
+use super::{LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
 use crate::io::gguf::{save_gguf, GgmlType, GgufFile, GgufTensor, GgufValue};
+use crate::io::QuantizedWeight;
 use crate::models::{LlamaConfig, ModelType};
 use crate::module::Module;
 use kiln_tensor::{DType, Device, Error, Result, Tensor};
@@ -254,29 +255,77 @@ impl LlamaForCausalLM {
     /// # Ok::<(), kiln::Error>(())
     /// ```
     pub fn from_gguf(path: impl AsRef<Path>, dtype: DType, device: Device) -> Result<LlamaForCausalLM> {
+        LlamaForCausalLM::from_gguf_with(path, &PretrainedOptions::new(dtype, device))
+    }
+
+    /// [`LlamaForCausalLM::from_gguf`] with `opts.quantized`:
+    /// `QuantizedLoad::Keep` keeps the Q8_0 and Q4_0 matrices of the Linear
+    /// layers packed (codes and scales resident, exactly the weights
+    /// llama.cpp computes with; the products decode them in the registers),
+    /// the LM head included, which a tied model takes from the embedding
+    /// table as llama.cpp does (the lookup keeps a dense copy). Other types
+    /// are dequantized.
+    pub fn from_gguf_with(path: impl AsRef<Path>, opts: &PretrainedOptions) -> Result<LlamaForCausalLM> {
+        let (dtype, device) = (opts.dtype, opts.device);
         let f = GgufFile::open(path)?;
         let config = LlamaConfig::from_gguf(&f)?;
+        let keep = opts.quantized == QuantizedLoad::Keep;
+        let heads = |name: &str| -> Option<usize> {
+            if !permutes_qk(config.model_type) {
+                None
+            } else if name.contains(".self_attn.q_proj.") {
+                Some(config.num_attention_heads)
+            } else if name.contains(".self_attn.k_proj.") {
+                Some(config.num_key_value_heads)
+            } else {
+                None
+            }
+        };
         let mut weights = BTreeMap::new();
+        let mut packed = BTreeMap::new();
         let mut unknown = vec![];
         for info in f.tensor_infos() {
             let Some(name) = hf_name(&info.name) else {
                 unknown.push(info.name.clone());
                 continue;
             };
-            let mut t = f.tensor(&info.name, Some(dtype), Device::Cpu)?;
-            if permutes_qk(config.model_type) {
-                if name.contains(".self_attn.q_proj.") {
-                    t = permute_heads(&t, config.num_attention_heads, false)?;
-                } else if name.contains(".self_attn.k_proj.") {
-                    t = permute_heads(&t, config.num_key_value_heads, false)?;
+            let linear = name.strip_suffix(".weight").filter(|m| *m == "lm_head" || m.ends_with("_proj"));
+            if let (true, Some(module)) = (keep, linear) {
+                if let Some(mut q) = f.packed_weight(&info.name)? {
+                    if let Some(h) = heads(&name) {
+                        q = QuantizedWeight::new(
+                            q.spec.clone(),
+                            permute_heads(&q.codes, h, false)?,
+                            permute_heads(&q.scales, h, false)?,
+                        )?;
+                    }
+                    // A placeholder of the weight's shape, never materialised.
+                    let dims: Vec<isize> = q.shape.iter().map(|&d| d as isize).collect();
+                    weights.insert(name.clone(), Tensor::zeros(&[], (dtype, device))?.expand(&dims)?);
+                    packed.insert(module.to_string(), q);
+                    continue;
                 }
+            }
+            let mut t = f.tensor(&info.name, Some(dtype), Device::Cpu)?;
+            if let Some(h) = heads(&name) {
+                t = permute_heads(&t, h, false)?;
             }
             weights.insert(name, t.to_device(device)?);
         }
         if !unknown.is_empty() {
             return Err(err(format!("{}: tensors kiln does not map: {unknown:?}", f.path().display())));
         }
-        LlamaForCausalLM::from_weights(&config, &weights, dtype, device)
+        let mut model = LlamaForCausalLM::from_weights(&config, &weights, dtype, device)?;
+        if keep && config.tie_word_embeddings {
+            if let Some(q) = f.packed_weight("token_embd.weight")? {
+                let table = model.output_weight().ok_or_else(|| err("a tied model without its table"))?.clone();
+                model.lm_head = Some(crate::layers::Linear::from_weights(table.detach(), None)?);
+                packed.insert("lm_head".to_string(), q);
+            }
+        }
+        model.keep_quantized(&packed, device)?;
+        model.eval();
+        Ok(model)
     }
 
     /// Writes the model as a GGUF file that llama.cpp runs (Note [GGUF
