@@ -9,13 +9,13 @@ tied embedding) at the same type as the rest, as llama.cpp's converter writes
 a `--outtype`. llama.cpp (through `llama-cpp-python`, built for this CPU) then
 decodes: a prompt of random ids, then `new_tokens` steps of one token each
 (the argmax of the last logits), timed after the prompt. kiln runs
-`kiln-bench decode` with the preset and the weights that match in bits:
-f32 - f32, bf16 - bf16, fp8 (8 bits + a scale per 128 x 128) - Q8_0 (8 bits +
-a scale per 32), nvfp4 (4 bits + a scale per 16) and mxfp4 (per 32) - Q4_0
-(4 bits + a scale per 32). The quantized kiln runs go both ways: with the
-LM head (the tied embedding) dense in f32, as compressed-tensors and
-ModelOpt checkpoints keep it, and quantized like the rest (`+head`, as
-llama.cpp's files have it); `weight_gb_per_token` says what a step reads.
+`kiln-bench decode` on the same file (`gguf`: Q8_0 / Q4_0 kept packed, as
+llama.cpp computes with them), and with the preset's random weights in the
+formats that match in bits: f32 - f32, bf16 - bf16, q8_0 and fp8 (8 bits + a
+scale per 128 x 128) - Q8_0 (8 bits + a scale per 32), q4_0, nvfp4 (4 bits +
+a scale per 16) and mxfp4 (per 32) - Q4_0 (4 bits + a scale per 32), each
+with the LM head (the tied embedding) quantized like the rest (`+head`), as
+llama.cpp's files have it; `weight_gb_per_token` says what a step reads.
 
 The two alternate, `--rounds` times, and each line reports the median of the
 rounds; ratios are kiln / llama.cpp tokens/s (> 1: kiln faster).
@@ -46,7 +46,10 @@ SHAPES = dict(vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_d
               eps=1e-6, rope_theta=1_000_000.0)
 
 # llama.cpp type -> the kiln weights of the same bits.
-PAIRS = {"f32": ["f32"], "bf16": ["bf16"], "q8_0": ["fp8", "fp8+head"], "q4_0": ["nvfp4", "nvfp4+head", "mxfp4+head"]}
+# "gguf": kiln decodes the very file llama.cpp does (`--weights gguf:PATH`,
+# Q8_0 / Q4_0 kept packed).
+PAIRS = {"f32": ["f32", "gguf"], "bf16": ["bf16", "gguf"], "q8_0": ["q8_0+head", "gguf", "fp8+head"],
+         "q4_0": ["q4_0+head", "gguf", "nvfp4+head", "mxfp4+head"]}
 
 
 def write_gguf(path, qtype, rng):
@@ -125,7 +128,9 @@ def llama_decode(path, args, rng):
     return args.new_tokens / statistics.median(times)
 
 
-def kiln_decode(weights, args):
+def kiln_decode(weights, args, path):
+    if weights == "gguf":
+        weights = f"gguf:{path}"
     cmd = [args.kiln_bin, "decode", "--preset", args.preset, "--device", "cpu", "--prompt", str(args.prompt),
            "--new-tokens", str(args.new_tokens), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--weights", weights]
@@ -164,7 +169,7 @@ def main():
             for _ in range(args.rounds):
                 llama.append(llama_decode(path, args, rng))
                 for w in PAIRS[qtype]:
-                    last[w] = kiln_decode(w, args)
+                    last[w] = kiln_decode(w, args, path)
                     kiln[w].append(last[w]["tokens_per_s"])
             path.unlink()
             ll = statistics.median(llama)

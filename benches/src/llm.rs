@@ -8,7 +8,7 @@
 use crate::report::{sig4, Line};
 use crate::timing::median;
 use kiln::autograd::no_grad;
-use kiln::nn::models::causal_lm_loss;
+use kiln::nn::models::{causal_lm_loss, PretrainedOptions, QuantizedLoad};
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::nn::{LlamaConfig, LlamaForCausalLM, Module};
 use kiln::prelude::*;
@@ -302,14 +302,14 @@ pub fn infer(a: &LlmArgs) -> Result<Line> {
 /// `decode`: batch 1, greedy, one token at a time through the KV cache; the
 /// prefill of the prompt is not timed.
 pub fn decode(a: &LlmArgs) -> Result<Line> {
-    let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
-    let dtype = if a.weights == "bf16" { DType::BF16 } else { DType::F32 };
-    let mut model = LlamaForCausalLM::new(&cfg, (dtype, a.device))?;
+    let (cfg, dtype, mut model) = decode_model(a)?;
     let (scheme, head) = match a.weights.strip_suffix("+head") {
         Some(s) => (s, true),
         None => (a.weights.as_str(), false),
     };
-    if !matches!(scheme, "f32" | "bf16") {
+    if a.weights.starts_with("gguf:") {
+        // As the file has it (Q8_0 / Q4_0 kept packed).
+    } else if !matches!(scheme, "f32" | "bf16") {
         let scheme = kiln::nn::quantize::QuantScheme::parse(scheme)?;
         kiln::nn::quantize::quantize_model(&mut model, scheme)?;
         if head {
@@ -333,7 +333,7 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
     // Bytes a decoding step reads: every weight once, but of an embedding
     // table that is not also the LM head, one row.
     let embed = cfg.vocab_size * cfg.hidden_size * dtype.size_in_bytes();
-    let head_reads_embedding = cfg.tie_word_embeddings && !head;
+    let head_reads_embedding = cfg.tie_word_embeddings && model.output_weight().is_some();
     let read_per_token = if head_reads_embedding { bytes } else { bytes - embed };
     let prompt = random_ids(1, a.prompt, cfg.vocab_size, a.device)?;
     let _g = no_grad();
@@ -387,6 +387,26 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
         .set("thread_sleeps_per_token", sig4(median(&sleeps)))
         .set("median_ms", sig4(t * 1e3))
         .set("peak_rss_mb", sig4(peak_rss_mb())))
+}
+
+/// The model `decode` runs: the preset's with random weights in `--weights`'
+/// dtype, or a GGUF file's (`--weights gguf:PATH`: its Q8_0 / Q4_0 matrices
+/// kept packed, float16 / bfloat16 files computed in bfloat16).
+fn decode_model(a: &LlmArgs) -> Result<(LlamaConfig, DType, LlamaForCausalLM)> {
+    if let Some(path) = a.weights.strip_prefix("gguf:") {
+        let f = kiln::nn::io::gguf::GgufFile::open(path)?;
+        let half = f.info("blk.0.attn_q.weight").is_some_and(|i| {
+            matches!(i.ggml_type, kiln::nn::io::gguf::GgmlType::BF16 | kiln::nn::io::gguf::GgmlType::F16)
+        });
+        let dtype = if half { DType::BF16 } else { DType::F32 };
+        let opts = PretrainedOptions::new(dtype, a.device).with_quantized(QuantizedLoad::Keep);
+        let model = LlamaForCausalLM::from_gguf_with(path, &opts)?;
+        return Ok((model.config().clone(), dtype, model));
+    }
+    let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
+    let dtype = if a.weights == "bf16" { DType::BF16 } else { DType::F32 };
+    let model = LlamaForCausalLM::new(&cfg, (dtype, a.device))?;
+    Ok((cfg, dtype, model))
 }
 
 /// Times the process's threads have gone to sleep so far (their voluntary

@@ -95,9 +95,12 @@ OPTIONS:
     --precision P      train: f32 (default), or bf16-mixed / f16-mixed (autocast forward, float32
                        master weights, gradients and AdamW state)
     --weights W        decode: the decoder Linear weights as f32 (default), bf16 (the whole model in
-                       bf16), or kept quantized: fp8 (128x128 blocks), fp8-channel, nvfp4, mxfp4
+                       bf16), or kept quantized: fp8 (128x128 blocks), fp8-channel, nvfp4, mxfp4,
+                       q8_0, q4_0
                        (activations f32), and with a `+head` suffix (nvfp4+head) the LM head too,
-                       as llama.cpp's quantized files have it; the line has weight_bytes_per_param
+                       as llama.cpp's quantized files have it; q8_0 / q4_0 are GGUF's formats;
+                       gguf:PATH decodes a GGUF file's model (Q8_0 / Q4_0 kept packed, the
+                       preset ignored); the line has weight_bytes_per_param
     -h, --help         this text
 
 METHOD:
