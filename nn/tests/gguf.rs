@@ -9,29 +9,14 @@ use kiln::nn::io::{load_safetensors, save_safetensors};
 use kiln::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
-use support::temp_dir;
-
-fn script() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_reference.py")
-}
-
-fn run_python(args: &[&std::ffi::OsStr]) -> String {
-    let python = support::python_with_safetensors();
-    let out = std::process::Command::new(&python).arg(script()).args(args).output().unwrap();
-    assert!(out.status.success(), "gguf_reference.py failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
-}
+use support::{f32_bits, gguf_reference, temp_dir};
 
 #[test]
 fn every_type_reads_as_the_gguf_package_dequantizes_it() {
     let dir = temp_dir("gguf-read");
     for seed in [1, 2] {
         let (file, reference) = (dir.join(format!("{seed}.gguf")), dir.join(format!("{seed}.safetensors")));
-        run_python(&["make".as_ref(), file.as_os_str(), reference.as_os_str(), seed.to_string().as_ref()]);
+        gguf_reference(&["make".as_ref(), file.as_os_str(), reference.as_os_str(), seed.to_string().as_ref()]);
         let want = load_safetensors(&reference).unwrap();
         let f = GgufFile::open(&file).unwrap();
         assert_eq!(f.version(), 3);
@@ -50,7 +35,7 @@ fn every_type_reads_as_the_gguf_package_dequantizes_it() {
             let got = f.tensor(name, None, Device::Cpu).unwrap();
             assert_eq!(got.shape(), w.shape(), "{name}");
             assert!(
-                bits(&got) == bits(w),
+                f32_bits(&got) == f32_bits(w),
                 "seed {seed}: {name} ({}) dequantizes differently",
                 f.info(name).unwrap().ggml_type
             );
@@ -130,7 +115,7 @@ fn files_kiln_writes_hold_the_gguf_package_bytes() {
     save_gguf(&file, &metadata, &tensors).unwrap();
     let src = dir.join("source.safetensors");
     save_safetensors(&src, &source, None).unwrap();
-    let printed = run_python(&["check".as_ref(), file.as_os_str(), src.as_os_str()]);
+    let printed = gguf_reference(&["check".as_ref(), file.as_os_str(), src.as_os_str()]);
     let meta: serde_json::Value = serde_json::from_str(printed.trim()).unwrap();
     let want = serde_json::json!({
         "general.architecture": ["STRING", "llama"],
@@ -157,7 +142,7 @@ fn files_kiln_writes_hold_the_gguf_package_bytes() {
             GgmlType::F32 => assert_eq!(a, b),
             GgmlType::F16 | GgmlType::BF16 => {
                 let round = t.tensor.to_dtype(t.ggml_type.read_dtype().unwrap()).unwrap();
-                assert_eq!(bits(&got), bits(&round), "{}", t.name)
+                assert_eq!(f32_bits(&got), f32_bits(&round), "{}", t.name)
             }
             ty => {
                 // Q8_0: half a step of amax / 127, plus the f16 rounding of
@@ -284,7 +269,7 @@ fn tokenizers_in_gguf_files_encode_as_the_tokenizers_package_does() {
     let text = support::fixture_dir("llama").join("../../data/tinyshakespeare.txt");
     for pre in ["qwen2", "llama-bpe", "gpt-2"] {
         let dir = temp_dir(&format!("gguf-tok-{pre}"));
-        run_python(&["tokenizer".as_ref(), dir.as_os_str(), pre.as_ref(), text.as_os_str()]);
+        gguf_reference(&["tokenizer".as_ref(), dir.as_os_str(), pre.as_ref(), text.as_os_str()]);
         let expected: Vec<(String, Vec<u32>)> =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
         // As llama.cpp's converter stores it (written by the gguf package).

@@ -10,20 +10,7 @@ use kiln::nn::io::load_safetensors;
 use kiln::nn::models::LlamaForCausalLM;
 use kiln::nn::module::Module;
 use kiln::prelude::*;
-use std::path::Path;
-use support::{assert_close, fixture_dir, temp_dir, tolerance};
-
-fn python(args: &[&std::ffi::OsStr]) -> String {
-    let py = support::python_with_safetensors();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_reference.py");
-    let out = std::process::Command::new(&py).arg(script).args(args).output().unwrap();
-    assert!(out.status.success(), "gguf_reference.py failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
-}
+use support::{assert_close, f32_bits, fixture_dir, gguf_reference, temp_dir, tolerance};
 
 #[test]
 fn files_converted_as_llama_cpp_does_load_into_the_fixture_models() {
@@ -31,7 +18,7 @@ fn files_converted_as_llama_cpp_does_load_into_the_fixture_models() {
     for name in ["llama", "qwen3"] {
         let src = fixture_dir(name);
         let file = dir.join(format!("{name}.gguf"));
-        python(&["convert".as_ref(), src.as_os_str(), file.as_os_str()]);
+        gguf_reference(&["convert".as_ref(), src.as_os_str(), file.as_os_str()]);
         let model = LlamaForCausalLM::from_gguf(&file, DType::F32, Device::Cpu).unwrap();
         let hf = LlamaForCausalLM::from_pretrained(&src, DType::F32, Device::Cpu).unwrap();
         assert_eq!(model.config().tie_word_embeddings, hf.config().tie_word_embeddings, "{name}");
@@ -41,7 +28,7 @@ fn files_converted_as_llama_cpp_does_load_into_the_fixture_models() {
         let (a, b) = (model.state_dict(), hf.state_dict());
         assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{name}");
         for (k, t) in &a {
-            assert!(bits(t) == bits(&b[k]), "{name}: {k} differs from the checkpoint");
+            assert!(f32_bits(t) == f32_bits(&b[k]), "{name}: {k} differs from the checkpoint");
         }
         let g = load_safetensors(src.join("golden.safetensors")).unwrap();
         let logits = model.forward(&g["input_ids"], None).unwrap();
@@ -58,13 +45,13 @@ fn files_kiln_writes_put_every_tensor_where_the_converter_does() {
         let model = LlamaForCausalLM::from_pretrained(&src, DType::F32, Device::Cpu).unwrap();
         let file = dir.join(format!("{name}-f32.gguf"));
         model.save_gguf(&file, GgmlType::F32, &[]).unwrap();
-        assert_eq!(python(&["check-model".as_ref(), file.as_os_str(), src.as_os_str()]).trim(), "ok");
+        assert_eq!(gguf_reference(&["check-model".as_ref(), file.as_os_str(), src.as_os_str()]).trim(), "ok");
         let f = GgufFile::open(&file).unwrap();
         assert_eq!(f.get("tokenizer.ggml.model").and_then(|v| v.as_str()), Some("none"));
         // And back: the same model.
         let back = LlamaForCausalLM::from_gguf(&file, DType::F32, Device::Cpu).unwrap();
         for (k, t) in back.state_dict() {
-            assert!(bits(&t) == bits(&model.state_dict()[&k]), "{name}: {k} changed through GGUF");
+            assert!(f32_bits(&t) == f32_bits(&model.state_dict()[&k]), "{name}: {k} changed through GGUF");
         }
     }
 }

@@ -207,6 +207,20 @@ pub fn python_with_safetensors() -> String {
     venv::python_from("setup-py-venv")
 }
 
+/// Runs `nn/tests/gguf_reference.py` (the `gguf` package's side of the GGUF
+/// tests) with `args`; its stdout, or a panic with its stderr.
+pub fn gguf_reference(args: &[&std::ffi::OsStr]) -> String {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_reference.py");
+    let out = std::process::Command::new(python_with_safetensors()).arg(script).args(args).output().unwrap();
+    assert!(out.status.success(), "gguf_reference.py failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The elements' bits, as float32.
+pub fn f32_bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
 /// The python of a virtual environment with torch, transformers and
 /// compressed-tensors (`scripts/setup-transformers-venv` creates it on first
 /// use, about 3 GB from PyPI).

@@ -75,28 +75,18 @@ fn err(msg: impl Into<String>) -> Error {
     Error::invalid("gguf model", msg)
 }
 
-/// The Hugging Face name of GGUF tensor `name`, if it is one kiln maps.
-fn hf_name(name: &str) -> Option<String> {
-    if let Some((_, hf)) = GLOBAL_NAMES.iter().find(|(g, _)| *g == name) {
-        return Some(hf.to_string());
+/// Tensor `name` in the other naming, GGUF to Hugging Face (`to_hf`) or
+/// back, if it is one kiln maps.
+fn rename(name: &str, to_hf: bool) -> Option<String> {
+    let pick = |&(g, hf): &(&'static str, &'static str)| if to_hf { (g, hf) } else { (hf, g) };
+    if let Some((_, to)) = GLOBAL_NAMES.iter().map(pick).find(|(from, _)| *from == name) {
+        return Some(to.to_string());
     }
-    let rest = name.strip_prefix("blk.")?;
-    let (layer, field) = rest.split_once('.')?;
+    let (prefix, out_prefix) = if to_hf { ("blk.", "model.layers.") } else { ("model.layers.", "blk.") };
+    let (layer, field) = name.strip_prefix(prefix)?.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let (_, hf) = LAYER_NAMES.iter().find(|(g, _)| *g == field)?;
-    Some(format!("model.layers.{layer}.{hf}"))
-}
-
-/// The GGUF name of Hugging Face tensor `name`, if it is one kiln maps.
-fn gguf_name(name: &str) -> Option<String> {
-    if let Some((g, _)) = GLOBAL_NAMES.iter().find(|(_, hf)| *hf == name) {
-        return Some(g.to_string());
-    }
-    let rest = name.strip_prefix("model.layers.")?;
-    let (layer, field) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (g, _) = LAYER_NAMES.iter().find(|(_, hf)| *hf == field)?;
-    Some(format!("blk.{layer}.{g}"))
+    let (_, to) = LAYER_NAMES.iter().map(pick).find(|(from, _)| *from == field)?;
+    Some(format!("{out_prefix}{layer}.{to}"))
 }
 
 /// The architecture name llama.cpp gives a model type.
@@ -285,7 +275,7 @@ impl LlamaForCausalLM {
         let mut packed = BTreeMap::new();
         let mut unknown = vec![];
         for info in f.tensor_infos() {
-            let Some(name) = hf_name(&info.name) else {
+            let Some(name) = rename(&info.name, true) else {
                 unknown.push(info.name.clone());
                 continue;
             };
@@ -371,7 +361,7 @@ impl LlamaForCausalLM {
             if config.tie_word_embeddings && name == "lm_head.weight" {
                 continue;
             }
-            let g = gguf_name(&name).ok_or_else(|| err(format!("{name} has no GGUF name")))?;
+            let g = rename(&name, false).ok_or_else(|| err(format!("{name} has no GGUF name")))?;
             let mut t = t.detach();
             if permutes_qk(config.model_type) {
                 if name.contains(".self_attn.q_proj.") {
