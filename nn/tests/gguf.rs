@@ -31,15 +31,20 @@ fn every_type_reads_as_the_gguf_package_dequantizes_it() {
             assert!(types.contains(&ty), "the reference file has no {ty} tensor: {types:?}");
         }
         assert_eq!(want.len(), f.tensor_infos().len());
+        let mut packed = vec![];
         for (name, w) in &want {
             let got = f.tensor(name, None, Device::Cpu).unwrap();
             assert_eq!(got.shape(), w.shape(), "{name}");
-            assert!(
-                f32_bits(&got) == f32_bits(w),
-                "seed {seed}: {name} ({}) dequantizes differently",
-                f.info(name).unwrap().ggml_type
-            );
+            let ty = f.info(name).unwrap().ggml_type;
+            assert!(f32_bits(&got) == f32_bits(w), "seed {seed}: {name} ({ty}) dequantizes differently");
+            // The integer types kept packed hold the same values.
+            if let Some(q) = f.packed_weight(name).unwrap() {
+                assert!(f32_bits(&q.dequantize().unwrap()) == f32_bits(w), "seed {seed}: {name} ({ty}) packed differs");
+                packed.push(ty.name());
+            }
         }
+        packed.sort();
+        assert_eq!(packed, ["Q3_K", "Q4_0", "Q5_0", "Q6_K", "Q8_0"], "the matrices kept packed");
         // The 3-D tensor's shape is GGUF's ne reversed.
         assert_eq!(f.info("q.3d").unwrap().shape, vec![2, 3, 64]);
     }

@@ -257,17 +257,24 @@ impl GgmlType {
     pub(crate) fn dequantize(self, bytes: &[u8], out: &mut [f32]) {
         let (bs, ts) = (self.block_size(), self.type_size());
         debug_assert_eq!(bytes.len() / ts * bs, out.len());
+        if let Some(g) = self.integer_group() {
+            // An integer times its group's scale, one rounding.
+            let (mut q, mut sc) = ([0i8; QK_K], [0f32; QK_K / 16]);
+            for (b, y) in bytes.chunks_exact(ts).zip(out.chunks_exact_mut(bs)) {
+                self.integer_block(b, &mut q[..bs], &mut sc[..bs / g]);
+                for (e, y) in y.iter_mut().enumerate() {
+                    *y = q[e] as f32 * sc[e / g];
+                }
+            }
+            return;
+        }
         let f: fn(&[u8], &mut [f32]) = match self {
-            Q4_0 => q4_0,
             Q4_1 => q4_1,
-            Q5_0 => q5_0,
             Q5_1 => q5_1,
-            Q8_0 => q8_0,
             Q2_K => q2_k,
-            Q3_K => q3_k,
             Q4_K => q4_k,
             Q5_K => q5_k,
-            Q6_K => q6_k,
+            Q4_0 | Q5_0 | Q8_0 | Q3_K | Q6_K => unreachable!("integer types return above"),
             F32 | F16 | BF16 | F64 | I8 | I16 | I32 | I64 | Q8_1 | Q8_K | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ1_S
             | IQ4_NL | IQ3_S | IQ2_S | IQ4_XS | IQ1_M | TQ1_0 | TQ2_0 | MXFP4 | NVFP4 => {
                 unreachable!("dequantize is called for the quantized types read_dtype reads, not {}", self.name())
@@ -275,6 +282,77 @@ impl GgmlType {
         };
         for (b, y) in bytes.chunks_exact(ts).zip(out.chunks_exact_mut(bs)) {
             f(b, y);
+        }
+    }
+
+    /// The group size of the types whose every value is a signed integer
+    /// code times its group's scale (Q4_0, Q5_0, Q8_0: 32; Q3_K, Q6_K: 16),
+    /// which kiln can keep as int8 / int4 codes with float32 scales exactly.
+    pub fn integer_group(self) -> Option<usize> {
+        match self {
+            Q4_0 | Q5_0 | Q8_0 => Some(32),
+            Q3_K | Q6_K => Some(16),
+            F32 | F16 | BF16 | F64 | I8 | I16 | I32 | I64 | Q4_1 | Q5_1 | Q8_1 | Q2_K | Q4_K | Q5_K | Q8_K
+            | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ1_S | IQ4_NL | IQ3_S | IQ2_S | IQ4_XS | IQ1_M | TQ1_0 | TQ2_0 | MXFP4
+            | NVFP4 => None,
+        }
+    }
+
+    /// The integer codes (`block_size()` of them) and group scales of one
+    /// block of an [`GgmlType::integer_group`] type: the value of element
+    /// `e` is `q[e] * s[e / group]`, rounded once (the scales are exact:
+    /// f16 times a small integer).
+    pub(crate) fn integer_block(self, b: &[u8], q: &mut [i8], s: &mut [f32]) {
+        match self {
+            Q4_0 => {
+                s[0] = f16_at(b, 0);
+                for (j, q) in q.iter_mut().enumerate() {
+                    *q = nibble(&b[2..], j) as i8 - 8;
+                }
+            }
+            Q5_0 => {
+                s[0] = f16_at(b, 0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for (j, q) in q.iter_mut().enumerate() {
+                    *q = five_bits(qh, &b[6..], j) as i8 - 16;
+                }
+            }
+            Q8_0 => {
+                s[0] = f16_at(b, 0);
+                for (q, &c) in q.iter_mut().zip(&b[2..34]) {
+                    *q = c as i8;
+                }
+            }
+            Q3_K => {
+                let (hmask, qs, sc) = (&b[..32], &b[32..96], &b[96..108]);
+                let d = f16_at(b, 108);
+                // 16 six-bit scales: low nibbles from bytes 0..8 (both
+                // halves), high two bits from bytes 8..12.
+                for (i, s) in s.iter_mut().enumerate() {
+                    let lo = if i < 8 { sc[i] & 0x0F } else { sc[i - 8] >> 4 };
+                    let hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+                    *s = d * ((lo | (hi << 4)) as i8 - 32) as f32;
+                }
+                for (e, q) in q.iter_mut().enumerate() {
+                    let high = (hmask[e % 32] >> (e / 32)) & 1;
+                    *q = two_bits(qs, e) as i8 - if high == 0 { 4 } else { 0 };
+                }
+            }
+            Q6_K => {
+                let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
+                let d = f16_at(b, 208);
+                for (s, &c) in s.iter_mut().zip(scales) {
+                    *s = d * c as i8 as f32;
+                }
+                for (e, q) in q.iter_mut().enumerate() {
+                    let (h, r) = (e / 128, e % 128);
+                    let lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0F;
+                    *q = (lo | (two_bits(qh, e) << 4)) as i8 - 32;
+                }
+            }
+            F32 | F16 | BF16 | F64 | I8 | I16 | I32 | I64 | Q4_1 | Q5_1 | Q8_1 | Q2_K | Q4_K | Q5_K | Q8_K
+            | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ1_S | IQ4_NL | IQ3_S | IQ2_S | IQ4_XS | IQ1_M | TQ1_0 | TQ2_0 | MXFP4
+            | NVFP4 => unreachable!("integer_block is called for integer_group types, not {}", self.name()),
         }
     }
 
@@ -315,13 +393,6 @@ fn nibble(qs: &[u8], j: usize) -> u8 {
     }
 }
 
-fn q4_0(b: &[u8], y: &mut [f32]) {
-    let d = f16_at(b, 0);
-    for (j, y) in y.iter_mut().enumerate() {
-        *y = (nibble(&b[2..], j) as i32 - 8) as f32 * d;
-    }
-}
-
 fn q4_1(b: &[u8], y: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
     for (j, y) in y.iter_mut().enumerate() {
@@ -335,26 +406,11 @@ fn five_bits(qh: u32, qs: &[u8], j: usize) -> u8 {
     nibble(qs, j) | ((((qh >> j) & 1) as u8) << 4)
 }
 
-fn q5_0(b: &[u8], y: &mut [f32]) {
-    let d = f16_at(b, 0);
-    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    for (j, y) in y.iter_mut().enumerate() {
-        *y = (five_bits(qh, &b[6..], j) as i32 - 16) as f32 * d;
-    }
-}
-
 fn q5_1(b: &[u8], y: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
     let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
     for (j, y) in y.iter_mut().enumerate() {
         *y = d * five_bits(qh, &b[8..], j) as f32 + m;
-    }
-}
-
-fn q8_0(b: &[u8], y: &mut [f32]) {
-    let d = f16_at(b, 0);
-    for (y, &q) in y.iter_mut().zip(&b[2..34]) {
-        *y = q as i8 as f32 * d;
     }
 }
 
@@ -375,24 +431,6 @@ fn q2_k(b: &[u8], y: &mut [f32]) {
         let dl = d * (sc & 0x0F) as f32;
         let ml = dmin * (sc >> 4) as f32;
         *y = dl * two_bits(qs, e) as f32 - ml;
-    }
-}
-
-fn q3_k(b: &[u8], y: &mut [f32]) {
-    let (hmask, qs, sc) = (&b[..32], &b[32..96], &b[96..108]);
-    let d = f16_at(b, 108);
-    // 16 six-bit scales: low nibbles from bytes 0..8 (both halves), high
-    // two bits from bytes 8..12.
-    let scale = |i: usize| -> f32 {
-        let lo = if i < 8 { sc[i] & 0x0F } else { sc[i - 8] >> 4 };
-        let hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-        ((lo | (hi << 4)) as i8 - 32) as f32
-    };
-    for (e, y) in y.iter_mut().enumerate() {
-        let high = (hmask[e % 32] >> (e / 32)) & 1;
-        let q = two_bits(qs, e) as i8 - if high == 0 { 4 } else { 0 };
-        let dl = d * scale(e / 16);
-        *y = dl * q as f32;
     }
 }
 
@@ -435,18 +473,6 @@ fn q5_k(b: &[u8], y: &mut [f32]) {
             let q = k_nibble(qs, sub * 32 + i) | (((qh[i] >> sub) & 1) << 4);
             *y = d1 * q as f32 - m1;
         }
-    }
-}
-
-fn q6_k(b: &[u8], y: &mut [f32]) {
-    let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
-    let d = f16_at(b, 208);
-    for (e, y) in y.iter_mut().enumerate() {
-        let (h, r) = (e / 128, e % 128);
-        let lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0F;
-        let q = (lo | (two_bits(qh, e) << 4)) as i8 - 32;
-        let dl = d * scales[e / 16] as i8 as f32;
-        *y = dl * q as f32;
     }
 }
 

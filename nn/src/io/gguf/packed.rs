@@ -1,52 +1,50 @@
-//! GGUF's Q8_0 and Q4_0 blocks as resident quantized weights (`Codes::I8`,
-//! `Codes::I4`, one float32 scale per 32 elements: Note [Quantized weights]
-//! in kiln-tensor), repacked once and exactly: the product computes with the
-//! weights llama.cpp dequantizes to.
+//! GGUF's integer types (Q8_0, Q5_0, Q6_K, Q3_K as int8 codes, Q4_0 as
+//! int4: `Codes::I8`, `Codes::I4`, one float32 scale per group of 32 or 16,
+//! Note [Quantized weights] in kiln-tensor) as resident quantized weights,
+//! repacked once and exactly: the product computes with the weights llama.cpp
+//! dequantizes to. The types with a per-block minimum (Q4_K, Q5_K, Q2_K,
+//! Q4_1, Q5_1) load dequantized.
 use super::{GgmlType, GgufFile};
 use crate::io::QuantizedWeight;
-use kiln_tensor::half::f16;
 use kiln_tensor::quant::{Codes, QuantSpec};
 use kiln_tensor::{Error, Result, Tensor};
 
-/// Whether a tensor of type `ty` can stay packed (Q8_0, Q4_0).
+/// Whether a tensor of type `ty` can stay packed.
 pub fn packable(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0)
+    ty.integer_group().is_some()
 }
 
-/// Q8_0 or Q4_0 blocks of a weight `[out, inp]` as codes and scales.
+/// The blocks of a weight `[out, inp]` of an integer type as codes and scales.
 pub fn pack_blocks(ty: GgmlType, bytes: &[u8], out: usize, inp: usize) -> Result<QuantizedWeight> {
     let (bs, ts) = (ty.block_size(), ty.type_size());
-    if !packable(ty) || !inp.is_multiple_of(bs) || bytes.len() != out * inp / bs * ts {
+    let Some(g) = ty.integer_group().filter(|_| inp.is_multiple_of(bs) && bytes.len() == out * inp / bs * ts) else {
         return Err(Error::invalid(
             "gguf",
-            format!("cannot pack {} bytes of {ty} as a weight [{out}, {inp}] (Q8_0 and Q4_0 stay packed)", bytes.len()),
+            format!(
+                "cannot pack {} bytes of {ty} as a weight [{out}, {inp}] (Q8_0, Q5_0, Q4_0, Q6_K and Q3_K stay packed)",
+                bytes.len()
+            ),
         ));
-    }
-    let blocks = bytes.chunks_exact(ts);
-    let scales: Vec<f32> = blocks.clone().map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect();
-    let (codes, spec) = match ty {
-        GgmlType::Q8_0 => {
-            let c: Vec<i8> = blocks.flat_map(|b| b[2..34].iter().map(|&q| q as i8)).collect();
-            (Tensor::from_vec(c, &[out, inp])?, QuantSpec { codes: Codes::I8, block: [1, 32], global: None })
-        }
-        _ => {
-            // GGUF: element j in the low nibble of byte j, j + 16 in its
-            // high nibble; kiln: element 2t low, 2t + 1 high, in byte t.
-            let c: Vec<u8> = blocks
-                .flat_map(|b| {
-                    let n = |e: usize| if e < 16 { b[2 + e] & 0x0F } else { b[2 + e - 16] >> 4 };
-                    (0..16).map(move |t| n(2 * t) | (n(2 * t + 1) << 4))
-                })
-                .collect();
-            (Tensor::from_vec(c, &[out, inp / 2])?, QuantSpec { codes: Codes::I4, block: [1, 32], global: None })
-        }
     };
-    QuantizedWeight::new(spec, codes, Tensor::from_vec(scales, &[out, inp / 32])?)
+    let mut codes = vec![0i8; out * inp];
+    let mut scales = vec![0f32; out * inp / g];
+    for ((b, q), s) in bytes.chunks_exact(ts).zip(codes.chunks_exact_mut(bs)).zip(scales.chunks_exact_mut(bs / g)) {
+        ty.integer_block(b, q, s);
+    }
+    let scales = Tensor::from_vec(scales, &[out, inp / g])?;
+    if ty == GgmlType::Q4_0 {
+        // Codes -8..7 as nibbles q + 8, element 2t low and 2t + 1 high in byte t.
+        let packed: Vec<u8> = codes.chunks_exact(2).map(|p| ((p[0] + 8) as u8) | (((p[1] + 8) as u8) << 4)).collect();
+        let spec = QuantSpec { codes: Codes::I4, block: [1, g], global: None };
+        return QuantizedWeight::new(spec, Tensor::from_vec(packed, &[out, inp / 2])?, scales);
+    }
+    let spec = QuantSpec { codes: Codes::I8, block: [1, g], global: None };
+    QuantizedWeight::new(spec, Tensor::from_vec(codes, &[out, inp])?, scales)
 }
 
 impl GgufFile {
-    /// Tensor `name` as a resident quantized weight when it is a Q8_0 or
-    /// Q4_0 matrix; `None` for other types.
+    /// Tensor `name` as a resident quantized weight when it is a matrix of
+    /// an integer type ([`packable`]); `None` for other types.
     pub fn packed_weight(&self, name: &str) -> Result<Option<QuantizedWeight>> {
         let (info, bytes) = self.raw(name)?;
         if !packable(info.ggml_type) || info.shape.len() != 2 {

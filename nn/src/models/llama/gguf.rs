@@ -249,12 +249,13 @@ impl LlamaForCausalLM {
     }
 
     /// [`LlamaForCausalLM::from_gguf`] with `opts.quantized`:
-    /// `QuantizedLoad::Keep` keeps the Q8_0 and Q4_0 matrices of the Linear
-    /// layers packed (codes and scales resident, exactly the weights
-    /// llama.cpp computes with; the products decode them in the registers),
-    /// the LM head included, which a tied model takes from the embedding
-    /// table as llama.cpp does (the lookup keeps a dense copy). Other types
-    /// are dequantized.
+    /// `QuantizedLoad::Keep` keeps the matrices of the Linear layers packed
+    /// when their type is an integer one (Q8_0, Q5_0, Q6_K, Q3_K as int8
+    /// codes, Q4_0 as int4: exactly the weights llama.cpp computes with; the
+    /// products decode them in the registers), the LM head included, which a
+    /// tied model takes from the embedding table as llama.cpp does (the
+    /// lookup keeps a dense copy). Types with a per-block minimum (Q4_K,
+    /// Q5_K, Q2_K, Q4_1, Q5_1) and the float types are dequantized.
     pub fn from_gguf_with(path: impl AsRef<Path>, opts: &PretrainedOptions) -> Result<LlamaForCausalLM> {
         let (dtype, device) = (opts.dtype, opts.device);
         let f = GgufFile::open(path)?;
