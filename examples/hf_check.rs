@@ -237,8 +237,9 @@ fn run(a: Args) -> Result<()> {
     let opts = PretrainedOptions::new(a.dtype, a.device).with_quantized(a.quantized).with_weights_only(a.weights_only);
     let gguf = a.model.is_file() && a.model.extension().is_some_and(|e| e == "gguf");
     let mut model = if gguf {
-        // llama.cpp's format: every tensor dequantized exactly into --dtype.
-        LlamaForCausalLM::from_gguf(&a.model, a.dtype, a.device)?
+        // llama.cpp's format: dequantized exactly into --dtype, or with
+        // --quantized keep its integer-typed matrices kept packed.
+        LlamaForCausalLM::from_gguf_with(&a.model, &opts)?
     } else {
         LlamaForCausalLM::from_pretrained_with(&a.model, &opts)?
     };
