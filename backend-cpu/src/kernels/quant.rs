@@ -79,26 +79,6 @@ impl<'a> Scales<'a> {
         })
     }
 
-    /// The scales themselves when they are float32 with no global scale
-    /// (each is then its own effective value).
-    #[inline(always)]
-    pub(super) fn plain_f32(&self) -> Option<&[f32]> {
-        match self {
-            Scales::F32(v, None) => Some(v),
-            Scales::F32(_, Some(_)) | Scales::Table(..) => None,
-        }
-    }
-
-    /// The address of stored scale `i`, for prefetching (any `i`: the
-    /// address is computed, never dereferenced here).
-    #[inline(always)]
-    pub(super) fn address_of(&self, i: usize) -> *const u8 {
-        match self {
-            Scales::F32(v, _) => v.as_ptr().wrapping_add(i).cast(),
-            Scales::Table(v, _) => v.as_ptr().wrapping_add(i),
-        }
-    }
-
     /// Block scale `i`, effective.
     #[inline(always)]
     pub(super) fn get(&self, i: usize) -> f32 {

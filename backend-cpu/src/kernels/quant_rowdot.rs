@@ -33,12 +33,16 @@ use kiln_tensor::quant::QuantSpec;
 // With AVX512-VBMI a step takes 64 codes: each code picks the two bytes of
 // its bf16 value from tables (two of 128 bytes for E4M3, its sign bit then
 // joining the high byte, 0x7F giving NaN; one of 16 for a 4-bit code, sign
-// included; int8 codes are instead unpacked with their sign bytes into the
-// same order), and the bf16 values become f32 by unpacking with zeros, which
+// included; int8 codes are instead unpacked with their sign bytes, which
+// gives the same order), and the bf16 values become f32 by unpacking with zeros, which
 // works within 128-bit lanes: the four f32 registers of a step hold the
 // elements in a fixed shuffled order, so each row of `x` is permuted into
 // that order once per call (`permute_rows`); lane l of every register holds
 // elements 16 l .. 16 l + 15 of the step, so it takes their block's scale.
+//
+// A tile's rows of codes are a few hundred bytes each, too short for the
+// hardware prefetchers to ramp up on, so each wide step prefetches the same
+// bytes of the next tile's rows: their loads overlap this tile's products.
 //
 // Each weight is then `value * scale`, one rounding, the order of Note
 // [Quantized weights]; 16 consecutive elements share one block scale, so
@@ -200,8 +204,6 @@ mod x86 {
     #[inline(always)]
     unsafe fn columns_impl<const WIDE: bool>(plan: &Plan<'_>, out: OutPtr<f32>, j0: usize, j1: usize) {
         let m = plan.job.m;
-        // Built once per range of columns: the tables cost as much as a tile's products.
-        let consts = Consts::new(plan.job.spec.codes);
         let mut j = j0;
         while j < j1 {
             let mut i = 0;
@@ -209,17 +211,17 @@ mod x86 {
             unsafe {
                 if j + TILE_C <= j1 {
                     while i + TILE_R <= m {
-                        tile::<TILE_R, TILE_C, WIDE>(plan, &consts, out, i, j);
+                        tile::<TILE_R, TILE_C, WIDE>(plan, out, i, j);
                         i += TILE_R;
                     }
                     while i < m {
-                        tile::<1, TILE_C, WIDE>(plan, &consts, out, i, j);
+                        tile::<1, TILE_C, WIDE>(plan, out, i, j);
                         i += 1;
                     }
                     j += TILE_C;
                 } else {
                     while i < m {
-                        tile::<1, 1, WIDE>(plan, &consts, out, i, j);
+                        tile::<1, 1, WIDE>(plan, out, i, j);
                         i += 1;
                     }
                     j += 1;
@@ -339,22 +341,6 @@ mod x86 {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
         unsafe fn weights_wide(&self, codes: &Codes, row: *const u8, p: usize, s: __m512) -> [__m512; 4] {
-            if let Codes::I8 = codes {
-                // SAFETY: 64 bytes from p, inside the row by the caller's contract.
-                let c = unsafe { _mm512_loadu_si512(row.add(p).cast()) };
-                // Sign-extended by unpacking with the sign, in the order the
-                // bf16 unpacking below gives.
-                let sign = _mm512_movm_epi8(_mm512_movepi8_mask(c));
-                let (w0, w1) = (_mm512_unpacklo_epi8(c, sign), _mm512_unpackhi_epi8(c, sign));
-                let (s0, s1) = (_mm512_srai_epi16::<15>(w0), _mm512_srai_epi16::<15>(w1));
-                let f = |w| _mm512_mul_ps(_mm512_cvtepi32_ps(w), s);
-                return [
-                    f(_mm512_unpacklo_epi16(w0, s0)),
-                    f(_mm512_unpackhi_epi16(w0, s0)),
-                    f(_mm512_unpacklo_epi16(w1, s1)),
-                    f(_mm512_unpackhi_epi16(w1, s1)),
-                ];
-            }
             let (low, high) = match codes {
                 Codes::E4M3 => {
                     // SAFETY: 64 bytes from p, inside the row by the caller's contract.
@@ -378,7 +364,8 @@ mod x86 {
                     );
                     (_mm512_shuffle_epi8(self.nibble_low, c), _mm512_shuffle_epi8(self.nibble_high, c))
                 }
-                Codes::I8 => unreachable!("returned above"),
+                // SAFETY: forwarded (64 bytes from p).
+                Codes::I8 => return unsafe { Self::int8_wide(row, p, s) },
             };
             let w0 = _mm512_unpacklo_epi8(low, high);
             let w1 = _mm512_unpackhi_epi8(low, high);
@@ -392,6 +379,31 @@ mod x86 {
         }
     }
 
+    impl Consts {
+        /// 64 int8 weights from element `p` on, scaled by `s`, in the order
+        /// of `weights_wide`: sign-extended by unpacking with their sign
+        /// bytes, as the bf16 values there are unpacked.
+        ///
+        /// # Safety
+        /// Elements `p..p + 64` must be inside `row`.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+        unsafe fn int8_wide(row: *const u8, p: usize, s: __m512) -> [__m512; 4] {
+            // SAFETY: 64 bytes from p, inside the row by the caller's contract.
+            let c = unsafe { _mm512_loadu_si512(row.add(p).cast()) };
+            let sign = _mm512_movm_epi8(_mm512_movepi8_mask(c));
+            let (w0, w1) = (_mm512_unpacklo_epi8(c, sign), _mm512_unpackhi_epi8(c, sign));
+            let (s0, s1) = (_mm512_srai_epi16::<15>(w0), _mm512_srai_epi16::<15>(w1));
+            let f = |w| _mm512_mul_ps(_mm512_cvtepi32_ps(w), s);
+            [
+                f(_mm512_unpacklo_epi16(w0, s0)),
+                f(_mm512_unpackhi_epi16(w0, s0)),
+                f(_mm512_unpacklo_epi16(w1, s1)),
+                f(_mm512_unpackhi_epi16(w1, s1)),
+            ]
+        }
+    }
+
     /// The R x C outputs of rows `i..i + R` and columns `j..j + C`.
     ///
     /// # Safety
@@ -399,7 +411,6 @@ mod x86 {
     #[inline(always)]
     unsafe fn tile<const R: usize, const C: usize, const WIDE: bool>(
         plan: &Plan<'_>,
-        consts: &Consts,
         out: OutPtr<f32>,
         i: usize,
         j: usize,
@@ -411,55 +422,28 @@ mod x86 {
         let xs: [&[f32]; R] = std::array::from_fn(|r| &job.x[(i + r) * k..][..k]);
         let rows: [&[u8]; C] = std::array::from_fn(|c| &job.codes[(j + c) * row_bytes..][..row_bytes]);
         let scale_row: [usize; C] = std::array::from_fn(|c| (j + c) / b0 * scale_cols);
+        let consts = Consts::new(spec.codes);
         let mut acc = [[_mm512_setzero_ps(); C]; R];
         let steps = k / STEP;
         let scale = |c: usize, st: usize| job.scales.get(scale_row[c] + plan.step_blocks[st]);
-        // Plain float32 scales are read straight from memory in the wide steps.
-        let plain = job.scales.plain_f32();
         let (full, mut p) = (steps * STEP, 0);
         // The codes of the next tile's rows, fetched while this tile computes
         // (`wrapping_add`: past the last row it is an address, never read).
         let ahead: [*const u8; C] = std::array::from_fn(|c| rows[c].as_ptr().wrapping_add(C * row_bytes));
-        let byte_of = |p: usize| if spec.codes.packed_in_nibbles() { p / 2 } else { p };
-        // And their scales (a row of blocks per row of W, or shared by b0 rows).
-        let scales_ahead: [usize; C] = std::array::from_fn(|c| (j + c + C) / b0 * scale_cols);
-        let prefetch = |p: usize| {
-            let block = plan.step_blocks[p / STEP];
-            for (a, s) in ahead.iter().zip(scales_ahead) {
-                // SAFETY: a prefetch reads nothing and cannot fault, whatever the address.
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(byte_of(p)).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(job.scales.address_of(s + block).cast());
-                }
-            }
-        };
+        let nibbles = spec.codes.packed_in_nibbles();
         if WIDE {
             while p + super::WIDE <= k {
-                prefetch(p);
+                let at = if nibbles { p / 2 } else { p };
+                for a in ahead {
+                    // SAFETY: a prefetch reads nothing and cannot fault, whatever the address.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(at).cast()) };
+                }
                 let st = p / STEP;
                 // Lane l of a wide step's weights holds elements p + 16 l ..: their scale.
-                let s: [__m512; C] = match plain {
-                    Some(v) => {
-                        // The step's blocks b .. b + d: d + 1 scales loaded (masked: never
-                        // past the row's), spread over the lanes by each lane's block.
-                        let b = plan.step_blocks[st];
-                        let d: [i32; 4] = std::array::from_fn(|l| (plan.step_blocks[st + l] - b) as i32);
-                        let [d0, d1, d2, d3] = d;
-                        let spread = _mm512_set_epi32(d3, d3, d3, d3, d2, d2, d2, d2, d1, d1, d1, d1, d0, d0, d0, d0);
-                        let mask = ((1u32 << (d3 + 1)) - 1) as __mmask8;
-                        std::array::from_fn(|c| {
-                            let at = &v[scale_row[c] + b..][..d3 as usize + 1];
-                            // SAFETY: lanes 0..=d3 are the elements of `at`; the
-                            // others are masked off and not read.
-                            let four = unsafe { _mm_maskz_loadu_ps(mask, at.as_ptr()) };
-                            _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four))
-                        })
-                    }
-                    None => std::array::from_fn(|c| {
-                        let [s0, s1, s2, s3] = std::array::from_fn(|l| scale(c, st + l));
-                        _mm512_set_ps(s3, s3, s3, s3, s2, s2, s2, s2, s1, s1, s1, s1, s0, s0, s0, s0)
-                    }),
-                };
+                let s: [__m512; C] = std::array::from_fn(|c| {
+                    let [s0, s1, s2, s3] = std::array::from_fn(|l| scale(c, st + l));
+                    _mm512_set_ps(s3, s3, s3, s3, s2, s2, s2, s2, s1, s1, s1, s1, s0, s0, s0, s0)
+                });
                 // SAFETY: elements p..p + 64 <= k of each row; WIDE only with VBMI.
                 let w: [[__m512; 4]; C] =
                     std::array::from_fn(|c| unsafe { consts.weights_wide(&spec.codes, rows[c].as_ptr(), p, s[c]) });
@@ -478,9 +462,6 @@ mod x86 {
             }
         }
         while p < full {
-            if byte_of(p).is_multiple_of(64) {
-                prefetch(p);
-            }
             let w: [__m512; C] = std::array::from_fn(|c| {
                 let s = _mm512_set1_ps(scale(c, p / STEP));
                 // SAFETY: elements p..p + 16 <= k of a row of `row_bytes` bytes.
