@@ -241,7 +241,7 @@ impl GgmlType {
         }
     }
 
-    /// Whether kiln writes tensors of this type ([`GgmlType::quantize`]).
+    /// Whether kiln writes tensors of this type (F32, F16, BF16, Q8_0, Q4_0).
     pub fn writable(self) -> bool {
         matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0)
     }
