@@ -10,6 +10,7 @@ use super::simd::{map_binary, map_unary, BinOp, UnOp};
 use super::{buf, Input};
 use half::{bf16, f16};
 use kiln_tensor::{with_dtype, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, Result, UnaryOp};
+use std::mem::MaybeUninit;
 
 // ---- float op bodies ---------------------------------------------------------
 
@@ -153,35 +154,53 @@ pub(crate) fn unary(op: UnaryOp, x: &Input<'_>) -> Result<HostBuffer> {
 }
 
 fn float_unary<T: FloatElem>(op: UnaryOp, x: &Input<'_>) -> Result<Vec<T>> {
-    macro_rules! go {
-        ($k:expr, $cost:expr) => {
-            fmap::<T, 1>([x], $cost, &|[a], out| map_unary($k, a, out))
-        };
-    }
+    let cost = unary_cost(op).ok_or_else(|| Error::backend("cpu", format!("{} is not a float op", op.name())))?;
+    fmap::<T, 1>([x], cost, &|[a], out| unary_slice(op, a, out))
+}
+
+/// Element-operations per element of a float unary op, `None` for the ops
+/// that are not float ops (`logical_not`, `isnan`, `isinf`).
+pub(crate) fn unary_cost(op: UnaryOp) -> Option<usize> {
+    use UnaryOp as U;
+    Some(match op {
+        U::Neg | U::Abs | U::Sign | U::Floor | U::Ceil | U::Round | U::Trunc => 1,
+        U::Sqrt | U::Rsqrt | U::Recip => 2,
+        U::Exp => 4,
+        U::Sigmoid => 5,
+        U::Tanh | U::Silu => 6,
+        U::Log | U::Log1p | U::Expm1 | U::SiluGrad | U::Sin | U::Cos | U::Erf => 8,
+        U::Not | U::IsNan | U::IsInf => return None,
+    })
+}
+
+/// `out[i] = op(x[i])` for a float op of [`unary_cost`] (the one home of the
+/// float unary ops' arithmetic: eager ops and fused groups both run it). An
+/// op that is not a float op writes nothing: callers check `unary_cost` first.
+pub(crate) fn unary_slice<C: Compute>(op: UnaryOp, x: &[C], out: &mut [MaybeUninit<C>]) {
     use UnaryOp as U;
     match op {
-        U::Neg => go!(Neg, 1),
-        U::Abs => go!(Abs, 1),
-        U::Sign => go!(Sign, 1),
-        U::Exp => go!(Exp, 4),
-        U::Log => go!(Log, 8),
-        U::Log1p => go!(Log1p, 8),
-        U::Expm1 => go!(Expm1, 8),
-        U::Sqrt => go!(Sqrt, 2),
-        U::Rsqrt => go!(Rsqrt, 2),
-        U::Recip => go!(Recip, 2),
-        U::Tanh => go!(Tanh, 6),
-        U::Sigmoid => go!(Sigmoid, 5),
-        U::Silu => go!(Silu, 6),
-        U::SiluGrad => go!(SiluGrad, 8),
-        U::Sin => go!(Sin, 8),
-        U::Cos => go!(Cos, 8),
-        U::Erf => go!(Erf, 8),
-        U::Floor => go!(Floor, 1),
-        U::Ceil => go!(Ceil, 1),
-        U::Round => go!(Round, 1),
-        U::Trunc => go!(Trunc, 1),
-        U::Not | U::IsNan | U::IsInf => Err(Error::backend("cpu", format!("{} is not a float op", op.name()))),
+        U::Neg => map_unary(Neg, x, out),
+        U::Abs => map_unary(Abs, x, out),
+        U::Sign => map_unary(Sign, x, out),
+        U::Exp => map_unary(Exp, x, out),
+        U::Log => map_unary(Log, x, out),
+        U::Log1p => map_unary(Log1p, x, out),
+        U::Expm1 => map_unary(Expm1, x, out),
+        U::Sqrt => map_unary(Sqrt, x, out),
+        U::Rsqrt => map_unary(Rsqrt, x, out),
+        U::Recip => map_unary(Recip, x, out),
+        U::Tanh => map_unary(Tanh, x, out),
+        U::Sigmoid => map_unary(Sigmoid, x, out),
+        U::Silu => map_unary(Silu, x, out),
+        U::SiluGrad => map_unary(SiluGrad, x, out),
+        U::Sin => map_unary(Sin, x, out),
+        U::Cos => map_unary(Cos, x, out),
+        U::Erf => map_unary(Erf, x, out),
+        U::Floor => map_unary(Floor, x, out),
+        U::Ceil => map_unary(Ceil, x, out),
+        U::Round => map_unary(Round, x, out),
+        U::Trunc => map_unary(Trunc, x, out),
+        U::Not | U::IsNan | U::IsInf => {}
     }
 }
 
@@ -252,53 +271,69 @@ fn broadcast_scalar<T: Elem>(x: &Input<'_>) -> Result<Option<T>> {
 }
 
 fn float_binary<T: FloatElem>(op: BinaryOp, a: &Input<'_>, b: &Input<'_>) -> Result<Vec<T>> {
-    macro_rules! go {
-        ($k:expr, $cost:expr) => {
-            fmap::<T, 2>([a, b], $cost, &|[x, y], out| map_binary($k, x, y, out))
-        };
-    }
     macro_rules! go1 {
         ($k:expr) => {
             fmap::<T, 1>([a], 2, &|[x], out| map_unary($k, x, out))
         };
     }
+    if op == BinaryOp::Pow {
+        // A scalar exponent takes PyTorch's `pow(Tensor, Scalar)` shortcuts.
+        if let Some(e) = broadcast_scalar::<T>(b)? {
+            match e.cast_f64() {
+                1.0 => return go1!(Identity),
+                2.0 => return go1!(Square),
+                3.0 => return go1!(Cube),
+                0.5 => return go1!(Sqrt),
+                -0.5 => return go1!(Rsqrt),
+                -1.0 => return go1!(Recip),
+                -2.0 => return go1!(RecipSquare),
+                _ => {}
+            }
+        }
+    }
+    let cost = binary_cost(op).ok_or_else(|| match op {
+        BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => Error::backend("cpu", format!("{} is a logical op", op.name())),
+        _ => Error::unsupported_dtype(op.name(), T::DTYPE),
+    })?;
+    fmap::<T, 2>([a, b], cost, &|[x, y], out| binary_slice(op, x, y, out))
+}
+
+/// Element-operations per element of a float binary op, `None` for the ops
+/// that are not float ops (logical and bitwise ones).
+pub(crate) fn binary_cost(op: BinaryOp) -> Option<usize> {
+    use BinaryOp as B;
+    Some(match op {
+        B::Add | B::Sub | B::Mul | B::Div | B::Maximum | B::Minimum | B::Fmax | B::Fmin => 1,
+        B::SiluMul => 6,
+        B::FloorDiv | B::Remainder | B::Fmod | B::Pow | B::Atan2 | B::SiluGradMul => 8,
+        B::And | B::Or | B::Xor | B::BitwiseAnd | B::BitwiseOr | B::BitwiseXor | B::LeftShift | B::RightShift => {
+            return None
+        }
+    })
+}
+
+/// `out[i] = op(a[i], b[i])` for a float op of [`binary_cost`] (one home, as
+/// [`unary_slice`]); `pow` here is the general power, without the scalar
+/// exponent's shortcuts. Other ops write nothing: callers check first.
+pub(crate) fn binary_slice<C: Compute>(op: BinaryOp, a: &[C], b: &[C], out: &mut [MaybeUninit<C>]) {
     use BinaryOp as B;
     match op {
-        B::Add => go!(Add, 1),
-        B::Sub => go!(Sub, 1),
-        B::Mul => go!(Mul, 1),
-        B::Div => go!(Div, 1),
-        B::FloorDiv => go!(FloorDiv, 8),
-        B::Remainder => go!(Remainder, 8),
-        B::Fmod => go!(Fmod, 8),
-        B::Pow => {
-            // A scalar exponent takes PyTorch's `pow(Tensor, Scalar)` shortcuts.
-            if let Some(e) = broadcast_scalar::<T>(b)? {
-                let e = e.cast_f64();
-                return match e {
-                    1.0 => go1!(Identity),
-                    2.0 => go1!(Square),
-                    3.0 => go1!(Cube),
-                    0.5 => go1!(Sqrt),
-                    -0.5 => go1!(Rsqrt),
-                    -1.0 => go1!(Recip),
-                    -2.0 => go1!(RecipSquare),
-                    _ => go!(Pow, 8),
-                };
-            }
-            go!(Pow, 8)
-        }
-        B::Maximum => go!(Maximum, 1),
-        B::Minimum => go!(Minimum, 1),
-        B::Fmax => go!(Fmax, 1),
-        B::Fmin => go!(Fmin, 1),
-        B::Atan2 => go!(Atan2, 8),
-        B::SiluMul => go!(SiluMul, 6),
-        B::SiluGradMul => go!(SiluGradMul, 8),
-        B::And | B::Or | B::Xor => Err(Error::backend("cpu", format!("{} is a logical op", op.name()))),
-        B::BitwiseAnd | B::BitwiseOr | B::BitwiseXor | B::LeftShift | B::RightShift => {
-            Err(Error::unsupported_dtype(op.name(), T::DTYPE))
-        }
+        B::Add => map_binary(Add, a, b, out),
+        B::Sub => map_binary(Sub, a, b, out),
+        B::Mul => map_binary(Mul, a, b, out),
+        B::Div => map_binary(Div, a, b, out),
+        B::FloorDiv => map_binary(FloorDiv, a, b, out),
+        B::Remainder => map_binary(Remainder, a, b, out),
+        B::Fmod => map_binary(Fmod, a, b, out),
+        B::Pow => map_binary(Pow, a, b, out),
+        B::Maximum => map_binary(Maximum, a, b, out),
+        B::Minimum => map_binary(Minimum, a, b, out),
+        B::Fmax => map_binary(Fmax, a, b, out),
+        B::Fmin => map_binary(Fmin, a, b, out),
+        B::Atan2 => map_binary(Atan2, a, b, out),
+        B::SiluMul => map_binary(SiluMul, a, b, out),
+        B::SiluGradMul => map_binary(SiluGradMul, a, b, out),
+        B::And | B::Or | B::Xor | B::BitwiseAnd | B::BitwiseOr | B::BitwiseXor | B::LeftShift | B::RightShift => {}
     }
 }
 
