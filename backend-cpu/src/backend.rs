@@ -1,6 +1,7 @@
 //! `CpuBackend`: the `Backend` implementation for host memory: locking, dispatch
 //! to the kernels, transfers and the in-place `assign` primitive.
 use crate::kernels::{self, Input};
+use kiln_tensor::ir::{Executable, Interpreter, Program};
 use kiln_tensor::{Backend, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
 use smallvec::SmallVec;
 use std::sync::{Arc, RwLockReadGuard};
@@ -28,7 +29,7 @@ pub(crate) fn lock_inputs<'a>(inputs: &[&'a Tensor]) -> Guards<'a> {
     addrs.into_iter().map(|(a, s)| (a, s.read())).collect()
 }
 
-fn host<'a>(guards: &'a [(usize, RwLockReadGuard<'_, StorageData>)], t: &Tensor) -> Result<&'a HostBuffer> {
+pub(crate) fn host<'a>(guards: &'a [(usize, RwLockReadGuard<'_, StorageData>)], t: &Tensor) -> Result<&'a HostBuffer> {
     let addr = t.storage().addr();
     let g = guards.iter().find(|g| g.0 == addr).expect("storage was locked");
     g.1.host("cpu")
@@ -98,6 +99,15 @@ impl Backend for CpuBackend {
         let dst_buf = dst_guard.host_mut("cpu")?;
         let src_buf = src_guard.host("cpu")?;
         kernels::assign(dst_buf, dst.layout(), &Input { buf: src_buf, layout: src.layout() })
+    }
+
+    /// The interpreter with the CPU's elementwise fusion (Note \[Fused groups\]
+    /// in kiln-tensor); `KILN_CPU_FUSE=0` runs every instruction alone.
+    fn compile(&self, program: &Program, device: Device) -> Result<Arc<dyn Executable>> {
+        if std::env::var("KILN_CPU_FUSE").is_ok_and(|v| v == "0") {
+            return Ok(Arc::new(Interpreter::new(program.clone(), device)?));
+        }
+        Ok(Arc::new(Interpreter::with_fuser(program.clone(), device, &kernels::CpuFuser)?))
     }
 
     fn nonzero(&self, t: &Tensor) -> Result<Tensor> {

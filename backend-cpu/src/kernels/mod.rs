@@ -19,6 +19,7 @@ mod attention;
 mod copy;
 mod elem;
 mod elementwise;
+mod fused;
 mod grouped;
 mod index;
 mod iter;
@@ -40,6 +41,7 @@ mod sort;
 mod tests;
 
 pub(crate) use copy::{assign, materialize};
+pub(crate) use fused::CpuFuser;
 pub(crate) use index::nonzero;
 
 use kiln_tensor::{Error, HostBuffer, HostElement, Layout, Meta, Op, Result};

@@ -1,7 +1,8 @@
 //! Running a program instruction by instruction through `Backend::exec` and
 //! `Backend::assign`: every backend's default `Backend::compile`, so a backend
 //! with no compiler of its own still runs captured programs (Note \[Programs\]).
-use super::program::{Def, Program, ResultKind};
+use super::fuse::{last_uses_in, schedule, FusedKernel, Fuser, Group, Step};
+use super::program::{Def, Inst, Program, ResultKind, Value};
 use crate::{Backend, Device, Error, Layout, Op, Result, Storage, Tensor, ViewOp};
 use std::sync::Arc;
 
@@ -22,30 +23,64 @@ pub trait Executable: Send + Sync {
     }
 }
 
-/// The interpreter: a verified program and the backend that runs its ops.
+/// The interpreter: a verified program, the order it runs in (instructions
+/// and fused groups, Note \[Fused groups\]) and the backend that runs its ops.
 pub struct Interpreter {
     program: Program,
     device: Device,
     backend: &'static dyn Backend,
-    /// For each value, the last instruction reading it (`insts.len()` for results).
+    steps: Vec<Step>,
+    groups: Vec<(Group, Arc<dyn FusedKernel>)>,
+    /// For each value, the last step reading it (`steps.len()` for results).
     last: Vec<Option<usize>>,
     /// Parameters whose storage the program may write (those it updates).
     writable: Vec<bool>,
 }
 
 impl Interpreter {
-    /// Verifies `program` and readies it to run on `device`.
+    /// Verifies `program` and readies it to run on `device`, an instruction at a time.
     pub fn new(program: Program, device: Device) -> Result<Interpreter> {
         program.verify()?;
+        let steps = (0..program.insts.len()).map(Step::Inst).collect();
+        Interpreter::with_steps(program, device, steps, vec![])
+    }
+
+    /// [`Interpreter::new`], running the groups of elementwise instructions
+    /// that `fuser` can run as one pass each (Note \[Fused groups\]).
+    pub fn with_fuser(program: Program, device: Device, fuser: &dyn Fuser) -> Result<Interpreter> {
+        program.verify()?;
+        let (steps, groups) = schedule(&program, fuser);
+        let groups = groups
+            .into_iter()
+            .map(|g| {
+                let k = fuser.compile(&program, &g)?;
+                Ok((g, k))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Interpreter::with_steps(program, device, steps, groups)
+    }
+
+    fn with_steps(
+        program: Program,
+        device: Device,
+        steps: Vec<Step>,
+        groups: Vec<(Group, Arc<dyn FusedKernel>)>,
+    ) -> Result<Interpreter> {
         let backend = device.backend()?;
-        let last = program.last_uses();
+        let plain: Vec<Group> = groups.iter().map(|g| g.0.clone()).collect();
+        let last = last_uses_in(&program, &steps, &plain);
         let mut writable = vec![false; program.params.len()];
         for r in &program.results {
             if let ResultKind::Update(p) = r.kind {
                 writable[p] = true;
             }
         }
-        Ok(Interpreter { program, device, backend, last, writable })
+        Ok(Interpreter { program, device, backend, steps, groups, last, writable })
+    }
+
+    /// The fused groups this interpreter runs (Note \[Fused groups\]).
+    pub fn groups(&self) -> impl Iterator<Item = &Group> {
+        self.groups.iter().map(|g| &g.0)
     }
 }
 
@@ -75,43 +110,40 @@ fn view(backend: &dyn Backend, v: &ViewOp, t: &Tensor, device: Device) -> Result
     }
 }
 
-impl Executable for Interpreter {
-    fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.program.check_args(args, self.device)?;
-        let _ng = crate::graph::GradModeGuard::set(false);
+/// The value `v` holds now, or an error when it is not live.
+fn live(vals: &[Option<Tensor>], v: Value) -> Result<&Tensor> {
+    vals[v.index()].as_ref().ok_or_else(|| Error::invalid("program", format!("{v} is not live")))
+}
+
+impl Interpreter {
+    /// Runs one instruction at step `s`, returning its outputs.
+    fn inst(
+        &self,
+        inst: &Inst,
+        s: usize,
+        vals: &[Option<Tensor>],
+        own: &mut Vec<*const Storage>,
+    ) -> Result<Vec<Tensor>> {
         let (p, b, dev) = (&self.program, self.backend, self.device);
-        let mut vals: Vec<Option<Tensor>> = vec![None; p.num_values()];
-        for (param, a) in p.params.iter().zip(args) {
-            vals[param.value.index()] = Some(a.clone());
-        }
-        // Storages this run made: the program may write them in place.
-        let mut own: Vec<*const Storage> = vec![];
-        for (i, inst) in p.insts.iter().enumerate() {
-            let ins: Vec<&Tensor> = inst
-                .args
-                .iter()
-                .map(|a| vals[a.index()].as_ref().ok_or_else(|| Error::invalid("program", format!("{a} is not live"))))
-                .collect::<Result<_>>()?;
-            let outs: Vec<Tensor> = match &inst.op {
-                Op::View(v) => vec![view(b, v, ins[0], dev)?],
-                Op::Assign { shape, strides, offset } => {
-                    let base = ins[0];
-                    let st = Arc::as_ptr(base.storage());
-                    // In place when this run may write the storage and no value read later aliases it.
-                    let writable = own.contains(&st)
-                        || p.params.iter().enumerate().any(|(k, q)| {
-                            self.writable[k]
-                                && vals[q.value.index()].as_ref().is_some_and(|t| Arc::as_ptr(t.storage()) == st)
-                        });
-                    let aliased_later = vals.iter().enumerate().any(|(v, t)| {
-                        v != inst.args[0].index()
-                            && self.last[v].is_some_and(|l| l > i)
-                            && t.as_ref().is_some_and(|t| Arc::as_ptr(t.storage()) == st)
+        let ins: Vec<&Tensor> = inst.args.iter().map(|&a| live(vals, a)).collect::<Result<_>>()?;
+        Ok(match &inst.op {
+            Op::View(v) => vec![view(b, v, ins[0], dev)?],
+            Op::Assign { shape, strides, offset } => {
+                let base = ins[0];
+                let st = Arc::as_ptr(base.storage());
+                // In place when this run may write the storage and no value read later aliases it.
+                let writable = own.contains(&st)
+                    || p.params.iter().enumerate().any(|(k, q)| {
+                        self.writable[k]
+                            && vals[q.value.index()].as_ref().is_some_and(|t| Arc::as_ptr(t.storage()) == st)
                     });
-                    let target = if writable
-                        && !aliased_later
-                        && base.is_contiguous()
-                        && self.last[inst.args[0].index()] == Some(i)
+                let aliased_later = vals.iter().enumerate().any(|(v, t)| {
+                    v != inst.args[0].index()
+                        && self.last[v].is_some_and(|l| l > s)
+                        && t.as_ref().is_some_and(|t| Arc::as_ptr(t.storage()) == st)
+                });
+                let target =
+                    if writable && !aliased_later && base.is_contiguous() && self.last[inst.args[0].index()] == Some(s)
                     {
                         base.clone()
                     } else {
@@ -119,35 +151,64 @@ impl Executable for Interpreter {
                         own.push(Arc::as_ptr(&st));
                         Tensor::from_storage(st, Layout::contiguous(base.shape()))?
                     };
-                    let l = Layout::new(
-                        shape.clone(),
-                        strides.iter().copied().collect(),
-                        target.layout().offset() + offset,
-                    );
-                    let window = Tensor::from_storage(target.storage().clone(), l)?;
-                    b.assign(&window, ins[1])?;
-                    target.storage().bump_version();
-                    vec![target]
+                let l =
+                    Layout::new(shape.clone(), strides.iter().copied().collect(), target.layout().offset() + offset);
+                let window = Tensor::from_storage(target.storage().clone(), l)?;
+                b.assign(&window, ins[1])?;
+                target.storage().bump_version();
+                vec![target]
+            }
+            op => {
+                let storages = b.exec(op, &ins, &inst.outs, dev)?;
+                storages
+                    .into_iter()
+                    .zip(&inst.outs)
+                    .map(|(st, m)| {
+                        own.push(Arc::as_ptr(&st));
+                        Tensor::from_storage(st, Layout::contiguous(&m.shape))
+                    })
+                    .collect::<Result<_>>()?
+            }
+        })
+    }
+}
+
+impl Executable for Interpreter {
+    fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.program.check_args(args, self.device)?;
+        let _ng = crate::graph::GradModeGuard::set(false);
+        let (p, b) = (&self.program, self.backend);
+        let mut vals: Vec<Option<Tensor>> = vec![None; p.num_values()];
+        for (param, a) in p.params.iter().zip(args) {
+            vals[param.value.index()] = Some(a.clone());
+        }
+        // Storages this run made: the program may write them in place.
+        let mut own: Vec<*const Storage> = vec![];
+        for (s, step) in self.steps.iter().enumerate() {
+            let (args, results): (Vec<Value>, Vec<Value>) = match *step {
+                Step::Inst(i) => {
+                    let inst = &p.insts[i];
+                    let outs = self.inst(inst, s, &vals, &mut own)?;
+                    for (v, t) in inst.results().zip(outs) {
+                        vals[v.index()] = Some(t);
+                    }
+                    (inst.args.to_vec(), inst.results().collect())
                 }
-                op => {
-                    let storages = b.exec(op, &ins, &inst.outs, dev)?;
-                    storages
-                        .into_iter()
-                        .zip(&inst.outs)
-                        .map(|(st, m)| {
-                            own.push(Arc::as_ptr(&st));
-                            Tensor::from_storage(st, Layout::contiguous(&m.shape))
-                        })
-                        .collect::<Result<_>>()?
+                Step::Group(g) => {
+                    let (group, kernel) = &self.groups[g];
+                    let ins: Vec<&Tensor> = group.inputs.iter().map(|&a| live(&vals, a)).collect::<Result<_>>()?;
+                    let storages = kernel.run(&ins)?;
+                    drop(ins);
+                    for (&v, st) in group.outputs.iter().zip(storages) {
+                        own.push(Arc::as_ptr(&st));
+                        vals[v.index()] = Some(Tensor::from_storage(st, Layout::contiguous(&p.meta(v).shape))?);
+                    }
+                    (group.inputs.clone(), group.outputs.clone())
                 }
             };
-            drop(ins);
-            for (v, t) in inst.results().zip(outs) {
-                vals[v.index()] = Some(t);
-            }
             // Values read for the last time free their memory now, as eager code would.
-            for a in inst.args.iter().copied().chain(inst.results()) {
-                if self.last[a.index()].is_none_or(|l| l <= i) && !matches!(p.def(a), Def::Param(_)) {
+            for a in args.into_iter().chain(results) {
+                if self.last[a.index()].is_none_or(|l| l <= s) && !matches!(p.def(a), Def::Param(_)) {
                     vals[a.index()] = None;
                 }
             }

@@ -3,6 +3,7 @@
 //! text form, passes (DCE, CSE) and the interpreter every backend can run it with.
 //!
 //! [`Op`]: crate::Op
+mod fuse;
 mod interp;
 mod passes;
 mod print;
@@ -12,6 +13,7 @@ mod verify;
 #[cfg(test)]
 mod tests;
 
+pub use fuse::{schedule, FusedKernel, Fuser, Group, Step};
 pub use interp::{Executable, Interpreter};
 pub use print::{attributes, dtype_short, type_text};
 pub use program::{Def, Inst, Param, ParamKind, Program, ProgramResult, ResultKind, Value};

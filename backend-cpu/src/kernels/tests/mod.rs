@@ -1,6 +1,7 @@
 //! Kernel tests through the public `Tensor` API, against hand-computed values.
 //! Ops whose high-level API lives elsewhere run through `Tensor::apply`.
 mod elementwise;
+mod fused;
 mod index;
 mod matmul;
 mod quant;

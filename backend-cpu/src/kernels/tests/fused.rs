@@ -1,0 +1,121 @@
+//! Fused groups (Note [Fused groups] in kiln-tensor): the groups a program
+//! forms, and their results against the same program run an instruction at a
+//! time, bit for bit, across block and thread boundaries and with broadcast
+//! scalars and strided inputs.
+use crate::kernels::CpuFuser;
+use kiln_tensor::ir::{Executable, Interpreter, ParamKind, Program, ResultKind, Value};
+use kiln_tensor::{BinaryOp, DType, Device, Meta, Op, ReduceOp, Result, Scalar, Tensor, UnaryOp, ViewOp};
+
+fn sv(x: &[usize]) -> smallvec::SmallVec<[usize; 6]> {
+    x.iter().copied().collect()
+}
+
+fn push(p: &mut Program, op: Op, args: &[Value]) -> Value {
+    p.push(op, args).unwrap()[0]
+}
+
+/// `x [n]` and `y [n]` inputs and state `w [n]`: a chain with a broadcast
+/// scalar, a reduction reading a member in the middle (which ends the first
+/// group), a second group reading the reduction, and `w` updated in place.
+fn chain(n: usize) -> Program {
+    let mut p = Program::new();
+    let x = p.add_param(ParamKind::Input(0), Meta::new(&[n], DType::F32));
+    let y = p.add_param(ParamKind::Input(1), Meta::new(&[n], DType::F32));
+    let w = p.add_param(ParamKind::State, Meta::new(&[n], DType::F32));
+    let un = |u| Op::Unary(u);
+    let bin = |b| Op::Binary(b);
+    let a = push(&mut p, bin(BinaryOp::Mul), &[x, y]);
+    // A scalar enters between members: `full` and a broadcasting view.
+    let s = push(&mut p, Op::Full { shape: sv(&[]), value: Scalar::Float(0.75), dtype: DType::F32 }, &[]);
+    let sb = push(&mut p, Op::View(ViewOp::AsStrided { shape: sv(&[n]), strides: sv(&[0]), offset: 0 }), &[s]);
+    let b = push(&mut p, bin(BinaryOp::Add), &[a, sb]);
+    let c = push(&mut p, un(UnaryOp::Tanh), &[b]);
+    let d = push(&mut p, bin(BinaryOp::Sub), &[c, x]);
+    let e = push(&mut p, un(UnaryOp::Exp), &[d]);
+    // Not fusible: ends the group; reads a member (so `d` is written out).
+    let r = push(&mut p, Op::Reduce { op: ReduceOp::Sum, dims: sv(&[0]), keepdim: true }, &[d]);
+    let rb = push(&mut p, Op::View(ViewOp::AsStrided { shape: sv(&[n]), strides: sv(&[0]), offset: 0 }), &[r]);
+    let f = push(&mut p, bin(BinaryOp::Div), &[e, rb]);
+    let g = push(&mut p, un(UnaryOp::Sqrt), &[f]);
+    let h = push(&mut p, bin(BinaryOp::SiluMul), &[g, w]);
+    let k = push(&mut p, bin(BinaryOp::Maximum), &[h, e]);
+    let upd = push(&mut p, Op::Assign { shape: sv(&[n]), strides: sv(&[1]), offset: 0 }, &[w, k]);
+    p.add_result(upd, ResultKind::Update(2)).unwrap();
+    p.add_result(c, ResultKind::Fresh).unwrap();
+    p.add_result(r, ResultKind::Fresh).unwrap();
+    p
+}
+
+fn args(n: usize, seed: u64) -> Vec<Tensor> {
+    kiln_tensor::manual_seed(seed);
+    (0..3).map(|_| Tensor::randn(&[n], (DType::F32, Device::Cpu)).unwrap()).collect()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// Runs `p` on copies of `args` through `exe`, returning every result's bits.
+fn run(exe: &dyn Executable, args: &[Tensor]) -> Result<Vec<Vec<u32>>> {
+    let copies: Vec<Tensor> =
+        args.iter().map(|a| Tensor::from_vec(a.to_vec::<f32>()?, a.shape())).collect::<Result<_>>()?;
+    Ok(exe.run(&copies)?.iter().map(bits).collect())
+}
+
+#[test]
+fn a_chain_forms_groups_around_what_cannot_fuse() -> Result<()> {
+    let p = chain(5);
+    let fused = Interpreter::with_fuser(p.clone(), Device::Cpu, &CpuFuser)?;
+    let groups: Vec<_> = fused.groups().cloned().collect();
+    assert_eq!(groups.len(), 2, "{groups:?}");
+    // mul, add, tanh, sub, exp; then div, sqrt, silu_mul, maximum.
+    assert_eq!(groups[0].members.len(), 5);
+    assert_eq!(groups[1].members.len(), 4);
+    // The first group writes what others read: c (a result), d (the sum's input), e (read later).
+    assert_eq!(groups[0].outputs.len(), 3, "{groups:?}");
+    // Inputs: x, y, the broadcast scalar; w, the reduction's broadcast and e.
+    assert_eq!(groups[0].inputs.len(), 3);
+    assert_eq!(groups[1].inputs.len(), 3);
+    Ok(())
+}
+
+#[test]
+fn fused_groups_give_the_unfused_bits_on_every_length() -> Result<()> {
+    // Lengths around the 1024-element block and large enough to split over threads.
+    for (i, n) in [1usize, 7, 1023, 1024, 1025, 3000, 70_001].into_iter().enumerate() {
+        let p = chain(n);
+        let a = args(n, 7 + i as u64);
+        let plain = Interpreter::new(p.clone(), Device::Cpu)?;
+        let fused = Interpreter::with_fuser(p, Device::Cpu, &CpuFuser)?;
+        assert_eq!(fused.groups().count(), 2);
+        let (want, got) = (run(&plain, &a)?, run(&fused, &a)?);
+        for (k, (w, g)) in want.iter().zip(&got).enumerate() {
+            let bad = w.iter().zip(g).position(|(x, y)| x != y);
+            assert!(bad.is_none(), "n = {n}, result {k}: element {bad:?} differs");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn strided_inputs_and_transposed_chains_fuse() -> Result<()> {
+    // x [3, 50] read transposed ([50, 3], strides [1, 50]) beside y [50, 3].
+    let mut p = Program::new();
+    let x = p.add_param(ParamKind::Input(0), Meta::new(&[150], DType::F32));
+    let y = p.add_param(ParamKind::Input(1), Meta::new(&[150], DType::F32));
+    let xt = push(&mut p, Op::View(ViewOp::AsStrided { shape: sv(&[50, 3]), strides: sv(&[1, 50]), offset: 0 }), &[x]);
+    let yv = push(&mut p, Op::View(ViewOp::Reshape(sv(&[50, 3]))), &[y]);
+    let a = push(&mut p, Op::Binary(BinaryOp::Mul), &[xt, yv]);
+    let b = push(&mut p, Op::Unary(UnaryOp::Sigmoid), &[a]);
+    // A view of a member between members: the group must run before it.
+    let bv = push(&mut p, Op::View(ViewOp::Reshape(sv(&[50, 3]))), &[b]);
+    let c = push(&mut p, Op::Binary(BinaryOp::Sub), &[bv, xt]);
+    p.add_result(c, ResultKind::Fresh).unwrap();
+    let plain = Interpreter::new(p.clone(), Device::Cpu)?;
+    let fused = Interpreter::with_fuser(p, Device::Cpu, &CpuFuser)?;
+    // mul and sigmoid, then (after the view) sub.
+    assert_eq!(fused.groups().count(), 1);
+    let a = args(150, 3);
+    assert_eq!(run(&plain, &a[..2])?, run(&fused, &a[..2])?);
+    Ok(())
+}
