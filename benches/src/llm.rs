@@ -337,32 +337,8 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
     let read_per_token = if head_reads_embedding { bytes } else { bytes - embed };
     let prompt = random_ids(1, a.prompt, cfg.vocab_size, a.device)?;
     let _g = no_grad();
-    let mut times = Vec::new();
-    let mut sleeps = Vec::new();
-    for run in 0..a.warmup + a.steps.max(1) {
-        let mut cache = model.new_cache(a.prompt + a.new_tokens);
-        let logits = model.forward_cached(&prompt, None, &mut cache, true)?;
-        let mut next = logits.argmax(Some(-1), false)?;
-        next.to_vec::<i64>()?;
-        let (t0, s0) = (Instant::now(), thread_sleeps());
-        // The loop runs where generate() runs it (Note [Loops on the compute
-        // threads] in kiln-tensor).
-        on_compute_threads(a.device, || -> Result<()> {
-            for _ in 0..a.new_tokens {
-                let logits = model.forward_cached(&next, None, &mut cache, true)?;
-                next = logits.argmax(Some(-1), false)?;
-                // Reading the token is part of a decoding step (it decides when to stop).
-                next.to_vec::<i64>()?;
-            }
-            Ok(())
-        })?;
-        if run >= a.warmup {
-            times.push(t0.elapsed().as_secs_f64());
-            sleeps.push((thread_sleeps() - s0) as f64 / a.new_tokens as f64);
-        }
-    }
-    sleeps.sort_by(f64::total_cmp);
-    times.sort_by(f64::total_cmp);
+    let DecodeRuns { times, sleeps, .. } =
+        if a.compiled { decode_compiled(a, &model, &prompt)? } else { decode_eager(a, &model, &prompt)? };
     let t = median(&times);
     let tok_s = a.new_tokens as f64 / t;
     let mut out = line("decode", a).set("dtype", dtype.to_string());
@@ -387,6 +363,107 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
         .set("thread_sleeps_per_token", sig4(median(&sleeps)))
         .set("median_ms", sig4(t * 1e3))
         .set("peak_rss_mb", sig4(peak_rss_mb())))
+}
+
+/// What the timed decoding runs measured.
+struct DecodeRuns {
+    /// Seconds per run, sorted.
+    times: Vec<f64>,
+    /// Thread sleeps per token, sorted.
+    sleeps: Vec<f64>,
+    /// The tokens the last run decoded (the tests compare the two ways').
+    #[cfg_attr(not(test), allow(dead_code))]
+    tokens: Vec<i64>,
+}
+
+/// Decoding runs of `forward_cached`, op by op, the loop where generate()
+/// runs it (Note [Loops on the compute threads] in kiln-tensor).
+fn decode_eager(a: &LlmArgs, model: &LlamaForCausalLM, prompt: &Tensor) -> Result<DecodeRuns> {
+    let (mut times, mut sleeps, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..a.warmup + a.steps.max(1) {
+        let mut cache = model.new_cache(a.prompt + a.new_tokens);
+        let logits = model.forward_cached(prompt, None, &mut cache, true)?;
+        let mut next = logits.argmax(Some(-1), false)?;
+        next.to_vec::<i64>()?;
+        let (t0, s0) = (Instant::now(), thread_sleeps());
+        tokens.clear();
+        on_compute_threads(a.device, || -> Result<()> {
+            for _ in 0..a.new_tokens {
+                let logits = model.forward_cached(&next, None, &mut cache, true)?;
+                next = logits.argmax(Some(-1), false)?;
+                // Reading the token is part of a decoding step (it decides when to stop).
+                tokens.extend(next.to_vec::<i64>()?);
+            }
+            Ok(())
+        })?;
+        if run >= a.warmup {
+            times.push(t0.elapsed().as_secs_f64());
+            sleeps.push((thread_sleeps() - s0) as f64 / a.new_tokens as f64);
+        }
+    }
+    sleeps.sort_by(f64::total_cmp);
+    times.sort_by(f64::total_cmp);
+    Ok(DecodeRuns { times, sleeps, tokens })
+}
+
+/// [`decode_eager`]'s measure for the step captured by `kiln::compile`: the
+/// paged decoding step (`forward_decode`, the serving engine's), whose
+/// inputs are all tensors of fixed shapes, so one program serves every
+/// position. The prompt goes through the same program a token at a time
+/// (untimed), which also traces and warms it.
+fn decode_compiled(a: &LlmArgs, model: &LlamaForCausalLM, prompt: &Tensor) -> Result<DecodeRuns> {
+    use kiln::nn::serve::{DecodeBatch, PagedKvCache};
+    const BLOCK: usize = 16;
+    let total = a.prompt + a.new_tokens;
+    let width = total.div_ceil(BLOCK);
+    let cache = std::sync::Arc::new(PagedKvCache::new(model, width, BLOCK)?);
+    let rope = model.model.rotary().tables(0, width * BLOCK, model.dtype(), a.device)?;
+    let (m, c) = (model.clone(), cache.clone());
+    let mut step = kiln::compile(a.device, move |x: &[Tensor]| -> Result<Vec<Tensor>> {
+        let [input_ids, positions, slots, block_tables, context_lens] = x else {
+            return Err(Error::invalid("decode", "5 inputs expected"));
+        };
+        let batch = DecodeBatch {
+            input_ids: input_ids.clone(),
+            positions: positions.clone(),
+            slots: slots.clone(),
+            block_tables: block_tables.clone(),
+            context_lens: context_lens.clone(),
+        };
+        Ok(vec![m.forward_decode(&batch, &rope, &c)?.argmax(Some(-1), false)?])
+    })
+    .error_on_retrace(true);
+    let table = Tensor::from_vec((0..width as i64).collect::<Vec<_>>(), &[1, width])?.to_device(a.device)?;
+    let ids = prompt.to_vec::<i64>()?;
+    let (mut times, mut sleeps, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..a.warmup + a.steps.max(1) {
+        // Token `tok` at position `p`: the next token.
+        let mut run_step = |tok: i64, p: usize| -> Result<i64> {
+            let t = |v: i64| -> Result<Tensor> { Tensor::from_vec(vec![v], &[1])?.to_device(a.device) };
+            let out = step.call(&[t(tok)?, t(p as i64)?, t(p as i64)?, table.clone(), t(p as i64 + 1)?])?;
+            Ok(out[0].to_vec::<i64>()?[0])
+        };
+        let mut next = 0;
+        for (p, &tok) in ids.iter().enumerate() {
+            next = run_step(tok, p)?;
+        }
+        let (t0, s0) = (Instant::now(), thread_sleeps());
+        tokens.clear();
+        on_compute_threads(a.device, || -> Result<()> {
+            for p in a.prompt..total {
+                next = run_step(next, p)?;
+                tokens.push(next);
+            }
+            Ok(())
+        })?;
+        if run >= a.warmup {
+            times.push(t0.elapsed().as_secs_f64());
+            sleeps.push((thread_sleeps() - s0) as f64 / a.new_tokens as f64);
+        }
+    }
+    sleeps.sort_by(f64::total_cmp);
+    times.sort_by(f64::total_cmp);
+    Ok(DecodeRuns { times, sleeps, tokens })
 }
 
 /// The model `decode` runs: the preset's with random weights in `--weights`'
@@ -513,12 +590,31 @@ mod tests {
         assert!(num(&t, "tokens_per_s") > 0.0);
         assert!(num(&infer(&tiny())?, "tokens_per_s") > 0.0);
         assert!(num(&decode(&tiny())?, "tokens_per_s") > 0.0);
+        let d = decode(&LlmArgs { compiled: true, ..tiny() })?;
+        assert!(num(&d, "tokens_per_s") > 0.0);
+        assert_eq!(d.get("mode").and_then(|v| v.as_str()), Some("compiled"));
         let nv = decode(&LlmArgs { weights: "nvfp4".into(), ..tiny() })?;
         let bpp = num(&nv, "weight_bytes_per_param");
         assert!(bpp > 0.5 && bpp < 4.0, "NVFP4 decoder weights beside f32 embeddings: {bpp}");
         assert!(preset("llama-16m").is_ok() && preset("gpt").is_err());
         // The eager line names how its ops ran.
         assert_eq!(t.get("mode").and_then(|v| v.as_str()), Some("eager"));
+        Ok(())
+    }
+
+    /// The captured decoding step (the paged step, fused on the CPU) decodes
+    /// the tokens the eager loop decodes.
+    #[test]
+    fn compiled_decoding_decodes_the_eager_tokens() -> Result<()> {
+        kiln::init();
+        let a = LlmArgs { new_tokens: 12, ..tiny() };
+        let (_, _, model) = decode_model(&a)?;
+        let prompt = random_ids(1, a.prompt, model.config().vocab_size, a.device)?;
+        let _g = no_grad();
+        let eager = decode_eager(&a, &model, &prompt)?.tokens;
+        let compiled = decode_compiled(&a, &model, &prompt)?.tokens;
+        assert_eq!(eager.len(), 12);
+        assert_eq!(eager, compiled);
         Ok(())
     }
 
