@@ -2,7 +2,7 @@
 //! together as one pass over their elements, and the order the interpreter
 //! runs instructions and fused groups in (Note \[Fused groups\]).
 use super::program::{Def, Inst, Program, Value};
-use crate::{Result, Storage, Tensor};
+use crate::{contiguous_strides, Op, Result, Storage, Tensor, ViewOp};
 use std::sync::Arc;
 
 // Note [Fused groups]
@@ -16,12 +16,16 @@ use std::sync::Arc;
 // readies a group to run (`Fuser::compile`); `schedule` forms the groups.
 //
 // A group is a run of fusible instructions in program order, all with one
-// output shape. An instruction between its members that reads no member
-// (the `full` and broadcasting view by which a scalar enters a chain, the
-// scalar arithmetic of an optimizer, a product) runs in its place, before
-// the group, which runs where its last member stood; one that reads a member
-// ends the group first (a fusible one of another shape starts the next
-// group). So every input of a member is defined before the group runs, and
+// number of elements, which they hold in row-major order. Besides the
+// elementwise ops a backend fuses, a view of a member that keeps that order
+// (a reshape) is the member, and a `copy_` of a member over a whole storage
+// (Note [Programs]: the storage's next value) is too; such an output may be
+// written straight into the storage (`Group::dests`, below). An instruction
+// between the members that reads no member (the `full` and broadcasting view
+// by which a scalar enters a chain, an optimizer's scalar step counts, a
+// product) runs in its place, before the group, which runs where its last
+// member stood; one that reads a member ends the group first, and a fusible
+// one of another size (a scalar aside) starts the next group. So every input of a member is defined before the group runs, and
 // an instruction reading a member's value runs after it. Programs are pure
 // (Note [Programs]), so the order changes nothing but when memory is freed:
 // an in-place write the interpreter would make into a storage a waiting
@@ -33,6 +37,15 @@ use std::sync::Arc;
 // A fused group computes what its instructions compute one by one: the
 // backend evaluates each member with its eager kernel's arithmetic, rounding
 // as the eager op rounds, so replays give the eager numbers.
+//
+// An output that is a storage's next value names the group input holding
+// the storage's current value; the interpreter offers that storage to the
+// group when the run may write it (it made it, or the program updates the
+// parameter holding it), the value covers it whole, and nothing read after
+// the group aliases it, as for an in-place `copy_`. The backend writes it
+// there only where that is safe (CPU: Note [Writing what a group reads]), so
+// an optimizer's update reads its state and writes the next state in one
+// pass. Of several outputs into one storage, the last one written gets it.
 
 /// Instructions run as one pass (Note \[Fused groups\]).
 #[derive(Debug, Clone, PartialEq)]
@@ -43,6 +56,10 @@ pub struct Group {
     pub inputs: Vec<Value>,
     /// Members' values read outside the group or returned, in definition order.
     pub outputs: Vec<Value>,
+    /// For each output, the input whose storage it may be written into: an
+    /// output that is a storage's next value (`copy_` of a whole storage)
+    /// names the storage's current value (Note \[Fused groups\]).
+    pub dests: Vec<Option<usize>>,
 }
 
 /// A backend's elementwise fusion (Note \[Fused groups\]).
@@ -57,8 +74,10 @@ pub trait Fuser: Send + Sync {
 pub trait FusedKernel: Send + Sync {
     /// Runs the group on its inputs (one tensor per [`Group::inputs`], as the
     /// interpreter holds them: any layout), returning one contiguous storage
-    /// per [`Group::outputs`].
-    fn run(&self, inputs: &[&Tensor]) -> Result<Vec<Arc<Storage>>>;
+    /// per [`Group::outputs`]: `dests[k]`'s storage where the interpreter
+    /// offers one (a whole, contiguous storage it may overwrite) and the
+    /// kernel can write it safely, else a fresh one.
+    fn run(&self, inputs: &[&Tensor], dests: &[Option<&Tensor>]) -> Result<Vec<Arc<Storage>>>;
 }
 
 /// One step of a run: an instruction, or a fused group (an index into the groups).
@@ -87,7 +106,7 @@ pub fn schedule(program: &Program, fuser: &dyn Fuser) -> (Vec<Step>, Vec<Group>)
             1 => steps.push(Step::Inst(open[0])),
             _ => {
                 steps.push(Step::Group(groups.len()));
-                groups.push(Group { members: open.clone(), inputs: vec![], outputs: vec![] });
+                groups.push(Group { members: open.clone(), inputs: vec![], outputs: vec![], dests: vec![] });
             }
         }
         for &i in open.iter() {
@@ -95,12 +114,32 @@ pub fn schedule(program: &Program, fuser: &dyn Fuser) -> (Vec<Step>, Vec<Group>)
         }
         open.clear();
     };
+    let numel = |v: Value| program.meta(v).shape.iter().product::<usize>();
     for (i, inst) in insts.iter().enumerate() {
         let reads_open = inst.args.iter().any(|&a| member_of(a, &in_open));
-        if fuser.fusible(program, inst) && inst.outs.len() == 1 {
-            let same_shape = open.first().is_none_or(|&j| insts[j].outs[0].shape == inst.outs[0].shape);
-            if same_shape || reads_open {
-                if !same_shape {
+        let joins = match &inst.op {
+            // A view of a member that keeps its elements' order is the member.
+            Op::View(v) => member_of(inst.args[0], &in_open) && keeps_order(v, numel(inst.args[0])),
+            // A member written over a whole storage is that storage's next value.
+            Op::Assign { shape, strides, offset } => {
+                let (base, src) = (inst.args[0], inst.args[1]);
+                let chained = match program.def(base) {
+                    Def::Inst(j, _) => !in_open[j] || matches!(insts[j].op, Op::Assign { .. }),
+                    Def::Param(_) => true,
+                };
+                member_of(src, &in_open)
+                    && chained
+                    && *offset == 0
+                    && strides[..] == contiguous_strides(shape)[..]
+                    && shape.iter().product::<usize>() == numel(base)
+            }
+            _ => fuser.fusible(program, inst) && inst.outs.len() == 1,
+        };
+        if joins {
+            let same = open.first().is_none_or(|&j| numel(insts[j].first) == numel(inst.first));
+            // Scalar arithmetic between members (an optimizer's step counts) passes the group.
+            if same || reads_open || numel(inst.first) > 1 {
+                if !same {
                     close(&mut open, &mut in_open, &mut steps);
                 }
                 open.push(i);
@@ -145,10 +184,51 @@ pub fn schedule(program: &Program, fuser: &dyn Fuser) -> (Vec<Step>, Vec<Group>)
             let v = insts[i].first;
             if read_outside[v.index()] {
                 grp.outputs.push(v);
+                grp.dests.push(storage_root(program, &grp.inputs, v, &|x| in_group(x, g)));
+            }
+        }
+        // One output per storage: the last one written keeps it.
+        for k in 0..grp.dests.len() {
+            if grp.dests[k].is_some() && grp.dests[k + 1..].contains(&grp.dests[k]) {
+                grp.dests[k] = None;
             }
         }
     }
     (steps, groups)
+}
+
+/// Whether view `v` of a value of `n` elements keeps them, in row-major order.
+fn keeps_order(v: &ViewOp, n: usize) -> bool {
+    match v {
+        ViewOp::Reshape(_) | ViewOp::Unsqueeze(_) | ViewOp::Squeeze(_) => true,
+        ViewOp::AsStrided { shape, strides, offset } => {
+            *offset == 0 && strides[..] == contiguous_strides(shape)[..] && shape.iter().product::<usize>() == n
+        }
+        ViewOp::Permute(_)
+        | ViewOp::Expand(_)
+        | ViewOp::Slice { .. }
+        | ViewOp::Select { .. }
+        | ViewOp::Diagonal { .. } => false,
+    }
+}
+
+/// For a member `v` that is a storage's next value (a `copy_` member, maybe
+/// after others into the same storage), the group input holding the
+/// storage's current value.
+fn storage_root(program: &Program, inputs: &[Value], v: Value, member: &dyn Fn(Value) -> bool) -> Option<usize> {
+    let mut v = v;
+    loop {
+        let Def::Inst(i, _) = program.def(v) else { return None };
+        let inst = &program.insts()[i];
+        if !matches!(inst.op, Op::Assign { .. }) {
+            return None;
+        }
+        let base = inst.args[0];
+        if !member(base) {
+            return inputs.iter().position(|&x| x == base);
+        }
+        v = base;
+    }
 }
 
 /// For each value, the last step reading it (`steps.len()` for a result,

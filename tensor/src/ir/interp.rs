@@ -116,6 +116,24 @@ fn live(vals: &[Option<Tensor>], v: Value) -> Result<&Tensor> {
 }
 
 impl Interpreter {
+    /// Whether step `s` may write into the storage of `t`, the value `v`: this
+    /// run may write the storage (it made it, or the program updates the
+    /// parameter holding it), `t` is contiguous, and no value read after `s`
+    /// (`v` included) aliases it.
+    fn may_overwrite(&self, v: Value, t: &Tensor, s: usize, vals: &[Option<Tensor>], own: &[*const Storage]) -> bool {
+        let st = Arc::as_ptr(t.storage());
+        let writable = own.contains(&st)
+            || self.program.params.iter().enumerate().any(|(k, q)| {
+                self.writable[k] && vals[q.value.index()].as_ref().is_some_and(|t| Arc::as_ptr(t.storage()) == st)
+            });
+        let aliased_later = vals.iter().enumerate().any(|(w, x)| {
+            w != v.index()
+                && self.last[w].is_some_and(|l| l > s)
+                && x.as_ref().is_some_and(|x| Arc::as_ptr(x.storage()) == st)
+        });
+        writable && !aliased_later && t.is_contiguous() && self.last[v.index()] == Some(s)
+    }
+
     /// Runs one instruction at step `s`, returning its outputs.
     fn inst(
         &self,
@@ -124,33 +142,19 @@ impl Interpreter {
         vals: &[Option<Tensor>],
         own: &mut Vec<*const Storage>,
     ) -> Result<Vec<Tensor>> {
-        let (p, b, dev) = (&self.program, self.backend, self.device);
+        let (b, dev) = (self.backend, self.device);
         let ins: Vec<&Tensor> = inst.args.iter().map(|&a| live(vals, a)).collect::<Result<_>>()?;
         Ok(match &inst.op {
             Op::View(v) => vec![view(b, v, ins[0], dev)?],
             Op::Assign { shape, strides, offset } => {
                 let base = ins[0];
-                let st = Arc::as_ptr(base.storage());
-                // In place when this run may write the storage and no value read later aliases it.
-                let writable = own.contains(&st)
-                    || p.params.iter().enumerate().any(|(k, q)| {
-                        self.writable[k]
-                            && vals[q.value.index()].as_ref().is_some_and(|t| Arc::as_ptr(t.storage()) == st)
-                    });
-                let aliased_later = vals.iter().enumerate().any(|(v, t)| {
-                    v != inst.args[0].index()
-                        && self.last[v].is_some_and(|l| l > s)
-                        && t.as_ref().is_some_and(|t| Arc::as_ptr(t.storage()) == st)
-                });
-                let target =
-                    if writable && !aliased_later && base.is_contiguous() && self.last[inst.args[0].index()] == Some(s)
-                    {
-                        base.clone()
-                    } else {
-                        let st = b.exec(&Op::Copy, &[base], &[base.meta()], dev)?.swap_remove(0);
-                        own.push(Arc::as_ptr(&st));
-                        Tensor::from_storage(st, Layout::contiguous(base.shape()))?
-                    };
+                let target = if self.may_overwrite(inst.args[0], base, s, vals, own) {
+                    base.clone()
+                } else {
+                    let st = b.exec(&Op::Copy, &[base], &[base.meta()], dev)?.swap_remove(0);
+                    own.push(Arc::as_ptr(&st));
+                    Tensor::from_storage(st, Layout::contiguous(base.shape()))?
+                };
                 let l =
                     Layout::new(shape.clone(), strides.iter().copied().collect(), target.layout().offset() + offset);
                 let window = Tensor::from_storage(target.storage().clone(), l)?;
@@ -184,6 +188,7 @@ impl Executable for Interpreter {
         }
         // Storages this run made: the program may write them in place.
         let mut own: Vec<*const Storage> = vec![];
+        let mut made_vals: Vec<(Value, Tensor)> = vec![];
         for (s, step) in self.steps.iter().enumerate() {
             let (args, results): (Vec<Value>, Vec<Value>) = match *step {
                 Step::Inst(i) => {
@@ -197,11 +202,34 @@ impl Executable for Interpreter {
                 Step::Group(g) => {
                     let (group, kernel) = &self.groups[g];
                     let ins: Vec<&Tensor> = group.inputs.iter().map(|&a| live(&vals, a)).collect::<Result<_>>()?;
-                    let storages = kernel.run(&ins)?;
+                    // A storage's next value goes into the storage where nothing later reads
+                    // the old one and the group's value covers it whole.
+                    let dests: Vec<Option<&Tensor>> = group
+                        .dests
+                        .iter()
+                        .map(|d| {
+                            d.and_then(|k| {
+                                let t = ins[k];
+                                let whole = t.layout().offset() == 0 && t.numel() == t.storage().len();
+                                (whole && self.may_overwrite(group.inputs[k], t, s, &vals, &own)).then_some(t)
+                            })
+                        })
+                        .collect();
+                    let storages = kernel.run(&ins, &dests)?;
+                    let mut made = vec![];
+                    for ((&v, st), d) in group.outputs.iter().zip(storages).zip(&dests) {
+                        if d.is_some_and(|d| Arc::ptr_eq(d.storage(), &st)) {
+                            st.bump_version();
+                        } else {
+                            made.push(Arc::as_ptr(&st));
+                        }
+                        made_vals.push((v, Tensor::from_storage(st, Layout::contiguous(&p.meta(v).shape))?));
+                    }
+                    drop(dests);
                     drop(ins);
-                    for (&v, st) in group.outputs.iter().zip(storages) {
-                        own.push(Arc::as_ptr(&st));
-                        vals[v.index()] = Some(Tensor::from_storage(st, Layout::contiguous(&p.meta(v).shape))?);
+                    own.extend(made);
+                    for (v, t) in made_vals.drain(..) {
+                        vals[v.index()] = Some(t);
                     }
                     (group.inputs.clone(), group.outputs.clone())
                 }

@@ -3,7 +3,7 @@
 //! time, bit for bit, across block and thread boundaries and with broadcast
 //! scalars and strided inputs.
 use crate::kernels::CpuFuser;
-use kiln_tensor::ir::{Executable, Interpreter, ParamKind, Program, ResultKind, Value};
+use kiln_tensor::ir::{Executable, Fuser, Interpreter, ParamKind, Program, ResultKind, Value};
 use kiln_tensor::{BinaryOp, DType, Device, Meta, Op, ReduceOp, Result, Scalar, Tensor, UnaryOp, ViewOp};
 
 fn sv(x: &[usize]) -> smallvec::SmallVec<[usize; 6]> {
@@ -68,14 +68,18 @@ fn a_chain_forms_groups_around_what_cannot_fuse() -> Result<()> {
     let fused = Interpreter::with_fuser(p.clone(), Device::Cpu, &CpuFuser)?;
     let groups: Vec<_> = fused.groups().cloned().collect();
     assert_eq!(groups.len(), 2, "{groups:?}");
-    // mul, add, tanh, sub, exp; then div, sqrt, silu_mul, maximum.
+    // mul, add, tanh, sub, exp; then div, sqrt, silu_mul, maximum and the copy into w.
     assert_eq!(groups[0].members.len(), 5);
-    assert_eq!(groups[1].members.len(), 4);
+    assert_eq!(groups[1].members.len(), 5);
+    // The copy is w's next value, which may go into w's storage (input 2: e, the sum, w).
+    assert_eq!(groups[1].outputs.len(), 1);
+    assert_eq!(groups[1].dests, vec![Some(2)]);
     // The first group writes what others read: c (a result), d (the sum's input), e (read later).
     assert_eq!(groups[0].outputs.len(), 3, "{groups:?}");
     // Inputs: x, y, the broadcast scalar; w, the reduction's broadcast and e.
     assert_eq!(groups[0].inputs.len(), 3);
     assert_eq!(groups[1].inputs.len(), 3);
+    assert_eq!(groups[0].dests, vec![None; 3]);
     Ok(())
 }
 
@@ -118,4 +122,99 @@ fn strided_inputs_and_transposed_chains_fuse() -> Result<()> {
     let a = args(150, 3);
     assert_eq!(run(&plain, &a[..2])?, run(&fused, &a[..2])?);
     Ok(())
+}
+
+/// An optimizer's shape: state `m` read and its next value written, `w`
+/// written twice (decay, then the step) and read between, a broadcast scalar.
+fn update(n: usize) -> Program {
+    let mut p = Program::new();
+    let g = p.add_param(ParamKind::Input(0), Meta::new(&[n], DType::F32));
+    let w = p.add_param(ParamKind::State, Meta::new(&[n], DType::F32));
+    let m = p.add_param(ParamKind::State, Meta::new(&[n], DType::F32));
+    let s = push(&mut p, Op::Full { shape: sv(&[]), value: Scalar::Float(0.9), dtype: DType::F32 }, &[]);
+    let sb =
+        push(&mut p, Op::View(ViewOp::AsStrided { shape: sv(&[2, n / 2]), strides: sv(&[0, 0]), offset: 0 }), &[s]);
+    let whole = Op::Assign { shape: sv(&[2, n / 2]), strides: sv(&[n / 2, 1]), offset: 0 };
+    let w2 = push(&mut p, Op::View(ViewOp::Reshape(sv(&[2, n / 2]))), &[w]);
+    let decayed = push(&mut p, Op::Binary(BinaryOp::Mul), &[w2, sb]);
+    let w_next = push(&mut p, whole.clone(), &[w, decayed]);
+    let m2 = push(&mut p, Op::View(ViewOp::Reshape(sv(&[2, n / 2]))), &[m]);
+    let g2 = push(&mut p, Op::View(ViewOp::Reshape(sv(&[2, n / 2]))), &[g]);
+    let mg = push(&mut p, Op::Binary(BinaryOp::Mul), &[m2, sb]);
+    let m_new = push(&mut p, Op::Binary(BinaryOp::Add), &[mg, g2]);
+    let m_next = push(&mut p, whole.clone(), &[m, m_new]);
+    // Reads the decayed w through its storage's new value, then writes w again.
+    let wv = push(&mut p, Op::View(ViewOp::Reshape(sv(&[2, n / 2]))), &[w_next]);
+    let mv = push(&mut p, Op::View(ViewOp::Reshape(sv(&[2, n / 2]))), &[m_next]);
+    let step = push(&mut p, Op::Unary(UnaryOp::Tanh), &[mv]);
+    let w_new = push(&mut p, Op::Binary(BinaryOp::Sub), &[wv, step]);
+    let w_last = push(&mut p, whole, &[w_next, w_new]);
+    // Old m read after its next value is computed, and old w read after the
+    // group (by pow, which does not fuse): w's storage must not be written.
+    let extra = push(&mut p, Op::Binary(BinaryOp::Mul), &[m2, g2]);
+    let old = push(&mut p, Op::Binary(BinaryOp::Pow), &[w2, extra]);
+    p.add_result(w_last, ResultKind::Update(1)).unwrap();
+    p.add_result(m_next, ResultKind::Update(2)).unwrap();
+    p.add_result(old, ResultKind::Fresh).unwrap();
+    p
+}
+
+#[test]
+fn an_update_is_one_group_writing_its_state_in_place() -> Result<()> {
+    for (i, n) in [2usize, 8, 2050, 80_000].into_iter().enumerate() {
+        let p = update(n);
+        let fused = Interpreter::with_fuser(p.clone(), Device::Cpu, &CpuFuser)?;
+        let groups: Vec<_> = fused.groups().cloned().collect();
+        assert_eq!(groups.len(), 1, "{groups:?}");
+        // w, m and the product pow reads; w and m may go into their storages.
+        assert_eq!(groups[0].outputs.len(), 3);
+        assert_eq!(groups[0].dests.iter().filter(|d| d.is_some()).count(), 2, "{groups:?}");
+        let a = args(n, 40 + i as u64);
+        let plain = Interpreter::new(p, Device::Cpu)?;
+        assert_eq!(run(&plain, &a)?, run(&fused, &a)?, "n = {n}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_group_writes_a_storage_only_where_its_inputs_read_it_element_for_element() -> Result<()> {
+    // out = x * 2 + x[0] (x read whole and as a broadcast element), offered x's storage.
+    let n = 3000;
+    let mut p = Program::new();
+    let x = p.add_param(ParamKind::State, Meta::new(&[n], DType::F32));
+    let two = push(&mut p, Op::Full { shape: sv(&[]), value: Scalar::Float(2.0), dtype: DType::F32 }, &[]);
+    let tb = push(&mut p, Op::View(ViewOp::AsStrided { shape: sv(&[n]), strides: sv(&[0]), offset: 0 }), &[two]);
+    let x0 = push(&mut p, Op::View(ViewOp::AsStrided { shape: sv(&[n]), strides: sv(&[0]), offset: 0 }), &[x]);
+    let d = push(&mut p, Op::Binary(BinaryOp::Mul), &[x, tb]);
+    let e = push(&mut p, Op::Binary(BinaryOp::Add), &[d, x0]);
+    let next = push(&mut p, Op::Assign { shape: sv(&[n]), strides: sv(&[1]), offset: 0 }, &[x, e]);
+    p.add_result(next, ResultKind::Update(0)).unwrap();
+    let plain = Interpreter::new(p.clone(), Device::Cpu)?;
+    let fused = Interpreter::with_fuser(p.clone(), Device::Cpu, &CpuFuser)?;
+    let groups: Vec<_> = fused.groups().cloned().collect();
+    assert_eq!(groups.len(), 1);
+    let a = args(n, 5);
+    // Written in place, the later blocks would add the new x[0] (2 * x[0] + x[0]).
+    assert_eq!(run(&plain, &a[..1])?, run(&fused, &a[..1])?);
+    // The kernel itself: refused for the broadcast reader, taken without it.
+    let kernel = CpuFuser.compile(&p, &groups[0])?;
+    let xs = Tensor::from_vec(a[0].to_vec::<f32>()?, &[n])?;
+    let ins: Vec<Tensor> = groups[0].inputs.iter().map(|v| input_view(&p, *v, &xs)).collect::<Result<_>>()?;
+    let refs: Vec<&Tensor> = ins.iter().collect();
+    let out = kernel.run(&refs, &[Some(&xs)])?;
+    assert!(!std::sync::Arc::ptr_eq(&out[0], xs.storage()), "a broadcast reader of the destination was ignored");
+    Ok(())
+}
+
+/// The tensor the interpreter would hold for `v` when parameter 0 is `x`.
+fn input_view(p: &Program, v: Value, x: &Tensor) -> Result<Tensor> {
+    match p.def(v) {
+        kiln_tensor::ir::Def::Param(_) => Ok(x.clone()),
+        kiln_tensor::ir::Def::Inst(i, _) => match &p.insts()[i].op {
+            Op::View(ViewOp::AsStrided { shape, strides, offset }) if p.insts()[i].args[0] == p.params()[0].value => {
+                x.as_strided(shape, strides, Some(*offset))
+            }
+            _ => Tensor::full(&[], 2.0, (DType::F32, Device::Cpu))?.as_strided(&[x.numel()], &[0], Some(0)),
+        },
+    }
 }
