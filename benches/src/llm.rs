@@ -379,23 +379,39 @@ struct DecodeRuns {
 /// Decoding runs of `forward_cached`, op by op, the loop where generate()
 /// runs it (Note [Loops on the compute threads] in kiln-tensor).
 fn decode_eager(a: &LlmArgs, model: &LlamaForCausalLM, prompt: &Tensor) -> Result<DecodeRuns> {
-    let (mut times, mut sleeps, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
-    for run in 0..a.warmup + a.steps.max(1) {
-        let mut cache = model.new_cache(a.prompt + a.new_tokens);
-        let logits = model.forward_cached(prompt, None, &mut cache, true)?;
-        let mut next = logits.argmax(Some(-1), false)?;
-        next.to_vec::<i64>()?;
-        let (t0, s0) = (Instant::now(), thread_sleeps());
-        tokens.clear();
-        on_compute_threads(a.device, || -> Result<()> {
+    decode_runs(
+        a,
+        || {
+            let mut cache = model.new_cache(a.prompt + a.new_tokens);
+            let next = model.forward_cached(prompt, None, &mut cache, true)?.argmax(Some(-1), false)?;
+            next.to_vec::<i64>()?;
+            Ok((cache, next))
+        },
+        |(cache, next), tokens| {
             for _ in 0..a.new_tokens {
-                let logits = model.forward_cached(&next, None, &mut cache, true)?;
-                next = logits.argmax(Some(-1), false)?;
+                *next = model.forward_cached(next, None, cache, true)?.argmax(Some(-1), false)?;
                 // Reading the token is part of a decoding step (it decides when to stop).
                 tokens.extend(next.to_vec::<i64>()?);
             }
             Ok(())
-        })?;
+        },
+    )
+}
+
+/// `warmup + steps` decoding runs: `prefill` untimed, then `decode` timed,
+/// on the compute threads (where generate() runs its loop, Note [Loops on
+/// the compute threads] in kiln-tensor), writing the tokens it decodes.
+fn decode_runs<S: Send>(
+    a: &LlmArgs,
+    mut prefill: impl FnMut() -> Result<S>,
+    mut decode: impl FnMut(&mut S, &mut Vec<i64>) -> Result<()> + Send,
+) -> Result<DecodeRuns> {
+    let (mut times, mut sleeps, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..a.warmup + a.steps.max(1) {
+        let mut state = prefill()?;
+        let (t0, s0) = (Instant::now(), thread_sleeps());
+        tokens.clear();
+        on_compute_threads(a.device, || decode(&mut state, &mut tokens))?;
         if run >= a.warmup {
             times.push(t0.elapsed().as_secs_f64());
             sleeps.push((thread_sleeps() - s0) as f64 / a.new_tokens as f64);
@@ -420,50 +436,32 @@ fn decode_compiled(a: &LlmArgs, model: &LlamaForCausalLM, prompt: &Tensor) -> Re
     let rope = model.model.rotary().tables(0, width * BLOCK, model.dtype(), a.device)?;
     let (m, c) = (model.clone(), cache.clone());
     let mut step = kiln::compile(a.device, move |x: &[Tensor]| -> Result<Vec<Tensor>> {
-        let [input_ids, positions, slots, block_tables, context_lens] = x else {
-            return Err(Error::invalid("decode", "5 inputs expected"));
-        };
-        let batch = DecodeBatch {
-            input_ids: input_ids.clone(),
-            positions: positions.clone(),
-            slots: slots.clone(),
-            block_tables: block_tables.clone(),
-            context_lens: context_lens.clone(),
-        };
-        Ok(vec![m.forward_decode(&batch, &rope, &c)?.argmax(Some(-1), false)?])
+        Ok(vec![m.forward_decode(&DecodeBatch::from_inputs(x)?, &rope, &c)?.argmax(Some(-1), false)?])
     })
     .error_on_retrace(true);
     let table = Tensor::from_vec((0..width as i64).collect::<Vec<_>>(), &[1, width])?.to_device(a.device)?;
     let ids = prompt.to_vec::<i64>()?;
-    let (mut times, mut sleeps, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
-    for run in 0..a.warmup + a.steps.max(1) {
-        // Token `tok` at position `p`: the next token.
-        let mut run_step = |tok: i64, p: usize| -> Result<i64> {
-            let t = |v: i64| -> Result<Tensor> { Tensor::from_vec(vec![v], &[1])?.to_device(a.device) };
-            let out = step.call(&[t(tok)?, t(p as i64)?, t(p as i64)?, table.clone(), t(p as i64 + 1)?])?;
-            Ok(out[0].to_vec::<i64>()?[0])
-        };
-        let mut next = 0;
-        for (p, &tok) in ids.iter().enumerate() {
-            next = run_step(tok, p)?;
-        }
-        let (t0, s0) = (Instant::now(), thread_sleeps());
-        tokens.clear();
-        on_compute_threads(a.device, || -> Result<()> {
+    // Token `tok` at position `p`: the next token.
+    let step = std::sync::Mutex::new(move |tok: i64, p: usize| -> Result<i64> {
+        let t = |v: i64| -> Result<Tensor> { Tensor::from_vec(vec![v], &[1])?.to_device(a.device) };
+        let out = step.call(&[t(tok)?, t(p as i64)?, t(p as i64)?, table.clone(), t(p as i64 + 1)?])?;
+        Ok(out[0].to_vec::<i64>()?[0])
+    });
+    let run_step = |tok: i64, p: usize| -> Result<i64> {
+        let mut f = step.lock().map_err(|_| Error::invalid("decode", "a decoding step panicked"))?;
+        f(tok, p)
+    };
+    decode_runs(
+        a,
+        || ids.iter().enumerate().try_fold(0, |_, (p, &tok)| run_step(tok, p)),
+        |next, tokens| {
             for p in a.prompt..total {
-                next = run_step(next, p)?;
-                tokens.push(next);
+                *next = run_step(*next, p)?;
+                tokens.push(*next);
             }
             Ok(())
-        })?;
-        if run >= a.warmup {
-            times.push(t0.elapsed().as_secs_f64());
-            sleeps.push((thread_sleeps() - s0) as f64 / a.new_tokens as f64);
-        }
-    }
-    sleeps.sort_by(f64::total_cmp);
-    times.sort_by(f64::total_cmp);
-    Ok(DecodeRuns { times, sleeps, tokens })
+        },
+    )
 }
 
 /// The model `decode` runs: the preset's with random weights in `--weights`'

@@ -55,17 +55,7 @@ impl DecodeProgram {
         let rope = model.model.rotary().tables(0, positions, model.dtype(), device)?;
         let (m, c) = (model.clone(), Arc::clone(cache));
         let f = move |x: &[Tensor]| -> Result<Vec<Tensor>> {
-            let [input_ids, positions, slots, block_tables, context_lens] = x else {
-                return Err(Error::invalid("decode", format!("5 inputs expected, got {}", x.len())));
-            };
-            let batch = DecodeBatch {
-                input_ids: input_ids.clone(),
-                positions: positions.clone(),
-                slots: slots.clone(),
-                block_tables: block_tables.clone(),
-                context_lens: context_lens.clone(),
-            };
-            Ok(vec![m.forward_decode(&batch, &rope, &c)?])
+            Ok(vec![m.forward_decode(&DecodeBatch::from_inputs(x)?, &rope, &c)?])
         };
         let Some(captured) = kiln_tensor::capture(device, Box::new(f)) else { return Ok(None) };
         let block_size = cache.block_size();

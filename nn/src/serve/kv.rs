@@ -208,3 +208,20 @@ pub struct DecodeBatch {
     /// Positions cached after the step (each position + 1), `[B]`.
     pub context_lens: Tensor,
 }
+
+impl DecodeBatch {
+    /// The batch from the five tensors a captured step takes, in the fields'
+    /// order (`input_ids`, `positions`, `slots`, `block_tables`, `context_lens`).
+    pub fn from_inputs(x: &[Tensor]) -> Result<DecodeBatch> {
+        let [input_ids, positions, slots, block_tables, context_lens] = x else {
+            return Err(Error::invalid("decode", format!("5 inputs expected, got {}", x.len())));
+        };
+        Ok(DecodeBatch {
+            input_ids: input_ids.clone(),
+            positions: positions.clone(),
+            slots: slots.clone(),
+            block_tables: block_tables.clone(),
+            context_lens: context_lens.clone(),
+        })
+    }
+}
