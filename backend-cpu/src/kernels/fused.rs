@@ -188,9 +188,12 @@ impl FusedKernel for CpuGroup {
             .iter()
             .map(|d| {
                 d.filter(|d| {
+                    // Whole, as the interpreter offers them: the outputs are written from element 0.
                     d.dtype() == DType::F32
                         && d.is_contiguous()
+                        && d.layout().offset() == 0
                         && d.numel() == n
+                        && d.storage().len() == n
                         && inputs.iter().all(|t| {
                             !t.shares_storage(d)
                                 || (t.is_contiguous() && t.layout().offset() == d.layout().offset())
