@@ -159,3 +159,26 @@ fn packed_q8_0_and_q4_0_weights_compute_as_their_dequantized_values() {
         }
     }
 }
+
+/// `QuantizedLoad::Dequantize { round_to }` rounds a quantized type's
+/// values to `round_to`, and leaves the float types (the norms) alone.
+#[test]
+fn round_to_rounds_the_dequantized_weights() {
+    use kiln::nn::models::{PretrainedOptions, QuantizedLoad};
+    let dir = temp_dir("gguf-round-to");
+    let model = LlamaForCausalLM::from_pretrained(fixture_dir("llama"), DType::F32, Device::Cpu).unwrap();
+    let file = dir.join("llama-q8_0.gguf");
+    model.save_gguf(&file, GgmlType::Q8_0, &[]).unwrap();
+    let exact = LlamaForCausalLM::from_gguf(&file, DType::F32, Device::Cpu).unwrap().state_dict();
+    let opts = PretrainedOptions::new(DType::F32, Device::Cpu)
+        .with_quantized(QuantizedLoad::Dequantize { round_to: Some(DType::BF16) });
+    let rounded = LlamaForCausalLM::from_gguf_with(&file, &opts).unwrap().state_dict();
+    let mut changed = 0;
+    for (k, t) in &exact {
+        let want =
+            if t.ndim() == 1 { t.clone() } else { t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap() };
+        assert_eq!(rounded[k].to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap(), "{k}");
+        changed += usize::from(want.to_vec::<f32>().unwrap() != t.to_vec::<f32>().unwrap());
+    }
+    assert!(changed > 0, "bfloat16 rounding changed no Q8_0 matrix");
+}

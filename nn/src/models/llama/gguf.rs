@@ -256,6 +256,10 @@ impl LlamaForCausalLM {
     /// tied model takes from the embedding table as llama.cpp does (the
     /// lookup keeps a dense copy). Types with a per-block minimum (Q4_K,
     /// Q5_K, Q2_K, Q4_1, Q5_1) and the float types are dequantized.
+    /// `QuantizedLoad::Dequantize { round_to }` rounds the dequantized values
+    /// of quantized types to `round_to` before the dtype, as for
+    /// safetensors checkpoints; `weights_only` has nothing to permit (GGUF
+    /// files quantize no activations).
     pub fn from_gguf_with(path: impl AsRef<Path>, opts: &PretrainedOptions) -> Result<LlamaForCausalLM> {
         let (dtype, device) = (opts.dtype, opts.device);
         let f = GgufFile::open(path)?;
@@ -297,7 +301,13 @@ impl LlamaForCausalLM {
                     continue;
                 }
             }
-            let mut t = f.tensor(&info.name, Some(dtype), Device::Cpu)?;
+            let mut t = match (opts.quantized, info.ggml_type.is_quantized()) {
+                // A quantized type dequantized exactly, rounded to `round_to`, then to the dtype.
+                (QuantizedLoad::Dequantize { round_to: Some(r) }, true) => {
+                    f.tensor(&info.name, Some(r), Device::Cpu)?.to_dtype(dtype)?
+                }
+                _ => f.tensor(&info.name, Some(dtype), Device::Cpu)?,
+            };
             if let Some(h) = heads(&name) {
                 t = permute_heads(&t, h, false)?;
             }
