@@ -301,3 +301,17 @@ fn tokenizers_in_gguf_files_encode_as_the_tokenizers_package_does() {
     let odd = serde_json::json!({"model": {"type": "WordPiece"}});
     assert!(tokenizer_metadata(&odd).unwrap_err().to_string().contains("WordPiece"));
 }
+
+/// Packing refuses bytes that do not hold the shape, shapes whose size
+/// overflows, and types that do not stay packed, with errors.
+#[test]
+fn packing_refuses_what_does_not_fit() {
+    use kiln::nn::io::gguf::pack_blocks;
+    let block = vec![0u8; GgmlType::Q8_0.type_size()];
+    assert!(pack_blocks(GgmlType::Q8_0, &block, 1, 32).is_ok());
+    assert!(pack_blocks(GgmlType::Q8_0, &block, 2, 32).is_err(), "too few bytes");
+    assert!(pack_blocks(GgmlType::Q8_0, &block, 1, 16).is_err(), "a partial block");
+    assert!(pack_blocks(GgmlType::Q8_0, &block, usize::MAX / 16, 32).is_err(), "a size that overflows");
+    assert!(pack_blocks(GgmlType::Q4_K, &block, 1, 32).is_err(), "a type with minimums");
+    assert!(pack_blocks(GgmlType::Q8_0, &[], 0, 32).is_ok_and(|q| q.shape == [0, 32]), "no rows");
+}

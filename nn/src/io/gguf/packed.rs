@@ -17,7 +17,8 @@ pub fn packable(ty: GgmlType) -> bool {
 /// The blocks of a weight `[out, inp]` of an integer type as codes and scales.
 pub fn pack_blocks(ty: GgmlType, bytes: &[u8], out: usize, inp: usize) -> Result<QuantizedWeight> {
     let (bs, ts) = (ty.block_size(), ty.type_size());
-    let Some(g) = ty.integer_group().filter(|_| inp.is_multiple_of(bs) && bytes.len() == out * inp / bs * ts) else {
+    let fits = out.checked_mul(inp).and_then(|n| (n / bs).checked_mul(ts)).is_some_and(|n| n == bytes.len());
+    let Some(g) = ty.integer_group().filter(|_| inp.is_multiple_of(bs) && fits) else {
         return Err(Error::invalid(
             "gguf",
             format!(
