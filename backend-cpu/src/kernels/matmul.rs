@@ -1,12 +1,15 @@
 //! Batched matrix multiplication `[..., m, k] @ [..., k, n]` (equal batch dims).
 //!
 //! f32 and f64 run on the `gemm` crate, which takes row and column strides, so
-//! transposed and broadcast (stride-0) operands are read in place. bf16 and f16
-//! are widened to f32 (exactly), multiplied with f32 accumulation and rounded
-//! once, as PyTorch does on CPU. Integer and bool products use a plain loop in
+//! transposed and broadcast (stride-0) operands are read in place. bf16
+//! products run on the AMX tile unit where the CPU has it (Note [bf16 products
+//! on tiles]), as dot products of rows in the vector registers (Note [bf16 dot
+//! products]), or widened to f32; f16 is widened to f32 (exactly). Both
+//! accumulate in f32 and round once, as PyTorch does on CPU. Integer and bool products use a plain loop in
 //! their own type (wrapping).
 use super::copy::materialize_vec;
 use super::elem::{advise_huge_pages, Elem};
+use super::gemm_bf16;
 use super::iter::{par_blocks, threads, Nest, OutPtr};
 use super::map::map1;
 use super::rowdot_bf16::{self, RowDot};
@@ -100,15 +103,25 @@ fn widen<T: Elem>(x: &Input<'_>) -> Result<(Vec<f32>, Layout)> {
     Ok((map1::<T, f32>(x, 1, |v| v.cast_f32())?, Layout::contiguous(l.shape())))
 }
 
-/// bf16 products: as dot products of rows where Note [bf16 dot products]
-/// says so, else widened to f32 for gemm.
+/// bf16 products: packed for `vdpbf16ps` when they have many rows (Note
+/// [Packed bf16 products]), as dot products of rows where Note [bf16 dot
+/// products] says so, else widened to f32 for gemm.
 fn bf16_matmul(a: &Input<'_>, b: &Input<'_>, g: &Geometry) -> Result<Vec<bf16>> {
     let (m, k, n) = (g.m, g.k, g.n);
-    if !rowdot_bf16::applies(m, k, g.b_rs == 1) {
+    let packed = gemm_bf16::available() && m >= gemm_bf16::MIN_ROWS && !kiln_tensor::is_batch_invariant();
+    if !packed && !rowdot_bf16::applies(m, k, g.b_rs == 1) {
         return via_f32::<bf16>(a, b);
     }
     let (av, bv) = (a.slice::<bf16>()?, b.slice::<bf16>()?);
     let mut out = vec![bf16::ZERO; g.batches() * m * n];
+    if packed {
+        for (&(oa, ob), out) in g.offsets.iter().zip(out.chunks_exact_mut(m * n)) {
+            let a = gemm_bf16::Strided { v: av, off: oa, rs: g.a_rs, cs: g.a_cs };
+            let b = gemm_bf16::Strided { v: bv, off: ob, rs: g.b_rs, cs: g.b_cs };
+            gemm_bf16::gemm(a, b, m, k, n, out);
+        }
+        return Ok(out);
+    }
     for (&(oa, ob), out) in g.offsets.iter().zip(out.chunks_exact_mut(m * n)) {
         // Rows along the depth: in place where the operand has them, else copied.
         let (x_copy, w_copy): (Vec<bf16>, Vec<bf16>);

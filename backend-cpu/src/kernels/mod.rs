@@ -20,6 +20,7 @@ mod copy;
 mod elem;
 mod elementwise;
 mod fused;
+mod gemm_bf16;
 mod grouped;
 mod index;
 mod iter;

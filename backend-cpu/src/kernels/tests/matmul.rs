@@ -435,3 +435,86 @@ fn bf16_products_of_a_weight_copied_into_rows() {
         }
     }
 }
+
+/// Note [bf16 products on tiles]: where the CPU has AMX, the tile kernel
+/// against the exact sums for every layout of both operands (rows along the
+/// depth, columns along it, neither), shapes off every tile and block edge
+/// (rows around 16, 32 and MC = 128, depths around 32 and the 256 of a depth
+/// block, columns around 16, 32 and NC = 256), and rows that keep their bits
+/// whatever else is in the product. Where it has no AMX, `available()` says so.
+#[test]
+fn bf16_products_on_tiles() {
+    use crate::kernels::gemm_bf16::{available, gemm, Strided};
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unused_unsafe)] // `__cpuid_count` is unsafe in older Rust versions
+    // SAFETY: CPUID leaf 7 exists on x86-64 (zeros beyond the maximum leaf).
+    let amx = std::env::var("KILN_CPU_AMX").map_or(true, |v| v != "0")
+        && (unsafe { std::arch::x86_64::__cpuid_count(7, 0) }.edx >> 22) & 0b101 == 0b101
+        && cfg!(target_os = "linux");
+    #[cfg(not(target_arch = "x86_64"))]
+    let amx = false;
+    assert_eq!(available(), amx, "AMX detection disagrees with CPUID");
+    if !amx {
+        return;
+    }
+    // (rows, depth, columns) of `a` and `b`; each operand in three layouts.
+    let layouts = |rows: usize, cols: usize, v: &[bf16], how: usize| -> (Vec<bf16>, usize, usize) {
+        match how {
+            0 => (v.to_vec(), cols, 1),
+            1 => {
+                let mut t = vec![bf16::ZERO; rows * cols];
+                for i in 0..rows {
+                    for j in 0..cols {
+                        t[j * rows + i] = v[i * cols + j];
+                    }
+                }
+                (t, 1, rows)
+            }
+            _ => {
+                // Every element two apart, rows with a gap: no stride is 1.
+                let rs = 2 * cols + 3;
+                let mut t = vec![bf16::NAN; rows * rs];
+                for i in 0..rows {
+                    for j in 0..cols {
+                        t[i * rs + 2 * j] = v[i * cols + j];
+                    }
+                }
+                (t, rs, 2)
+            }
+        }
+    };
+    for &(m, k, n) in
+        &[(1usize, 1usize, 1usize), (7, 33, 17), (33, 300, 40), (130, 31, 270), (16, 257, 32), (129, 64, 1)]
+    {
+        let (av, bv) = (bf(&noise(m * k, (m + k) as u64)), bf(&noise(k * n, (k + n) as u64)));
+        let mut first: Option<Vec<bf16>> = None;
+        for (ha, hb) in (0..3).flat_map(|a| (0..3).map(move |b| (a, b))) {
+            let (a, a_rs, a_cs) = layouts(m, k, &av, ha);
+            let (b, b_rs, b_cs) = layouts(k, n, &bv, hb);
+            let mut out = vec![bf16::NAN; m * n];
+            let sa = Strided { v: &a, off: 0, rs: a_rs, cs: a_cs };
+            gemm(sa, Strided { v: &b, off: 0, rs: b_rs, cs: b_cs }, m, k, n, &mut out);
+            for (e, g) in out.iter().enumerate() {
+                let (i, j) = (e / n, e % n);
+                let terms = (0..k).map(|p| av[i * k + p].to_f64() * bv[p * n + j].to_f64());
+                let (want, abs) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                let bound = bf16_bound(want, abs, k);
+                assert!((g.to_f64() - want).abs() <= bound, "{m}x{k}x{n} layouts {ha},{hb} ({i}, {j}): {g} vs {want}");
+            }
+            // The layouts change the packing only: the same bits every time.
+            let bits: Vec<u16> = out.iter().map(|v| v.to_bits()).collect();
+            let first = first.get_or_insert_with(|| out.clone());
+            assert!(first.iter().map(|v| v.to_bits()).eq(bits), "{m}x{k}x{n}: layouts {ha},{hb} change the bits");
+            // Rows alone: the same bits as among the others (row invariance).
+            if ha == 0 && hb == 0 && m > 1 {
+                for (off, rows) in [(0usize, 1usize), (m / 2, m - m / 2)] {
+                    let mut part = vec![bf16::NAN; rows * n];
+                    let sa = Strided { v: &a, off: off * k, rs: k, cs: 1 };
+                    gemm(sa, Strided { v: &b, off: 0, rs: b_rs, cs: b_cs }, rows, k, n, &mut part);
+                    let same = part.iter().zip(&out[off * n..]).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{m}x{k}x{n}: rows {off}..{} alone differ", off + rows);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,408 @@
+//! bf16 products of many rows on the AMX tile unit (Intel Xeon from
+//! Sapphire Rapids on), both operands packed into tiles (Note [bf16 products
+//! on tiles]).
+// Only x86-64 Linux has the unit here; elsewhere `available()` is false.
+#![cfg_attr(not(all(target_arch = "x86_64", target_os = "linux")), allow(dead_code, unused_imports))]
+use super::iter::OutPtr;
+use half::bf16;
+use rayon::prelude::*;
+
+// Note [bf16 products on tiles]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// AMX (`amx-bf16`) multiplies tiles: `tdpbf16ps` adds a 16 x 32 bf16 tile of
+// `a` times a 32 x 16 tile of `b` into a 16 x 16 tile of f32 sums, 8,192
+// multiply-adds per instruction. On a Xeon (Granite Rapids, two cores) a
+// kernel reading its tiles from L1 ran 1,045 GFLOP/s on one core, against
+// 218 for an f32 product on the FMA units and 89 for `vdpbf16ps` (which this
+// CPU issues at half the FMA rate, so the vector bf16 ways cannot beat f32
+// here). Products of many rows therefore run here where the CPU has the unit:
+//
+// - `a` (m x k) is packed into panels of 16 rows; each panel into tiles of
+//   32 depths, a tile's rows 64 bytes apart. `b` (k x n) into panels of 16
+//   columns; each into tiles of 16 pairs of depths, a tile's row holding the
+//   16 columns' two elements of one pair side by side (the layout the unit
+//   reads `b` in). Depths, rows and columns past the edges are zeros, and
+//   panels come in pairs, so every tile is whole.
+// - The kernel holds 2 x 2 tiles of sums (32 x 32 outputs) in four tile
+//   registers and, per 32 depths, loads two tiles of `a` and two of `b` and
+//   issues four `tdpbf16ps`.
+// - A task owns MC x NC outputs and keeps their f32 sums in a buffer across
+//   blocks of KC depths (its tiles of `b` stay in L2), then rounds them to
+//   bf16 once (round to nearest even), as PyTorch's CPU bf16 products round.
+//
+// The unit adds each pair's two products into the sum in order of depth,
+// treating subnormal inputs as zero and flushing subnormal sums (as
+// `vdpbf16ps`, Note [bf16 dot products]). An element's bits depend on k and
+// its row and column only, stored and reloaded exactly between depth blocks,
+// never on the tiling, the task or the threads: these products are
+// row-invariant too (Note [Row-invariant products]). They are not bit-equal
+// to the dot products of rows (whose 16 lanes sum separately), so batch
+// invariance keeps every bf16 product on one way (see `matmul`).
+//
+// Linux hands out the tile registers on request (`arch_prctl`), once per
+// process; a CPU or kernel without them, or `KILN_CPU_AMX=0`, leaves bf16
+// products to the ways of Note [bf16 dot products].
+
+/// Rows of a tile of `a` and of sums; columns of a tile of `b` and of sums.
+const T: usize = 16;
+/// Depths per tile (16 pairs).
+const TK: usize = 32;
+/// bf16 elements per tile of `a` or `b` (1 KiB).
+const TILE: usize = T * TK;
+/// Rows per task (a multiple of 2T).
+const MC: usize = 8 * T;
+/// Columns per task (a multiple of 2T).
+const NC: usize = 16 * T;
+/// Depth tiles per block: a task's tiles of `b` in one block take NC * KC_TILES KiB / 16.
+const KC_TILES: usize = 8;
+
+/// Products of at least this many rows run here where the unit is available.
+pub(super) const MIN_ROWS: usize = 32;
+
+/// Whether this process can use the tile unit (detected, and requested from
+/// the kernel, once).
+pub(super) fn available() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| std::env::var("KILN_CPU_AMX").map_or(true, |v| v != "0") && enable())
+}
+
+/// Asks for the tile registers where the CPU has `amx-tile` and `amx-bf16`.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn enable() -> bool {
+    use std::arch::x86_64::__cpuid_count;
+    // CPUID leaf 7, sub-leaf 0, EDX: bit 22 AMX-BF16, bit 24 AMX-TILE.
+    #[allow(unused_unsafe)] // unsafe in older Rust versions
+    // SAFETY: CPUID exists on every x86-64 CPU; leaf 7 is answered (with
+    // zeros where it is beyond the CPU's maximum leaf).
+    let edx = unsafe { __cpuid_count(7, 0) }.edx;
+    let has = |bit: u32| edx & (1 << bit) != 0;
+    if !(has(22) && has(24) && is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")) {
+        return false;
+    }
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with ARCH_REQ_XCOMP_PERM takes two integers and only
+    // changes which register state this process may use; it fails cleanly
+    // (returns -1) on kernels without AMX support.
+    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn enable() -> bool {
+    false
+}
+
+/// A strided matrix: element `(i, j)` is `v[off + i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+pub(super) struct Strided<'a> {
+    pub v: &'a [bf16],
+    pub off: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl Strided<'_> {
+    /// Panics unless every element of a `rows x cols` matrix is inside `v`.
+    fn check(&self, rows: usize, cols: usize) {
+        if rows > 0 && cols > 0 {
+            let last = (rows - 1) * self.rs + (cols - 1) * self.cs + self.off;
+            assert!(last < self.v.len(), "gemm_bf16: operand out of bounds");
+        }
+    }
+    /// Element `(i, j)`.
+    ///
+    /// # Safety
+    /// `(i, j)` inside the shape [`Strided::check`] accepted.
+    #[inline(always)]
+    unsafe fn at(&self, i: usize, j: usize) -> bf16 {
+        // SAFETY: the caller's contract.
+        unsafe { *self.v.get_unchecked(self.off + i * self.rs + j * self.cs) }
+    }
+}
+
+/// `out = a @ b` rounded to bf16, `a` m x k, `b` k x n, `out` m x n row-major;
+/// panics (before any product) when an operand lies outside its slice or
+/// when the unit is not available (ask [`available`] first).
+pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize, out: &mut [bf16]) {
+    assert!(available(), "gemm_bf16: no tile unit");
+    assert_eq!(out.len(), m * n, "gemm_bf16: output of the wrong size");
+    a.check(m, k);
+    b.check(k, n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let kt = k.div_ceil(TK);
+    let pa = pack_a(a, m, k);
+    let pb = pack_b(b, k, n);
+    let (row_tasks, col_tasks) = (m.div_ceil(MC), n.div_ceil(NC));
+    let out = OutPtr(out.as_mut_ptr());
+    (0..row_tasks * col_tasks).into_par_iter().for_each(|t| {
+        let (i0, j0) = ((t / col_tasks) * MC, (t % col_tasks) * NC);
+        let (rows, cols) = ((m - i0).min(MC), (n - j0).min(NC));
+        // Pairs of panels: the packed operands hold whole pairs.
+        let (pairs_i, pairs_j) = (rows.div_ceil(2 * T), cols.div_ceil(2 * T));
+        let ldc = pairs_j * 2 * T;
+        let mut c = vec![0f32; pairs_i * 2 * T * ldc];
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        // SAFETY: `available()` was asserted (the CPU has the unit and the
+        // process its registers). Every tile pointer handed to `block` is
+        // inside the packed operands: panel pairs < pairs_i (pairs_j) from
+        // i0 / T (j0 / T) stay below the packed panel counts, which round m
+        // (n) up to pairs, and tiles t0..t0 + len < kt; the sums are the
+        // 32 x 32 outputs at (2T ip, 2T jp) of `c`, which holds pairs_i * 2T
+        // rows of ldc.
+        unsafe {
+            amx::configure();
+            for t0 in (0..kt).step_by(KC_TILES) {
+                let len = (kt - t0).min(KC_TILES);
+                for jp in 0..pairs_j {
+                    let b0 = pb.as_ptr().add(((j0 / T + 2 * jp) * kt + t0) * TILE);
+                    for ip in 0..pairs_i {
+                        let a0 = pa.as_ptr().add(((i0 / T + 2 * ip) * kt + t0) * TILE);
+                        let c0 = c.as_mut_ptr().add(2 * T * (ip * ldc + jp));
+                        amx::block(a0, a0.add(kt * TILE), b0, b0.add(kt * TILE), len, c0, ldc, t0 == 0);
+                    }
+                }
+            }
+            amx::release();
+        }
+        for r in 0..rows {
+            let src = &c[r * ldc..][..cols];
+            // SAFETY: row i0 + r < m, columns j0..j0 + cols <= n: this task's
+            // outputs, which no other task writes, inside `out`'s m * n elements.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((i0 + r) * n + j0), cols) };
+            round_into(src, dst);
+        }
+    });
+}
+
+/// `a` in panels of T rows (a whole number of pairs of panels), each in
+/// tiles of TK depths: element `(i, p)` of a panel's tile at `i * TK + p`.
+fn pack_a(a: Strided<'_>, m: usize, k: usize) -> Vec<bf16> {
+    let kt = k.div_ceil(TK);
+    let mut pa = vec![bf16::ZERO; m.div_ceil(2 * T) * 2 * kt * TILE];
+    pa.par_chunks_mut(kt * TILE).enumerate().for_each(|(panel, dst)| {
+        let (i0, rows) = (panel * T, m.saturating_sub(panel * T).min(T));
+        if rows == 0 {
+            return; // a panel of padding
+        }
+        if a.cs == 1 {
+            // Rows along the depth: 32 depths of a row at a time.
+            for r in 0..rows {
+                let row = &a.v[a.off + (i0 + r) * a.rs..][..k];
+                for (t, part) in row.chunks(TK).enumerate() {
+                    dst[t * TILE + r * TK..][..part.len()].copy_from_slice(part);
+                }
+            }
+        } else if a.rs == 1 {
+            // Columns along the rows (a transposed operand): the panel's
+            // rows of one depth at a time.
+            for p in 0..k {
+                let tile = &mut dst[(p / TK) * TILE + p % TK..][..(T - 1) * TK + 1];
+                let col = &a.v[a.off + p * a.cs + i0..][..rows];
+                for (d, &v) in tile.iter_mut().step_by(TK).zip(col) {
+                    *d = v;
+                }
+            }
+        } else {
+            for p in 0..k {
+                let base = (p / TK) * TILE + p % TK;
+                for r in 0..rows {
+                    // SAFETY: i0 + r < m and p < k: inside the checked shape.
+                    dst[base + r * TK] = unsafe { a.at(i0 + r, p) };
+                }
+            }
+        }
+    });
+    pa
+}
+
+/// `b` in panels of T columns (a whole number of pairs of panels), each in
+/// tiles of TK depths: element `(p, j)` of a panel's tile at
+/// `(p / 2) * 2T + 2 j + p % 2`.
+fn pack_b(b: Strided<'_>, k: usize, n: usize) -> Vec<bf16> {
+    let kt = k.div_ceil(TK);
+    let mut pb = vec![bf16::ZERO; n.div_ceil(2 * T) * 2 * kt * TILE];
+    pb.par_chunks_mut(kt * TILE).enumerate().for_each(|(panel, dst)| {
+        let (j0, cols) = (panel * T, n.saturating_sub(panel * T).min(T));
+        if cols == 0 {
+            return; // a panel of padding
+        }
+        // The index of depth p's element of column c in the panel.
+        let at = |p: usize, c: usize| (p / TK) * TILE + (p % TK / 2) * 2 * T + 2 * c + p % 2;
+        if b.rs == 1 {
+            // Columns along the depth (a Linear's weight): one column at a time.
+            for c in 0..cols {
+                let col = &b.v[b.off + (j0 + c) * b.cs..][..k];
+                for (p, &v) in col.iter().enumerate() {
+                    dst[at(p, c)] = v;
+                }
+            }
+        } else if b.cs == 1 {
+            // Rows along the columns: two depths' rows interleaved at a time.
+            for p in (0..k).step_by(2) {
+                let row = |p: usize| &b.v[b.off + p * b.rs + j0..][..cols];
+                let pair = &mut dst[at(p, 0)..][..2 * cols];
+                for (d, &v) in pair.chunks_exact_mut(2).zip(row(p)) {
+                    d[0] = v;
+                }
+                if p + 1 < k {
+                    for (d, &v) in pair.chunks_exact_mut(2).zip(row(p + 1)) {
+                        d[1] = v;
+                    }
+                }
+            }
+        } else {
+            for p in 0..k {
+                let base = at(p, 0);
+                for c in 0..cols {
+                    // SAFETY: p < k and j0 + c < n: inside the checked shape.
+                    dst[base + 2 * c] = unsafe { b.at(p, j0 + c) };
+                }
+            }
+        }
+    });
+    pb
+}
+
+/// `dst[i] = src[i]` rounded to bf16 (to nearest even; NaN stays NaN).
+fn round_into(src: &[f32], dst: &mut [bf16]) {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    if available() {
+        // SAFETY: the unit implies AVX512-BF16 (checked by `enable`).
+        unsafe { amx::round_into(src, dst) };
+        return;
+    }
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = bf16::from_f32(s);
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod amx {
+    use super::{T, TILE, TK};
+    use half::bf16;
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+
+    /// The tile configuration: palette 1, all eight tiles 16 rows of 64 bytes.
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    const CONFIG: Config = {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        let mut t = 0;
+        while t < 8 {
+            c[16 + 2 * t] = 64;
+            c[48 + t] = 16;
+            t += 1;
+        }
+        Config(c)
+    };
+
+    /// Configures this thread's tiles.
+    ///
+    /// # Safety
+    /// The process has the tile registers (`available()`).
+    pub(super) unsafe fn configure() {
+        // SAFETY: `ldtilecfg` reads the 64 bytes of a valid palette-1 configuration.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
+    }
+
+    /// Returns this thread's tiles to their initial state.
+    ///
+    /// # Safety
+    /// As [`configure`].
+    pub(super) unsafe fn release() {
+        // SAFETY: clears tile state only.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// Sums of two panels of `a` (`a0`, `a1`) by two of `b` (`b0`, `b1`) over
+    /// `len` depth tiles, added into the 32 x 32 f32 outputs at `c` (row
+    /// stride `ldc`), which start from zero when `first`.
+    ///
+    /// # Safety
+    /// Tiles configured ([`configure`]); `len` tiles (TILE elements each) readable
+    /// from each of `a0`, `a1`, `b0`, `b1`; 32 rows of 32 f32 at `c`, `ldc` apart,
+    /// readable and writable.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub(super) unsafe fn block(
+        a0: *const bf16,
+        a1: *const bf16,
+        b0: *const bf16,
+        b1: *const bf16,
+        len: usize,
+        c: *mut f32,
+        ldc: usize,
+        first: bool,
+    ) {
+        let (sc, sab) = (ldc * 4, TK * 2);
+        // SAFETY (every asm block): the caller's contract gives the memory each
+        // tile load and store touches: 16 rows of 64 bytes at the stride given.
+        unsafe {
+            let (c01, c10, c11) = (c.add(T), c.add(T * ldc), c.add(T * ldc + T));
+            if first {
+                asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+            } else {
+                asm!(
+                    "tileloadd tmm0, [{c00} + {s}*1]",
+                    "tileloadd tmm1, [{c01} + {s}*1]",
+                    "tileloadd tmm2, [{c10} + {s}*1]",
+                    "tileloadd tmm3, [{c11} + {s}*1]",
+                    c00 = in(reg) c, c01 = in(reg) c01, c10 = in(reg) c10, c11 = in(reg) c11, s = in(reg) sc,
+                    options(nostack, readonly),
+                );
+            }
+            for t in 0..len {
+                asm!(
+                    "tileloadd tmm4, [{a0} + {s}*1]",
+                    "tileloadd tmm5, [{a1} + {s}*1]",
+                    "tileloadd tmm6, [{b0} + {s}*1]",
+                    "tileloadd tmm7, [{b1} + {s}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a0.add(t * TILE), a1 = in(reg) a1.add(t * TILE),
+                    b0 = in(reg) b0.add(t * TILE), b1 = in(reg) b1.add(t * TILE), s = in(reg) sab,
+                    options(nostack, readonly),
+                );
+            }
+            asm!(
+                "tilestored [{c00} + {s}*1], tmm0",
+                "tilestored [{c01} + {s}*1], tmm1",
+                "tilestored [{c10} + {s}*1], tmm2",
+                "tilestored [{c11} + {s}*1], tmm3",
+                c00 = in(reg) c, c01 = in(reg) c01, c10 = in(reg) c10, c11 = in(reg) c11, s = in(reg) sc,
+                options(nostack),
+            );
+        }
+    }
+
+    /// As [`super::round_into`], 16 at a time with `vcvtneps2bf16` (which
+    /// rounds to nearest even and keeps NaN a NaN, as `bf16::from_f32`; it
+    /// flushes subnormal inputs, which the unit's sums never are).
+    ///
+    /// # Safety
+    /// AVX512-BF16 present.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn round_into(src: &[f32], dst: &mut [bf16]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n, the length of both slices.
+            unsafe {
+                let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(src.as_ptr().add(i)));
+                _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), std::mem::transmute::<__m256bh, __m256i>(v));
+            }
+            i += 16;
+        }
+        for j in i..n {
+            dst[j] = bf16::from_f32(src[j]);
+        }
+    }
+}
