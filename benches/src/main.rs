@@ -19,7 +19,7 @@ const HELP: &str = "\
 kiln-bench: kiln benchmarks; one JSON object per line on stdout
 
 USAGE:
-    kiln-bench matmul [--sizes N,N,...] [options]
+    kiln-bench matmul [--sizes N,N,...] [--dtype D] [options]
     kiln-bench ops    [--dim D] [--only NAME,...] [options]
     kiln-bench all    [options]           (matmul, then ops)
     kiln-bench chain  [--dim D] --device tpu
@@ -79,7 +79,8 @@ OPTIONS:
                        kiln::compile, capturable AdamW; decode captures the paged step the serving
                        engine runs); a mode the device or benchmark cannot honour is an error.
                        Model lines name the mode they ran in (eager on the CPU)
-    --sizes LIST       matmul sizes (default 1024,4096)
+    --sizes LIST       matmul sizes (default 1024,4096): N (N x N x N) or MxKxN ([M, K] @ [K, N])
+    --dtype D          matmul element type: float32 (default), bfloat16, float16, float64
     --dim D            side of the [D, D] tensors of `ops` (default 4096)
     --only LIST        run only the ops whose names contain one of these words
     --target-secs S    time the timed runs of one benchmark take (default 2 for ops, 3 for matmul)
@@ -122,7 +123,8 @@ struct Args {
     device: Device,
     mode: Option<kiln::tpu::Mode>,
     compiled: bool,
-    sizes: Vec<usize>,
+    sizes: Vec<[usize; 3]>,
+    dtype: DType,
     dim: usize,
     only: Vec<String>,
     target_s: Option<f64>,
@@ -149,6 +151,21 @@ struct Args {
     repeat: usize,
 }
 
+/// `--sizes`: each entry `N` (a square product) or `MxKxN`.
+fn parse_sizes(v: &str) -> std::result::Result<Vec<[usize; 3]>, String> {
+    v.split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            let d: Vec<usize> = parse_list("--sizes", &s.replace('x', ","))?;
+            match d[..] {
+                [n] => Ok([n; 3]),
+                [m, k, n] => Ok([m, k, n]),
+                _ => Err(format!("--sizes: {s:?} is neither N nor MxKxN")),
+            }
+        })
+        .collect()
+}
+
 fn parse_list<T: std::str::FromStr>(flag: &str, v: &str) -> std::result::Result<Vec<T>, String> {
     v.split(',')
         .filter(|s| !s.is_empty())
@@ -170,7 +187,8 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         device: Device::Cpu,
         mode: None,
         compiled: false,
-        sizes: vec![1024, 4096],
+        sizes: vec![[1024; 3], [4096; 3]],
+        dtype: DType::F32,
         dim: 4096,
         only: vec![],
         target_s: None,
@@ -218,7 +236,12 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
                     )
                 }
             }
-            "--sizes" => a.sizes = parse_list("--sizes", &value()?)?,
+            "--sizes" => a.sizes = parse_sizes(&value()?)?,
+            "--dtype" => {
+                let v = value()?;
+                a.dtype = DType::from_name(&v)
+                    .ok_or(format!("--dtype {v}: expected float32, bfloat16, float16 or float64"))?
+            }
             "--dim" => a.dim = value()?.parse().map_err(|_| "--dim needs an integer".to_string())?,
             "--only" => a.only = parse_list("--only", &value()?)?,
             "--target-secs" => {
@@ -253,7 +276,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
                 .into(),
         );
     }
-    if a.dim == 0 || a.sizes.contains(&0) {
+    if a.dim == 0 || a.sizes.iter().flatten().any(|&d| d == 0) {
         return Err("sizes must be positive".into());
     }
     // A mode the device or the benchmark cannot honour is an error, never ignored.
@@ -305,7 +328,7 @@ fn main() -> ExitCode {
         filter: args.only.clone(),
     };
     let failed = match args.cmd.as_str() {
-        "matmul" => suites::matmul(&cfg(3.0), &args.sizes),
+        "matmul" => suites::matmul(&cfg(3.0), &args.sizes, args.dtype),
         "ops" => suites::ops(&cfg(2.0), args.dim),
         "chain" => suites::chain(&cfg(2.0), args.dim),
         "serve" => suites::serve(&cfg(3.0)),
@@ -328,7 +351,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        "all" => suites::matmul(&cfg(3.0), &args.sizes) + suites::ops(&cfg(2.0), args.dim),
+        "all" => suites::matmul(&cfg(3.0), &args.sizes, args.dtype) + suites::ops(&cfg(2.0), args.dim),
         cmd @ ("train" | "infer" | "decode" | "autograd") => {
             if let Err(e) = llm::preset(&args.preset) {
                 eprintln!("kiln-bench: {e}");
@@ -399,11 +422,15 @@ mod tests {
     fn parses_flags_in_both_forms() {
         let a = args("matmul --sizes 64,128 --device=cpu --target-secs 0.5").unwrap().unwrap();
         assert_eq!(a.cmd, "matmul");
-        assert_eq!(a.sizes, vec![64, 128]);
+        assert_eq!(a.sizes, vec![[64; 3], [128; 3]]);
         assert_eq!(a.device, Device::Cpu);
         assert_eq!(a.target_s, Some(0.5));
         assert!(args("--help").unwrap().is_none());
         assert!(args("matmul --sizes x").is_err());
+        let a = args("matmul --sizes 8x16x32 --dtype bfloat16").unwrap().unwrap();
+        assert_eq!((a.sizes, a.dtype), (vec![[8, 16, 32]], DType::BF16));
+        assert!(args("matmul --sizes 8x16").is_err());
+        assert!(args("matmul --dtype int9").is_err());
         assert!(args("ops --bogus").is_err());
         assert!(args("").is_err());
         let a = args("train --preset llama-tiny --batch 2 --seq 16 --steps 3").unwrap().unwrap();

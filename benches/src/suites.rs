@@ -42,21 +42,21 @@ fn error_line(bench: &str, cfg: &Config, e: &Error) {
     Line::new(bench, "float32", &cfg.device.to_string()).set("error", e.to_string()).emit();
 }
 
-/// Square `n x n x n` f32 matmuls of random matrices. Returns the number of failures.
-pub fn matmul(cfg: &Config, sizes: &[usize]) -> usize {
+/// Products `[m, k] @ [k, n]` of random matrices of one dtype. Returns the number of failures.
+pub fn matmul(cfg: &Config, sizes: &[[usize; 3]], dtype: DType) -> usize {
     let mut failed = 0;
-    for &n in sizes {
+    for &[m, k, n] in sizes {
         let run = || -> Result<Stats> {
-            let a = Tensor::randn(&[n, n], cfg.opts())?;
-            let b = Tensor::randn(&[n, n], cfg.opts())?;
+            let a = Tensor::randn(&[m, k], cfg.opts())?.to_dtype(dtype)?;
+            let b = Tensor::randn(&[k, n], cfg.opts())?.to_dtype(dtype)?;
             time_op(cfg, || a.matmul(&b))
         };
+        let line =
+            || Line::new("matmul", dtype.name(), &cfg.device.to_string()).set("n", n).set("shape", vec![m, k, n]);
         match run() {
             Ok(s) => {
-                let flops = 2.0 * (n as f64).powi(3);
-                Line::new("matmul", "float32", &cfg.device.to_string())
-                    .set("n", n)
-                    .set("shape", vec![n, n, n])
+                let flops = 2.0 * (m * k * n) as f64;
+                line()
                     .set("gflops", sig4(flops / s.median() / 1e9))
                     .set("median_ms", sig4(s.median() * 1e3))
                     .set("min_ms", sig4(s.min() * 1e3))
@@ -65,7 +65,7 @@ pub fn matmul(cfg: &Config, sizes: &[usize]) -> usize {
             }
             Err(e) => {
                 failed += 1;
-                Line::new("matmul", "float32", &cfg.device.to_string()).set("n", n).set("error", e.to_string()).emit();
+                line().set("error", e.to_string()).emit();
             }
         }
     }
