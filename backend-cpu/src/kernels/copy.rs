@@ -77,12 +77,22 @@ pub(crate) fn contiguous<'a, T: Elem>(x: &Input<'a>) -> Result<std::borrow::Cow<
 
 /// The elements of `x` (bf16, f16) in row-major order, widened to f32 (exactly).
 pub(crate) fn widen_f32<T: Elem>(x: &Input<'_>) -> Result<Vec<f32>> {
-    Ok(contiguous::<T>(x)?.iter().map(|v| v.cast_f32()).collect())
+    super::map::map1::<T, f32>(x, 1, |v| v.cast_f32())
 }
 
-/// f32 results rounded once into `T`.
+/// f32 results rounded once into `T` (split across threads when large).
 pub(crate) fn narrow_f32<T: Elem>(v: Vec<f32>) -> Vec<T> {
-    v.into_iter().map(T::of_f32).collect()
+    use rayon::prelude::*;
+    if v.len() < super::iter::PAR_MIN {
+        return v.into_iter().map(T::of_f32).collect();
+    }
+    let mut out = vec![T::of_f32(0.0); v.len()];
+    out.par_chunks_mut(super::iter::PAR_MIN).zip(v.par_chunks(super::iter::PAR_MIN)).for_each(|(o, s)| {
+        for (o, &s) in o.iter_mut().zip(s) {
+            *o = T::of_f32(s);
+        }
+    });
+    out
 }
 
 /// Writes `src` (same shape and dtype) into `dst` through `dst_layout`.
