@@ -47,9 +47,11 @@ Usage (PyTorch in its own virtual environment):
 Options: --preset, --batch, --seq (train/infer), --prompt, --new-tokens
 (decode), --steps / --warmup (default 8 / 2 for train and infer, 3 / 1 for
 decode; when given they apply to all three), --only train,infer,decode,
---threads, --kiln-bin PATH, --kiln-device, --skip-kiln, --out PATH.
+--precision f32|bf16-mixed (train), --threads, --kiln-bin PATH, --kiln-device,
+--skip-kiln, --out PATH.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -252,6 +254,11 @@ def torch_worker(args):
 
     rec = {"bench": bench, "dtype": "float32", "device": dev, "preset": args.preset}
     times = []
+    if bench == "train" and args.precision == "bf16-mixed":
+        rec["dtype"] = "bf16-mixed"
+        amp = lambda: torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16)
+    else:
+        amp = contextlib.nullcontext
     if bench == "train":
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS,
                                 weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
@@ -259,8 +266,9 @@ def torch_worker(args):
         for i in range(warmup + steps):
             t0 = time.perf_counter()
             opt.zero_grad()
-            logits = model(ids)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            with amp():
+                logits = model(ids)
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
             loss.backward()
             opt.step()
             losses.append(loss.item())
@@ -338,6 +346,8 @@ def bench_flags(args, bench):
         flags += ["--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens)]
     else:
         flags += ["--batch", str(args.batch), "--seq", str(args.seq)]
+    if bench == "train":
+        flags += ["--precision", args.precision]
     return flags + ["--steps", str(steps), "--warmup", str(warmup)]
 
 
@@ -442,6 +452,9 @@ def main():
                     help="timed repetitions (default 8 for train and infer, 3 for decode)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed repetitions first (default 2 for train and infer, 1 for decode)")
+    ap.add_argument("--precision", default="f32", choices=["f32", "bf16-mixed"],
+                    help="train: f32, or bf16-mixed (kiln-bench --precision bf16-mixed against "
+                         "torch.autocast(device, bfloat16) around forward and loss; default f32)")
     ap.add_argument("--only", default="", help="comma-separated subset of train,infer,decode")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch.set_num_threads (default: the number of cores)")
