@@ -5,8 +5,8 @@
 //! products run on the AMX tile unit where the CPU has it (Note [bf16 products
 //! on tiles]), as dot products of rows in the vector registers (Note [bf16 dot
 //! products]), or widened to f32; f16 is widened to f32 (exactly). Both
-//! accumulate in f32 and round once, as PyTorch does on CPU. Integer and bool products use a plain loop in
-//! their own type (wrapping).
+//! accumulate in f32 and round once, as PyTorch does on CPU. Integer and bool
+//! products use a plain loop in their own type (wrapping).
 use super::copy::materialize_vec;
 use super::elem::{advise_huge_pages, Elem};
 use super::gemm_bf16;
@@ -103,9 +103,9 @@ fn widen<T: Elem>(x: &Input<'_>) -> Result<(Vec<f32>, Layout)> {
     Ok((map1::<T, f32>(x, 1, |v| v.cast_f32())?, Layout::contiguous(l.shape())))
 }
 
-/// bf16 products: packed for `vdpbf16ps` when they have many rows (Note
-/// [Packed bf16 products]), as dot products of rows where Note [bf16 dot
-/// products] says so, else widened to f32 for gemm.
+/// bf16 products: on AMX tiles when they have many rows and the CPU has the
+/// unit (Note [bf16 products on tiles]), as dot products of rows where Note
+/// [bf16 dot products] says so, else widened to f32 for gemm.
 fn bf16_matmul(a: &Input<'_>, b: &Input<'_>, g: &Geometry) -> Result<Vec<bf16>> {
     let (m, k, n) = (g.m, g.k, g.n);
     let packed = gemm_bf16::available() && m >= gemm_bf16::MIN_ROWS && !kiln_tensor::is_batch_invariant();
