@@ -19,7 +19,7 @@ const HELP: &str = "\
 kiln-bench: kiln benchmarks; one JSON object per line on stdout
 
 USAGE:
-    kiln-bench matmul [--sizes N,N,...] [--dtype D] [options]
+    kiln-bench matmul [--sizes N,N,...] [--dtype D] [--linear] [options]
     kiln-bench ops    [--dim D] [--only NAME,...] [options]
     kiln-bench all    [options]           (matmul, then ops)
     kiln-bench chain  [--dim D] --device tpu
@@ -81,6 +81,7 @@ OPTIONS:
                        Model lines name the mode they ran in (eager on the CPU)
     --sizes LIST       matmul sizes (default 1024,4096): N (N x N x N) or MxKxN ([M, K] @ [K, N])
     --dtype D          matmul element type: float32 (default), bfloat16, float16, float64
+    --linear           matmul: b is a [N, K] weight transposed (a Linear's x @ W.T), not [K, N]
     --dim D            side of the [D, D] tensors of `ops` (default 4096)
     --only LIST        run only the ops whose names contain one of these words
     --target-secs S    time the timed runs of one benchmark take (default 2 for ops, 3 for matmul)
@@ -125,6 +126,7 @@ struct Args {
     compiled: bool,
     sizes: Vec<[usize; 3]>,
     dtype: DType,
+    linear: bool,
     dim: usize,
     only: Vec<String>,
     target_s: Option<f64>,
@@ -189,6 +191,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         compiled: false,
         sizes: vec![[1024; 3], [4096; 3]],
         dtype: DType::F32,
+        linear: false,
         dim: 4096,
         only: vec![],
         target_s: None,
@@ -237,6 +240,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
                 }
             }
             "--sizes" => a.sizes = parse_sizes(&value()?)?,
+            "--linear" => a.linear = true,
             "--dtype" => {
                 let v = value()?;
                 a.dtype = DType::from_name(&v)
@@ -328,7 +332,7 @@ fn main() -> ExitCode {
         filter: args.only.clone(),
     };
     let failed = match args.cmd.as_str() {
-        "matmul" => suites::matmul(&cfg(3.0), &args.sizes, args.dtype),
+        "matmul" => suites::matmul(&cfg(3.0), &args.sizes, args.dtype, args.linear),
         "ops" => suites::ops(&cfg(2.0), args.dim),
         "chain" => suites::chain(&cfg(2.0), args.dim),
         "serve" => suites::serve(&cfg(3.0)),
@@ -351,7 +355,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        "all" => suites::matmul(&cfg(3.0), &args.sizes, args.dtype) + suites::ops(&cfg(2.0), args.dim),
+        "all" => suites::matmul(&cfg(3.0), &args.sizes, args.dtype, args.linear) + suites::ops(&cfg(2.0), args.dim),
         cmd @ ("train" | "infer" | "decode" | "autograd") => {
             if let Err(e) = llm::preset(&args.preset) {
                 eprintln!("kiln-bench: {e}");
@@ -427,8 +431,8 @@ mod tests {
         assert_eq!(a.target_s, Some(0.5));
         assert!(args("--help").unwrap().is_none());
         assert!(args("matmul --sizes x").is_err());
-        let a = args("matmul --sizes 8x16x32 --dtype bfloat16").unwrap().unwrap();
-        assert_eq!((a.sizes, a.dtype), (vec![[8, 16, 32]], DType::BF16));
+        let a = args("matmul --sizes 8x16x32 --dtype bfloat16 --linear").unwrap().unwrap();
+        assert_eq!((a.sizes, a.dtype, a.linear), (vec![[8, 16, 32]], DType::BF16, true));
         assert!(args("matmul --sizes 8x16").is_err());
         assert!(args("matmul --dtype int9").is_err());
         assert!(args("ops --bogus").is_err());

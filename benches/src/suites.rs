@@ -42,13 +42,18 @@ fn error_line(bench: &str, cfg: &Config, e: &Error) {
     Line::new(bench, "float32", &cfg.device.to_string()).set("error", e.to_string()).emit();
 }
 
-/// Products `[m, k] @ [k, n]` of random matrices of one dtype. Returns the number of failures.
-pub fn matmul(cfg: &Config, sizes: &[[usize; 3]], dtype: DType) -> usize {
+/// Products `[m, k] @ [k, n]` of random matrices of one dtype, `b` stored as
+/// `[n, k]` and transposed when `linear` (a Linear's `x @ W.T`). Returns the
+/// number of failures.
+pub fn matmul(cfg: &Config, sizes: &[[usize; 3]], dtype: DType, linear: bool) -> usize {
     let mut failed = 0;
     for &[m, k, n] in sizes {
         let run = || -> Result<Stats> {
             let a = Tensor::randn(&[m, k], cfg.opts())?.to_dtype(dtype)?;
-            let b = Tensor::randn(&[k, n], cfg.opts())?.to_dtype(dtype)?;
+            let b = match linear {
+                true => Tensor::randn(&[n, k], cfg.opts())?.to_dtype(dtype)?.t()?,
+                false => Tensor::randn(&[k, n], cfg.opts())?.to_dtype(dtype)?,
+            };
             time_op(cfg, || a.matmul(&b))
         };
         let line =
