@@ -719,20 +719,49 @@ impl FloatElem for bf16 {
     }
     #[inline(always)]
     fn load(src: &[Self], dst: &mut [f32]) {
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = bf16_to_f32(s);
-        }
+        super::simd::dispatch(Bf16Widen { src, dst })
     }
     #[inline(always)]
     fn store(src: &[f32], dst: &mut [MaybeUninit<Self>]) {
         assert_eq!(src.len(), dst.len(), "store: lengths differ");
-        for (d, &s) in dst.iter_mut().zip(src) {
-            d.write(f32_to_bf16(s));
-        }
+        super::simd::dispatch(Bf16Round { src, dst })
     }
     #[inline(always)]
     fn to_c(self) -> f32 {
         bf16_to_f32(self)
+    }
+}
+
+/// bf16 widened to f32, compiled for the CPU's best instruction set (the
+/// staging loops of `fmap` run at every bf16 elementwise op).
+struct Bf16Widen<'a> {
+    src: &'a [bf16],
+    dst: &'a mut [f32],
+}
+
+impl super::simd::Kernel for Bf16Widen<'_> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        for (d, &s) in self.dst.iter_mut().zip(self.src) {
+            *d = bf16_to_f32(s);
+        }
+    }
+}
+
+/// f32 rounded to bf16, as [`Bf16Widen`].
+struct Bf16Round<'a> {
+    src: &'a [f32],
+    dst: &'a mut [MaybeUninit<bf16>],
+}
+
+impl super::simd::Kernel for Bf16Round<'_> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        for (d, &s) in self.dst.iter_mut().zip(self.src) {
+            d.write(f32_to_bf16(s));
+        }
     }
 }
 

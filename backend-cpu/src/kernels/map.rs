@@ -7,6 +7,7 @@
 //! f64), staging strided, broadcast or 16-bit operands through small buffers.
 use super::elem::{assume_init, uninit, Compute, Elem, FloatElem};
 use super::iter::{par_chunks_by, Nest};
+use super::simd::{dispatch, Kernel};
 use super::Input;
 use kiln_tensor::{contiguous_strides, Result};
 use std::mem::MaybeUninit;
@@ -51,11 +52,7 @@ pub(crate) fn map1<A: Elem, O: Elem>(a: &Input<'_>, cost: usize, f: impl Fn(A) -
             written += len;
             let dst = &mut chunk[o - start..o - start + len];
             match sa {
-                1 => {
-                    for (d, &x) in dst.iter_mut().zip(&av[ia..ia + len]) {
-                        d.write(f(x));
-                    }
-                }
+                1 => dispatch(Contiguous1 { dst, src: &av[ia..ia + len], f: &f }),
                 0 => dst.fill(MaybeUninit::new(f(av[ia]))),
                 s => {
                     for (j, d) in dst.iter_mut().enumerate() {
@@ -66,6 +63,24 @@ pub(crate) fn map1<A: Elem, O: Elem>(a: &Input<'_>, cost: usize, f: impl Fn(A) -
         });
         written
     }))
+}
+
+/// A contiguous run of `map1`, compiled for the CPU's best instruction set
+/// (casts and copies vectorise 16 lanes wide with AVX-512, not 4).
+struct Contiguous1<'a, A, O, F> {
+    dst: &'a mut [MaybeUninit<O>],
+    src: &'a [A],
+    f: &'a F,
+}
+
+impl<A: Copy, O, F: Fn(A) -> O> Kernel for Contiguous1<'_, A, O, F> {
+    type Out = ();
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        for (d, &x) in self.dst.iter_mut().zip(self.src) {
+            d.write((self.f)(x));
+        }
+    }
 }
 
 /// `out[i] = f(a[i], b[i])` (equal shapes).
