@@ -37,6 +37,7 @@ BENCHMARKS:
                exp                 one flat tensor           bytes = 2 x 4 x N
                add_transposed      a.t() + b, [D, D]         bytes = 3 x 4 x N
                add_broadcast       [D, D] + [D]              bytes = 4 x (2 N + D)
+               to_bf16, to_f32     flat f32 -> bf16, back    bytes = 6 x N
                sum, max            all elements -> 0-d       bytes = 4 x N
                sum_dim             [D, D] over the last dim  bytes = 4 x (N + D)
                softmax             [D, D] over the last dim  bytes = 2 x 4 x N

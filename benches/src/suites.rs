@@ -209,6 +209,8 @@ struct OpsInputs {
     a2: Tensor,
     b2: Tensor,
     row: Tensor,
+    /// `a` rounded to bf16 (the casts' input).
+    a_bf16: Tensor,
     /// The two 1-element operands of `add_latency`.
     x: Tensor,
     y: Tensor,
@@ -224,14 +226,15 @@ impl OpsInputs {
         let row = Tensor::randn(&[d], cfg.opts())?;
         let x = Tensor::randn(&[1], cfg.opts())?;
         let y = Tensor::randn(&[1], cfg.opts())?;
-        Ok(OpsInputs { d, a, b, a2, b2, row, x, y })
+        let a_bf16 = a.to_dtype(DType::BF16)?;
+        Ok(OpsInputs { d, a, b, a2, b2, row, a_bf16, x, y })
     }
 
     /// The bandwidth benchmarks, in the suite's order.
     fn benches(&self) -> Vec<Bw<'_>> {
         let (d, f32b) = (self.d, 4);
         let n = d * d;
-        let OpsInputs { a, b, a2, b2, row, .. } = self;
+        let OpsInputs { a, b, a2, b2, row, a_bf16, .. } = self;
         vec![
             Bw { name: "add", shape: vec![n], bytes: 3 * f32b * n, op: Box::new(move || a.add(b)) },
             Bw { name: "mul", shape: vec![n], bytes: 3 * f32b * n, op: Box::new(move || a.mul(b)) },
@@ -250,6 +253,9 @@ impl OpsInputs {
                 bytes: f32b * (2 * n + d),
                 op: Box::new(move || a2.add(row)),
             },
+            // Casts, as autocast runs them around every product.
+            Bw { name: "to_bf16", shape: vec![n], bytes: 6 * n, op: Box::new(move || a.to_dtype(DType::BF16)) },
+            Bw { name: "to_f32", shape: vec![n], bytes: 6 * n, op: Box::new(move || a_bf16.to_dtype(DType::F32)) },
             Bw { name: "sum", shape: vec![n], bytes: f32b * n, op: Box::new(move || a.sum()) },
             Bw {
                 name: "sum_dim",
