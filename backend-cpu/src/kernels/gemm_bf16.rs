@@ -132,6 +132,10 @@ pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize,
     if m == 0 || n == 0 {
         return;
     }
+    if k == 0 {
+        out.fill(bf16::ZERO);
+        return;
+    }
     let kt = k.div_ceil(TK);
     let pa = pack_a(a, m, k);
     let pb = pack_b(b, k, n);
@@ -143,38 +147,49 @@ pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize,
         // Pairs of panels: the packed operands hold whole pairs.
         let (pairs_i, pairs_j) = (rows.div_ceil(2 * T), cols.div_ceil(2 * T));
         let ldc = pairs_j * 2 * T;
-        let mut c = vec![0f32; pairs_i * 2 * T * ldc];
-        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        // SAFETY: `available()` was asserted (the CPU has the unit and the
-        // process its registers). Every tile pointer handed to `block` is
-        // inside the packed operands: panel pairs < pairs_i (pairs_j) from
-        // i0 / T (j0 / T) stay below the packed panel counts, which round m
-        // (n) up to pairs, and tiles t0..t0 + len < kt; the sums are the
-        // 32 x 32 outputs at (2T ip, 2T jp) of `c`, which holds pairs_i * 2T
-        // rows of ldc.
-        unsafe {
-            amx::configure();
-            for t0 in (0..kt).step_by(KC_TILES) {
-                let len = (kt - t0).min(KC_TILES);
-                for jp in 0..pairs_j {
-                    let b0 = pb.as_ptr().add(((j0 / T + 2 * jp) * kt + t0) * TILE);
-                    for ip in 0..pairs_i {
-                        let a0 = pa.as_ptr().add(((i0 / T + 2 * ip) * kt + t0) * TILE);
-                        let c0 = c.as_mut_ptr().add(2 * T * (ip * ldc + jp));
-                        amx::block(a0, a0.add(kt * TILE), b0, b0.add(kt * TILE), len, c0, ldc, t0 == 0);
+        // The task's sums: the first depth block stores every one of them
+        // before any is read (k > 0), so the thread's buffer is reused as it is.
+        SUMS.with_borrow_mut(|c| {
+            if c.len() < pairs_i * 2 * T * ldc {
+                c.resize(pairs_i * 2 * T * ldc, 0.0);
+            }
+            #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+            // SAFETY: `available()` was asserted (the CPU has the unit and the
+            // process its registers). Every tile pointer handed to `block` is
+            // inside the packed operands: panel pairs < pairs_i (pairs_j) from
+            // i0 / T (j0 / T) stay below the packed panel counts, which round m
+            // (n) up to pairs, and tiles t0..t0 + len < kt; the sums are the
+            // 32 x 32 outputs at (2T ip, 2T jp) of `c`, which holds pairs_i * 2T
+            // rows of ldc.
+            unsafe {
+                amx::configure();
+                for t0 in (0..kt).step_by(KC_TILES) {
+                    let len = (kt - t0).min(KC_TILES);
+                    for jp in 0..pairs_j {
+                        let b0 = pb.as_ptr().add(((j0 / T + 2 * jp) * kt + t0) * TILE);
+                        for ip in 0..pairs_i {
+                            let a0 = pa.as_ptr().add(((i0 / T + 2 * ip) * kt + t0) * TILE);
+                            let c0 = c.as_mut_ptr().add(2 * T * (ip * ldc + jp));
+                            amx::block(a0, a0.add(kt * TILE), b0, b0.add(kt * TILE), len, c0, ldc, t0 == 0);
+                        }
                     }
                 }
+                amx::release();
             }
-            amx::release();
-        }
-        for r in 0..rows {
-            let src = &c[r * ldc..][..cols];
-            // SAFETY: row i0 + r < m, columns j0..j0 + cols <= n: this task's
-            // outputs, which no other task writes, inside `out`'s m * n elements.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((i0 + r) * n + j0), cols) };
-            round_into(src, dst);
-        }
+            for r in 0..rows {
+                let src = &c[r * ldc..][..cols];
+                // SAFETY: row i0 + r < m, columns j0..j0 + cols <= n: this task's
+                // outputs, which no other task writes, inside `out`'s m * n elements.
+                let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((i0 + r) * n + j0), cols) };
+                round_into(src, dst);
+            }
+        });
     });
+}
+
+thread_local! {
+    /// Each thread's buffer of f32 sums (at most MC x NC).
+    static SUMS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `a` in panels of T rows (a whole number of pairs of panels), each in
