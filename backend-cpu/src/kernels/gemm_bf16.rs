@@ -3,6 +3,7 @@
 //! on tiles]).
 // Only x86-64 Linux has the unit here; elsewhere `available()` is false.
 #![cfg_attr(not(all(target_arch = "x86_64", target_os = "linux")), allow(dead_code, unused_imports))]
+use super::elem::{assume_init, uninit};
 use super::iter::OutPtr;
 use half::bf16;
 use rayon::prelude::*;
@@ -192,16 +193,34 @@ thread_local! {
     static SUMS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// The panels of T rows (or columns) of an operand with `extent` of them,
+/// a whole number of pairs of panels of `len` elements each: every panel
+/// zeroed, then `fill(first, count, elements)` for each panel holding rows
+/// `first..first + count`, on the pool's threads (zeroed there, in cache,
+/// rather than all at once beforehand on the caller's thread).
+fn panels(extent: usize, len: usize, fill: impl Fn(usize, usize, &mut [bf16]) + Sync) -> Vec<bf16> {
+    let mut v = uninit::<bf16>(extent.div_ceil(2 * T) * 2 * len);
+    v.par_chunks_mut(len.max(1)).enumerate().for_each(|(panel, dst)| {
+        for d in dst.iter_mut() {
+            d.write(bf16::ZERO);
+        }
+        // SAFETY: every element of `dst` was written just above, and
+        // `MaybeUninit<bf16>` has `bf16`'s layout.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<bf16>(), dst.len()) };
+        let first = panel * T;
+        if first < extent {
+            fill(first, (extent - first).min(T), dst);
+        }
+    });
+    // SAFETY: the chunks cover `v`, and each was written in full above.
+    unsafe { assume_init(v) }
+}
+
 /// `a` in panels of T rows (a whole number of pairs of panels), each in
 /// tiles of TK depths: element `(i, p)` of a panel's tile at `i * TK + p`.
 fn pack_a(a: Strided<'_>, m: usize, k: usize) -> Vec<bf16> {
     let kt = k.div_ceil(TK);
-    let mut pa = vec![bf16::ZERO; m.div_ceil(2 * T) * 2 * kt * TILE];
-    pa.par_chunks_mut(kt * TILE).enumerate().for_each(|(panel, dst)| {
-        let (i0, rows) = (panel * T, m.saturating_sub(panel * T).min(T));
-        if rows == 0 {
-            return; // a panel of padding
-        }
+    panels(m, kt * TILE, |i0, rows, dst| {
         if a.cs == 1 {
             // Rows along the depth: 32 depths of a row at a time.
             for r in 0..rows {
@@ -229,8 +248,7 @@ fn pack_a(a: Strided<'_>, m: usize, k: usize) -> Vec<bf16> {
                 }
             }
         }
-    });
-    pa
+    })
 }
 
 /// `b` in panels of T columns (a whole number of pairs of panels), each in
@@ -238,12 +256,7 @@ fn pack_a(a: Strided<'_>, m: usize, k: usize) -> Vec<bf16> {
 /// `(p / 2) * 2T + 2 j + p % 2`.
 fn pack_b(b: Strided<'_>, k: usize, n: usize) -> Vec<bf16> {
     let kt = k.div_ceil(TK);
-    let mut pb = vec![bf16::ZERO; n.div_ceil(2 * T) * 2 * kt * TILE];
-    pb.par_chunks_mut(kt * TILE).enumerate().for_each(|(panel, dst)| {
-        let (j0, cols) = (panel * T, n.saturating_sub(panel * T).min(T));
-        if cols == 0 {
-            return; // a panel of padding
-        }
+    panels(n, kt * TILE, |j0, cols, dst| {
         // The index of depth p's element of column c in the panel.
         let at = |p: usize, c: usize| (p / TK) * TILE + (p % TK / 2) * 2 * T + 2 * c + p % 2;
         if b.rs == 1 {
@@ -277,8 +290,7 @@ fn pack_b(b: Strided<'_>, k: usize, n: usize) -> Vec<bf16> {
                 }
             }
         }
-    });
-    pb
+    })
 }
 
 /// `dst[i] = src[i]` rounded to bf16 (to nearest even; NaN stays NaN).
