@@ -12,11 +12,12 @@ use rayon::prelude::*;
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // AMX (`amx-bf16`) multiplies tiles: `tdpbf16ps` adds a 16 x 32 bf16 tile of
 // `a` times a 32 x 16 tile of `b` into a 16 x 16 tile of f32 sums, 8,192
-// multiply-adds per instruction. On a Xeon (Granite Rapids, two cores) a
-// kernel reading its tiles from L1 ran 1,045 GFLOP/s on one core, against
-// 218 for an f32 product on the FMA units and 89 for `vdpbf16ps` (which this
-// CPU issues at half the FMA rate, so the vector bf16 ways cannot beat f32
-// here). Products of many rows therefore run here where the CPU has the unit:
+// multiply-adds per instruction. On a Xeon with AMX a kernel reading its
+// tiles from L1 ran 1,045 GFLOP/s on one core, against 218 for an f32
+// product on the FMA units and 89 for a blocked `vdpbf16ps` product (that
+// CPU issues `vdpbf16ps` at half its FMA rate, so the vector bf16 ways
+// cannot beat f32 there). Products of many rows therefore run here where
+// the CPU has the unit:
 //
 // - `a` (m x k) is packed into panels of 16 rows; each panel into tiles of
 //   32 depths, a tile's rows 64 bytes apart. `b` (k x n) into panels of 16
