@@ -56,8 +56,12 @@ pub fn matmul(cfg: &Config, sizes: &[[usize; 3]], dtype: DType, linear: bool) ->
             };
             time_op(cfg, || a.matmul(&b))
         };
-        let line =
-            || Line::new("matmul", dtype.name(), &cfg.device.to_string()).set("n", n).set("shape", vec![m, k, n]);
+        let line = || {
+            Line::new("matmul", dtype.name(), &cfg.device.to_string())
+                .set("n", n)
+                .set("shape", vec![m, k, n])
+                .set("linear", linear)
+        };
         match run() {
             Ok(s) => {
                 let flops = 2.0 * (m * k * n) as f64;
