@@ -87,6 +87,45 @@ impl<'a> Scales<'a> {
             Scales::Table(v, t) => t[v[i] as usize],
         }
     }
+
+    /// Asks the CPU to fetch block scales `i..i + n` into its caches (a
+    /// hint: it reads nothing and cannot fault).
+    #[inline(always)]
+    pub(super) fn prefetch(&self, i: usize, n: usize) {
+        let (base, size) = match self {
+            Scales::F32(v, _) => (v.as_ptr().cast::<u8>(), 4),
+            Scales::Table(v, _) => (v.as_ptr(), 1),
+        };
+        #[cfg(target_arch = "x86_64")]
+        for line in (i * size..(i + n) * size).step_by(64) {
+            // SAFETY: a prefetch reads nothing and cannot fault, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(base.wrapping_add(line).cast())
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (base, size, i, n);
+    }
+
+    /// Block scales `i..i + out.len()`, effective, into `out`: one loop per
+    /// kind of scale (a copy for float32 scales without a global one).
+    #[inline(always)]
+    pub(super) fn get_many(&self, i: usize, out: &mut [f32]) {
+        let n = out.len();
+        match self {
+            Scales::F32(v, None) => out.copy_from_slice(&v[i..][..out.len()]),
+            Scales::F32(v, g) => {
+                for (o, &s) in out.iter_mut().zip(&v[i..][..n]) {
+                    *o = Global::apply(*g, s);
+                }
+            }
+            Scales::Table(v, t) => {
+                for (o, &b) in out.iter_mut().zip(&v[i..][..n]) {
+                    *o = t[b as usize];
+                }
+            }
+        }
+    }
 }
 
 /// An E4M3 code's value from its bits, branch-free so that loops of it

@@ -186,7 +186,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn columns(plan: &Plan<'_>, out: OutPtr<f32>, j0: usize, j1: usize) {
         // SAFETY: forwarded.
-        unsafe { columns_impl::<false>(plan, out, j0, j1) }
+        unsafe { by_codes::<false>(plan, out, j0, j1) }
     }
 
     /// Columns `j0..j1` of every row, codes 64 per step (`x` permuted by
@@ -197,36 +197,77 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
     pub(super) unsafe fn columns_wide(plan: &Plan<'_>, out: OutPtr<f32>, j0: usize, j1: usize) {
         // SAFETY: forwarded.
-        unsafe { columns_impl::<true>(plan, out, j0, j1) }
+        unsafe { by_codes::<true>(plan, out, j0, j1) }
     }
 
-    /// R x C tiles (edge tiles narrower).
+    /// The tiles compiled for each kind of code: with the kind a constant, the
+    /// decoding has no branch and a step's loops are small enough to unroll,
+    /// which keeps the accumulators in registers.
     #[inline(always)]
-    unsafe fn columns_impl<const WIDE: bool>(plan: &Plan<'_>, out: OutPtr<f32>, j0: usize, j1: usize) {
+    unsafe fn by_codes<const WIDE: bool>(plan: &Plan<'_>, out: OutPtr<f32>, j0: usize, j1: usize) {
+        // SAFETY (all): forwarded.
+        unsafe {
+            match plan.job.spec.codes {
+                Codes::E4M3 => columns_impl::<WIDE, 0>(plan, out, j0, j1),
+                Codes::E2M1 => columns_impl::<WIDE, 1>(plan, out, j0, j1),
+                Codes::I8 => columns_impl::<WIDE, 2>(plan, out, j0, j1),
+                Codes::I4 => columns_impl::<WIDE, 3>(plan, out, j0, j1),
+            }
+        }
+    }
+
+    /// The kind of code `by_codes` compiled for `K`.
+    #[inline(always)]
+    fn kind<const K: u8>() -> Codes {
+        match K {
+            0 => Codes::E4M3,
+            1 => Codes::E2M1,
+            2 => Codes::I8,
+            _ => Codes::I4,
+        }
+    }
+
+    /// R x C tiles (edge tiles narrower) of codes of kind `K` (`by_codes`).
+    #[inline(always)]
+    unsafe fn columns_impl<const WIDE: bool, const K: u8>(plan: &Plan<'_>, out: OutPtr<f32>, j0: usize, j1: usize) {
         let m = plan.job.m;
+        // Built once per range: its byte tables cost more than a tile's products.
+        let consts = Consts::new(plan.job.spec.codes);
+        let c = &consts;
+        // The effective scales of a tile's rows of W, one loop per tile.
+        let ([b0, b1], k) = (plan.job.spec.block, plan.job.k);
+        let cols = k.div_ceil(b1);
+        let mut ws = vec![0f32; TILE_C * cols];
         let mut j = j0;
         while j < j1 {
+            let width = if j + TILE_C <= j1 { TILE_C } else { 1 };
+            for (r, row) in ws.chunks_exact_mut(cols).take(width).enumerate() {
+                plan.job.scales.get_many((j + r) / b0 * cols, row);
+                // The next tile's, fetched while this one computes.
+                plan.job.scales.prefetch((j + width + r) / b0 * cols, cols);
+            }
+            let ws = &ws[..];
             let mut i = 0;
-            // SAFETY (all tiles): rows < m, columns j0..j1, as the caller's contract.
+            // SAFETY (all tiles): rows < m, columns j0..j1, as the caller's
+            // contract; `ws` holds the tile's rows of scales.
             unsafe {
-                if j + TILE_C <= j1 {
+                if width == TILE_C {
                     while i + TILE_R <= m {
-                        tile::<TILE_R, TILE_C, WIDE>(plan, out, i, j);
+                        tile::<TILE_R, TILE_C, WIDE, K>(plan, c, ws, out, i, j);
                         i += TILE_R;
                     }
                     while i < m {
-                        tile::<1, TILE_C, WIDE>(plan, out, i, j);
+                        tile::<1, TILE_C, WIDE, K>(plan, c, ws, out, i, j);
                         i += 1;
                     }
-                    j += TILE_C;
                 } else {
                     while i < m {
-                        tile::<1, 1, WIDE>(plan, out, i, j);
+                        tile::<1, 1, WIDE, K>(plan, c, ws, out, i, j);
                         i += 1;
                     }
-                    j += 1;
                 }
             }
+            j += width;
         }
     }
 
@@ -409,28 +450,31 @@ mod x86 {
     /// # Safety
     /// Rows `i + r < m`, columns `j + c` in the caller's range.
     #[inline(always)]
-    unsafe fn tile<const R: usize, const C: usize, const WIDE: bool>(
+    unsafe fn tile<const R: usize, const C: usize, const WIDE: bool, const K: u8>(
         plan: &Plan<'_>,
+        consts: &Consts,
+        ws: &[f32],
         out: OutPtr<f32>,
         i: usize,
         j: usize,
     ) {
+        // A copy: the constants stay in registers across the tile.
+        let consts = *consts;
         let (job, row_bytes) = (&plan.job, plan.row_bytes);
-        let (k, spec) = (job.k, job.spec);
-        let [b0, b1] = spec.block;
+        let (k, spec, codes) = (job.k, job.spec, kind::<K>());
+        let b1 = spec.block[1];
         let scale_cols = k.div_ceil(b1);
         let xs: [&[f32]; R] = std::array::from_fn(|r| &job.x[(i + r) * k..][..k]);
         let rows: [&[u8]; C] = std::array::from_fn(|c| &job.codes[(j + c) * row_bytes..][..row_bytes]);
-        let scale_row: [usize; C] = std::array::from_fn(|c| (j + c) / b0 * scale_cols);
-        let consts = Consts::new(spec.codes);
         let mut acc = [[_mm512_setzero_ps(); C]; R];
         let steps = k / STEP;
-        let scale = |c: usize, st: usize| job.scales.get(scale_row[c] + plan.step_blocks[st]);
+        let ws: [&[f32]; C] = std::array::from_fn(|c| &ws[c * scale_cols..][..scale_cols]);
+        let scale = |c: usize, st: usize| ws[c][plan.step_blocks[st]];
         let (full, mut p) = (steps * STEP, 0);
         // The codes of the next tile's rows, fetched while this tile computes
         // (`wrapping_add`: past the last row it is an address, never read).
         let ahead: [*const u8; C] = std::array::from_fn(|c| rows[c].as_ptr().wrapping_add(C * row_bytes));
-        let nibbles = spec.codes.packed_in_nibbles();
+        let nibbles = codes.packed_in_nibbles();
         if WIDE {
             while p + super::WIDE <= k {
                 let at = if nibbles { p / 2 } else { p };
@@ -439,22 +483,26 @@ mod x86 {
                     unsafe { _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(at).cast()) };
                 }
                 let st = p / STEP;
-                // Lane l of a wide step's weights holds elements p + 16 l ..: their scale.
-                let s: [__m512; C] = std::array::from_fn(|c| {
-                    let [s0, s1, s2, s3] = std::array::from_fn(|l| scale(c, st + l));
-                    _mm512_set_ps(s3, s3, s3, s3, s2, s2, s2, s2, s1, s1, s1, s1, s0, s0, s0, s0)
-                });
-                // SAFETY: elements p..p + 64 <= k of each row; WIDE only with VBMI.
-                let w: [[__m512; 4]; C] =
-                    std::array::from_fn(|c| unsafe { consts.weights_wide(&spec.codes, rows[c].as_ptr(), p, s[c]) });
-                // The chunk's 4 vectors of weights, each for all C rows of W.
-                let by_vector: [[__m512; C]; 4] = std::array::from_fn(|v| std::array::from_fn(|c| w[c][v]));
-                for r in 0..R {
-                    for (v, wv) in by_vector.iter().enumerate() {
+                // Plain loops in this loop: closures do not inherit the target
+                // features, and their intrinsics would be calls (measured: a
+                // decoding step 2x slower when a change elsewhere tipped LLVM's inlining).
+                // The chunk of each row of `x`, loaded once for the C rows of W.
+                let mut xv = [[_mm512_setzero_ps(); 4]; R];
+                for (r, xv) in xv.iter_mut().enumerate() {
+                    for (v, xv) in xv.iter_mut().enumerate() {
                         // SAFETY: 16 f32 from p + 16 v, inside the row's chunk p..p + 64.
-                        let xv = unsafe { _mm512_loadu_ps(xs[r].as_ptr().add(p + 16 * v)) };
-                        for c in 0..C {
-                            acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+                        *xv = unsafe { _mm512_loadu_ps(xs[r].as_ptr().add(p + 16 * v)) };
+                    }
+                }
+                for c in 0..C {
+                    // Lane l of a wide step's weights holds elements p + 16 l ..: their scale.
+                    let [s0, s1, s2, s3] = [scale(c, st), scale(c, st + 1), scale(c, st + 2), scale(c, st + 3)];
+                    let s = _mm512_set_ps(s3, s3, s3, s3, s2, s2, s2, s2, s1, s1, s1, s1, s0, s0, s0, s0);
+                    // SAFETY: elements p..p + 64 <= k of each row; WIDE only with VBMI.
+                    let w = unsafe { consts.weights_wide(&codes, rows[c].as_ptr(), p, s) };
+                    for (acc, xv) in acc.iter_mut().zip(&xv) {
+                        for (&xv, &w) in xv.iter().zip(&w) {
+                            acc[c] = _mm512_fmadd_ps(xv, w, acc[c]);
                         }
                     }
                 }
@@ -462,11 +510,12 @@ mod x86 {
             }
         }
         while p < full {
-            let w: [__m512; C] = std::array::from_fn(|c| {
+            let mut w = [_mm512_setzero_ps(); C];
+            for (c, w) in w.iter_mut().enumerate() {
                 let s = _mm512_set1_ps(scale(c, p / STEP));
                 // SAFETY: elements p..p + 16 <= k of a row of `row_bytes` bytes.
-                unsafe { consts.weights(&spec.codes, rows[c].as_ptr(), p, s) }
-            });
+                *w = unsafe { consts.weights(&codes, rows[c].as_ptr(), p, s) };
+            }
             for r in 0..R {
                 // SAFETY: 16 f32 from p < k - 15 of a row of k.
                 let xv = unsafe { _mm512_loadu_ps(xs[r].as_ptr().add(p)) };
@@ -483,7 +532,7 @@ mod x86 {
                 let mut v = [0f32; STEP];
                 for (q, v) in v.iter_mut().enumerate().take(k - p) {
                     let e = p + q;
-                    *v = code_value(spec.codes, rows[c], e) * job.scales.get(scale_row[c] + e / b1);
+                    *v = code_value(codes, rows[c], e) * ws[c][e / b1];
                 }
                 // SAFETY: 16 f32 in a local array.
                 unsafe { _mm512_loadu_ps(v.as_ptr()) }
