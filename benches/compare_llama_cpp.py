@@ -16,6 +16,9 @@ scale per 128 x 128) - Q8_0 (8 bits + a scale per 32), q4_0, nvfp4 (4 bits +
 a scale per 16) and mxfp4 (per 32) - Q4_0 (4 bits + a scale per 32), each
 with the LM head (the tied embedding) quantized like the rest (`+head`), as
 llama.cpp's files have it; `weight_gb_per_token` says what a step reads.
+Each quantized format runs twice in kiln: with its input rows as they are, and
+with them rounded to int8 per 32 elements (`@int8`: `--activations int8`),
+which is what llama.cpp's Q8_0 and Q4_0 products do.
 
 The two alternate, `--rounds` times, and each line reports the median of the
 rounds; ratios are kiln / llama.cpp tokens/s (> 1: kiln faster).
@@ -48,8 +51,13 @@ SHAPES = dict(vocab=151936, hidden=1024, layers=28, heads=16, kv_heads=8, head_d
 # llama.cpp type -> the kiln weights of the same bits.
 # "gguf": kiln decodes the very file llama.cpp does (`--weights gguf:PATH`,
 # Q8_0 / Q4_0 kept packed).
-PAIRS = {"f32": ["f32", "gguf"], "bf16": ["bf16", "gguf"], "q8_0": ["q8_0+head", "gguf", "fp8+head"],
-         "q4_0": ["q4_0+head", "gguf", "nvfp4+head", "mxfp4+head"]}
+# "@int8": with `--activations int8`, each row rounded to int8 per 32
+# elements before the product, as llama.cpp does for these types (Note
+# [Int8 activations]); without it kiln multiplies the rows as they are.
+PAIRS = {"f32": ["f32", "gguf"], "bf16": ["bf16", "gguf"],
+         "q8_0": ["q8_0+head", "q8_0+head@int8", "gguf", "gguf@int8", "fp8+head"],
+         "q4_0": ["q4_0+head", "q4_0+head@int8", "gguf", "gguf@int8", "nvfp4+head", "nvfp4+head@int8",
+                  "mxfp4+head", "mxfp4+head@int8"]}
 
 
 def write_gguf(path, qtype, rng):
@@ -129,11 +137,12 @@ def llama_decode(path, args, rng):
 
 
 def kiln_decode(weights, args, path):
+    weights, _, activations = weights.partition("@")
     if weights == "gguf":
         weights = f"gguf:{path}"
     cmd = [args.kiln_bin, "decode", "--preset", args.preset, "--device", "cpu", "--prompt", str(args.prompt),
            "--new-tokens", str(args.new_tokens), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--weights", weights]
+           "--weights", weights, "--activations", activations or "exact"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

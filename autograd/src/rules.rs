@@ -1,6 +1,7 @@
 //! One gradient rule per primitive, in one exhaustive `match`: given the
 //! gradients of a node's outputs, build the gradients of its inputs out of
 //! tensor ops (so backward is itself made of primitives).
+use kiln_tensor::quant::Activations;
 use kiln_tensor::{
     ArgReduceOp, BinaryOp, DType, Edge, Layout, Op, ReduceOp, Result, ScatterReduce, Shape, Tensor, UnaryOp, ViewOp,
 };
@@ -325,6 +326,17 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
         Op::Dequantize(_) => {}
         Op::QuantMatMul(spec) => {
             if ctx.needs(0) {
+                // Note [Int8 activations]: rounding has no useful derivative.
+                match spec.activations {
+                    Activations::Exact => {}
+                    Activations::Int8 => {
+                        return Err(kiln_tensor::Error::invalid(
+                            "quant_matmul",
+                            "a product with int8 activations has no gradient for its input (it serves inference); \
+                             use Activations::Exact to train through it",
+                        ))
+                    }
+                }
                 let w = prim(Op::Dequantize(spec.clone()), &[ctx.saved(1)?, ctx.saved(2)?])?;
                 let dx = g.to_dtype(DType::F32)?.matmul(&w)?;
                 out[0] = Some(dx.to_dtype(ctx.dtype(0))?);

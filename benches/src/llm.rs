@@ -13,6 +13,7 @@ use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::nn::{LlamaConfig, LlamaForCausalLM, Module};
 use kiln::prelude::*;
 use kiln::tensor::on_compute_threads;
+use kiln::tensor::quant::Activations;
 use serde_json::json;
 use std::time::Instant;
 
@@ -30,6 +31,9 @@ pub struct LlmArgs {
     pub new_tokens: usize,
     /// `decode` only: `f32`, `bf16`, or a kept-quantized scheme (`fp8`, `nvfp4`, ...).
     pub weights: String,
+    /// `decode` only: what the kept-quantized weights' products do to their
+    /// input (Note [Int8 activations]).
+    pub activations: Activations,
     /// `train` only: `f32`, or `bf16-mixed` / `f16-mixed` (see `MixedPrecisionPolicy`).
     pub precision: String,
     /// `train` only: the step captured by `kiln::compile` (capturable AdamW).
@@ -318,6 +322,9 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
     } else if head {
         return Err(Error::invalid("kiln-bench", format!("--weights {}: +head needs a quantized scheme", a.weights)));
     }
+    if a.activations != Activations::Exact {
+        kiln::nn::quantize::set_quantized_activations(&mut model, a.activations)?;
+    }
     // Resident bytes of the weights per parameter (quantized weights count their elements).
     let (mut bytes, mut params) = (0usize, 0usize);
     for (_, p) in model.named_parameters() {
@@ -354,6 +361,13 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
     }
     Ok(out
         .set("weights", a.weights.clone())
+        .set(
+            "activations",
+            match a.activations {
+                Activations::Exact => "exact",
+                Activations::Int8 => "int8",
+            },
+        )
         .set("weight_bytes_per_param", sig4(bytes as f64 / params as f64))
         .set("batch", 1)
         .set("prompt", a.prompt)
@@ -569,6 +583,7 @@ mod tests {
             prompt: 4,
             new_tokens: 3,
             weights: "f32".into(),
+            activations: Activations::Exact,
             precision: "f32".into(),
             compiled: false,
             parallel: None,
@@ -594,6 +609,11 @@ mod tests {
         let nv = decode(&LlmArgs { weights: "nvfp4".into(), ..tiny() })?;
         let bpp = num(&nv, "weight_bytes_per_param");
         assert!(bpp > 0.5 && bpp < 4.0, "NVFP4 decoder weights beside f32 embeddings: {bpp}");
+        let q4 = decode(&LlmArgs { weights: "q4_0".into(), activations: Activations::Int8, ..tiny() })?;
+        assert_eq!(q4.get("activations").and_then(|v| v.as_str()), Some("int8"));
+        let e = decode(&LlmArgs { activations: Activations::Int8, ..tiny() }).err().map(|e| e.to_string());
+        let e = e.unwrap_or_default();
+        assert!(e.contains("keeps no weight quantized"), "{e}");
         assert!(preset("llama-16m").is_ok() && preset("gpt").is_err());
         // The eager line names how its ops ran.
         assert_eq!(t.get("mode").and_then(|v| v.as_str()), Some("eager"));

@@ -11,6 +11,7 @@ mod suites;
 mod timing;
 
 use kiln::prelude::*;
+use kiln::tensor::quant::Activations;
 use std::process::ExitCode;
 use suites::Config;
 use timing::Plan;
@@ -27,6 +28,7 @@ USAGE:
     kiln-bench train  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench infer  [--preset P] [--batch B] [--seq T] [--steps N] [--warmup W]
     kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W] [--weights W]
+                      [--activations A]
     kiln-bench autograd [--steps N] [--warmup W]
     kiln-bench serve-load [--preset P] [--requests N] [--gap-ms G] [--seed S] [--kv-mb M] [--only LIST] [--repeat R]
 
@@ -105,6 +107,9 @@ OPTIONS:
                        as llama.cpp's quantized files have it; q8_0 / q4_0 are GGUF's formats;
                        gguf:PATH decodes a GGUF file's model (Q8_0 / Q4_0 kept packed, the
                        preset ignored); the line has weight_bytes_per_param
+    --activations A    decode with kept-quantized weights: exact (default: the input as it is) or
+                       int8 (each input row rounded to int8 per 32 elements first, llama.cpp's
+                       way, so integer codes multiply as integers); the line names it
     -h, --help         this text
 
 METHOD:
@@ -141,6 +146,7 @@ struct Args {
     prompt: usize,
     new_tokens: usize,
     weights: String,
+    activations: Activations,
     precision: String,
     /// `train --mesh SPEC --parallel R`.
     mesh: Option<String>,
@@ -206,6 +212,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         prompt: 64,
         new_tokens: 64,
         weights: "f32".into(),
+        activations: Activations::Exact,
         precision: "f32".into(),
         mesh: None,
         parallel: None,
@@ -262,6 +269,13 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--prompt" => a.prompt = int("--prompt", &value()?)?,
             "--new-tokens" => a.new_tokens = int("--new-tokens", &value()?)?,
             "--weights" => a.weights = value()?,
+            "--activations" => {
+                a.activations = match value()?.as_str() {
+                    "exact" => Activations::Exact,
+                    "int8" => Activations::Int8,
+                    v => return Err(format!("--activations: exact or int8, got {v:?}")),
+                }
+            }
             "--precision" => a.precision = value()?,
             "--mesh" => a.mesh = Some(value()?),
             "--parallel" => a.parallel = Some(value()?),
@@ -291,6 +305,9 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             m.name(),
             a.device
         ));
+    }
+    if a.activations != Activations::Exact && a.cmd != "decode" {
+        return Err(format!("--activations: only decode takes it, not {}", a.cmd));
     }
     if a.compiled && !matches!(a.cmd.as_str(), "train" | "decode") {
         return Err(format!(
@@ -373,6 +390,7 @@ fn main() -> ExitCode {
                 prompt: args.prompt,
                 new_tokens: args.new_tokens,
                 weights: args.weights.clone(),
+                activations: args.activations,
                 precision: args.precision.clone(),
                 compiled: args.compiled,
                 parallel: match (&args.mesh, &args.parallel) {
@@ -454,5 +472,15 @@ mod tests {
         assert!(a.compiled && a.mode.is_none());
         let a = args("train --device tpu --mode defer").unwrap().unwrap();
         assert_eq!(a.mode, Some(kiln::tpu::Mode::Defer));
+    }
+
+    #[test]
+    fn activations_are_decode_s_and_named() {
+        assert_eq!(args("decode --activations int8").unwrap().unwrap().activations, Activations::Int8);
+        assert_eq!(args("decode").unwrap().unwrap().activations, Activations::Exact);
+        let e = args("decode --activations int4").err().unwrap_or_default();
+        assert!(e.contains("exact or int8"), "{e}");
+        let e = args("train --activations int8").err().unwrap_or_default();
+        assert!(e.contains("only decode takes it"), "{e}");
     }
 }

@@ -29,7 +29,7 @@ use crate::io::{save_safetensors, write_atomic, QuantizedWeight};
 use crate::layers::Linear;
 use crate::models::LlamaForCausalLM;
 use crate::module::Module;
-use kiln_tensor::quant::{Codes, Global, QuantSpec};
+use kiln_tensor::quant::{Activations, Codes, Global, QuantSpec};
 use kiln_tensor::{f8e4m3fn, DType, Device, Error, HostBuffer, Result, Tensor};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -156,7 +156,7 @@ pub fn quantize_weight(w: &Tensor, scheme: QuantScheme) -> Result<QuantizedWeigh
         QuantScheme::Q8_0 | QuantScheme::Q4_0 => unreachable!("returned above"),
     };
     let codes = if fp4 { Codes::E2M1 } else { Codes::E4M3 };
-    let spec = QuantSpec { codes, block, global };
+    let spec = QuantSpec::new(codes, block, global);
     let [rows, cols] = spec.scales_shape(out, inp);
     let block_amax = |r: usize, c: usize| {
         let (r0, c0) = (r * block[0], c * block[1]);
@@ -247,6 +247,29 @@ pub fn quantize_model(model: &mut LlamaForCausalLM, scheme: QuantScheme) -> Resu
         q.insert(name, quantize_weight(&lin.weight, scheme)?);
     }
     model.keep_quantized(&q, device)
+}
+
+/// Sets how every kept-quantized Linear of `model` (decoder layers and a
+/// quantized head alike) treats its input: `Activations::Int8` rounds each
+/// input row to 8-bit integers per block of 32 first, llama.cpp's way for its
+/// integer formats (Note [Int8 activations] in kiln-tensor), so that integer
+/// products serve them; inference only. Returns how many layers it set; an
+/// error when the model keeps no weight quantized.
+pub fn set_quantized_activations(model: &mut LlamaForCausalLM, activations: Activations) -> Result<usize> {
+    let mut set = 0;
+    for (_, lin) in model.linears_mut() {
+        if lin.is_quantized() {
+            lin.set_activations(activations)?;
+            set += 1;
+        }
+    }
+    if set == 0 {
+        return Err(Error::invalid(
+            "set_quantized_activations",
+            "the model keeps no weight quantized (quantize_model, or QuantizedLoad::Keep when loading)",
+        ));
+    }
+    Ok(set)
 }
 
 /// Keeps the output projection (the LM head) quantized in `scheme` too,

@@ -135,15 +135,15 @@ fn random_weights(dev: Device) -> Vec<(QuantSpec, Tensor, Tensor, [usize; 2])> {
     let packed = || Tensor::randint(0, 256, &[out, inp / 2], DType::U8).unwrap();
     let pos = |shape: &[usize]| Tensor::rand(shape, DType::F32).unwrap().add(0.25).unwrap();
     let fp8 = |block: [usize; 2]| {
-        let spec = QuantSpec { codes: Codes::E4M3, block, global: None };
+        let spec = QuantSpec::new(Codes::E4M3, block, None);
         let s = spec.scales_shape(out, inp);
         (spec, codes8(), pos(&s), [out, inp])
     };
-    let nv = QuantSpec { codes: Codes::E2M1, block: [1, 16], global: Some(Global::Div(3.0)) };
+    let nv = QuantSpec::new(Codes::E2M1, [1, 16], Some(Global::Div(3.0)));
     let nv_scales = pos(&nv.scales_shape(out, inp)).mul(100.0).unwrap().to_dtype(DType::F8E4M3FN).unwrap();
-    let mo = QuantSpec { codes: Codes::E2M1, block: [1, 16], global: Some(Global::Mul(0.01)) };
+    let mo = QuantSpec::new(Codes::E2M1, [1, 16], Some(Global::Mul(0.01)));
     let mo_scales = pos(&mo.scales_shape(out, inp)).mul(100.0).unwrap().to_dtype(DType::F8E4M3FN).unwrap();
-    let mx = QuantSpec { codes: Codes::E2M1, block: [1, 32], global: None };
+    let mx = QuantSpec::new(Codes::E2M1, [1, 32], None);
     let mx_scales = Tensor::randint(110, 140, &mx.scales_shape(out, inp), DType::U8).unwrap();
     let all = vec![
         fp8([16, 32]),
@@ -191,6 +191,75 @@ fn the_quantized_product_equals_the_dequantized_one_with_its_gradient() {
     let wrong = QuantSpec { block: [16, 16], ..spec.clone() };
     let e = Tensor::ones(&[2, 48], DType::F32).unwrap().quant_matmul(codes, scales, &wrong).unwrap_err().to_string();
     assert!(e.contains("needs scales of shape [3, 3]"), "{e}");
+}
+
+/// Note [Int8 activations]: with `Activations::Int8`, the CPU (integer
+/// products for a few rows, float products of the rounded rows for more) and
+/// PJRT (the rounding lowered to StableHLO) both compute the rounded rows
+/// times the dequantized weight, for FP4 and FP8 layouts and 4- and 8-bit
+/// integers; the input gets no gradient; a dense Linear refuses the setting.
+#[test]
+fn int8_activations_round_the_rows_on_every_device() {
+    use kiln::tensor::quant::{round_activation_block, Activations, ACTIVATION_BLOCK};
+    support::register_tpu();
+    let (out, inp) = (37usize, 48usize);
+    let ints = |codes: Codes, block: [usize; 2]| {
+        let spec = QuantSpec::new(codes, block, None);
+        let c = match codes {
+            Codes::I8 => Tensor::randint(-128, 128, &[out, inp], DType::I8).unwrap(),
+            _ => Tensor::randint(0, 256, &[out, inp / 2], DType::U8).unwrap(),
+        };
+        let s = Tensor::rand(&spec.scales_shape(out, inp), DType::F32).unwrap().add(0.25).unwrap();
+        (spec, c, s, [out, inp])
+    };
+    let mut layouts = random_weights(Device::Cpu);
+    layouts.push(ints(Codes::I4, [1, 16]));
+    layouts.push(ints(Codes::I8, [1, 32]));
+    for (i, (spec, codes, scales, _)) in layouts.into_iter().enumerate() {
+        let int8 = spec.clone().with_activations(Activations::Int8);
+        let w = Tensor::dequantize(&codes, &scales, &spec).unwrap().to_vec::<f32>().unwrap();
+        for rows in [1usize, 20] {
+            // Rows whose blocks differ in magnitude.
+            let x = Tensor::randn(&[rows, inp], DType::F32).unwrap();
+            let x = x
+                .mul(&Tensor::arange(0.0, inp as f64, 1.0, DType::F32).unwrap().div(8.0).unwrap().exp().unwrap())
+                .unwrap();
+            let xv = x.to_vec::<f32>().unwrap();
+            let mut xr = vec![];
+            for b in xv.chunks(inp).flat_map(|row| row.chunks(ACTIVATION_BLOCK)) {
+                let mut q = vec![0i8; b.len()];
+                let d = round_activation_block(b, &mut q);
+                xr.extend(q.iter().map(|&q| q as f32 * d));
+            }
+            for dev in [Device::Cpu, Device::Tpu(0)] {
+                let (c, s) = (codes.to_device(dev).unwrap(), scales.to_device(dev).unwrap());
+                let y = x.to_device(dev).unwrap().quant_matmul(&c, &s, &int8).unwrap().to_vec::<f32>().unwrap();
+                let exact = x.to_device(dev).unwrap().quant_matmul(&c, &s, &spec).unwrap().to_vec::<f32>().unwrap();
+                let mut moved = false;
+                for (e, (&got, &ex)) in y.iter().zip(&exact).enumerate() {
+                    let (r, j) = (e / out, e % out);
+                    let terms = (0..inp).map(|p| xr[r * inp + p] as f64 * w[j * inp + p] as f64);
+                    let (want, abs) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                    // The float32 sums of `inp` terms (Note [Integer products of int8
+                    // activations]: at most inp + 8 roundings).
+                    let bound = (inp + 8) as f64 * 2f64.powi(-24) * abs;
+                    assert!(
+                        (got as f64 - want).abs() <= bound,
+                        "{dev} layout {i}, {rows} rows, ({r}, {j}): {got} vs {want}"
+                    );
+                    moved |= (ex as f64 - want).abs() > bound;
+                }
+                assert!(moved, "{dev} layout {i}, {rows} rows: the rounding changed nothing");
+            }
+        }
+        let x = Tensor::randn(&[2, inp], DType::F32).unwrap();
+        x.requires_grad_(true).unwrap();
+        let e = x.quant_matmul(&codes, &scales, &int8).unwrap().sum().unwrap().backward().unwrap_err().to_string();
+        assert!(e.contains("int8 activations has no gradient"), "{e}");
+    }
+    let mut dense = kiln::nn::layers::Linear::new(4, 3, false, DType::F32).unwrap();
+    let e = dense.set_activations(Activations::Int8).unwrap_err().to_string();
+    assert!(e.contains("the weight is dense"), "{e}");
 }
 
 /// Copies a fixture folder, then lets `edit` rewrite its config and tensors.

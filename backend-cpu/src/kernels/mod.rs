@@ -29,6 +29,7 @@ mod matmul;
 mod norm;
 mod paged;
 mod quant;
+mod quant_int8;
 mod quant_rowdot;
 mod random;
 mod reduce;

@@ -18,12 +18,13 @@
 // few rows do not come here: their codes are decoded in the registers (Note
 // [Codes decoded in the registers]).
 use super::copy::{contiguous, narrow_f32, widen_f32};
+use super::quant_int8::{self, Int8Dot, Int8Rows};
 use super::quant_rowdot::{self, QuantRowDot};
 use super::simd::{dispatch, fmadd, Kernel};
 use super::{buf, Input};
 use gemm::Parallelism;
 use half::{bf16, f16};
-use kiln_tensor::quant::{e8m0, Codes, Global, QuantSpec};
+use kiln_tensor::quant::{e8m0, Activations, Codes, Global, QuantSpec};
 use kiln_tensor::{f8e4m3fn, DType, Error, HostBuffer, Result};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -351,9 +352,24 @@ pub(crate) fn quant_matmul(
         DType::F16 => buf(narrow_f32::<f16>(out)),
         _ => buf(out),
     };
+    let few_rows = m < GEMM_ROWS || kiln_tensor::is_batch_invariant();
+    // Note [Int8 activations]: the rows rounded once; integer products where
+    // the CPU has them, else the rounded rows as float32 below.
+    let xs = match spec.activations {
+        Activations::Exact => xs,
+        Activations::Int8 => {
+            let rows = Int8Rows::round(&xs, m, k);
+            if few_rows && quant_int8::applies(spec, k) {
+                let mut out = vec![0f32; m * n];
+                Int8Dot { spec, codes: &c, scales: &s, x: &rows, n }.run(&mut out);
+                return Ok(narrow(out));
+            }
+            Cow::Owned(rows.values())
+        }
+    };
     // A few rows (every row count for invariant products): codes decoded in
     // the registers where the CPU can (Note [Codes decoded in the registers]).
-    if (m < GEMM_ROWS || kiln_tensor::is_batch_invariant()) && quant_rowdot::applies(spec, k) {
+    if few_rows && quant_rowdot::applies(spec, k) {
         let mut out = vec![0f32; m * n];
         QuantRowDot { spec, codes: &c, scales: &s, x: &xs, m, n, k }.run(&mut out);
         return Ok(narrow(out));

@@ -3,7 +3,7 @@
 //! decoded inside the program, so XLA fuses the decoding into the dot that
 //! consumes it and the float32 weight exists only inside the fusion.
 use super::{Builder, Lit, Val};
-use kiln_tensor::quant::{Codes, Global, QuantSpec};
+use kiln_tensor::quant::{Activations, Codes, Global, QuantSpec, ACTIVATION_BLOCK};
 use kiln_tensor::DType;
 
 fn bitcast(b: &mut Builder, x: &Val, to: DType) -> Val {
@@ -122,7 +122,46 @@ pub fn dequantize(b: &mut Builder, spec: &QuantSpec, codes: &Val, scales: &Val) 
 pub fn quant_matmul(b: &mut Builder, spec: &QuantSpec, x: &Val, codes: &Val, scales: &Val, out: DType) -> Val {
     let w = dequantize(b, spec, codes, scales);
     let x = b.convert_raw(x, DType::F32);
+    let x = match spec.activations {
+        Activations::Exact => x,
+        Activations::Int8 => round_activations(b, &x),
+    };
     let r = x.ty.rank();
     let y = b.dot_general(&x, &w, &[], &[], &[r - 1], &[1]);
     b.convert_raw(&y, out)
+}
+
+/// Float32 rows `[..., k]` rounded to int8 per block of `ACTIVATION_BLOCK`
+/// columns and scaled back (Note [Int8 activations]): `q * d` with `d = amax /
+/// 127`, `q = round(x / d)` ties away from zero, 0 where `d` is 0 (a
+/// non-finite `amax` makes the whole block NaN through `d`).
+fn round_activations(b: &mut Builder, x: &Val) -> Val {
+    let shape = x.shape().to_vec();
+    let (r, k) = (shape.len(), shape[shape.len() - 1]);
+    let nb = k.div_ceil(ACTIVATION_BLOCK);
+    // Zeros pad the last block: they change no block's largest magnitude.
+    let mut high = vec![0; r];
+    high[r - 1] = nb * ACTIVATION_BLOCK - k;
+    let padded = b.pad(x, Lit::F(0.0), &vec![0; r], &high);
+    let mut blocks = shape.clone();
+    blocks[r - 1] = nb;
+    blocks.push(ACTIVATION_BLOCK);
+    let xb = b.reshape(&padded, &blocks);
+    let mag = b.unary("abs", &xb);
+    let amax = b.reduce(&mag, Lit::F(0.0), &[r], "nan_maximum");
+    let c127 = b.splat_like(Lit::F(127.0), &amax);
+    let d = b.div(&amax, &c127);
+    let dims: Vec<usize> = (0..r).collect();
+    let d = b.broadcast(&d, &blocks, &dims);
+    let ratio = b.div(&xb, &d);
+    let q = b.unary("round_nearest_afz", &ratio);
+    let zero_d = b.compare_lit("EQ", &d, Lit::F(0.0));
+    let zero = b.splat_like(Lit::F(0.0), &q);
+    let q = b.select(&zero_d, &zero, &q);
+    let xr = b.mul(&q, &d);
+    let mut flat = shape.clone();
+    flat[r - 1] = nb * ACTIVATION_BLOCK;
+    let xr = b.reshape(&xr, &flat);
+    let start = vec![0; r];
+    b.slice(&xr, &start, &shape, &vec![1; r])
 }

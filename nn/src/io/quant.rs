@@ -406,7 +406,7 @@ fn read_module<'a>(
             b
         };
         let s = float_scales(s)?.reshape(&[out.div_ceil(block[0]) as isize, inp.div_ceil(block[1]) as isize]);
-        let spec = QuantSpec { codes: Codes::E4M3, block, global: None };
+        let spec = QuantSpec::new(Codes::E4M3, block, None);
         QuantizedWeight::new(spec, w, s.map_err(|e| e.to_string())?).map_err(|e| e.to_string())
     };
     // Packed FP4 codes with group scales.
@@ -429,7 +429,7 @@ fn read_module<'a>(
                 inp.div_ceil(g.max(1))
             ));
         }
-        let spec = QuantSpec { codes: Codes::E2M1, block: [1, g], global };
+        let spec = QuantSpec::new(Codes::E2M1, [1, g], global);
         QuantizedWeight::new(spec, codes, s).map_err(|e| e.to_string())
     };
     if opt("weight_scale_inv")?.is_some() {

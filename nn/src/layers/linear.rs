@@ -1,7 +1,7 @@
 //! `Linear`: `y = x @ W.T + b` with the weight stored `[out, in]`, as in PyTorch.
 use super::{parameter, uniform_param};
 use crate::module::{join_name, Module};
-use kiln_tensor::quant::QuantSpec;
+use kiln_tensor::quant::{Activations, QuantSpec};
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
 
@@ -118,6 +118,23 @@ impl Linear {
         self.weight = Tensor::zeros(&[], (DType::F32, device))?.expand(&dims)?;
         self.quantized = Some(QuantizedParts { spec, codes, scales });
         Ok(())
+    }
+
+    /// How the products with the kept-quantized weight treat their input
+    /// (Note [Int8 activations] in kiln-tensor: `Activations::Int8` rounds
+    /// each input row to 8-bit integers first, for faster integer products;
+    /// inference only). An error when the weight is not kept quantized.
+    pub fn set_activations(&mut self, activations: Activations) -> Result<()> {
+        match &mut self.quantized {
+            Some(q) => {
+                q.spec = q.spec.clone().with_activations(activations);
+                Ok(())
+            }
+            None => Err(Error::invalid(
+                "Linear::set_activations",
+                "the weight is dense; only a kept-quantized weight (Linear::quantize_weight) rounds its input",
+            )),
+        }
     }
 
     /// Whether the weight is kept quantized.

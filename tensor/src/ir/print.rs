@@ -3,7 +3,7 @@
 use super::program::{Param, ParamKind, Program, ResultKind};
 use crate::collective::Collective;
 use crate::op::{ArgReduceOp, ScatterReduce};
-use crate::quant::{Codes, Global};
+use crate::quant::{Activations, Codes, Global};
 use crate::{DType, Meta, Op, Scalar, ViewOp};
 use std::fmt::{self, Write};
 
@@ -165,6 +165,10 @@ pub fn attributes(op: &Op) -> Vec<(&'static str, String)> {
                 Some(Global::Mul(g)) => a.push(("global", format!("*{g:?}"))),
                 Some(Global::Div(g)) => a.push(("global", format!("/{g:?}"))),
                 None => {}
+            }
+            match q.activations {
+                Activations::Exact => {}
+                Activations::Int8 => a.push(("activations", "int8".to_string())),
             }
             a
         }

@@ -101,13 +101,72 @@ impl Global {
     }
 }
 
-/// The layout of a quantized weight (Note [Quantized weights]).
+/// The layout of a quantized weight (Note [Quantized weights]), and how its
+/// products treat their input (Note [Int8 activations]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantSpec {
     pub codes: Codes,
     /// Rows and columns of `W` that one scale covers.
     pub block: [usize; 2],
     pub global: Option<Global>,
+    /// What `quant_matmul` does to `x` first ([`Activations::Exact`] unless
+    /// asked: [`QuantSpec::with_activations`]).
+    pub activations: Activations,
+}
+
+// Note [Int8 activations]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// With `Activations::Int8` a quantized product first rounds each row of its
+// input to 8-bit integers, as llama.cpp does for its integer formats (its
+// Q8_0 activations): each block of `ACTIVATION_BLOCK` (32) consecutive
+// elements of a row (the last block of a row may be shorter) has the scale
+// `d = amax / 127` (one float32 division; `amax` the block's largest |x|),
+// and each element becomes `q * d` with `q = round(x / d)` (one float32
+// division, ties away from zero; |q| <= 127), 0 where `d` is 0, and NaN
+// throughout a block whose `amax` is not finite. The product is then
+// `round8(x) @ dequantize(W).T`, summed in float32: every device and kernel
+// computes that value and differs only in the order of the float32 sums.
+// bfloat16 and float16 inputs are widened (exactly) before they are rounded.
+//
+// Why: with `x` as small integers, the products of integer codes (`I8`,
+// `I4`, and `E2M1`, whose values are integers once doubled) are integer
+// multiply-adds, 64 per instruction with AVX512-VNNI (`vpdpbusd`), where
+// float32 products take 16 and the codes must first become floats; a
+// decoding step streams 4-bit codes at memory speed only this way. The cost
+// is accuracy: each input element moves by up to `d / 2` (0.4% of its
+// block's largest element), so `Exact` stays the default and `Int8` is asked
+// for by name (`QuantizedLoad::KeepInt8`, `Linear::set_activations`).
+// Rounding has no useful derivative: a product with `Int8` activations
+// refuses to differentiate its input (inference only).
+
+/// How a quantized product treats its input rows (Note [Int8 activations]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Activations {
+    /// Used as they are: the product is `x @ dequantize(W).T`.
+    #[default]
+    Exact,
+    /// Rounded to 8-bit integers per block of [`ACTIVATION_BLOCK`] columns
+    /// first: the product is `round8(x) @ dequantize(W).T`.
+    Int8,
+}
+
+/// Elements of a row that share one scale under [`Activations::Int8`].
+pub const ACTIVATION_BLOCK: usize = 32;
+
+/// One block of a row rounded as Note [Int8 activations] says: the codes
+/// `q` (written to `q`, as long as `x`) and the scale `d` (NaN where the
+/// block's largest magnitude is not finite; then every `q` is 0).
+pub fn round_activation_block(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| if v.abs() > m || v.is_nan() { v.abs() } else { m });
+    if !amax.is_finite() {
+        q.fill(0);
+        return f32::NAN;
+    }
+    let d = amax / 127.0;
+    for (q, &v) in q.iter_mut().zip(x) {
+        *q = if d == 0.0 { 0 } else { (v / d).round() as i8 };
+    }
+    d
 }
 
 /// The values of the 8 non-negative E2M1 codes (bit 3 of a code is the sign;
@@ -126,6 +185,16 @@ pub fn e8m0(b: u8) -> f32 {
 }
 
 impl QuantSpec {
+    /// A layout whose products use their input as it is ([`Activations::Exact`]).
+    pub fn new(codes: Codes, block: [usize; 2], global: Option<Global>) -> QuantSpec {
+        QuantSpec { codes, block, global, activations: Activations::Exact }
+    }
+
+    /// The same layout, its products treating their input as `activations` says.
+    pub fn with_activations(self, activations: Activations) -> QuantSpec {
+        QuantSpec { activations, ..self }
+    }
+
     /// `[out, in]` → the shape of the scales tensor.
     pub fn scales_shape(&self, out: usize, inp: usize) -> [usize; 2] {
         [out.div_ceil(self.block[0]), inp.div_ceil(self.block[1])]
@@ -214,6 +283,25 @@ pub fn effective_scales(spec: &QuantSpec, scales: ScaleData<'_>) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Note [Int8 activations]: `d = amax / 127`, ties away from zero, zero
+    /// blocks 0, non-finite blocks NaN.
+    #[test]
+    fn activation_blocks_round_as_the_note_says() {
+        let mut q = [0i8; 6];
+        assert_eq!(round_activation_block(&[127.0, 0.5, -0.5, 1.5, -63.5, 0.0], &mut q), 1.0);
+        assert_eq!(q, [127, 1, -1, 2, -64, 0]);
+        let mut q = [0i8; 3];
+        assert_eq!(round_activation_block(&[-254.0, 1.0, 3.0], &mut q), 2.0);
+        assert_eq!(q, [-127, 1, 2]);
+        assert_eq!(round_activation_block(&[0.0, -0.0, 0.0], &mut q), 0.0);
+        assert_eq!(q, [0, 0, 0]);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut q = [5i8; 3];
+            assert!(round_activation_block(&[1.0, bad, 2.0], &mut q).is_nan());
+            assert_eq!(q, [0, 0, 0]);
+        }
+    }
 
     #[test]
     fn e8m0_decodes() {

@@ -5,6 +5,7 @@ mod fused;
 mod index;
 mod matmul;
 mod quant;
+mod quant_int8;
 mod reduce;
 mod sort;
 

@@ -16,7 +16,7 @@ fn e4m3(v: &[f32], shape: &[usize]) -> Tensor {
 #[test]
 fn partial_blocks_and_groups_dequantize() {
     // FP8 [3, 5] in blocks of [2, 4]: scales [2, 2], the last row and column blocks partial.
-    let spec = QuantSpec { codes: Codes::E4M3, block: [2, 4], global: None };
+    let spec = QuantSpec::new(Codes::E4M3, [2, 4], None);
     let codes = e4m3(&(0..15).map(|i| i as f32).collect::<Vec<_>>(), &[3, 5]);
     let scales = f32s(&[1.0, 10.0, 100.0, 1000.0], &[2, 2]);
     let w = run(Op::Dequantize(spec), &[&codes, &scales]);
@@ -25,7 +25,7 @@ fn partial_blocks_and_groups_dequantize() {
         [0.0, 1.0, 2.0, 3.0, 40.0, 5.0, 6.0, 7.0, 8.0, 90.0, 1000.0, 1100.0, 1200.0, 1300.0, 14000.0]
     );
     // NVFP4 [1, 4] in groups of 2, the global dividing: effective scales 8/4 and 2/4.
-    let spec = QuantSpec { codes: Codes::E2M1, block: [1, 2], global: Some(Global::Div(4.0)) };
+    let spec = QuantSpec::new(Codes::E2M1, [1, 2], Some(Global::Div(4.0)));
     let w = run(Op::Dequantize(spec), &[&t(vec![0x72u8, 0xA1], &[1, 2]), &f32s(&[8.0, 2.0], &[1, 2])]);
     assert_eq!(vals::<f32>(&w), [2.0, 12.0, 0.25, -0.5]);
 }
@@ -33,7 +33,7 @@ fn partial_blocks_and_groups_dequantize() {
 #[test]
 fn every_code_decodes() {
     // E2M1: every byte, low nibble first; bit 3 of a nibble is the sign (code 8 is -0.0).
-    let spec = QuantSpec { codes: Codes::E2M1, block: [1, 2], global: None };
+    let spec = QuantSpec::new(Codes::E2M1, [1, 2], None);
     let packed: Vec<u8> = (0..=255).collect();
     let w = run(Op::Dequantize(spec), &[&t(packed, &[256, 1]), &f32s(&[1.0; 256], &[256, 1])]);
     let w = vals::<f32>(&w);
@@ -44,7 +44,7 @@ fn every_code_decodes() {
         }
     }
     // E4M3: every code, scale 1.
-    let spec = QuantSpec { codes: Codes::E4M3, block: [1, 1], global: None };
+    let spec = QuantSpec::new(Codes::E4M3, [1, 1], None);
     let codes = host(HostBuffer::F8E4M3FN((0..=255).map(f8e4m3fn::from_bits).collect()), &[256, 1]);
     let w = vals::<f32>(&run(Op::Dequantize(spec), &[&codes, &f32s(&[1.0; 256], &[256, 1])]));
     for (c, g) in w.iter().enumerate() {
@@ -52,13 +52,13 @@ fn every_code_decodes() {
         assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "code {c:#x}: {g} vs {want}");
     }
     // Int8: every byte, two's complement; int4: every byte, low nibble first, `q - 8`.
-    let spec = QuantSpec { codes: Codes::I8, block: [1, 1], global: None };
+    let spec = QuantSpec::new(Codes::I8, [1, 1], None);
     let codes = host(HostBuffer::I8((0..=255u8).map(|b| b as i8).collect()), &[256, 1]);
     let w = vals::<f32>(&run(Op::Dequantize(spec), &[&codes, &f32s(&[1.0; 256], &[256, 1])]));
     for (b, g) in w.iter().enumerate() {
         assert_eq!(*g, b as u8 as i8 as f32, "int8 code {b:#x}");
     }
-    let spec = QuantSpec { codes: Codes::I4, block: [1, 2], global: None };
+    let spec = QuantSpec::new(Codes::I4, [1, 2], None);
     let packed: Vec<u8> = (0..=255).collect();
     let w = vals::<f32>(&run(Op::Dequantize(spec), &[&t(packed, &[256, 1]), &f32s(&[0.5; 256], &[256, 1])]));
     for b in 0..256usize {
@@ -67,7 +67,7 @@ fn every_code_decodes() {
         }
     }
     // E8M0 scales: every exponent (0 is 2^-127, 255 NaN), times code 1.0 (0x2 | 0x2 << 4).
-    let spec = QuantSpec { codes: Codes::E2M1, block: [1, 2], global: None };
+    let spec = QuantSpec::new(Codes::E2M1, [1, 2], None);
     let scales = t((0..=255u8).collect::<Vec<_>>(), &[256, 1]);
     let w = vals::<f32>(&run(Op::Dequantize(spec), &[&t(vec![0x22u8; 256], &[256, 1]), &scales]));
     for e in 0..256usize {
@@ -80,7 +80,7 @@ fn every_code_decodes() {
 fn the_quantized_product_is_the_dequantized_one() {
     let _off = super::batch_invariance(false);
     let (n, k) = (37, 24);
-    let e4 = QuantSpec { codes: Codes::E4M3, block: [16, 8], global: None };
+    let e4 = QuantSpec::new(Codes::E4M3, [16, 8], None);
     let e4_codes = e4m3(&(0..n * k).map(|i| ((i * 7 % 29) as f32 - 14.0) * 0.5).collect::<Vec<_>>(), &[n, k]);
     let i8_codes = host(HostBuffer::I8(bytes(n * k, 4).into_iter().map(|b| b as i8).collect()), &[n, k]);
     let i4_codes = t(bytes(n * k / 2, 5), &[n, k / 2]);
@@ -106,7 +106,7 @@ fn product_matches_dequantized(spec: &QuantSpec, codes: &Tensor, k: usize) {
 }
 
 /// Deterministic pseudo-random bytes.
-fn bytes(n: usize, seed: u64) -> Vec<u8> {
+pub(super) fn bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
@@ -114,6 +114,54 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
             (s >> 40) as u8
         })
         .collect()
+}
+
+/// A random quantized weight `n x k` of `spec` with scales of `scale_kind`
+/// (`f32`, `e4m3` or `e8m0`): its codes' bytes and tensor, its scales'
+/// buffer and tensor. E4M3 codes avoid NaN.
+pub(super) struct RandomWeight {
+    pub codes: Vec<u8>,
+    pub codes_t: Tensor,
+    pub scale_buf: HostBuffer,
+    pub scales_t: Tensor,
+}
+
+impl RandomWeight {
+    pub fn new(spec: &QuantSpec, scale_kind: &str, n: usize, k: usize) -> RandomWeight {
+        let e4m3_codes = |n: usize| bytes(n, 1).into_iter().map(|b| if b & 0x7F == 0x7F { b ^ 1 } else { b }).collect();
+        let [sr, sc] = spec.scales_shape(n, k);
+        let (codes, codes_t) = match spec.codes {
+            Codes::E4M3 => {
+                let c: Vec<u8> = e4m3_codes(n * k);
+                (c.clone(), host(HostBuffer::F8E4M3FN(c.into_iter().map(f8e4m3fn::from_bits).collect()), &[n, k]))
+            }
+            Codes::E2M1 | Codes::I4 => {
+                let c = bytes(n * k / 2, 2);
+                (c.clone(), t(c, &[n, k / 2]))
+            }
+            Codes::I8 => {
+                let c = bytes(n * k, 2);
+                (c.clone(), host(HostBuffer::I8(c.into_iter().map(|b| b as i8).collect()), &[n, k]))
+            }
+        };
+        let sv = bytes(sr * sc, 3);
+        let (scale_buf, scales_t) = match scale_kind {
+            "f32" => {
+                let v: Vec<f32> = sv.iter().map(|&b| 0.5 + b as f32 / 128.0).collect();
+                (HostBuffer::F32(v.clone()), f32s(&v, &[sr, sc]))
+            }
+            // E4M3 scales between 2^-3 and 2^4 (exponent field 4..11), E8M0 around 1.
+            "e4m3" => {
+                let v: Vec<f8e4m3fn> = sv.iter().map(|&b| f8e4m3fn::from_bits(0x20 + b % 0x40)).collect();
+                (HostBuffer::F8E4M3FN(v.clone()), host(HostBuffer::F8E4M3FN(v), &[sr, sc]))
+            }
+            _ => {
+                let v: Vec<u8> = sv.iter().map(|&b| 120 + b % 16).collect();
+                (HostBuffer::U8(v.clone()), t(v, &[sr, sc]))
+            }
+        };
+        RandomWeight { codes, codes_t, scale_buf, scales_t }
+    }
 }
 
 /// Note [Codes decoded in the registers]: with wide steps and without, for
@@ -125,15 +173,14 @@ fn codes_decoded_in_the_registers_are_the_dequantized_weight() {
     use crate::kernels::quant::Scales;
     use crate::kernels::quant_rowdot::{applies, QuantRowDot};
     use kiln_tensor::Layout;
-    let e4m3_codes = |n: usize| bytes(n, 1).into_iter().map(|b| if b & 0x7F == 0x7F { b ^ 1 } else { b }).collect();
     for (spec, scale_kind) in [
-        (QuantSpec { codes: Codes::E4M3, block: [128, 128], global: None }, "f32"),
-        (QuantSpec { codes: Codes::E4M3, block: [3, 48], global: None }, "f32"),
-        (QuantSpec { codes: Codes::E4M3, block: [1, 1000], global: None }, "f32"),
-        (QuantSpec { codes: Codes::E2M1, block: [1, 16], global: Some(Global::Mul(0.75)) }, "e4m3"),
-        (QuantSpec { codes: Codes::E2M1, block: [1, 32], global: None }, "e8m0"),
-        (QuantSpec { codes: Codes::I8, block: [1, 32], global: None }, "f32"),
-        (QuantSpec { codes: Codes::I4, block: [1, 32], global: None }, "f32"),
+        (QuantSpec::new(Codes::E4M3, [128, 128], None), "f32"),
+        (QuantSpec::new(Codes::E4M3, [3, 48], None), "f32"),
+        (QuantSpec::new(Codes::E4M3, [1, 1000], None), "f32"),
+        (QuantSpec::new(Codes::E2M1, [1, 16], Some(Global::Mul(0.75))), "e4m3"),
+        (QuantSpec::new(Codes::E2M1, [1, 32], None), "e8m0"),
+        (QuantSpec::new(Codes::I8, [1, 32], None), "f32"),
+        (QuantSpec::new(Codes::I4, [1, 32], None), "f32"),
     ] {
         for &(n, k) in &[(37usize, 336usize), (9, 330), (5, 64), (6, 16), (4, 10)] {
             if !applies(&spec, k) {
@@ -141,37 +188,8 @@ fn codes_decoded_in_the_registers_are_the_dequantized_weight() {
                 assert!(spec.block[1] % 16 != 0 && spec.block[1] < k, "{spec:?}, k {k}");
                 continue;
             }
+            let RandomWeight { codes, codes_t, scale_buf, scales_t } = RandomWeight::new(&spec, scale_kind, n, k);
             let [sr, sc] = spec.scales_shape(n, k);
-            let (codes, codes_t) = match spec.codes {
-                Codes::E4M3 => {
-                    let c: Vec<u8> = e4m3_codes(n * k);
-                    (c.clone(), host(HostBuffer::F8E4M3FN(c.into_iter().map(f8e4m3fn::from_bits).collect()), &[n, k]))
-                }
-                Codes::E2M1 | Codes::I4 => {
-                    let c = bytes(n * k / 2, 2);
-                    (c.clone(), t(c, &[n, k / 2]))
-                }
-                Codes::I8 => {
-                    let c = bytes(n * k, 2);
-                    (c.clone(), host(HostBuffer::I8(c.into_iter().map(|b| b as i8).collect()), &[n, k]))
-                }
-            };
-            let sv = bytes(sr * sc, 3);
-            let (scale_buf, scales_t) = match scale_kind {
-                "f32" => {
-                    let v: Vec<f32> = sv.iter().map(|&b| 0.5 + b as f32 / 128.0).collect();
-                    (HostBuffer::F32(v.clone()), f32s(&v, &[sr, sc]))
-                }
-                // E4M3 scales between 2^-3 and 2^4 (exponent field 4..11), E8M0 around 1.
-                "e4m3" => {
-                    let v: Vec<f8e4m3fn> = sv.iter().map(|&b| f8e4m3fn::from_bits(0x20 + b % 0x40)).collect();
-                    (HostBuffer::F8E4M3FN(v.clone()), host(HostBuffer::F8E4M3FN(v), &[sr, sc]))
-                }
-                _ => {
-                    let v: Vec<u8> = sv.iter().map(|&b| 120 + b % 16).collect();
-                    (HostBuffer::U8(v.clone()), t(v, &[sr, sc]))
-                }
-            };
             let w = vals::<f32>(&run(Op::Dequantize(spec.clone()), &[&codes_t, &scales_t]));
             let layout = Layout::contiguous(&[sr, sc]);
             let scales = Scales::new(&crate::kernels::Input { buf: &scale_buf, layout: &layout }, spec.global).unwrap();
@@ -208,7 +226,7 @@ fn codes_decoded_in_the_registers_are_the_dequantized_weight() {
 fn nan_codes_give_nan_products() {
     let _off = super::batch_invariance(false);
     let (n, k) = (4usize, 90usize);
-    let spec = QuantSpec { codes: Codes::E4M3, block: [1, 16], global: None };
+    let spec = QuantSpec::new(Codes::E4M3, [1, 16], None);
     let mut c = vec![0x38u8; n * k];
     c[k + 5] = 0x7F;
     c[2 * k + 70] = 0xFF;

@@ -36,10 +36,10 @@ pub fn pack_blocks(ty: GgmlType, bytes: &[u8], out: usize, inp: usize) -> Result
     if ty == GgmlType::Q4_0 {
         // Codes -8..7 as nibbles q + 8, element 2t low and 2t + 1 high in byte t.
         let packed: Vec<u8> = codes.chunks_exact(2).map(|p| ((p[0] + 8) as u8) | (((p[1] + 8) as u8) << 4)).collect();
-        let spec = QuantSpec { codes: Codes::I4, block: [1, g], global: None };
+        let spec = QuantSpec::new(Codes::I4, [1, g], None);
         return QuantizedWeight::new(spec, Tensor::from_vec(packed, &[out, inp / 2])?, scales);
     }
-    let spec = QuantSpec { codes: Codes::I8, block: [1, g], global: None };
+    let spec = QuantSpec::new(Codes::I8, [1, g], None);
     QuantizedWeight::new(spec, Tensor::from_vec(codes, &[out, inp])?, scales)
 }
 

@@ -34,7 +34,7 @@ pub fn gpt_oss_mxfp4_experts(blocks: &Tensor, scales: &Tensor) -> Result<Vec<Qua
         )));
     }
     let [experts, out, groups] = [blocks.shape()[0], blocks.shape()[1], blocks.shape()[2]];
-    let spec = QuantSpec { codes: Codes::E2M1, block: [1, 32], global: None };
+    let spec = QuantSpec::new(Codes::E2M1, [1, 32], None);
     (0..experts as isize)
         .map(|e| {
             let codes = blocks.select(0, e)?.reshape_to(&[out, groups * 16])?.contiguous()?;
