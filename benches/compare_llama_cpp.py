@@ -28,6 +28,7 @@ Usage:
     cargo build --release -p kiln-bench
     $PY benches/compare_llama_cpp.py [--only f32,bf16,q8_0,q4_0] [--rounds 3]
         [--prompt 16] [--new-tokens 32] [--threads 2] [--kiln-bin PATH] [--out PATH]
+        [--no-extra-bufts]
 """
 import argparse
 import json
@@ -117,7 +118,21 @@ def write_gguf(path, qtype, rng):
 
 def llama_decode(path, args, rng):
     """tokens/s of llama.cpp's batch-1 greedy decode: the median of `steps` runs."""
+    import llama_cpp
     from llama_cpp import Llama
+
+    if not args.extra_bufts:
+        # llama.cpp's extra CPU buffer types (weights repacked for its AVX-512 and
+        # AMX kernels) off: on some CPUs (a Xeon with AMX in a VM) its AMX path
+        # crashes in the first decode.
+        default = llama_cpp.llama_cpp.llama_model_default_params
+
+        def without_extra_bufts():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = without_extra_bufts
 
     llm = Llama(model_path=str(path), n_ctx=args.prompt + args.new_tokens + 8, n_threads=args.threads,
                 n_threads_batch=args.threads, n_batch=args.prompt + args.new_tokens + 8, verbose=False)
@@ -159,6 +174,8 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--kiln-bin", default=str(ROOT / "target/release/kiln-bench"))
     ap.add_argument("--out")
+    ap.add_argument("--no-extra-bufts", dest="extra_bufts", action="store_false",
+                    help="llama.cpp without its repacked (AVX-512 / AMX) weight buffers")
     args = ap.parse_args()
     if args.preset != "qwen3-0.6b":
         sys.exit("compare_llama_cpp.py: only the qwen3-0.6b preset has GGUF shapes here")
@@ -188,7 +205,8 @@ def main():
                         "kiln_weights": w, "kiln_tokens_per_s": round(k, 2), "llama_cpp_tokens_per_s": round(ll, 2),
                         "ratio": round(k / ll, 3), "kiln_roofline_fraction": last[w].get("roofline_fraction"),
                         "kiln_weight_gb_per_token": last[w].get("weight_gb_per_token"),
-                        "rounds": args.rounds, "threads": args.threads, "cpu": cpu}
+                        "rounds": args.rounds, "threads": args.threads, "cpu": cpu,
+                        "llama_cpp_extra_bufts": args.extra_bufts}
                 print(json.dumps(line), flush=True)
                 lines.append(line)
     if args.out:
