@@ -131,11 +131,12 @@ pub struct QuantSpec {
 // Why: with `x` as small integers, the products of integer codes (`I8`,
 // `I4`, and `E2M1`, whose values are integers once doubled) are integer
 // multiply-adds, 64 per instruction with AVX512-VNNI (`vpdpbusd`), where
-// float32 products take 16 and the codes must first become floats; a
-// decoding step streams 4-bit codes at memory speed only this way. The cost
+// float32 products take 16 and the codes must first become floats: where
+// decoding codes, not reading them, bounds a decoding step, this is the
+// cheaper product. The cost
 // is accuracy: each input element moves by up to `d / 2` (0.4% of its
 // block's largest element), so `Exact` stays the default and `Int8` is asked
-// for by name (`QuantizedLoad::KeepInt8`, `Linear::set_activations`).
+// for by name (`quantize::set_quantized_activations`, `Linear::set_activations`).
 // Rounding has no useful derivative: a product with `Int8` activations
 // refuses to differentiate its input (inference only).
 
