@@ -158,6 +158,11 @@ impl Int8Dot<'_> {
         if m == 0 || n == 0 {
             return;
         }
+        if k == 0 {
+            // Sums over no columns (and tiles would hold no scales).
+            out.fill(0.0);
+            return;
+        }
         let blocks = k.div_ceil(ACTIVATION_BLOCK);
         let lanes = m * kp / 4;
         let (mut start, mut dx) = (vec![0i32; lanes], vec![0f32; lanes]);

@@ -95,6 +95,11 @@ impl QuantRowDot<'_> {
         if m == 0 || n == 0 {
             return;
         }
+        if k == 0 {
+            // Sums over no columns (and tiles would hold no scales).
+            out.fill(0.0);
+            return;
+        }
         let out = OutPtr(out.as_mut_ptr());
         // Codes 64 at a time where the CPU has byte permutes, with `x` in the
         // order they come out in.

@@ -160,3 +160,21 @@ fn non_finite_rows_give_nan_and_zero_rows_zero() {
     assert!(y[..n].iter().all(|&v| v == 0.0), "{y:?}");
     assert!(y[n..].iter().all(|v| v.is_nan()), "{y:?}");
 }
+
+/// A product over no columns is zeros on every path, with int8 activations
+/// and without.
+#[test]
+fn products_of_zero_depth_are_zeros() {
+    let _off = batch_invariance(false);
+    for spec in [QuantSpec::new(Codes::I8, [1, 32], None), QuantSpec::new(Codes::E4M3, [1, 32], None)] {
+        let codes = RandomWeight::new(&spec, "f32", 3, 0);
+        for activations in [Activations::Exact, Activations::Int8] {
+            let spec = spec.clone().with_activations(activations);
+            for m in [1usize, 12] {
+                let x = f32s(&[], &[m, 0]);
+                let y = vals::<f32>(&run(Op::QuantMatMul(spec.clone()), &[&x, &codes.codes_t, &codes.scales_t]));
+                assert_eq!(y, vec![0.0; m * 3], "{spec:?}, {m} rows");
+            }
+        }
+    }
+}
