@@ -125,7 +125,9 @@ pub struct QuantSpec {
 // division, ties away from zero; |q| <= 127), 0 where `d` is 0, and NaN
 // throughout a block whose `amax` is not finite. The product is then
 // `round8(x) @ dequantize(W).T`, summed in float32: every device and kernel
-// computes that value and differs only in the order of the float32 sums.
+// computes that value and differs only in float32 rounding (the order of the
+// sums, and whether `q * d` is rounded before it multiplies: the integer
+// products never round it).
 // bfloat16 and float16 inputs are widened (exactly) before they are rounded.
 //
 // Why: with `x` as small integers, the products of integer codes (`I8`,
