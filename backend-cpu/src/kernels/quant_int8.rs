@@ -199,7 +199,7 @@ const TILE_C: usize = 4;
 mod x86 {
     use super::{Plan, STEP, TILE_C, TILE_R};
     use crate::kernels::iter::OutPtr;
-    use kiln_tensor::quant::{Codes, E2M1_VALUES};
+    use kiln_tensor::quant::Codes;
     use std::arch::x86_64::*;
 
     /// Columns `j0..j1` of every row, in R x C tiles (edge tiles narrower).
@@ -292,11 +292,8 @@ mod x86 {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw")]
         fn new() -> Consts {
-            let twice = |c: usize| {
-                let v = 2.0 * E2M1_VALUES[c & 7];
-                (if c & 8 != 0 { -v } else { v }) as i8 + 12
-            };
-            let table: [i8; 64] = std::array::from_fn(|c| twice(c % 16));
+            let values = Codes::E2M1.nibble_values().expect("E2M1 codes are nibbles");
+            let table: [i8; 64] = std::array::from_fn(|c| (2.0 * values[c % 16]) as i8 + 12);
             Consts {
                 sign: _mm512_set1_epi8(-128),
                 nibbles: _mm512_set1_epi16(0x0F0F),
