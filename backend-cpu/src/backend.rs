@@ -41,14 +41,15 @@ impl Backend for CpuBackend {
     }
 
     /// On a thread of rayon's global pool, where the kernels fork (Note
-    /// [Loops on the compute threads] in kiln-tensor); in place on one already.
+    /// [Loops on the compute threads] in kiln-tensor), as the leader of a team
+    /// of the pool's threads (Note [Teams of compute threads]).
     fn run_on_compute_threads(&self, f: &mut (dyn FnMut() + Send)) {
         if rayon::current_thread_index().is_some() {
-            return f();
+            return crate::team::lead(f);
         }
         // From outside the pool, `join` runs both closures on its threads and
         // waits: `f` runs on a pool thread, the empty one beside it.
-        rayon::join(f, || ());
+        rayon::join(|| crate::team::lead(f), || ());
     }
 
     fn from_host(&self, buf: HostBuffer, device: Device) -> Result<Arc<Storage>> {

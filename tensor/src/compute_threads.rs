@@ -12,7 +12,9 @@ use crate::{DType, Device};
 // for its own thread and the pool's other threads, still awake from the
 // previous op, take the rest without being woken: 64 bf16 products of one row
 // by a [256, 1024] weight took 18 µs each from outside the pool and 9 µs from
-// inside (EPYC Zen 5, two threads).
+// inside (EPYC Zen 5, two threads). How long the other threads stay awake is
+// the backend's business: the CPU's keep them spinning for the whole loop
+// (Note [Teams of compute threads] in kiln-cpu).
 //
 // `on_compute_threads(device, f)` therefore runs `f` (a decoding loop, a
 // serving engine's step) on such a thread where the device's backend has one

@@ -19,13 +19,13 @@
 //! rounded once at the end.
 use super::copy::{contiguous, narrow_f32, widen_f32};
 use super::elem::Elem;
+use super::iter::{fork_chunks, fork_zip};
 use super::matmul::{gemm_small, GemmElem, MatRef};
 use super::simd::{dispatch, Kernel};
 use super::softmax::{fmax, SoftFloat};
 use super::{buf, Input};
 use half::{bf16, f16};
 use kiln_tensor::{DType, Error, HostBuffer, Layout, Result};
-use rayon::prelude::*;
 
 /// Query rows per block: the scratch scores of a block are `BLOCK x S`.
 const BLOCK: usize = 64;
@@ -207,9 +207,9 @@ fn forward_typed<F: AttnFloat>(q: Operand<'_, F>, k: Operand<'_, F>, v: Operand<
     let (oc, lc) = (t * dv.max(1), t);
     if dv == 0 {
         // No output columns: only the log-sum-exps.
-        lse.par_chunks_mut(lc).enumerate().for_each(|(bh, l)| task(bh, &mut [], l));
+        fork_chunks(&mut lse, lc, 1, &|bh, l| task(bh, &mut [], l));
     } else {
-        out.par_chunks_mut(oc).zip(lse.par_chunks_mut(lc)).enumerate().for_each(|(bh, (o, l))| task(bh, o, l));
+        fork_zip(&mut out, oc, &mut lse, lc, &|bh, o, l| task(bh, o, l));
     }
     (out, lse)
 }
@@ -318,7 +318,11 @@ fn backward_typed<F: AttnFloat>(ops: [Operand<'_, F>; 5], lse: &[F], dm: Dims) -
     }
     let (qc, kc, vc) =
         (chunks(&mut dq, dm.group() * tq, groups), chunks(&mut dk, tk, groups), chunks(&mut dv, tv, groups));
-    qc.into_par_iter().zip(kc).zip(vc).enumerate().for_each(|(bk, ((dq, dk), dv))| task(bk, dq, dk, dv));
+    let mut parts: Vec<_> = qc.into_iter().zip(kc).zip(vc).map(|((dq, dk), dv)| (dq, dk, dv)).collect();
+    fork_chunks(&mut parts, 1, 1, &|bk, p| {
+        let (dq, dk, dv) = &mut p[0];
+        task(bk, dq, dk, dv)
+    });
     (dq, dk, dv)
 }
 

@@ -82,13 +82,12 @@ pub(crate) fn widen_f32<T: Elem>(x: &Input<'_>) -> Result<Vec<f32>> {
 
 /// f32 results rounded once into `T` (split across threads when large).
 pub(crate) fn narrow_f32<T: Elem>(v: Vec<f32>) -> Vec<T> {
-    use rayon::prelude::*;
     if v.len() < super::iter::PAR_MIN {
         return v.into_iter().map(T::of_f32).collect();
     }
     let mut out = vec![T::of_f32(0.0); v.len()];
-    out.par_chunks_mut(super::iter::PAR_MIN).zip(v.par_chunks(super::iter::PAR_MIN)).for_each(|(o, s)| {
-        for (o, &s) in o.iter_mut().zip(s) {
+    super::iter::fork_chunks(&mut out, super::iter::PAR_MIN, 1, &|i, o| {
+        for (o, &s) in o.iter_mut().zip(&v[i * super::iter::PAR_MIN..]) {
             *o = T::of_f32(s);
         }
     });

@@ -4,9 +4,9 @@
 // Only x86-64 Linux has the unit here; elsewhere `available()` is false.
 #![cfg_attr(not(all(target_arch = "x86_64", target_os = "linux")), allow(dead_code, unused_imports))]
 use super::elem::{assume_init, uninit};
-use super::iter::OutPtr;
+use super::iter::{fork_chunks, OutPtr};
+use crate::team::fork;
 use half::bf16;
-use rayon::prelude::*;
 
 // Note [bf16 products on tiles]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -143,7 +143,7 @@ pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize,
     let pb = pack_b(b, k, n);
     let (row_tasks, col_tasks) = (m.div_ceil(MC), n.div_ceil(NC));
     let out = OutPtr(out.as_mut_ptr());
-    (0..row_tasks * col_tasks).into_par_iter().for_each(|t| {
+    fork(row_tasks * col_tasks, &|t| {
         let (i0, j0) = ((t / col_tasks) * MC, (t % col_tasks) * NC);
         let (rows, cols) = ((m - i0).min(MC), (n - j0).min(NC));
         // Pairs of panels: the packed operands hold whole pairs.
@@ -201,7 +201,7 @@ thread_local! {
 /// rather than all at once beforehand on the caller's thread).
 fn panels(extent: usize, len: usize, fill: impl Fn(usize, usize, &mut [bf16]) + Sync) -> Vec<bf16> {
     let mut v = uninit::<bf16>(extent.div_ceil(2 * T) * 2 * len);
-    v.par_chunks_mut(len.max(1)).enumerate().for_each(|(panel, dst)| {
+    fork_chunks(&mut v, len.max(1), 1, &|panel, dst| {
         for d in dst.iter_mut() {
             d.write(bf16::ZERO);
         }

@@ -1,7 +1,7 @@
 //! Strided loop nests: several operands of one shape walked together, with
 //! mergeable dims merged, innermost runs handed to the kernel, and large work
 //! split across threads.
-use rayon::prelude::*;
+use crate::team::fork;
 use smallvec::SmallVec;
 
 /// Work (in element-operations) below which a kernel stays on the calling thread:
@@ -11,14 +11,21 @@ pub(crate) const PAR_MIN: usize = 32 * 1024;
 /// Side of the blocks a tiled walk uses (see `Nest::tile_band`).
 const TILE: usize = 64;
 
-/// Number of threads kernels split large work across.
+/// Number of threads kernels split large work across (rayon's pool, whose
+/// threads make the teams of Note [Teams of compute threads]).
 pub(crate) fn threads() -> usize {
     rayon::current_num_threads()
 }
 
-/// A pointer that may cross to rayon's threads: each task writes a disjoint range.
-#[derive(Clone, Copy)]
+/// A pointer that may cross to the compute threads: each task writes a disjoint range.
 pub(crate) struct OutPtr<T>(pub(crate) *mut T);
+// By hand: a derive would ask `T: Copy`, and the pointer is `Copy` whatever `T` is.
+impl<T> Clone for OutPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for OutPtr<T> {}
 // SAFETY: the pointer is only used to write disjoint ranges of one allocation
 // that outlives the parallel loop (every user says how its ranges are disjoint).
 unsafe impl<T: Send> Send for OutPtr<T> {}
@@ -43,7 +50,7 @@ pub(crate) fn column_ranges(m: usize, n: usize, k: usize, tile: usize, f: impl F
     }
     let parts = (threads() * 4).min(n.div_ceil(tile)).max(1);
     let per = n.div_ceil(parts).next_multiple_of(tile);
-    (0..n.div_ceil(per)).into_par_iter().for_each(|p| f(p * per, ((p + 1) * per).min(n)));
+    fork(n.div_ceil(per), &|p| f(p * per, ((p + 1) * per).min(n)));
 }
 
 /// A loop nest over `N` operands that share a shape, each with its own strides
@@ -224,10 +231,12 @@ pub(crate) fn tasks_for(n: usize, cost: usize) -> usize {
 
 // Note [Parallel helpers take &dyn]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// The helpers below take their task as `&dyn Fn`: rayon's plumbing is then
-// compiled once per element type instead of once per kernel closure (hundreds of
-// them), which keeps the crate's compile time and code size down. The kernel's
-// loop lives inside the closure, fully inlined; only the call per task is indirect.
+// The helpers below take their task as `&dyn Fn`: the fork's plumbing (the
+// team's and rayon's, Note [Teams of compute threads]) is then compiled once
+// per element type instead of once per kernel closure (hundreds of them), which
+// keeps the crate's compile time and code size down. The kernel's loop lives
+// inside the closure, fully inlined; only the call per task is indirect. Every
+// parallel loop of the kernels goes through `team::fork`, directly or here.
 
 /// Runs `f(start, chunk)` over consecutive chunks of `out`, in parallel when the
 /// work (`cost` element-operations per item) is large enough to pay for it.
@@ -246,7 +255,26 @@ pub(crate) fn par_chunks_by<T: Send>(out: &mut [T], cost: usize, granule: usize,
         return;
     }
     let chunk = n.div_ceil(tasks).next_multiple_of(granule.max(1)).min(n);
-    out.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i * chunk, c));
+    fork_chunks(out, chunk, 1, &|i, c| f(i * chunk, c));
+}
+
+/// Runs `f(i, piece)` over the consecutive `len`-sized pieces of `out` (the
+/// last may be shorter), `per_task` pieces to a task, through `fork`: the one
+/// place that hands disjoint pieces of one slice to tasks.
+pub(crate) fn fork_chunks<T: Send>(out: &mut [T], len: usize, per_task: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
+    let (n, len, per_task) = (out.len(), len.max(1), per_task.max(1));
+    let pieces = n.div_ceil(len);
+    let ptr = OutPtr(out.as_mut_ptr());
+    fork(pieces.div_ceil(per_task), &|t| {
+        for i in t * per_task..((t + 1) * per_task).min(pieces) {
+            let start = i * len;
+            let end = (start + len).min(n);
+            // SAFETY: piece `i` is `out[i * len..]` up to `len` elements; pieces
+            // never overlap and each is given to exactly one task, and `out`'s
+            // borrow outlives `fork`, which returns after every task.
+            f(i, unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) });
+        }
+    });
 }
 
 /// Runs `f(start, end)` over a split of `0..n`, in parallel when large, and
@@ -267,8 +295,34 @@ pub(crate) fn par_ranges_by<R: Send>(
         return vec![f(0, n)];
     }
     let chunk = n.div_ceil(tasks).next_multiple_of(granule.max(1));
-    let tasks = n.div_ceil(chunk);
-    (0..tasks).into_par_iter().map(|i| f((i * chunk).min(n), ((i + 1) * chunk).min(n))).collect()
+    fork_map(n.div_ceil(chunk), &|i| f((i * chunk).min(n), ((i + 1) * chunk).min(n)))
+}
+
+/// `f(i)` for every `i < tasks` through `fork`, the results in order.
+pub(crate) fn fork_map<R: Send>(tasks: usize, f: &(dyn Fn(usize) -> R + Sync)) -> Vec<R> {
+    let mut out: Vec<Option<R>> = (0..tasks).map(|_| None).collect();
+    fork_chunks(&mut out, 1, 1, &|i, r| r[0] = Some(f(i)));
+    out.into_iter().map(|r| r.expect("fork runs every task")).collect()
+}
+
+/// A task of `fork_zip`: the piece's index and its two pieces.
+type ZipTask<'a, A, B> = dyn Fn(usize, &mut [A], &mut [B]) + Sync + 'a;
+
+/// `fork_chunks` over two slices cut into the same number of pieces
+/// (`a` into `la`-sized ones, `b` into `lb`-sized ones): `f(i, a_i, b_i)`.
+pub(crate) fn fork_zip<A: Send, B: Send>(a: &mut [A], la: usize, b: &mut [B], lb: usize, f: &ZipTask<'_, A, B>) {
+    let (la, lb) = (la.max(1), lb.max(1));
+    let pieces = a.len().div_ceil(la).min(b.len().div_ceil(lb));
+    let pb = OutPtr(b.as_mut_ptr());
+    let nb = b.len();
+    let na = (pieces * la).min(a.len());
+    fork_chunks(&mut a[..na], la, 1, &|i, a_i| {
+        let start = i * lb;
+        // SAFETY: as in `fork_chunks`: piece `i` of `b` is given to the task of
+        // piece `i` of `a` only, pieces are disjoint, `i < pieces` keeps `start`
+        // inside `b`, and `b`'s borrow outlives the fork.
+        f(i, a_i, unsafe { std::slice::from_raw_parts_mut(pb.get().add(start), (start + lb).min(nb) - start) })
+    });
 }
 
 /// Runs `f(i, block)` over the consecutive `block`-sized pieces of `out`, in
@@ -285,5 +339,5 @@ pub(crate) fn par_blocks<T: Send>(out: &mut [T], block: usize, cost: usize, f: &
         return;
     }
     let min_len = (PAR_MIN / block.saturating_mul(cost.max(1)).max(1)).max(1);
-    out.par_chunks_mut(block).with_min_len(min_len).enumerate().for_each(|(i, c)| f(i, c));
+    fork_chunks(out, block, min_len, f);
 }

@@ -10,14 +10,14 @@
 use super::copy::materialize_vec;
 use super::elem::{advise_huge_pages, Elem};
 use super::gemm_bf16;
-use super::iter::{par_blocks, threads, Nest, OutPtr};
+use super::iter::{fork_chunks, par_blocks, threads, Nest, OutPtr};
 use super::map::map1;
 use super::rowdot_bf16::{self, RowDot};
 use super::{buf, Input};
+use crate::team::fork;
 use gemm::Parallelism;
 use half::{bf16, f16};
 use kiln_tensor::{numel, with_dtype, DType, Error, HostBuffer, Layout, Meta, Result};
-use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The geometry of one batched product.
@@ -152,7 +152,7 @@ fn rows_along_depth(v: &[bf16], off: usize, rows: usize, depth: usize, rs: usize
     }
     // The largest index read, so every index below is inside `v`.
     assert!(off + (rows - 1) * rs + (depth - 1) * ds < v.len(), "rows_along_depth: out of bounds");
-    out.par_chunks_mut(BLOCK * depth).enumerate().for_each(|(b, dst)| {
+    fork_chunks(&mut out, BLOCK * depth, 1, &|b, dst| {
         let i0 = b * BLOCK;
         let n_rows = dst.len() / depth;
         for p0 in (0..depth).step_by(BLOCK) {
@@ -272,7 +272,7 @@ fn gemm_batched<T: GemmElem>(a: &[T], b: &[T], g: &Geometry) -> Vec<T> {
     };
     if nb > 1 && threads() > 1 && work < (1 << 22) && nb * work >= GEMM_PAR_MIN {
         // Many small products: one per task.
-        (0..nb).into_par_iter().for_each(|i| run(i, 1));
+        fork(nb, &|i| run(i, 1));
     } else {
         let threads = if work >= GEMM_PAR_MIN { threads() } else { 1 };
         (0..nb).for_each(|i| run(i, threads));
@@ -326,7 +326,7 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
         if parts == 1 {
             part(0, m);
         } else {
-            (0..parts).into_par_iter().for_each(|t| part(t * m / parts, (t + 1) * m / parts));
+            fork(parts, &|t| part(t * m / parts, (t + 1) * m / parts));
         }
         return;
     }
@@ -336,7 +336,7 @@ unsafe fn gemm_one<T: GemmElem>(dst: *mut T, a: &[T], oa: usize, b: &[T], ob: us
     }
     let min = chunk_min(m, k, n, threads);
     let cursor = AtomicUsize::new(0);
-    (0..threads).into_par_iter().for_each(|_| {
+    fork(threads, &|_| {
         // Each claim moves the cursor from s to the chunk's end: no two claims get
         // overlapping columns, and the loop ends once the cursor reaches n.
         while let Ok(s) = cursor

@@ -9,12 +9,12 @@
 //! added. bf16/f16 compute in float32 and round once.
 use super::copy::{contiguous, narrow_f32, widen_f32};
 use super::elem::{assume_init, uninit, zeroed_block, Elem};
+use super::iter::fork_zip;
 use super::simd::{dispatch, Kernel};
 use super::softmax::SoftFloat;
 use super::{buf, Input};
 use half::{bf16, f16};
 use kiln_tensor::{DType, Error, HostBuffer, Result};
-use rayon::prelude::*;
 
 const LANES: usize = 16;
 /// Elements per parallel task (whole rows).
@@ -130,11 +130,11 @@ fn forward_typed<F: NormFloat>(x: &[F], w: &[F], eps: f64) -> (Vec<F>, Vec<F>) {
     let eps = F::of_f64(eps);
     let per = rows_per_task(d);
     let mut y = uninit::<F>(x.len());
-    y.par_chunks_mut(per * d).zip(rstd.par_chunks_mut(per)).enumerate().for_each(|(i, (y, rstd))| {
+    fork_zip(&mut y, per * d, &mut rstd, per, &|i, y, rstd| {
         let x = &x[i * per * d..][..y.len()];
         dispatch(Forward { x, w, y: zeroed_block(y, F::ZERO), rstd, eps });
     });
-    // SAFETY: the chunks of `par_chunks_mut` cover `y`, and `zeroed_block` wrote each.
+    // SAFETY: the pieces `fork_zip` hands out cover `y`, and `zeroed_block` wrote each.
     (unsafe { assume_init(y) }, rstd)
 }
 
@@ -145,19 +145,15 @@ fn backward_typed<F: NormFloat>(x: &[F], w: &[F], rstd: &[F], g: &[F]) -> (Vec<F
     }
     let per = rows_per_task(d);
     let mut dx = uninit::<F>(x.len());
-    let partials: Vec<Vec<F>> = dx
-        .par_chunks_mut(per * d)
-        .enumerate()
-        .map(|(i, dx)| {
-            let (start, len) = (i * per * d, dx.len());
-            let mut dw = F::zeros(d);
-            let rs = &rstd[i * per..][..len / d];
-            let dx = zeroed_block(dx, F::ZERO);
-            dispatch(Backward { x: &x[start..][..len], w, rstd: rs, g: &g[start..][..len], dx, dw: &mut dw });
-            dw
-        })
-        .collect();
-    // SAFETY: the chunks of `par_chunks_mut` cover `dx`, and `zeroed_block` wrote each.
+    let mut partials: Vec<Vec<F>> = vec![Vec::new(); dx.len().div_ceil(per * d)];
+    fork_zip(&mut dx, per * d, &mut partials, 1, &|i, dx, dw| {
+        let (start, len) = (i * per * d, dx.len());
+        dw[0] = F::zeros(d);
+        let rs = &rstd[i * per..][..len / d];
+        let dx = zeroed_block(dx, F::ZERO);
+        dispatch(Backward { x: &x[start..][..len], w, rstd: rs, g: &g[start..][..len], dx, dw: &mut dw[0] });
+    });
+    // SAFETY: the pieces `fork_zip` hands out cover `dx`, and `zeroed_block` wrote each.
     let dx = unsafe { assume_init(dx) };
     let mut dw = F::zeros(d);
     for p in partials {

@@ -24,13 +24,13 @@
 use super::attention::{softmax_prefix, AttnFloat, Dims, HeadForward};
 use super::copy::contiguous;
 use super::elem::Elem;
+use super::iter::fork_map;
 use super::matmul::MatRef;
 use super::simd::{dispatch, Kernel};
 use super::{buf, Input};
 use half::{bf16, f16};
 use kiln_tensor::paged::PagedLayout;
 use kiln_tensor::{DType, Error, HostBuffer, Result};
-use rayon::prelude::*;
 
 /// The identity from the storage type to the compute type, when they are one
 /// type (the direct way reads the cache as it is).
@@ -101,7 +101,7 @@ fn forward<T: Elem, F: AttnFloat>(
     let rows_of = |s: usize| layout.starts[s + 1] - layout.starts[s];
     // The direct way splits a sequence's heads into groups only when there
     // are too few sequences to keep every thread busy.
-    let groups = (2 * rayon::current_num_threads()).div_ceil(seqs.max(1)).clamp(1, hk.max(1));
+    let groups = (2 * super::iter::threads()).div_ceil(seqs.max(1)).clamp(1, hk.max(1));
     let per = hk.div_ceil(groups);
     // Tasks: (sequence, first kv head, end kv head); the gathered way takes one head per task.
     let tasks: Vec<(usize, usize, usize)> = (0..seqs)
@@ -113,45 +113,43 @@ fn forward<T: Elem, F: AttnFloat>(
         })
         .collect();
     // Each task returns its query heads' rows: [(kh1 - kh0) * G, n_s, Dv].
-    let parts: Vec<(usize, usize, Vec<F>)> = tasks
-        .into_par_iter()
-        .map(|(s, kh0, kh1)| {
-            let (r0, rows, len) = (layout.starts[s], rows_of(s), layout.lens[s]);
-            if let Some(same) = direct.filter(|_| rows <= DIRECT_ROWS) {
-                let mut out = vec![<F as Elem>::of_f64(0.0); (kh1 - kh0) * g * rows * dv];
-                let task = Direct { q, kc: same(kc), vc: same(vc), sz, layout, s, heads: (kh0, kh1), out: &mut out };
-                dispatch(task);
-                return (s, kh0, out);
+    let parts: Vec<(usize, usize, Vec<F>)> = fork_map(tasks.len(), &|i| {
+        let (s, kh0, kh1) = tasks[i];
+        let (r0, rows, len) = (layout.starts[s], rows_of(s), layout.lens[s]);
+        if let Some(same) = direct.filter(|_| rows <= DIRECT_ROWS) {
+            let mut out = vec![<F as Elem>::of_f64(0.0); (kh1 - kh0) * g * rows * dv];
+            let task = Direct { q, kc: same(kc), vc: same(vc), sz, layout, s, heads: (kh0, kh1), out: &mut out };
+            dispatch(task);
+            return (s, kh0, out);
+        }
+        let kh = kh0;
+        // The sequence's keys and values of head kh, position by position.
+        let gather = |cache: &[T], width: usize| -> Vec<F> {
+            let mut dst = vec![<F as Elem>::of_f64(0.0); len * width];
+            for (p, out) in dst.chunks_exact_mut(width.max(1)).enumerate().take(len) {
+                let blk = layout.tables[s * layout.max_blocks + p / bs];
+                let row = ((blk * bs + p % bs) * hk + kh) * width;
+                up(&cache[row..row + width], out);
             }
-            let kh = kh0;
-            // The sequence's keys and values of head kh, position by position.
-            let gather = |cache: &[T], width: usize| -> Vec<F> {
-                let mut dst = vec![<F as Elem>::of_f64(0.0); len * width];
-                for (p, out) in dst.chunks_exact_mut(width.max(1)).enumerate().take(len) {
-                    let blk = layout.tables[s * layout.max_blocks + p / bs];
-                    let row = ((blk * bs + p % bs) * hk + kh) * width;
-                    up(&cache[row..row + width], out);
-                }
-                dst
-            };
-            let (ks, vs) = (gather(kc, d), gather(vc, dv));
-            let dm = Dims { b: 1, h, t: rows, d, hk, s: len, dv, scale, causal: true };
-            let mut out = vec![<F as Elem>::of_f64(0.0); g * rows * dv];
-            let mut lse = vec![<F as Elem>::of_f64(0.0); rows];
-            for (gi, o) in out.chunks_mut((rows * dv).max(1)).enumerate().take(g) {
-                let hq = kh * g + gi;
-                dispatch(HeadForward {
-                    dm,
-                    q: MatRef { data: q, off: (r0 * h + hq) * d, rs: h * d, cs: 1 },
-                    k: MatRef { data: &ks, off: 0, rs: d, cs: 1 },
-                    v: MatRef { data: &vs, off: 0, rs: dv, cs: 1 },
-                    out: o,
-                    lse: &mut lse,
-                });
-            }
-            (s, kh, out)
-        })
-        .collect();
+            dst
+        };
+        let (ks, vs) = (gather(kc, d), gather(vc, dv));
+        let dm = Dims { b: 1, h, t: rows, d, hk, s: len, dv, scale, causal: true };
+        let mut out = vec![<F as Elem>::of_f64(0.0); g * rows * dv];
+        let mut lse = vec![<F as Elem>::of_f64(0.0); rows];
+        for (gi, o) in out.chunks_mut((rows * dv).max(1)).enumerate().take(g) {
+            let hq = kh * g + gi;
+            dispatch(HeadForward {
+                dm,
+                q: MatRef { data: q, off: (r0 * h + hq) * d, rs: h * d, cs: 1 },
+                k: MatRef { data: &ks, off: 0, rs: d, cs: 1 },
+                v: MatRef { data: &vs, off: 0, rs: dv, cs: 1 },
+                out: o,
+                lse: &mut lse,
+            });
+        }
+        (s, kh, out)
+    });
     let mut out = vec![<F as Elem>::of_f64(0.0); n * h * dv];
     for (s, kh0, part) in parts {
         let (r0, rows) = (layout.starts[s], rows_of(s));

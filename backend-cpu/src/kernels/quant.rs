@@ -18,6 +18,7 @@
 // few rows do not come here: their codes are decoded in the registers (Note
 // [Codes decoded in the registers]).
 use super::copy::{contiguous, narrow_f32, widen_f32};
+use super::iter::{fork_chunks, fork_map};
 use super::quant_int8::{self, Int8Dot, Int8Rows};
 use super::quant_rowdot::{self, QuantRowDot};
 use super::simd::{dispatch, fmadd, Kernel};
@@ -26,7 +27,6 @@ use gemm::Parallelism;
 use half::{bf16, f16};
 use kiln_tensor::quant::{e8m0, Activations, Codes, Global, QuantSpec};
 use kiln_tensor::{f8e4m3fn, DType, Error, HostBuffer, Result};
-use rayon::prelude::*;
 use std::borrow::Cow;
 
 /// Rows of W dequantized at once by one task.
@@ -321,9 +321,9 @@ pub(crate) fn dequantize(spec: &QuantSpec, codes: &Input<'_>, scales: &Input<'_>
     let (c, s) = (bytes(codes)?, Scales::new(scales, spec.global)?);
     let mut w = vec![0f32; out * inp];
     if inp > 0 {
-        w.par_chunks_mut(TILE * inp)
-            .enumerate()
-            .for_each(|(t, dst)| dispatch(Dequant { spec, inp, codes: &c, scales: &s, r0: t * TILE, dst }));
+        fork_chunks(&mut w, TILE * inp, 1, &|t, dst| {
+            dispatch(Dequant { spec, inp, codes: &c, scales: &s, r0: t * TILE, dst })
+        });
     }
     Ok(buf(w))
 }
@@ -375,13 +375,10 @@ pub(crate) fn quant_matmul(
         return Ok(narrow(out));
     }
     // Each task: one tile of W's rows, giving the output columns [t * TILE, ...).
-    let tiles: Vec<Vec<f32>> = (0..n.div_ceil(TILE))
-        .into_par_iter()
-        .map(|t| {
-            let r0 = t * TILE;
-            dispatch(Tile { spec, k, m, codes: &c, scales: &s, xs: &xs, r0, rows: TILE.min(n - r0) })
-        })
-        .collect();
+    let tiles: Vec<Vec<f32>> = fork_map(n.div_ceil(TILE), &|t| {
+        let r0 = t * TILE;
+        dispatch(Tile { spec, k, m, codes: &c, scales: &s, xs: &xs, r0, rows: TILE.min(n - r0) })
+    });
     let mut out = vec![0f32; m * n];
     for (t, y) in tiles.iter().enumerate() {
         let (c0, rows) = (t * TILE, TILE.min(n - t * TILE));

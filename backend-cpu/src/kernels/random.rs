@@ -2,9 +2,9 @@
 //! easy as 1, 2, 3", SC 2011), the counter-based generator behind kiln's
 //! generators (see `Op::RandomBits`). Counter-based, so blocks are computed
 //! independently, in parallel.
+use super::iter::fork_chunks;
 use super::Input;
 use kiln_tensor::{Error, HostBuffer, Result};
-use rayon::prelude::*;
 
 const M0: u64 = 0xD251_1F53;
 const M1: u64 = 0xCD9E_8D57;
@@ -38,7 +38,7 @@ pub(crate) fn random_bits(state: &Input<'_>, numel: usize) -> Result<Vec<HostBuf
     let k = [key as u32, (key >> 32) as u32];
     let blocks = numel.div_ceil(4);
     let mut out = vec![0i64; numel];
-    out.par_chunks_mut(CHUNK_BLOCKS * 4).enumerate().for_each(|(ci, chunk)| {
+    fork_chunks(&mut out, CHUNK_BLOCKS * 4, 1, &|ci, chunk| {
         for (bi, words) in chunk.chunks_mut(4).enumerate() {
             let b = offset.wrapping_add((ci * CHUNK_BLOCKS + bi) as u64);
             let r = philox4x32_10([b as u32, (b >> 32) as u32, 0, 0], k);

@@ -2,10 +2,9 @@
 //! lowest index).
 use super::copy::copy_into;
 use super::elem::Elem;
-use super::iter::{tasks_for, Nest};
+use super::iter::{fork_chunks, tasks_for, Nest};
 use super::{buf, Input};
 use kiln_tensor::{numel, with_dtype, HostBuffer, Layout, Result, Shape};
-use rayon::prelude::*;
 use std::cmp::Ordering;
 
 /// Ascending order with NaN after everything (torch.sort's order); NaNs are equal.
@@ -66,10 +65,16 @@ fn by_lines<T: Elem>(
                 one(&mut scratch, b, v, ix);
             }
         } else {
-            vals.par_chunks_mut(k)
-                .zip(idxs.par_chunks_mut(k))
-                .zip(&bases)
-                .for_each_init(|| Vec::with_capacity(n), |scratch, ((v, ix), &b)| one(scratch, b, v, ix));
+            let mut lines: Vec<(&mut [T], &mut [i64], usize)> =
+                vals.chunks_mut(k).zip(idxs.chunks_mut(k)).zip(&bases).map(|((v, ix), &b)| (v, ix, b)).collect();
+            // Tasks of many lines each, one scratch buffer per task.
+            let per_task = lines.len().div_ceil(4 * super::iter::threads());
+            fork_chunks(&mut lines, per_task, 1, &|_, lines| {
+                let mut scratch = Vec::with_capacity(n);
+                for (v, ix, b) in lines {
+                    one(&mut scratch, *b, v, ix);
+                }
+            });
         }
     }
     if dim == nd - 1 {
