@@ -168,18 +168,22 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
     let pjrt = a.device.kind() == kiln::DeviceKind::Tpu;
     let stats = |on: bool| if on { kiln::tpu::stats().ok() } else { None };
     let (mut calls, mut after_warmup) = (0usize, None);
-    let times = time_steps(a.warmup, a.steps, || {
-        if calls == a.warmup {
-            after_warmup = stats(pjrt);
-        }
-        calls += 1;
-        opt.zero_grad();
-        let logits = model.forward(&ids, None)?;
-        let loss = causal_lm_loss(&logits, &ids, None)?;
-        loss.backward()?;
-        opt.step()?;
-        losses.push(loss.item_f64()?);
-        Ok(())
+    // The steps run on the compute threads, as a decoding loop does (Note
+    // [Loops on the compute threads]): each op forks to threads still awake.
+    let times = on_compute_threads(a.device, || {
+        time_steps(a.warmup, a.steps, || {
+            if calls == a.warmup {
+                after_warmup = stats(pjrt);
+            }
+            calls += 1;
+            opt.zero_grad();
+            let logits = model.forward(&ids, None)?;
+            let loss = causal_lm_loss(&logits, &ids, None)?;
+            loss.backward()?;
+            opt.step()?;
+            losses.push(loss.item_f64()?);
+            Ok(())
+        })
     })?;
     if kiln::tensor::profile::enabled() {
         eprintln!("kernel time per op over all {} steps:\n{}", a.warmup + a.steps, kiln::tensor::profile::report(40));
