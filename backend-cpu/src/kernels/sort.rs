@@ -2,7 +2,7 @@
 //! lowest index).
 use super::copy::copy_into;
 use super::elem::Elem;
-use super::iter::{fork_chunks, tasks_for, Nest};
+use super::iter::{par_chunks_by, Nest};
 use super::{buf, Input};
 use kiln_tensor::{numel, with_dtype, HostBuffer, Layout, Result, Shape};
 use std::cmp::Ordering;
@@ -59,23 +59,15 @@ fn by_lines<T: Elem>(
                 *di = p.1;
             }
         };
-        if tasks_for(lines, n.max(1) * 8) <= 1 {
+        let mut lines: Vec<(&mut [T], &mut [i64], usize)> =
+            vals.chunks_mut(k).zip(idxs.chunks_mut(k)).zip(&bases).map(|((v, ix), &b)| (v, ix, b)).collect();
+        // Tasks of many lines each (one on this thread when small), one scratch buffer per task.
+        par_chunks_by(&mut lines, n.max(1) * 8, 1, &|_, lines| {
             let mut scratch = Vec::with_capacity(n);
-            for ((v, ix), &b) in vals.chunks_mut(k).zip(idxs.chunks_mut(k)).zip(&bases) {
-                one(&mut scratch, b, v, ix);
+            for (v, ix, b) in lines {
+                one(&mut scratch, *b, v, ix);
             }
-        } else {
-            let mut lines: Vec<(&mut [T], &mut [i64], usize)> =
-                vals.chunks_mut(k).zip(idxs.chunks_mut(k)).zip(&bases).map(|((v, ix), &b)| (v, ix, b)).collect();
-            // Tasks of many lines each, one scratch buffer per task.
-            let per_task = lines.len().div_ceil(4 * super::iter::threads());
-            fork_chunks(&mut lines, per_task, 1, &|_, lines| {
-                let mut scratch = Vec::with_capacity(n);
-                for (v, ix, b) in lines {
-                    one(&mut scratch, *b, v, ix);
-                }
-            });
-        }
+        });
     }
     if dim == nd - 1 {
         return Ok((vals, idxs));

@@ -42,3 +42,19 @@ fn topk_sorted_with_lowest_index_ties() {
     assert_eq!(vals::<f32>(&v), sorted[..5]);
     assert!(vals::<i64>(&i).iter().zip(&sorted[..5]).all(|(&j, &w)| r[j as usize] == w));
 }
+
+#[test]
+fn many_lines_sort_in_parallel_as_one_by_one() {
+    // 64 rows of 200: enough work that the lines are split across tasks.
+    let (rows, n) = (64, 200);
+    let r: Vec<f32> = noise(rows * n, 3).iter().map(|v| (v * 8.0).round()).collect();
+    let (v, i) = run2(Op::Sort { dim: 1, descending: false, stable: true }, &[&f32s(&r, &[rows, n])]);
+    let (v, i) = (vals::<f32>(&v), vals::<i64>(&i));
+    for row in 0..rows {
+        let line = &r[row * n..][..n];
+        let mut want: Vec<(f32, i64)> = line.iter().enumerate().map(|(j, &x)| (x, j as i64)).collect();
+        want.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+        assert_eq!(v[row * n..][..n], want.iter().map(|p| p.0).collect::<Vec<_>>()[..], "row {row}");
+        assert_eq!(i[row * n..][..n], want.iter().map(|p| p.1).collect::<Vec<_>>()[..], "row {row}");
+    }
+}
