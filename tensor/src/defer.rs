@@ -27,7 +27,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 // copy to another device), `synchronize`, or the backend's limit of ops, and
 // right after an op that fails on some input values (`Op::fails_on_data`: an
 // index out of range, an integer division by zero), so that its error
-// surfaces at the call as in the eager modes. A failed check still writes the
+// surfaces at the call as in the eager modes. Such an op is recorded and its
+// program run under one hold of the lock, so that no other thread's read runs
+// the program and takes the error in its place. A failed check still writes the
 // program's values (`Executable::run_then_check`), and the op then runs again
 // on its inputs, eagerly, for the backend's error naming the offending value.
 // The program's results are the storages it made or wrote that
@@ -138,7 +140,10 @@ pub(crate) fn op(
     backend: &dyn Backend,
 ) -> Option<Result<SmallVec<[Arc<Storage>; 2]>>> {
     let limit = deferral(backend, device)?;
-    let recorded = record(limit, device, |p| {
+    // An op that fails on some input values runs its program before the lock
+    // is let go: another thread's read must not run it and take its error.
+    let check = op.fails_on_data(metas);
+    let recorded = record(limit, device, check, |p| {
         let args: Vec<_> = inputs.iter().map(|t| p.read(t)).collect::<Result<_>>()?;
         let storages: SmallVec<[Arc<Storage>; 2]> = outs
             .iter()
@@ -147,14 +152,16 @@ pub(crate) fn op(
         p.tape.op(op, &args, outs, &storages)?;
         Ok(storages)
     });
-    if !op.fails_on_data(metas) || recorded.is_err() {
-        return Some(recorded);
-    }
-    // Its error must surface at the call: the program runs now. When it fails,
-    // the program's values are written all the same, so the op runs again on
-    // its inputs, eagerly, for the error that names the offending value.
-    Some(match flush(device) {
-        Ok(()) => recorded,
+    let (storages, ran) = match recorded {
+        Ok(r) => r,
+        Err(e) => return Some(Err(e)),
+    };
+    // When the check failed, the program's values are written all the same,
+    // so the op runs again on its inputs, eagerly, for the error that names
+    // the offending value.
+    Some(match ran {
+        Ok(()) => Ok(storages),
+        Err(e) if !check => Err(e),
         Err(e) => {
             let ready = inputs.iter().all(|t| !matches!(*t.storage().read(), StorageData::Pending));
             match ready.then(|| backend.exec(op, inputs, outs, device)) {
@@ -173,24 +180,30 @@ pub(crate) fn assign(dst: &Tensor, src: &Tensor) -> Result<bool> {
     if src.device() != device {
         return Ok(false);
     }
-    record(limit, device, |p| {
+    let (recorded, ran) = record(limit, device, false, |p| {
         let s = p.read(src)?;
         p.tape.assign(dst, s, shared_source(&mut p.origins))?;
         dst.storage().replace(StorageData::Pending);
         Ok(true)
-    })
+    })?;
+    ran.map(|()| recorded)
 }
 
-/// Records on `device`'s pending program, which runs when it reaches `limit` ops.
-fn record<R>(limit: usize, device: Device, f: impl FnOnce(&mut Pending) -> Result<R>) -> Result<R> {
+/// Records on `device`'s pending program, and runs the program, under the same
+/// hold of the lock, when `run_now` or when it reaches `limit` ops: what `f`
+/// made, and how that run went.
+fn record<R>(
+    limit: usize,
+    device: Device,
+    run_now: bool,
+    f: impl FnOnce(&mut Pending) -> Result<R>,
+) -> Result<(R, Result<()>)> {
     let mut all = lock();
     let p = pending(&mut all, device);
     let r = f(p)?;
     p.ops += 1;
-    if p.ops >= limit {
-        run_pending(&mut all, device)?;
-    }
-    Ok(r)
+    let ran = if run_now || p.ops >= limit { run_pending(&mut all, device) } else { Ok(()) };
+    Ok((r, ran))
 }
 
 /// Runs `device`'s pending program, if any.
