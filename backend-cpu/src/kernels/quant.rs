@@ -158,6 +158,30 @@ pub(super) fn i4(n: u8) -> f32 {
     (n & 0xF) as i32 as f32 - 8.0
 }
 
+/// A kind of code as a constant parameter: the kernels that decode codes in
+/// the registers are compiled once per kind (`K = code_index(codes)`), so a
+/// step has no branch on the kind; [`code_of`] gives the kind back.
+pub(super) const fn code_index(codes: Codes) -> u8 {
+    match codes {
+        Codes::E4M3 => 0,
+        Codes::E2M1 => 1,
+        Codes::I8 => 2,
+        Codes::I4 => 3,
+    }
+}
+
+/// The kind of code `code_index` gave `k` (`k < 4`).
+#[inline(always)]
+pub(super) const fn code_of(k: u8) -> Codes {
+    match k {
+        0 => Codes::E4M3,
+        1 => Codes::E2M1,
+        2 => Codes::I8,
+        3 => Codes::I4,
+        _ => panic!("code_of: not a code_index"),
+    }
+}
+
 /// The value of element `e` of a row of codes (one by one, for the edges).
 #[inline(always)]
 pub(super) fn code_value(codes: Codes, row: &[u8], e: usize) -> f32 {

@@ -199,6 +199,7 @@ const TILE_C: usize = 4;
 mod x86 {
     use super::{Plan, STEP, TILE_C, TILE_R};
     use crate::kernels::iter::OutPtr;
+    use crate::kernels::quant::{code_index, code_of};
     use kiln_tensor::quant::Codes;
     use std::arch::x86_64::*;
 
@@ -213,20 +214,12 @@ mod x86 {
         // SAFETY (all): forwarded.
         unsafe {
             match plan.job.spec.codes {
-                Codes::I8 => columns_of::<{ Kind::I8 }>(plan, out, j0, j1),
-                Codes::I4 => columns_of::<{ Kind::I4 }>(plan, out, j0, j1),
-                Codes::E2M1 => columns_of::<{ Kind::E2M1 }>(plan, out, j0, j1),
+                Codes::I8 => columns_of::<{ code_index(Codes::I8) }>(plan, out, j0, j1),
+                Codes::I4 => columns_of::<{ code_index(Codes::I4) }>(plan, out, j0, j1),
+                Codes::E2M1 => columns_of::<{ code_index(Codes::E2M1) }>(plan, out, j0, j1),
                 Codes::E4M3 => unreachable!("applies: integer codes only"),
             }
         }
-    }
-
-    /// The kinds of code of the integer products, as a constant parameter.
-    struct Kind;
-    impl Kind {
-        const I8: u8 = 0;
-        const I4: u8 = 1;
-        const E2M1: u8 = 2;
     }
 
     /// [`columns`] for codes of kind `K`.
@@ -369,11 +362,7 @@ mod x86 {
         j: usize,
     ) {
         let job = plan.job;
-        let codes = match K {
-            Kind::I8 => Codes::I8,
-            Kind::I4 => Codes::I4,
-            _ => Codes::E2M1,
-        };
+        let codes = code_of(K);
         let (x, row_bytes) = (job.x, plan.row_bytes);
         let (k, kp, b1) = (x.k, x.kp, job.spec.block[1]);
         let rows: [*const u8; C] = std::array::from_fn(|c| job.codes[(j + c) * row_bytes..].as_ptr());

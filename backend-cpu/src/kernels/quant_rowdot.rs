@@ -180,7 +180,7 @@ const TILE_C: usize = 4;
 mod x86 {
     use super::{Plan, STEP, TILE_C, TILE_R};
     use crate::kernels::iter::OutPtr;
-    use crate::kernels::quant::{code_value, e4m3};
+    use crate::kernels::quant::{code_index, code_of, code_value, e4m3};
     use kiln_tensor::quant::Codes;
     use std::arch::x86_64::*;
 
@@ -213,22 +213,11 @@ mod x86 {
         // SAFETY (all): forwarded.
         unsafe {
             match plan.job.spec.codes {
-                Codes::E4M3 => columns_impl::<WIDE, 0>(plan, out, j0, j1),
-                Codes::E2M1 => columns_impl::<WIDE, 1>(plan, out, j0, j1),
-                Codes::I8 => columns_impl::<WIDE, 2>(plan, out, j0, j1),
-                Codes::I4 => columns_impl::<WIDE, 3>(plan, out, j0, j1),
+                Codes::E4M3 => columns_impl::<WIDE, { code_index(Codes::E4M3) }>(plan, out, j0, j1),
+                Codes::E2M1 => columns_impl::<WIDE, { code_index(Codes::E2M1) }>(plan, out, j0, j1),
+                Codes::I8 => columns_impl::<WIDE, { code_index(Codes::I8) }>(plan, out, j0, j1),
+                Codes::I4 => columns_impl::<WIDE, { code_index(Codes::I4) }>(plan, out, j0, j1),
             }
-        }
-    }
-
-    /// The kind of code `by_codes` compiled for `K`.
-    #[inline(always)]
-    fn kind<const K: u8>() -> Codes {
-        match K {
-            0 => Codes::E4M3,
-            1 => Codes::E2M1,
-            2 => Codes::I8,
-            _ => Codes::I4,
         }
     }
 
@@ -466,7 +455,7 @@ mod x86 {
         // A copy: the constants stay in registers across the tile.
         let consts = *consts;
         let (job, row_bytes) = (&plan.job, plan.row_bytes);
-        let (k, spec, codes) = (job.k, job.spec, kind::<K>());
+        let (k, spec, codes) = (job.k, job.spec, code_of(K));
         let b1 = spec.block[1];
         let scale_cols = k.div_ceil(b1);
         let xs: [&[f32]; R] = std::array::from_fn(|r| &job.x[(i + r) * k..][..k]);
