@@ -151,6 +151,61 @@ fn argmax_argmin_take_first_tie_and_first_nan() {
     assert_eq!(vals::<i64>(&arg(ArgReduceOp::ArgMax, &h, None, false)), [1]);
 }
 
+/// Long contiguous rows (a vocabulary's logits) take a blocked scan: the same
+/// index as element by element, on ties across and within blocks, signed
+/// zeros, and NaNs before, in and after the extreme's block.
+#[test]
+fn long_rows_take_the_first_extreme_and_the_first_nan() {
+    // The index a scan in order finds: the first NaN, else the first extreme.
+    let want = |v: &[f32], max: bool| -> i64 {
+        if let Some(i) = v.iter().position(|x| x.is_nan()) {
+            return i as i64;
+        }
+        let mut b = 0;
+        for (i, &x) in v.iter().enumerate() {
+            if (max && x > v[b]) || (!max && x < v[b]) {
+                b = i;
+            }
+        }
+        b as i64
+    };
+    for (case, n) in [1usize, 7, 16, 33, 1023, 1024, 1025, 3000, 4099].into_iter().enumerate() {
+        // Few distinct values (bf16-exact): ties everywhere; the extremes
+        // planted twice, in two blocks when there are two; signed zeros.
+        let mut v: Vec<f32> = noise(n, case as u64).iter().map(|x| (x * 20.0).round()).collect();
+        for (i, x) in v.iter_mut().enumerate() {
+            if i % 7 == 3 && *x == 0.0 {
+                *x = -0.0;
+            }
+        }
+        v[n / 3] = 40.0;
+        v[n - 1 - n / 5] = 40.0;
+        v[n / 2] = -40.0;
+        v[n - 1] = -40.0;
+        let mut rows = vec![v.clone()];
+        for at in [0, n / 2, n - 1, (n / 3 + 1).min(n - 1)] {
+            let mut w = v.clone();
+            w[at] = f32::NAN;
+            if at + 2 < n {
+                w[at + 2] = f32::NAN;
+            }
+            rows.push(w);
+        }
+        for row in rows {
+            for (op, max) in [(ArgReduceOp::ArgMax, true), (ArgReduceOp::ArgMin, false)] {
+                let expect = want(&row, max);
+                let x = f32s(&row, &[1, n]);
+                assert_eq!(vals::<i64>(&arg(op, &x, Some(1), false)), [expect], "f32 n={n} {op:?}");
+                assert_eq!(vals::<i64>(&arg(op, &x, None, false)), [expect], "f32 flat n={n} {op:?}");
+                let h = t(bf(&row), &[1, n]);
+                assert_eq!(vals::<i64>(&arg(op, &h, Some(1), false)), [expect], "bf16 n={n} {op:?}");
+                let h = t(hf(&row), &[n]);
+                assert_eq!(vals::<i64>(&arg(op, &h, None, false)), [expect], "f16 n={n} {op:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn cumsum_along_each_dim() {
     let x = t((0..24).map(|v| v as f32).collect(), &[2, 3, 4]);
