@@ -348,8 +348,17 @@ pub fn decode(a: &LlmArgs) -> Result<Line> {
     let read_per_token = if head_reads_embedding { bytes } else { bytes - embed };
     let prompt = random_ids(1, a.prompt, cfg.vocab_size, a.device)?;
     let _g = no_grad();
+    // The profile covers the decoding runs, not the random weights' making.
+    kiln::tensor::profile::take();
     let DecodeRuns { times, sleeps, .. } =
         if a.compiled { decode_compiled(a, &model, &prompt)? } else { decode_eager(a, &model, &prompt)? };
+    if kiln::tensor::profile::enabled() {
+        eprintln!(
+            "kernel time per op over all {} runs (prefills included):\n{}",
+            a.warmup + a.steps,
+            kiln::tensor::profile::report(30)
+        );
+    }
     let t = median(&times);
     let tok_s = a.new_tokens as f64 / t;
     let mut out = line("decode", a).set("dtype", dtype.to_string());
