@@ -48,7 +48,9 @@ use std::time::{Duration, Instant};
 //   place); a task that forks again runs its parts in place (on the leader)
 //   or through rayon (on a helper).
 // - A helper with nothing to do for `IDLE` goes back to rayon's pool, where it
-//   sleeps as rayon threads do; the leader's next fork recruits it again. A
+//   sleeps as rayon threads do; the leader's next fork recruits it again, and
+//   the helper, once awake, joins the job that fork posted (a large op is one
+//   long job: a helper that waited for the next one left before it came). A
 //   loop that waits on something else (a user's callback, a slow client)
 //   therefore spins a core for at most that long.
 
@@ -200,13 +202,17 @@ impl Team {
         self.helpers.fetch_add(1, AcqRel);
         ROLE.with(|r| r.set(Role::Helper));
         let _guard = RoleGuard(Role::None);
-        let mut seen = self.epoch.load(Acquire);
+        // Nothing seen yet: a job posted before this helper came (it was
+        // asleep when the fork recruited it) is joined too, else a fork longer
+        // than `IDLE` would run on the leader alone, its helper arriving just
+        // after the post and leaving idle before the next.
+        let mut seen = None;
         let mut idle_since: Option<Instant> = None;
         let mut spins = 0u32;
         while !self.stop.load(Acquire) {
             let epoch = self.epoch.load(Acquire);
-            if epoch != seen {
-                seen = epoch;
+            if seen != Some(epoch) {
+                seen = Some(epoch);
                 self.active.fetch_add(1, SeqCst);
                 let ptr = self.job.load(SeqCst);
                 if !ptr.is_null() {
@@ -289,6 +295,37 @@ mod tests {
                 });
                 assert!(hits.iter().all(|h| h.load(Relaxed) == 3), "{tasks} tasks");
             }
+        });
+    }
+
+    /// A fork that recruits a helper (the first one left idle) posts its job
+    /// before the helper wakes: the helper joins that job, not only later ones.
+    #[test]
+    fn a_helper_joins_the_job_posted_before_it_came() {
+        led(|| {
+            all_helpers_in();
+            // Longer than IDLE without a fork: the helpers go back to the pool.
+            let team = LEADING.with(|l| l.borrow().clone()).expect("a leader");
+            let start = Instant::now();
+            while team.helpers.load(Acquire) > 0 {
+                assert!(start.elapsed() < Duration::from_secs(10), "the helpers never left");
+                std::thread::sleep(IDLE);
+            }
+            // And asleep in rayon's pool, as after a pause in a loop.
+            std::thread::sleep(Duration::from_millis(20));
+            let leader = std::thread::current().id();
+            let elsewhere = AtomicU32::new(0);
+            // One job of 16 tasks of 10 ms: the leader alone takes 160 ms.
+            fork(16, &|_| {
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_millis(10) {
+                    std::hint::spin_loop();
+                }
+                if std::thread::current().id() != leader {
+                    elsewhere.fetch_add(1, Relaxed);
+                }
+            });
+            assert!(elsewhere.load(Relaxed) > 0, "the recruited helpers took none of the job's tasks");
         });
     }
 
