@@ -392,3 +392,39 @@ fn gradients_of_the_wrong_shape_or_dtype_are_errors() {
         assert_err(y[0].sum().unwrap().backward(), &["wrong_gradient", want]);
     }
 }
+
+/// Records whether its CPU kernel ran on a thread of rayon's pool.
+struct WhereAmI(std::sync::Mutex<Vec<bool>>);
+
+impl CustomOp for WhereAmI {
+    fn name(&self) -> &'static str {
+        "where_am_i"
+    }
+    fn infer(&self, inputs: &[Meta]) -> Result<Vec<Meta>> {
+        Ok(vec![inputs[0].clone()])
+    }
+    fn cpu(&self, inputs: &[HostInput<'_>], _outputs: &[Meta]) -> Result<Vec<HostBuffer>> {
+        self.0.lock().unwrap().push(rayon::current_thread_index().is_some());
+        Ok(vec![HostBuffer::F32(inputs[0].contiguous::<f32>()?.into_owned())])
+    }
+}
+
+/// A program captured on the CPU replays on the compute threads (a team's
+/// leader, Note [Teams of compute threads] in kiln-cpu), whatever thread
+/// calls it, as a loop of eager ops run through `on_compute_threads` does.
+#[test]
+fn compiled_programs_replay_on_the_compute_threads() {
+    let probe = Arc::new(WhereAmI(Default::default()));
+    let op: Arc<dyn CustomOp> = probe.clone();
+    let mut step = kiln::compile(Device::Cpu, move |xs: &[Tensor]| {
+        Ok(vec![Tensor::apply_custom(&op, &[&xs[0].add(&xs[0])?])?.remove(0)])
+    });
+    let x = Tensor::new([1.0f32, 2.0]).unwrap();
+    for _ in 0..4 {
+        assert_eq!(step.call(std::slice::from_ref(&x)).unwrap()[0].to_vec::<f32>().unwrap(), [2.0, 4.0]);
+    }
+    assert!(step.stats().replays >= 1, "{:?}", step.stats());
+    assert!(rayon::current_thread_index().is_none(), "the test calls from outside the pool");
+    let seen = probe.0.lock().unwrap().clone();
+    assert_eq!(seen.last(), Some(&true), "the replay's kernel ran on the calling thread: {seen:?}");
+}

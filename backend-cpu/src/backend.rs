@@ -103,12 +103,15 @@ impl Backend for CpuBackend {
     }
 
     /// The interpreter with the CPU's elementwise fusion (Note \[Fused groups\]
-    /// in kiln-tensor); `KILN_CPU_FUSE=0` runs every instruction alone.
+    /// in kiln-tensor; `KILN_CPU_FUSE=0` runs every instruction alone), run
+    /// on the compute threads as a loop of eager ops is.
     fn compile(&self, program: &Program, device: Device) -> Result<Arc<dyn Executable>> {
-        if std::env::var("KILN_CPU_FUSE").is_ok_and(|v| v == "0") {
-            return Ok(Arc::new(Interpreter::new(program.clone(), device)?));
-        }
-        Ok(Arc::new(Interpreter::with_fuser(program.clone(), device, &kernels::CpuFuser)?))
+        let interp = if std::env::var("KILN_CPU_FUSE").is_ok_and(|v| v == "0") {
+            Interpreter::new(program.clone(), device)?
+        } else {
+            Interpreter::with_fuser(program.clone(), device, &kernels::CpuFuser)?
+        };
+        Ok(Arc::new(OnComputeThreads(interp)))
     }
 
     fn nonzero(&self, t: &Tensor) -> Result<Tensor> {
@@ -117,5 +120,21 @@ impl Backend for CpuBackend {
         let (v, n) = kernels::nonzero(&Input { buf, layout: t.layout() })?;
         drop(guards);
         Tensor::from_vec(v, &[n, t.ndim()])
+    }
+}
+
+/// A program whose runs go to the compute threads (`on_compute_threads`,
+/// where the caller's thread may not run it: recording, ...), so that its
+/// instructions fork to a team instead of waking rayon's threads one by one
+/// (Note [Teams of compute threads]).
+struct OnComputeThreads(Interpreter);
+
+impl Executable for OnComputeThreads {
+    fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        kiln_tensor::on_compute_threads(Device::Cpu, || self.0.run(args))
+    }
+
+    fn run_then_check(&self, args: &[Tensor]) -> Result<(Vec<Tensor>, Result<()>)> {
+        kiln_tensor::on_compute_threads(Device::Cpu, || self.0.run_then_check(args))
     }
 }
