@@ -158,6 +158,10 @@ pub(super) fn i4(n: u8) -> f32 {
     (n & 0xF) as i32 as f32 - 8.0
 }
 
+/// Effective scales a register-decoding task keeps on its stack (8 KiB):
+/// four rows of W of up to 512 blocks each; more go to the heap.
+pub(super) const SCALES_ON_STACK: usize = 2048;
+
 /// A kind of code as a constant parameter: the kernels that decode codes in
 /// the registers are compiled once per kind (`K = code_index(codes)`), so a
 /// step has no branch on the kind; [`code_of`] gives the kind back.
