@@ -315,8 +315,9 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             let leader = std::thread::current().id();
             let elsewhere = AtomicU32::new(0);
-            // One job of 16 tasks of 10 ms: the leader alone takes 160 ms.
-            fork(16, &|_| {
+            // One job of 32 tasks of 10 ms: the leader alone takes 320 ms,
+            // time for a woken helper to be scheduled on a busy machine.
+            fork(32, &|_| {
                 let t = Instant::now();
                 while t.elapsed() < Duration::from_millis(10) {
                     std::hint::spin_loop();
