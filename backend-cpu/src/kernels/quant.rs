@@ -27,6 +27,7 @@ use gemm::Parallelism;
 use half::{bf16, f16};
 use kiln_tensor::quant::{e8m0, Activations, Codes, Global, QuantSpec};
 use kiln_tensor::{f8e4m3fn, DType, Error, HostBuffer, Result};
+use smallvec::SmallVec;
 use std::borrow::Cow;
 
 /// Rows of W dequantized at once by one task.
@@ -160,7 +161,14 @@ pub(super) fn i4(n: u8) -> f32 {
 
 /// Effective scales a register-decoding task keeps on its stack (8 KiB):
 /// four rows of W of up to 512 blocks each; more go to the heap.
-pub(super) const SCALES_ON_STACK: usize = 2048;
+const SCALES_ON_STACK: usize = 2048;
+
+/// A register-decoding task's buffer of `len` tile scales, zeroed: on the
+/// task's stack when it fits, since tasks run on every compute thread and
+/// their heap allocations would meet on one lock (Note [Keeping freed memory]).
+pub(super) fn tile_scales(len: usize) -> SmallVec<[f32; SCALES_ON_STACK]> {
+    smallvec::smallvec![0f32; len]
+}
 
 /// A kind of code as a constant parameter: the kernels that decode codes in
 /// the registers are compiled once per kind (`K = code_index(codes)`), so a

@@ -199,9 +199,8 @@ const TILE_C: usize = 4;
 mod x86 {
     use super::{Plan, STEP, TILE_C, TILE_R};
     use crate::kernels::iter::OutPtr;
-    use crate::kernels::quant::{code_index, code_of, SCALES_ON_STACK};
+    use crate::kernels::quant::{code_index, code_of, tile_scales};
     use kiln_tensor::quant::Codes;
-    use smallvec::SmallVec;
     use std::arch::x86_64::*;
 
     /// Columns `j0..j1` of every row, in R x C tiles (edge tiles narrower).
@@ -231,9 +230,7 @@ mod x86 {
         // The effective scales of a tile's rows of W, zero past the last block.
         let b1 = plan.job.spec.block[1];
         let per_row = plan.job.x.kp.div_ceil(b1);
-        // On the task's stack when it fits: tasks run on every compute thread,
-        // and their heap allocations meet on one lock (Note [Keeping freed memory]).
-        let mut ws: SmallVec<[f32; SCALES_ON_STACK]> = smallvec::smallvec![0f32; TILE_C * per_row];
+        let mut ws = tile_scales(TILE_C * per_row);
         let mut j = j0;
         while j < j1 {
             let c = if j + TILE_C <= j1 { TILE_C } else { 1 };

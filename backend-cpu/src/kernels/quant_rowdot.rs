@@ -180,9 +180,8 @@ const TILE_C: usize = 4;
 mod x86 {
     use super::{Plan, STEP, TILE_C, TILE_R};
     use crate::kernels::iter::OutPtr;
-    use crate::kernels::quant::{code_index, code_of, code_value, e4m3, SCALES_ON_STACK};
+    use crate::kernels::quant::{code_index, code_of, code_value, e4m3, tile_scales};
     use kiln_tensor::quant::Codes;
-    use smallvec::SmallVec;
     use std::arch::x86_64::*;
 
     /// Columns `j0..j1` of every row, 16 codes per step.
@@ -232,8 +231,7 @@ mod x86 {
         // The effective scales of a tile's rows of W, one loop per tile.
         let ([b0, b1], k) = (plan.job.spec.block, plan.job.k);
         let cols = k.div_ceil(b1);
-        // On the task's stack when it fits (as in quant_int8).
-        let mut ws: SmallVec<[f32; SCALES_ON_STACK]> = smallvec::smallvec![0f32; TILE_C * cols];
+        let mut ws = tile_scales(TILE_C * cols);
         let mut j = j0;
         while j < j1 {
             let width = if j + TILE_C <= j1 { TILE_C } else { 1 };
