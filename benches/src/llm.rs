@@ -265,11 +265,19 @@ fn train_compiled(a: &LlmArgs, model: &LlamaForCausalLM, opt: &mut AdamW, ids: &
         opt.step()?;
         Ok(vec![loss])
     });
+    let mut calls = 0usize;
     let times = time_steps(a.warmup, a.steps, || {
+        if calls == a.warmup {
+            kiln::tensor::profile::take();
+        }
+        calls += 1;
         let out = step.call(std::slice::from_ref(ids))?;
         losses.push(out[0].item_f64()?);
         Ok(())
     })?;
+    if kiln::tensor::profile::enabled() {
+        eprintln!("kernel time per op over the {} timed steps:\n{}", a.steps, kiln::tensor::profile::report(40));
+    }
     let s = step.stats().clone();
     let stats = kiln::tpu::stats().ok();
     let mut l = train_line(a, &times, &losses)

@@ -1,6 +1,8 @@
 //! A per-primitive profiler: when enabled, every primitive that runs through
 //! [`Tensor::apply`](crate::Tensor::apply) adds its wall time (backend `exec`,
-//! which on the CPU is the kernel) to a table keyed by op name and input shapes.
+//! which on the CPU is the kernel) to a table keyed by op name and input shapes,
+//! and so does each instruction an interpreted program runs (`ir::Interpreter`:
+//! `kiln::compile` on the CPU), a fused group under `fused` with its members' names.
 //!
 //! Off by default and then costs one relaxed atomic load per op. Enable it with
 //! [`enable`] or by setting `KILN_PROFILE=1` in the environment; read it with

@@ -163,7 +163,13 @@ impl Interpreter {
                 vec![target]
             }
             op => {
-                let storages = b.exec(op, &ins, &inst.outs, dev)?;
+                let shapes = || ins.iter().map(|t| crate::error::fmt_shape(t.shape())).collect::<Vec<_>>().join(" ");
+                let storages = crate::profile::timed(
+                    op.name(),
+                    shapes,
+                    || b.synchronize(dev),
+                    || b.exec(op, &ins, &inst.outs, dev),
+                )?;
                 storages
                     .into_iter()
                     .zip(&inst.outs)
@@ -215,7 +221,17 @@ impl Executable for Interpreter {
                             })
                         })
                         .collect();
-                    let storages = kernel.run(&ins, &dests)?;
+                    let shapes = || {
+                        let ops: Vec<&str> = group.members.iter().map(|&i| p.insts[i].op.name()).collect();
+                        let numel = ins.iter().map(|t| t.numel()).max().unwrap_or(0);
+                        format!("{} over {numel} elements", ops.join("+"))
+                    };
+                    let storages = crate::profile::timed(
+                        "fused",
+                        shapes,
+                        || b.synchronize(self.device),
+                        || kernel.run(&ins, &dests),
+                    )?;
                     let mut made = vec![];
                     for ((&v, st), d) in group.outputs.iter().zip(storages).zip(&dests) {
                         if d.is_some_and(|d| Arc::ptr_eq(d.storage(), &st)) {

@@ -218,3 +218,21 @@ fn input_view(p: &Program, v: Value, x: &Tensor) -> Result<Tensor> {
         },
     }
 }
+
+/// KILN_PROFILE covers interpreted programs: each instruction under its op's
+/// name, each fused group as `fused` with its members' names.
+#[test]
+fn the_profiler_times_instructions_and_fused_groups() -> Result<()> {
+    let exe = Interpreter::with_fuser(chain(64), Device::Cpu, &CpuFuser)?;
+    let a = args(64, 5);
+    kiln_tensor::profile::enable(true);
+    let ran = run(&exe, &a);
+    let rows = kiln_tensor::profile::take();
+    kiln_tensor::profile::enable(false);
+    ran?;
+    let has = |op: &str, shapes: &str| rows.iter().any(|r| r.op == op && r.shapes == shapes && r.calls >= 1);
+    assert!(has("sum", "[64]"), "{rows:?}");
+    assert!(has("fused", "mul+add+tanh+sub+exp over 64 elements"), "{rows:?}");
+    assert!(has("fused", "div+sqrt+silu_mul+maximum+copy_ over 64 elements"), "{rows:?}");
+    Ok(())
+}
