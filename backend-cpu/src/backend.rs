@@ -1,10 +1,11 @@
 //! `CpuBackend`: the `Backend` implementation for host memory: locking, dispatch
 //! to the kernels, transfers and the in-place `assign` primitive.
 use crate::kernels::{self, Input};
+use crate::plan::{with_arena, Arena};
 use kiln_tensor::ir::{Executable, Interpreter, Program};
 use kiln_tensor::{Backend, Device, Error, HostBuffer, Meta, Op, Result, Storage, StorageData, Tensor};
 use smallvec::SmallVec;
-use std::sync::{Arc, RwLockReadGuard};
+use std::sync::{Arc, Mutex, RwLockReadGuard};
 
 /// Read guards of the distinct storages of an op's inputs (inline for up to four).
 type Guards<'a> = SmallVec<[(usize, RwLockReadGuard<'a, StorageData>); 4]>;
@@ -111,7 +112,12 @@ impl Backend for CpuBackend {
         } else {
             Interpreter::with_fuser(program.clone(), device, &kernels::CpuFuser)?
         };
-        Ok(Arc::new(OnComputeThreads(interp)))
+        Ok(Arc::new(OnComputeThreads { interp, arena: Default::default() }))
+    }
+
+    /// Note \[Planned memory\] in plan.rs.
+    fn release(&self, value: Tensor) {
+        crate::plan::release(value)
     }
 
     fn nonzero(&self, t: &Tensor) -> Result<Tensor> {
@@ -126,15 +132,19 @@ impl Backend for CpuBackend {
 /// A program whose runs go to the compute threads (`on_compute_threads`,
 /// where the caller's thread may not run it: recording, ...), so that its
 /// instructions fork to a team instead of waking rayon's threads one by one
-/// (Note [Teams of compute threads]).
-struct OnComputeThreads(Interpreter);
+/// (Note [Teams of compute threads]), with its memory planned: its values'
+/// buffers kept in its arena for its next run (Note [Planned memory]).
+struct OnComputeThreads {
+    interp: Interpreter,
+    arena: Mutex<Arena>,
+}
 
 impl Executable for OnComputeThreads {
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
-        kiln_tensor::on_compute_threads(Device::Cpu, || self.0.run(args))
+        kiln_tensor::on_compute_threads(Device::Cpu, || with_arena(&self.arena, || self.interp.run(args)))
     }
 
     fn run_then_check(&self, args: &[Tensor]) -> Result<(Vec<Tensor>, Result<()>)> {
-        kiln_tensor::on_compute_threads(Device::Cpu, || self.0.run_then_check(args))
+        kiln_tensor::on_compute_threads(Device::Cpu, || with_arena(&self.arena, || self.interp.run_then_check(args)))
     }
 }

@@ -2,6 +2,7 @@
 //! working directly on strided views of host memory.
 mod backend;
 mod kernels;
+mod plan;
 mod team;
 
 pub use backend::CpuBackend;

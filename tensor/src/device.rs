@@ -160,6 +160,13 @@ pub trait Backend: Send + Sync + 'static {
     fn compile(&self, program: &Program, device: Device) -> Result<Arc<dyn Executable>> {
         Ok(Arc::new(Interpreter::new(program.clone(), device)?))
     }
+    /// Takes back a value an interpreted program will not read again (its
+    /// last use has run). The default drops it; a backend that keeps the
+    /// memory of a program's values for its later instructions and runs
+    /// (the CPU's planned memory) keeps the storage when nothing else holds it.
+    fn release(&self, value: Tensor) {
+        drop(value)
+    }
 
     // ---- distributed tensors (see `distributed.rs`); backends without meshes keep the defaults.
 

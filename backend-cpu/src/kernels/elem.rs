@@ -131,6 +131,11 @@ const HUGE_PAGE_MIN: usize = 4 << 20;
 /// (A zeroed allocation would not do: glibc's `calloc` clears memory that
 /// comes from the heap, touching every page before the advice could apply.)
 fn zeroed<T: Copy>(n: usize, zero: T) -> Vec<T> {
+    if let Some(mut v) = crate::plan::take::<T>(n) {
+        v.fill(MaybeUninit::new(zero));
+        // SAFETY: every element was just written.
+        return unsafe { assume_init(v) };
+    }
     if n.saturating_mul(std::mem::size_of::<T>()) < HUGE_PAGE_MIN {
         return vec![zero; n];
     }
@@ -163,8 +168,13 @@ fn zeroed<T: Copy>(n: usize, zero: T) -> Vec<T> {
 // Other kernels (cat, gather, attention, ...) still take `zeros`.
 
 /// A fresh buffer of `n` elements for a kernel that writes every one of them
-/// (Note [Uninitialised outputs]); large buffers are advised to use huge pages.
+/// (Note [Uninitialised outputs]): from the running program's arena (Note
+/// [Planned memory] in plan.rs), else allocated, large buffers advised to use
+/// huge pages.
 pub(crate) fn uninit<T>(n: usize) -> Vec<MaybeUninit<T>> {
+    if let Some(v) = crate::plan::take::<T>(n) {
+        return v;
+    }
     let v = Box::<[T]>::new_uninit_slice(n).into_vec();
     advise_huge_pages(&v);
     v

@@ -3,7 +3,7 @@
 //! `BLOCK` elements, each member computed with its eager kernel
 //! (`elementwise::unary_slice` / `binary_slice`) into a block that stays in
 //! the L1 cache, so replays give eager's numbers bit for bit.
-use super::elem::assume_init;
+use super::elem::{assume_init, uninit};
 use super::elementwise::{binary_cost, binary_slice, unary_cost, unary_slice};
 use super::iter::par_ranges_by;
 use super::Input;
@@ -258,7 +258,7 @@ impl FusedKernel for CpuGroup {
             }
         }
         let mut fresh: Vec<Option<Vec<MaybeUninit<f32>>>> =
-            dests.iter().map(|d| d.is_none().then(|| Box::<[f32]>::new_uninit_slice(n).into_vec())).collect();
+            dests.iter().map(|d| d.is_none().then(|| uninit::<f32>(n))).collect();
         let outs = dests
             .iter()
             .zip(&mut fresh)

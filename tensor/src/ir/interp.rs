@@ -250,10 +250,13 @@ impl Executable for Interpreter {
                     (group.inputs.clone(), group.outputs.clone())
                 }
             };
-            // Values read for the last time free their memory now, as eager code would.
+            // Values read for the last time free their memory now, as eager code
+            // would, or hand it to the backend for later instructions and runs.
             for a in args.into_iter().chain(results) {
                 if self.last[a.index()].is_none_or(|l| l <= s) && !matches!(p.def(a), Def::Param(_)) {
-                    vals[a.index()] = None;
+                    if let Some(t) = vals[a.index()].take() {
+                        b.release(t);
+                    }
                 }
             }
         }
@@ -272,6 +275,11 @@ impl Executable for Interpreter {
                 }
                 ResultKind::Fresh | ResultKind::State | ResultKind::Check(_) => t,
             });
+        }
+        // What is left (an update's value copied into its state) goes back too;
+        // the backend keeps no storage that a result or an argument still holds.
+        for t in vals.into_iter().flatten() {
+            b.release(t);
         }
         Ok(out)
     }
