@@ -7,6 +7,7 @@ use super::elem::{assume_init, uninit};
 use super::iter::{fork_chunks, OutPtr};
 use crate::team::fork;
 use half::bf16;
+use std::mem::MaybeUninit;
 
 // Note [bf16 products on tiles]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -123,10 +124,11 @@ impl Strided<'_> {
     }
 }
 
-/// `out = a @ b` rounded to bf16, `a` m x k, `b` k x n, `out` m x n row-major;
-/// panics (before any product) when an operand lies outside its slice or
-/// when the unit is not available (ask [`available`] first).
-pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize, out: &mut [bf16]) {
+/// `out = a @ b` rounded to bf16, `a` m x k, `b` k x n, `out` m x n row-major,
+/// every element written (a fresh output need not be cleared first); panics
+/// (before any product) when an operand lies outside its slice or when the
+/// unit is not available (ask [`available`] first).
+pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize, out: &mut [MaybeUninit<bf16>]) {
     assert!(available(), "gemm_bf16: no tile unit");
     assert_eq!(out.len(), m * n, "gemm_bf16: output of the wrong size");
     a.check(m, k);
@@ -135,7 +137,7 @@ pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize,
         return;
     }
     if k == 0 {
-        out.fill(bf16::ZERO);
+        out.fill(MaybeUninit::new(bf16::ZERO));
         return;
     }
     let kt = k.div_ceil(TK);
@@ -294,8 +296,9 @@ fn pack_b(b: Strided<'_>, k: usize, n: usize) -> Vec<bf16> {
     })
 }
 
-/// `dst[i] = src[i]` rounded to bf16 (to nearest even; NaN stays NaN).
-fn round_into(src: &[f32], dst: &mut [bf16]) {
+/// `dst[i] = src[i]` rounded to bf16 (to nearest even; NaN stays NaN), every
+/// element of `dst` written (`src` is as long).
+fn round_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     if available() {
         // SAFETY: the unit implies AVX512-BF16 (checked by `enable`).
@@ -303,7 +306,7 @@ fn round_into(src: &[f32], dst: &mut [bf16]) {
         return;
     }
     for (d, &s) in dst.iter_mut().zip(src) {
-        *d = bf16::from_f32(s);
+        d.write(bf16::from_f32(s));
     }
 }
 
@@ -313,6 +316,7 @@ mod amx {
     use half::bf16;
     use std::arch::asm;
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
 
     /// The tile configuration: palette 1, all eight tiles 16 rows of 64 bytes.
     #[repr(C, align(64))]
@@ -418,7 +422,7 @@ mod amx {
     /// # Safety
     /// AVX512-BF16 present.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) unsafe fn round_into(src: &[f32], dst: &mut [bf16]) {
+    pub(super) unsafe fn round_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
         let n = src.len().min(dst.len());
         let mut i = 0;
         while i + 16 <= n {
@@ -430,7 +434,7 @@ mod amx {
             i += 16;
         }
         for j in i..n {
-            dst[j] = bf16::from_f32(src[j]);
+            dst[j].write(bf16::from_f32(src[j]));
         }
     }
 }

@@ -8,7 +8,7 @@
 //! accumulate in f32 and round once, as PyTorch does on CPU. Integer and bool
 //! products use a plain loop in their own type (wrapping).
 use super::copy::materialize_vec;
-use super::elem::{advise_huge_pages, Elem};
+use super::elem::{advise_huge_pages, assume_init, uninit, Elem};
 use super::gemm_bf16;
 use super::iter::{fork_chunks, par_blocks, threads, Nest, OutPtr};
 use super::map::map1;
@@ -113,15 +113,19 @@ fn bf16_matmul(a: &Input<'_>, b: &Input<'_>, g: &Geometry) -> Result<Vec<bf16>> 
         return via_f32::<bf16>(a, b);
     }
     let (av, bv) = (a.slice::<bf16>()?, b.slice::<bf16>()?);
-    let mut out = vec![bf16::ZERO; g.batches() * m * n];
     if packed {
-        for (&(oa, ob), out) in g.offsets.iter().zip(out.chunks_exact_mut(m * n)) {
+        // Not cleared first: each product writes every element of its part.
+        let mut out = uninit::<bf16>(g.batches() * m * n);
+        for (&(oa, ob), out) in g.offsets.iter().zip(out.chunks_exact_mut((m * n).max(1))) {
             let a = gemm_bf16::Strided { v: av, off: oa, rs: g.a_rs, cs: g.a_cs };
             let b = gemm_bf16::Strided { v: bv, off: ob, rs: g.b_rs, cs: g.b_cs };
             gemm_bf16::gemm(a, b, m, k, n, out);
         }
-        return Ok(out);
+        // SAFETY: the parts cover `out` (one of m * n per batch, in order; none
+        // when m * n is 0), and `gemm` writes every element of its part.
+        return Ok(unsafe { assume_init(out) });
     }
+    let mut out = vec![bf16::ZERO; g.batches() * m * n];
     for (&(oa, ob), out) in g.offsets.iter().zip(out.chunks_exact_mut(m * n)) {
         // Rows along the depth: in place where the operand has them, else copied.
         let (x_copy, w_copy): (Vec<bf16>, Vec<bf16>);

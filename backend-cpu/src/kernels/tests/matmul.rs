@@ -491,9 +491,10 @@ fn bf16_products_on_tiles() {
         for (ha, hb) in (0..3).flat_map(|a| (0..3).map(move |b| (a, b))) {
             let (a, a_rs, a_cs) = layouts(m, k, &av, ha);
             let (b, b_rs, b_cs) = layouts(k, n, &bv, hb);
-            let mut out = vec![bf16::NAN; m * n];
+            let mut out = nans(m * n);
             let sa = Strided { v: &a, off: 0, rs: a_rs, cs: a_cs };
             gemm(sa, Strided { v: &b, off: 0, rs: b_rs, cs: b_cs }, m, k, n, &mut out);
+            let out = read(&out);
             for (e, g) in out.iter().enumerate() {
                 let (i, j) = (e / n, e % n);
                 let terms = (0..k).map(|p| av[i * k + p].to_f64() * bv[p * n + j].to_f64());
@@ -508,13 +509,25 @@ fn bf16_products_on_tiles() {
             // Rows alone: the same bits as among the others (row invariance).
             if ha == 0 && hb == 0 && m > 1 {
                 for (off, rows) in [(0usize, 1usize), (m / 2, m - m / 2)] {
-                    let mut part = vec![bf16::NAN; rows * n];
+                    let mut part = nans(rows * n);
                     let sa = Strided { v: &a, off: off * k, rs: k, cs: 1 };
                     gemm(sa, Strided { v: &b, off: 0, rs: b_rs, cs: b_cs }, rows, k, n, &mut part);
+                    let part = read(&part);
                     let same = part.iter().zip(&out[off * n..]).all(|(x, y)| x.to_bits() == y.to_bits());
                     assert!(same, "{m}x{k}x{n}: rows {off}..{} alone differ", off + rows);
                 }
             }
         }
     }
+}
+
+/// An output buffer whose every element is NaN until a product writes it.
+fn nans(n: usize) -> Vec<std::mem::MaybeUninit<bf16>> {
+    vec![std::mem::MaybeUninit::new(bf16::NAN); n]
+}
+
+/// The elements of a buffer from `nans` (all initialised there).
+fn read(v: &[std::mem::MaybeUninit<bf16>]) -> Vec<bf16> {
+    // SAFETY: `nans` initialised every element; writes since keep them initialised.
+    v.iter().map(|x| unsafe { x.assume_init() }).collect()
 }
