@@ -270,6 +270,20 @@ fn pack_b(b: Strided<'_>, k: usize, n: usize) -> Vec<bf16> {
                     dst[at(p, c)] = v;
                 }
             }
+        } else if b.cs == 1 && cols == T && k.is_multiple_of(2) {
+            // Rows along the columns, a whole panel: two depths' rows of 16
+            // interleaved by vector shuffles.
+            for p in (0..k).step_by(2) {
+                let (x, y) = (&b.v[b.off + p * b.rs + j0..][..T], &b.v[b.off + (p + 1) * b.rs + j0..][..T]);
+                let pair = &mut dst[at(p, 0)..][..2 * T];
+                #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+                // SAFETY: `pack_b` runs only where the tile unit is available,
+                // which implies AVX2 (`enable`); the slices have the lengths
+                // `interleave` reads and writes.
+                unsafe {
+                    amx::interleave(x, y, pair)
+                };
+            }
         } else if b.cs == 1 {
             // Rows along the columns: two depths' rows interleaved at a time.
             for p in (0..k).step_by(2) {
@@ -392,11 +406,11 @@ mod amx {
             for t in 0..len {
                 asm!(
                     "tileloadd tmm4, [{a0} + {s}*1]",
-                    "tileloadd tmm5, [{a1} + {s}*1]",
                     "tileloadd tmm6, [{b0} + {s}*1]",
-                    "tileloadd tmm7, [{b1} + {s}*1]",
                     "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{b1} + {s}*1]",
                     "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{a1} + {s}*1]",
                     "tdpbf16ps tmm2, tmm5, tmm6",
                     "tdpbf16ps tmm3, tmm5, tmm7",
                     a0 = in(reg) a0.add(t * TILE), a1 = in(reg) a1.add(t * TILE),
@@ -412,6 +426,25 @@ mod amx {
                 c00 = in(reg) c, c01 = in(reg) c01, c10 = in(reg) c10, c11 = in(reg) c11, s = in(reg) sc,
                 options(nostack),
             );
+        }
+    }
+
+    /// `out[2c] = x[c]`, `out[2c + 1] = y[c]` for the 16 elements of `x` and `y`.
+    ///
+    /// # Safety
+    /// AVX2 present.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn interleave(x: &[bf16], y: &[bf16], out: &mut [bf16]) {
+        assert!(x.len() >= T && y.len() >= T && out.len() >= 2 * T, "interleave: short slices");
+        // SAFETY: the lengths were asserted: 32 bytes read from each of `x`
+        // and `y`, 64 written to `out`.
+        unsafe {
+            let a = _mm256_loadu_si256(x.as_ptr().cast());
+            let b = _mm256_loadu_si256(y.as_ptr().cast());
+            // Per 128-bit lane: elements 0-3 (4-7) of each, interleaved.
+            let (lo, hi) = (_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b));
+            _mm256_storeu_si256(out.as_mut_ptr().cast(), _mm256_permute2x128_si256::<0x20>(lo, hi));
+            _mm256_storeu_si256(out.as_mut_ptr().add(T).cast(), _mm256_permute2x128_si256::<0x31>(lo, hi));
         }
     }
 
