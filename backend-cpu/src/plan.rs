@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 // the process never touched: every page of it faults in, and on a virtual
 // machine such a fault also asks the host for the page. Measured on a 2-vCPU
 // VM, llama-16m's compiled training step took 25-45 ms instead of 10 in its
-// cross-entropy backward, whose 67 MB output faulted ~500 times per step.
+// cross-entropy backward, whose 67 MB output faulted 500-800 times per step.
 //
 // So each program the CPU backend compiles owns an `Arena`. While the program
 // runs, the arena is this thread's current one: the interpreter hands back
@@ -192,9 +192,9 @@ fn give<T: Copy>(v: Vec<T>) {
         return;
     }
     let mut v = std::mem::ManuallyDrop::new(v);
-    // SAFETY: the elements are `Copy` (no drop glue), so forgetting them leaks nothing; the buffer, allocated by the
-    // global allocator with `layout` (a `Vec` of that capacity), is owned by
-    // the block from here on.
+    // SAFETY: the elements are `Copy` (no drop glue), so forgetting them
+    // leaks nothing; the buffer, allocated by the global allocator with
+    // `layout` (a `Vec` of that capacity), is owned by the block from here on.
     unsafe { v.set_len(0) };
     let block = Block { ptr: NonNull::new(v.as_mut_ptr().cast::<u8>()).expect("a Vec's buffer"), layout };
     // A buffer is kept while fewer of its size are kept and out than were out
