@@ -219,6 +219,10 @@ fn panels(extent: usize, len: usize, fill: impl Fn(usize, usize, &mut [bf16]) + 
     unsafe { assume_init(v) }
 }
 
+/// Whether the packing's vector ways are compiled in (where the unit can be:
+/// elsewhere every tile takes the element-wise way).
+const VECTOR_PACKING: bool = cfg!(all(target_arch = "x86_64", target_os = "linux"));
+
 // Note [Packing by transposes]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A tile of `a` holds a row's 32 depths side by side; a tile of `b` a depth
@@ -250,7 +254,7 @@ fn pack_a(a: Strided<'_>, m: usize, k: usize) -> Vec<bf16> {
             // Columns along the rows (a transposed operand). A whole panel's
             // whole tiles are transposed in registers (Note [Packing by
             // transposes]); the rest one depth at a time.
-            let whole = if rows == T { k / TK } else { 0 };
+            let whole = if rows == T && VECTOR_PACKING { k / TK } else { 0 };
             for t in 0..whole {
                 let col = |q: usize| &a.v[a.off + (t * TK + q) * a.cs + i0..][..T];
                 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -292,7 +296,7 @@ fn pack_b(b: Strided<'_>, k: usize, n: usize) -> Vec<bf16> {
             // Columns along the depth (a Linear's weight). A whole panel's
             // whole tiles are transposed in registers (Note [Packing by
             // transposes]); the rest one column at a time.
-            let whole = if cols == T { k / TK } else { 0 };
+            let whole = if cols == T && VECTOR_PACKING { k / TK } else { 0 };
             for t in 0..whole {
                 let col = |c: usize| &b.v[b.off + (j0 + c) * b.cs + t * TK..][..TK];
                 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -308,7 +312,7 @@ fn pack_b(b: Strided<'_>, k: usize, n: usize) -> Vec<bf16> {
                     dst[at(p, c)] = v;
                 }
             }
-        } else if b.cs == 1 && cols == T && k.is_multiple_of(2) {
+        } else if b.cs == 1 && cols == T && k.is_multiple_of(2) && VECTOR_PACKING {
             // Rows along the columns, a whole panel: two depths' rows of 16
             // interleaved by vector shuffles.
             for p in (0..k).step_by(2) {
@@ -520,9 +524,7 @@ mod amx {
             assert!(x.len() >= T && y.len() >= T, "transpose_pairs: short column");
             // SAFETY: 32 bytes of each column (asserted).
             let (x, y) = unsafe { (_mm256_loadu_si256(x.as_ptr().cast()), _mm256_loadu_si256(y.as_ptr().cast())) };
-            let (lo, hi) = (_mm256_unpacklo_epi16(x, y), _mm256_unpackhi_epi16(x, y));
-            let first = _mm256_permute2x128_si256::<0x20>(lo, hi);
-            let second = _mm256_permute2x128_si256::<0x31>(lo, hi);
+            let (first, second) = interleave16(x, y);
             _mm512_inserti64x4::<1>(_mm512_castsi256_si512(first), second)
         });
         for (r, v) in transpose16(pairs).into_iter().enumerate() {
@@ -562,13 +564,20 @@ mod amx {
         // SAFETY: the lengths were asserted: 32 bytes read from each of `x`
         // and `y`, 64 written to `out`.
         unsafe {
-            let a = _mm256_loadu_si256(x.as_ptr().cast());
-            let b = _mm256_loadu_si256(y.as_ptr().cast());
-            // Per 128-bit lane: elements 0-3 (4-7) of each, interleaved.
-            let (lo, hi) = (_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b));
-            _mm256_storeu_si256(out.as_mut_ptr().cast(), _mm256_permute2x128_si256::<0x20>(lo, hi));
-            _mm256_storeu_si256(out.as_mut_ptr().add(T).cast(), _mm256_permute2x128_si256::<0x31>(lo, hi));
+            let (first, second) =
+                interleave16(_mm256_loadu_si256(x.as_ptr().cast()), _mm256_loadu_si256(y.as_ptr().cast()));
+            _mm256_storeu_si256(out.as_mut_ptr().cast(), first);
+            _mm256_storeu_si256(out.as_mut_ptr().add(T).cast(), second);
         }
+    }
+
+    /// The 16 elements of `a` and of `b` interleaved (`a0 b0 a1 b1 ...`), as
+    /// elements 0-15 and 16-31.
+    #[target_feature(enable = "avx2")]
+    fn interleave16(a: __m256i, b: __m256i) -> (__m256i, __m256i) {
+        // Per 128-bit lane: elements 0-3 (4-7) of each, interleaved.
+        let (lo, hi) = (_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b));
+        (_mm256_permute2x128_si256::<0x20>(lo, hi), _mm256_permute2x128_si256::<0x31>(lo, hi))
     }
 
     /// As [`super::round_into`], 16 at a time with `vcvtneps2bf16` (which
