@@ -74,6 +74,11 @@ pub(crate) fn timed<T>(
     Ok(out)
 }
 
+/// The profile's description of an op's inputs: their shapes, space-separated.
+pub(crate) fn shapes_of(inputs: &[&crate::Tensor]) -> String {
+    inputs.iter().map(|t| crate::error::fmt_shape(t.shape())).collect::<Vec<_>>().join(" ")
+}
+
 fn record(op: &'static str, shapes: impl FnOnce() -> String, dt: Duration) {
     let mut t = TABLE.lock().unwrap_or_else(|e| e.into_inner());
     let e = t.get_or_insert_with(HashMap::new).entry((op, shapes())).or_insert((0, Duration::ZERO));

@@ -336,7 +336,7 @@ impl Tensor {
             Some(t) => t.backend(),
             None => device.backend()?,
         };
-        let shapes = || inputs.iter().map(|t| crate::error::fmt_shape(t.shape())).collect::<Vec<_>>().join(" ");
+        let shapes = || crate::profile::shapes_of(inputs);
         let recorded = crate::capture::record::op(&op, inputs, &outs, device)
             .or_else(|| crate::defer::op(&op, inputs, &metas, &outs, device, backend));
         let storages = match recorded {

@@ -163,7 +163,7 @@ impl Interpreter {
                 vec![target]
             }
             op => {
-                let shapes = || ins.iter().map(|t| crate::error::fmt_shape(t.shape())).collect::<Vec<_>>().join(" ");
+                let shapes = || crate::profile::shapes_of(&ins);
                 let storages = crate::profile::timed(
                     op.name(),
                     shapes,
