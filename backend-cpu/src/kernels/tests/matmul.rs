@@ -521,6 +521,22 @@ fn bf16_products_on_tiles() {
     }
 }
 
+/// Packed tiles and rows of sums start on cache lines (Note [Tiles on cache
+/// lines]), at every size: large buffers come from the allocator 16 bytes past
+/// a line unless their type asks for more.
+#[test]
+fn packed_tiles_and_sums_sit_on_cache_lines() {
+    use crate::kernels::gemm_bf16::{panels, SumRow};
+    for (extent, tiles) in [(1usize, 1usize), (17, 3), (2048, 12), (384, 64)] {
+        let v = panels(extent, tiles, |_, _, _| {});
+        assert_eq!(v.as_ptr() as usize % 64, 0, "{extent} x {tiles} tiles");
+    }
+    for rows in [1usize, 1000, 100_000] {
+        let v = vec![SumRow([0.0; 16]); rows];
+        assert_eq!(v.as_ptr() as usize % 64, 0, "{rows} rows of sums");
+    }
+}
+
 /// An output buffer whose every element is NaN until a product writes it.
 fn nans(n: usize) -> Vec<std::mem::MaybeUninit<bf16>> {
     vec![std::mem::MaybeUninit::new(bf16::NAN); n]
