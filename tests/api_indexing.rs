@@ -23,6 +23,32 @@ fn idx(v: &[i64]) -> Tensor {
 
 // ---- basic indexing: views ---------------------------------------------------------------
 
+/// `to_dtype` keeps the strides of a dense permuted tensor (PyTorch's
+/// `preserve_format`): a permuted view casts to the same permutation of a
+/// fresh tensor, with the values of the cast; a view with gaps casts to a
+/// contiguous tensor; gradients come back through the views in float32.
+#[test]
+fn casts_keep_a_permuted_layout() -> Result<()> {
+    common::on_every_device(|| {
+        let x = x234();
+        let t = x.permute(&[2, 0, 1])?; // [4, 2, 3], strides [1, 12, 4]
+        let c = t.to_dtype(DType::F64)?;
+        assert_eq!(c.strides(), t.strides(), "a permuted cast keeps its strides");
+        assert!(!c.shares_storage(&t));
+        let want: Vec<f64> = (0..24).map(|e| ((e / 6) + (e / 3 % 2) * 12 + (e % 3) * 4) as f64).collect();
+        assert_exact(&c, DType::F64, &[4, 2, 3], &want);
+        let m = x.i((.., .., 0..2))?.to_dtype(DType::F64)?;
+        assert!(m.is_contiguous(), "a view with gaps casts to a contiguous tensor");
+        let w = Tensor::arange(0.0, 6.0, 1.0, DType::F32)?.reshape(&[2, 3])?.requires_grad_(true)?.clone();
+        let y = w.t()?.to_dtype(DType::BF16)?;
+        assert_eq!(y.strides(), &[1, 3]);
+        let g = Tensor::new([[1.0f32, 2.0], [3.0, 4.0], [5.0, 6.0]])?;
+        y.to_dtype(DType::F32)?.mul(&g)?.sum()?.backward()?;
+        assert_exact(&w.grad().expect("a gradient"), DType::F32, &[2, 3], &[1.0, 3.0, 5.0, 2.0, 4.0, 6.0]);
+        Ok(())
+    })
+}
+
 #[test]
 fn integers_select() -> Result<()> {
     common::on_every_device(|| {

@@ -48,9 +48,21 @@ tensor_data!(bool, u8, i8, i16, i32, i64, f32, f64, half::f16, half::bf16, crate
 impl Tensor {
     /// Casts to `dtype` (PyTorch's `.to(dtype)`); returns the same tensor when the dtype matches.
     /// Float to int truncates toward zero; into bf16/f16 rounds to nearest even.
+    ///
+    /// As PyTorch's `preserve_format`, a dense permuted tensor (a transposed
+    /// weight) gives a result with the same strides: the cast reads and
+    /// writes memory in order, then the same view is taken of the result.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.clone());
+        }
+        if let Some(order) = self.layout().dense_order() {
+            let mut back = vec![0isize; order.len()];
+            for (i, &d) in order.iter().enumerate() {
+                back[d] = i as isize;
+            }
+            let order: Vec<isize> = order.iter().map(|&d| d as isize).collect();
+            return Tensor::apply1(Op::Cast(dtype), &[&self.permute(&order)?])?.permute(&back);
         }
         Tensor::apply1(Op::Cast(dtype), &[self])
     }

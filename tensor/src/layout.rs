@@ -114,6 +114,22 @@ impl Layout {
         true
     }
 
+    /// The order of dims, outermost first, in which a dense but permuted
+    /// layout (a transposed matrix, a `[B, H, T, D]` view of a `[B, T, H, D]`
+    /// tensor) is contiguous: `Some(order)` with `permute(order)` contiguous;
+    /// `None` when the layout is contiguous already or not a permutation of a
+    /// contiguous one (gaps, overlaps, broadcasts).
+    pub fn dense_order(&self) -> Option<Vec<usize>> {
+        if self.is_contiguous() {
+            return None;
+        }
+        let mut order: Vec<usize> = (0..self.ndim()).collect();
+        // Size-1 dims keep their place among the others (their stride is any).
+        order.sort_by_key(|&d| std::cmp::Reverse(if self.shape[d] == 1 { 0 } else { self.strides[d] }));
+        let permuted = self.permute("dense_order", &order).ok()?;
+        permuted.is_contiguous().then_some(order)
+    }
+
     /// One past the largest storage index this layout touches (0 when empty).
     /// The number of storage elements the layout spans from index 0 (`None`
     /// when that number does not fit a `usize`).
