@@ -3,7 +3,7 @@
 //! on tiles]).
 // Only x86-64 Linux has the unit here; elsewhere `available()` is false.
 #![cfg_attr(not(all(target_arch = "x86_64", target_os = "linux")), allow(dead_code, unused_imports))]
-use super::elem::{assume_init, uninit};
+use super::elem::uninit;
 use super::iter::{fork_chunks, OutPtr};
 use crate::team::fork;
 use half::bf16;
@@ -145,27 +145,81 @@ impl Strided<'_> {
 }
 
 /// `out = a @ b` rounded to bf16, `a` m x k, `b` k x n, `out` m x n row-major,
-/// every element written (a fresh output need not be cleared first); panics
-/// (before any product) when an operand lies outside its slice or when the
-/// unit is not available (ask [`available`] first).
+/// every element written (a fresh output need not be cleared first), on the
+/// pool's threads; panics (before any product) when an operand lies outside
+/// its slice or when the unit is not available (ask [`available`] first).
 pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize, out: &mut [MaybeUninit<bf16>]) {
     assert!(available(), "gemm_bf16: no tile unit");
+    let (mut pa, mut pb) = (Packed::new(), Packed::new());
+    pa.pack_a(a, m, k, true);
+    pb.pack_b(b, k, n, true);
+    product(&pa, &pb, (m, k, n), out, true);
+}
+
+/// An operand packed into tiles (Note [bf16 products on tiles]): `a` in
+/// panels of T rows, or `b` in panels of T columns, of `kt` depth tiles each,
+/// zeros past its rows (columns) and depths. Packing again reuses the buffer
+/// (kernels that pack small operands many times).
+pub(super) struct Packed {
+    /// The panels, in the first `panels * kt` tiles (all written); the rest
+    /// is spare room from earlier packings.
+    pub(super) tiles: Vec<MaybeUninit<Tile>>,
+    /// Rows of `a` or columns of `b`.
+    extent: usize,
+    /// Depth tiles per panel.
+    kt: usize,
+}
+
+/// What a product's f32 sums are stored as: rounded to bf16, or kept.
+pub(super) trait Sums: Copy + Send + Sync {
+    const ZERO: Self;
+    /// Writes every element of `dst` from `src` (as long).
+    fn store(src: &[f32], dst: &mut [MaybeUninit<Self>]);
+}
+
+impl Sums for bf16 {
+    const ZERO: bf16 = bf16::ZERO;
+    fn store(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
+        round_into(src, dst);
+    }
+}
+
+impl Sums for f32 {
+    const ZERO: f32 = 0.0;
+    fn store(src: &[f32], dst: &mut [MaybeUninit<f32>]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            d.write(s);
+        }
+    }
+}
+
+/// `out = a @ b` over the first `k` depths of packed operands: the first `m`
+/// rows of `pa`, the first `n` columns of `pb`, `out` m x n row-major, every
+/// element written; across the pool's threads when `parallel`, else on this
+/// one. `pa` must hold zeros past depth `k` (packed with depth `k`; `pb` may
+/// be packed deeper: its depths past `k` meet those zeros). Panics when the
+/// packed operands are smaller than asked or the unit is not available.
+pub(super) fn product<O: Sums>(
+    pa: &Packed,
+    pb: &Packed,
+    (m, k, n): (usize, usize, usize),
+    out: &mut [MaybeUninit<O>],
+    parallel: bool,
+) {
+    assert!(available(), "gemm_bf16: no tile unit");
     assert_eq!(out.len(), m * n, "gemm_bf16: output of the wrong size");
-    a.check(m, k);
-    b.check(k, n);
+    let kt = k.div_ceil(TK);
+    assert!(m <= pa.extent && n <= pb.extent && kt == pa.kt && kt <= pb.kt, "gemm_bf16: packed operands too small");
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
-        out.fill(MaybeUninit::new(bf16::ZERO));
+        out.fill(MaybeUninit::new(O::ZERO));
         return;
     }
-    let kt = k.div_ceil(TK);
-    let pa = pack_a(a, m, k);
-    let pb = pack_b(b, k, n);
     let (row_tasks, col_tasks) = (m.div_ceil(MC), n.div_ceil(NC));
     let out = OutPtr(out.as_mut_ptr());
-    fork(row_tasks * col_tasks, &|t| {
+    let task = |t: usize| {
         let (i0, j0) = ((t / col_tasks) * MC, (t % col_tasks) * NC);
         let (rows, cols) = ((m - i0).min(MC), (n - j0).min(NC));
         // Pairs of panels: the packed operands hold whole pairs.
@@ -183,20 +237,21 @@ pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize,
             // SAFETY: `available()` was asserted (the CPU has the unit and the
             // process its registers). Every tile pointer handed to `block` is
             // inside the packed operands: panel pairs < pairs_i (pairs_j) from
-            // i0 / T (j0 / T) stay below the packed panel counts, which round m
-            // (n) up to pairs, and tiles t0..t0 + len < kt; the sums are the
-            // 32 x 32 outputs at (2T ip, 2T jp) of `c`, which holds pairs_i * 2T
-            // rows of ldc.
+            // i0 / T (j0 / T) stay below the packed panel counts, which round
+            // their extents (>= m, n, asserted) up to pairs, and tiles t0..t0 +
+            // len <= kt <= each operand's kt; the sums are the 32 x 32 outputs at
+            // (2T ip, 2T jp) of `c`, which holds pairs_i * 2T rows of ldc.
             unsafe {
                 amx::configure();
                 for t0 in (0..kt).step_by(KC_TILES) {
                     let len = (kt - t0).min(KC_TILES);
                     for jp in 0..pairs_j {
-                        let b0 = pb.as_ptr().add((j0 / T + 2 * jp) * kt + t0).cast::<bf16>();
+                        let b0 = pb.tiles.as_ptr().add((j0 / T + 2 * jp) * pb.kt + t0).cast::<bf16>();
                         for ip in 0..pairs_i {
-                            let a0 = pa.as_ptr().add((i0 / T + 2 * ip) * kt + t0).cast::<bf16>();
+                            let a0 = pa.tiles.as_ptr().add((i0 / T + 2 * ip) * pa.kt + t0).cast::<bf16>();
                             let c0 = c.as_mut_ptr().add(2 * T * (ip * ldc + jp));
-                            amx::block(a0, a0.add(kt * TILE), b0, b0.add(kt * TILE), len, c0, ldc, t0 == 0);
+                            let (a1, b1) = (a0.add(pa.kt * TILE), b0.add(pb.kt * TILE));
+                            amx::block(a0, a1, b0, b1, len, c0, ldc, t0 == 0);
                         }
                     }
                 }
@@ -207,36 +262,20 @@ pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize,
                 // SAFETY: row i0 + r < m, columns j0..j0 + cols <= n: this task's
                 // outputs, which no other task writes, inside `out`'s m * n elements.
                 let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((i0 + r) * n + j0), cols) };
-                round_into(src, dst);
+                O::store(src, dst);
             }
         });
-    });
+    };
+    if parallel {
+        fork(row_tasks * col_tasks, &task);
+    } else {
+        (0..row_tasks * col_tasks).for_each(task);
+    }
 }
 
 thread_local! {
     /// Each thread's buffer of f32 sums (at most MC x NC), in rows of T.
     static SUMS: std::cell::RefCell<Vec<SumRow>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// The panels of T rows (or columns) of an operand with `extent` of them,
-/// a whole number of pairs of panels of `tiles` tiles each: every panel
-/// zeroed, then `fill(first, count, elements)` for each panel holding rows
-/// `first..first + count`, on the pool's threads (zeroed there, in cache,
-/// rather than all at once beforehand on the caller's thread).
-pub(super) fn panels(extent: usize, tiles: usize, fill: impl Fn(usize, usize, &mut [bf16]) + Sync) -> Vec<Tile> {
-    let mut v = uninit::<Tile>(extent.div_ceil(2 * T) * 2 * tiles);
-    fork_chunks(&mut v, tiles.max(1), 1, &|panel, dst| {
-        dst.fill(MaybeUninit::new(Tile([bf16::ZERO; TILE])));
-        // SAFETY: every tile of `dst` was written just above, and a `Tile` is
-        // TILE bf16s without padding.
-        let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<bf16>(), dst.len() * TILE) };
-        let first = panel * T;
-        if first < extent {
-            fill(first, (extent - first).min(T), dst);
-        }
-    });
-    // SAFETY: the chunks cover `v`, and each was written in full above.
-    unsafe { assume_init(v) }
 }
 
 /// Whether the packing's vector ways are compiled in (where the unit can be:
@@ -257,124 +296,171 @@ const VECTOR_PACKING: bool = cfg!(all(target_arch = "x86_64", target_os = "linux
 // shuffles), writing each tile row whole. Partial panels and the depths of
 // a last partial tile take the element-wise way; both give the same tile.
 
-/// `a` in panels of T rows (a whole number of pairs of panels), each in
-/// tiles of TK depths: element `(i, p)` of a panel's tile at `i * TK + p`.
-fn pack_a(a: Strided<'_>, m: usize, k: usize) -> Vec<Tile> {
-    let kt = k.div_ceil(TK);
-    panels(m, kt, |i0, rows, dst| {
-        if a.cs == 1 {
-            // Rows along the depth: 32 depths of a row at a time.
-            for r in 0..rows {
-                let row = &a.v[a.off + (i0 + r) * a.rs..][..k];
-                for (t, part) in row.chunks(TK).enumerate() {
-                    dst[t * TILE + r * TK..][..part.len()].copy_from_slice(part);
-                }
-            }
-        } else if a.rs == 1 {
-            // Columns along the rows (a transposed operand). A whole panel's
-            // whole tiles are transposed in registers (Note [Packing by
-            // transposes]); the rest one depth at a time.
-            let whole = if rows == T && VECTOR_PACKING { k / TK } else { 0 };
-            for t in 0..whole {
-                let col = |q: usize| &a.v[a.off + (t * TK + q) * a.cs + i0..][..T];
-                #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-                // SAFETY: packing runs only where the tile unit is available,
-                // which implies AVX-512 (`enable`); each column holds T elements
-                // and the tile TILE.
-                unsafe {
-                    amx::transpose_pairs(col, &mut dst[t * TILE..][..TILE])
-                };
-            }
-            for p in whole * TK..k {
-                let tile = &mut dst[(p / TK) * TILE + p % TK..][..(T - 1) * TK + 1];
-                let col = &a.v[a.off + p * a.cs + i0..][..rows];
-                for (d, &v) in tile.iter_mut().step_by(TK).zip(col) {
-                    *d = v;
-                }
-            }
-        } else {
-            for p in 0..k {
-                let base = (p / TK) * TILE + p % TK;
-                for r in 0..rows {
-                    // SAFETY: i0 + r < m and p < k: inside the checked shape.
-                    dst[base + r * TK] = unsafe { a.at(i0 + r, p) };
-                }
-            }
-        }
-    })
-}
+impl Packed {
+    /// Nothing packed yet.
+    pub(super) fn new() -> Packed {
+        Packed { tiles: Vec::new(), extent: 0, kt: 0 }
+    }
 
-/// `b` in panels of T columns (a whole number of pairs of panels), each in
-/// tiles of TK depths: element `(p, j)` of a panel's tile at
-/// `(p / 2) * 2T + 2 j + p % 2`.
-fn pack_b(b: Strided<'_>, k: usize, n: usize) -> Vec<Tile> {
-    let kt = k.div_ceil(TK);
-    panels(n, kt, |j0, cols, dst| {
-        // The index of depth p's element of column c in the panel.
-        let at = |p: usize, c: usize| (p / TK) * TILE + (p % TK / 2) * 2 * T + 2 * c + p % 2;
-        if b.rs == 1 {
-            // Columns along the depth (a Linear's weight). A whole panel's
-            // whole tiles are transposed in registers (Note [Packing by
-            // transposes]); the rest one column at a time.
-            let whole = if cols == T && VECTOR_PACKING { k / TK } else { 0 };
-            for t in 0..whole {
-                let col = |c: usize| &b.v[b.off + (j0 + c) * b.cs + t * TK..][..TK];
-                #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-                // SAFETY: as in `pack_a`: AVX-512 present; each column holds TK
-                // elements and the tile TILE.
-                unsafe {
-                    amx::transpose_columns(col, &mut dst[t * TILE..][..TILE])
-                };
+    /// The panels of T rows (or columns) of an operand with `extent` of them,
+    /// a whole number of pairs of panels of `tiles` tiles each: every panel
+    /// zeroed, then `fill(first, count, elements)` for each panel holding rows
+    /// `first..first + count`, on the pool's threads (zeroed there, in cache,
+    /// rather than all at once beforehand on the caller's thread), or on this
+    /// thread alone unless `parallel`.
+    pub(super) fn panels(
+        &mut self,
+        extent: usize,
+        tiles: usize,
+        parallel: bool,
+        fill: impl Fn(usize, usize, &mut [bf16]) + Sync,
+    ) {
+        let n = extent.div_ceil(2 * T) * 2 * tiles;
+        if self.tiles.len() < n {
+            self.tiles = uninit::<Tile>(n);
+        }
+        let v = &mut self.tiles[..n];
+        let each = |panel: usize, dst: &mut [MaybeUninit<Tile>]| {
+            dst.fill(MaybeUninit::new(Tile([bf16::ZERO; TILE])));
+            // SAFETY: every tile of `dst` was written just above, and a `Tile` is
+            // TILE bf16s without padding.
+            let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<bf16>(), dst.len() * TILE) };
+            let first = panel * T;
+            if first < extent {
+                fill(first, (extent - first).min(T), dst);
             }
-            for c in 0..cols {
-                let col = &b.v[b.off + (j0 + c) * b.cs..][..k];
-                for (p, &v) in col.iter().enumerate().skip(whole * TK) {
-                    dst[at(p, c)] = v;
+        };
+        let len = tiles.max(1);
+        if parallel {
+            fork_chunks(v, len, 1, &each);
+        } else {
+            v.chunks_mut(len).enumerate().for_each(|(panel, dst)| each(panel, dst));
+        }
+        // The chunks cover the first n tiles, each written in full above.
+        (self.extent, self.kt) = (extent, tiles);
+    }
+
+    /// `a` in panels of T rows (a whole number of pairs of panels), each in
+    /// tiles of TK depths: element `(i, p)` of a panel's tile at `i * TK + p`.
+    pub(super) fn pack_a(&mut self, a: Strided<'_>, m: usize, k: usize, parallel: bool) {
+        a.check(m, k);
+        let kt = k.div_ceil(TK);
+        self.panels(m, kt, parallel, |i0, rows, dst| {
+            if a.cs == 1 {
+                // Rows along the depth: 32 depths of a row at a time.
+                for r in 0..rows {
+                    let row = &a.v[a.off + (i0 + r) * a.rs..][..k];
+                    for (t, part) in row.chunks(TK).enumerate() {
+                        dst[t * TILE + r * TK..][..part.len()].copy_from_slice(part);
+                    }
                 }
-            }
-        } else if b.cs == 1 && cols == T && k.is_multiple_of(2) && VECTOR_PACKING {
-            // Rows along the columns, a whole panel: two depths' rows of 16
-            // interleaved by vector shuffles.
-            for p in (0..k).step_by(2) {
-                let (x, y) = (&b.v[b.off + p * b.rs + j0..][..T], &b.v[b.off + (p + 1) * b.rs + j0..][..T]);
-                let pair = &mut dst[at(p, 0)..][..2 * T];
-                #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-                // SAFETY: `pack_b` runs only where the tile unit is available,
-                // which implies AVX2 (`enable`); the slices have the lengths
-                // `interleave` reads and writes.
-                unsafe {
-                    amx::interleave(x, y, pair)
-                };
-            }
-        } else if b.cs == 1 {
-            // Rows along the columns: two depths' rows interleaved at a time.
-            for p in (0..k).step_by(2) {
-                let row = |p: usize| &b.v[b.off + p * b.rs + j0..][..cols];
-                let pair = &mut dst[at(p, 0)..][..2 * cols];
-                for (d, &v) in pair.chunks_exact_mut(2).zip(row(p)) {
-                    d[0] = v;
+            } else if a.rs == 1 {
+                // Columns along the rows (a transposed operand). A whole panel's
+                // whole tiles are transposed in registers (Note [Packing by
+                // transposes]); the rest one depth at a time.
+                let whole = if rows == T && VECTOR_PACKING { k / TK } else { 0 };
+                for t in 0..whole {
+                    let col = |q: usize| &a.v[a.off + (t * TK + q) * a.cs + i0..][..T];
+                    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+                    // SAFETY: packing runs only where the tile unit is available,
+                    // which implies AVX-512 (`enable`); each column holds T elements
+                    // and the tile TILE.
+                    unsafe {
+                        amx::transpose_pairs(col, &mut dst[t * TILE..][..TILE])
+                    };
                 }
-                if p + 1 < k {
-                    for (d, &v) in pair.chunks_exact_mut(2).zip(row(p + 1)) {
-                        d[1] = v;
+                for p in whole * TK..k {
+                    let tile = &mut dst[(p / TK) * TILE + p % TK..][..(T - 1) * TK + 1];
+                    let col = &a.v[a.off + p * a.cs + i0..][..rows];
+                    for (d, &v) in tile.iter_mut().step_by(TK).zip(col) {
+                        *d = v;
+                    }
+                }
+            } else {
+                for p in 0..k {
+                    let base = (p / TK) * TILE + p % TK;
+                    for r in 0..rows {
+                        // SAFETY: i0 + r < m and p < k: inside the checked shape.
+                        dst[base + r * TK] = unsafe { a.at(i0 + r, p) };
                     }
                 }
             }
-        } else {
-            for p in 0..k {
-                let base = at(p, 0);
+        })
+    }
+
+    /// `b` in panels of T columns (a whole number of pairs of panels), each in
+    /// tiles of TK depths: element `(p, j)` of a panel's tile at
+    /// `(p / 2) * 2T + 2 j + p % 2`.
+    pub(super) fn pack_b(&mut self, b: Strided<'_>, k: usize, n: usize, parallel: bool) {
+        b.check(k, n);
+        let kt = k.div_ceil(TK);
+        self.panels(n, kt, parallel, |j0, cols, dst| {
+            // The index of depth p's element of column c in the panel.
+            let at = |p: usize, c: usize| (p / TK) * TILE + (p % TK / 2) * 2 * T + 2 * c + p % 2;
+            if b.rs == 1 {
+                // Columns along the depth (a Linear's weight). A whole panel's
+                // whole tiles are transposed in registers (Note [Packing by
+                // transposes]); the rest one column at a time.
+                let whole = if cols == T && VECTOR_PACKING { k / TK } else { 0 };
+                for t in 0..whole {
+                    let col = |c: usize| &b.v[b.off + (j0 + c) * b.cs + t * TK..][..TK];
+                    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+                    // SAFETY: as in `pack_a`: AVX-512 present; each column holds TK
+                    // elements and the tile TILE.
+                    unsafe {
+                        amx::transpose_columns(col, &mut dst[t * TILE..][..TILE])
+                    };
+                }
                 for c in 0..cols {
-                    // SAFETY: p < k and j0 + c < n: inside the checked shape.
-                    dst[base + 2 * c] = unsafe { b.at(p, j0 + c) };
+                    let col = &b.v[b.off + (j0 + c) * b.cs..][..k];
+                    for (p, &v) in col.iter().enumerate().skip(whole * TK) {
+                        dst[at(p, c)] = v;
+                    }
+                }
+            } else if b.cs == 1 && cols == T && k.is_multiple_of(2) && VECTOR_PACKING {
+                // Rows along the columns, a whole panel: two depths' rows of 16
+                // interleaved by vector shuffles.
+                for p in (0..k).step_by(2) {
+                    let (x, y) = (&b.v[b.off + p * b.rs + j0..][..T], &b.v[b.off + (p + 1) * b.rs + j0..][..T]);
+                    let pair = &mut dst[at(p, 0)..][..2 * T];
+                    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+                    // SAFETY: `pack_b` runs only where the tile unit is available,
+                    // which implies AVX2 (`enable`); the slices have the lengths
+                    // `interleave` reads and writes.
+                    unsafe {
+                        amx::interleave(x, y, pair)
+                    };
+                }
+            } else if b.cs == 1 {
+                // Rows along the columns: two depths' rows interleaved at a time.
+                for p in (0..k).step_by(2) {
+                    let row = |p: usize| &b.v[b.off + p * b.rs + j0..][..cols];
+                    let pair = &mut dst[at(p, 0)..][..2 * cols];
+                    for (d, &v) in pair.chunks_exact_mut(2).zip(row(p)) {
+                        d[0] = v;
+                    }
+                    if p + 1 < k {
+                        for (d, &v) in pair.chunks_exact_mut(2).zip(row(p + 1)) {
+                            d[1] = v;
+                        }
+                    }
+                }
+            } else {
+                for p in 0..k {
+                    let base = at(p, 0);
+                    for c in 0..cols {
+                        // SAFETY: p < k and j0 + c < n: inside the checked shape.
+                        dst[base + 2 * c] = unsafe { b.at(p, j0 + c) };
+                    }
                 }
             }
-        }
-    })
+        })
+    }
 }
 
 /// `dst[i] = src[i]` rounded to bf16 (to nearest even; NaN stays NaN), every
 /// element of `dst` written (`src` is as long).
-fn round_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
+pub(super) fn round_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     if available() {
         // SAFETY: the unit implies AVX512-BF16 (checked by `enable`).

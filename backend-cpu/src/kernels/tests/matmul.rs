@@ -526,10 +526,13 @@ fn bf16_products_on_tiles() {
 /// a line unless their type asks for more.
 #[test]
 fn packed_tiles_and_sums_sit_on_cache_lines() {
-    use crate::kernels::gemm_bf16::{panels, SumRow};
+    use crate::kernels::gemm_bf16::{Packed, SumRow};
     for (extent, tiles) in [(1usize, 1usize), (17, 3), (2048, 12), (384, 64)] {
-        let v = panels(extent, tiles, |_, _, _| {});
-        assert_eq!(v.as_ptr() as usize % 64, 0, "{extent} x {tiles} tiles");
+        for parallel in [false, true] {
+            let mut v = Packed::new();
+            v.panels(extent, tiles, parallel, |_, _, _| {});
+            assert_eq!(v.tiles.as_ptr() as usize % 64, 0, "{extent} x {tiles} tiles");
+        }
     }
     for rows in [1usize, 1000, 100_000] {
         let v = vec![SumRow([0.0; 16]); rows];
