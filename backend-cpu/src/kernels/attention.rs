@@ -15,36 +15,38 @@
 //! exp(scale * q k^T - lse)`, then `dv += p^T g`, `dp = g v^T`, `ds = p * (dp -
 //! rowsum(g * out)) * scale`, `dq = ds k` and `dk += ds^T q`.
 //!
-//! f32 and f64 compute in their own type; bf16 and f16 are widened to f32 and
-//! rounded once at the end.
+//! f32 and f64 compute in their own type; bf16 runs its products on the AMX
+//! tile unit where the CPU has one (`attention_tiles`); otherwise bf16 and
+//! f16 are widened to f32 and rounded once at the end.
 use super::copy::{contiguous, narrow_f32, widen_f32};
 use super::elem::Elem;
 use super::iter::{fork_chunks, fork_zip};
 use super::matmul::{gemm_small, GemmElem, MatRef};
 use super::simd::{dispatch, Kernel};
 use super::softmax::{fmax, SoftFloat};
+use super::{attention_tiles, gemm_bf16};
 use super::{buf, Input};
 use half::{bf16, f16};
 use kiln_tensor::{DType, Error, HostBuffer, Layout, Result};
 
 /// Query rows per block: the scratch scores of a block are `BLOCK x S`.
-const BLOCK: usize = 64;
+pub(super) const BLOCK: usize = 64;
 
 /// A 4-D `[B, heads, rows, cols]` operand: its storage and strides.
 #[derive(Clone, Copy)]
-struct Operand<'a, F> {
+pub(super) struct Operand<'a, F> {
     data: &'a [F],
     off: usize,
     strides: [usize; 4],
 }
 
 impl<'a, F> Operand<'a, F> {
-    fn new(data: &'a [F], l: &Layout) -> Operand<'a, F> {
+    pub(super) fn new(data: &'a [F], l: &Layout) -> Operand<'a, F> {
         let s = l.strides();
         Operand { data, off: l.offset(), strides: [s[0], s[1], s[2], s[3]] }
     }
     /// The `[rows, cols]` matrix of batch `b`, head `h`.
-    fn head(&self, b: usize, h: usize) -> MatRef<'a, F> {
+    pub(super) fn head(&self, b: usize, h: usize) -> MatRef<'a, F> {
         let [sb, sh, sr, sc] = self.strides;
         MatRef { data: self.data, off: self.off + b * sb + h * sh, rs: sr, cs: sc }
     }
@@ -79,11 +81,11 @@ impl Dims {
         Ok(Dims { b: qs[0], h: qs[1], t: qs[2], d: qs[3], hk: ks[1], s: ks[2], dv: vs[3], scale, causal })
     }
     /// Query heads per key/value head.
-    fn group(&self) -> usize {
+    pub(super) fn group(&self) -> usize {
         self.h / self.hk
     }
     /// Keys query row `i` sees.
-    fn visible(&self, i: usize) -> usize {
+    pub(super) fn visible(&self, i: usize) -> usize {
         if self.causal {
             (i + 1 + self.s - self.t).min(self.s)
         } else {
@@ -349,6 +351,7 @@ pub(crate) fn forward(ins: &[Input<'_>], scale: f64, causal: bool) -> Result<Vec
     match q.dtype() {
         DType::F32 => typed::<f32>(ins, dm),
         DType::F64 => typed::<f64>(ins, dm),
+        DType::BF16 if gemm_bf16::available() => attention_tiles::forward(ins, dm),
         DType::BF16 => half::<bf16>(ins, dm),
         DType::F16 => half::<f16>(ins, dm),
         dt => Err(Error::unsupported_dtype("scaled_dot_product_attention", dt)),
@@ -374,6 +377,7 @@ pub(crate) fn backward(ins: &[Input<'_>], scale: f64, causal: bool) -> Result<Ve
     match ins[0].dtype() {
         DType::F32 => typed::<f32>(ins, &contiguous::<f32>(&ins[4])?, dm),
         DType::F64 => typed::<f64>(ins, &contiguous::<f64>(&ins[4])?, dm),
+        DType::BF16 if gemm_bf16::available() => attention_tiles::backward(ins, &contiguous::<f32>(&ins[4])?, dm),
         DType::BF16 => half::<bf16>(ins, &contiguous::<f32>(&ins[4])?, dm),
         DType::F16 => half::<f16>(ins, &contiguous::<f32>(&ins[4])?, dm),
         dt => Err(Error::unsupported_dtype(name, dt)),

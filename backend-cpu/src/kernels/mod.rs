@@ -16,6 +16,7 @@
 //! Inputs are read through their strided layouts directly; every output is a
 //! fresh contiguous buffer of the shape and dtype `Op::infer` gave.
 mod attention;
+mod attention_tiles;
 mod copy;
 mod elem;
 mod elementwise;
