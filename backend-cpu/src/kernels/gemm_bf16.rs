@@ -150,10 +150,23 @@ impl Strided<'_> {
 /// its slice or when the unit is not available (ask [`available`] first).
 pub(super) fn gemm(a: Strided<'_>, b: Strided<'_>, m: usize, k: usize, n: usize, out: &mut [MaybeUninit<bf16>]) {
     assert!(available(), "gemm_bf16: no tile unit");
-    let (mut pa, mut pb) = (Packed::new(), Packed::new());
+    let [mut pa, mut pb] = PACKS.take().unwrap_or_else(|| [Packed::new(), Packed::new()]);
     pa.pack_a(a, m, k, true);
     pb.pack_b(b, k, n, true);
     product(&pa, &pb, (m, k, n), out, true);
+    // Kept for the next product on this thread unless large.
+    if pa.tiles.len().max(pb.tiles.len()) * TILE * 2 <= KEEP_BYTES {
+        PACKS.set(Some([pa, pb]));
+    }
+}
+
+/// Packed operands up to this size are kept for the next product.
+const KEEP_BYTES: usize = 8 << 20;
+
+thread_local! {
+    /// The packed operands of this thread's last product (`gemm`): a
+    /// buffer written once is packed again without being cleared first.
+    static PACKS: std::cell::Cell<Option<[Packed; 2]>> = const { std::cell::Cell::new(None) };
 }
 
 /// An operand packed into tiles (Note [bf16 products on tiles]): `a` in
@@ -168,6 +181,8 @@ pub(super) struct Packed {
     extent: usize,
     /// Depth tiles per panel.
     kt: usize,
+    /// The first `written` tiles of `tiles` hold values (from any packing).
+    written: usize,
 }
 
 /// What a product's f32 sums are stored as: rounded to bf16, or kept.
@@ -299,7 +314,7 @@ const VECTOR_PACKING: bool = cfg!(all(target_arch = "x86_64", target_os = "linux
 impl Packed {
     /// Nothing packed yet.
     pub(super) fn new() -> Packed {
-        Packed { tiles: Vec::new(), extent: 0, kt: 0 }
+        Packed { tiles: Vec::new(), extent: 0, kt: 0, written: 0 }
     }
 
     /// The panels of T rows (or columns) of an operand with `extent` of them,
@@ -307,25 +322,35 @@ impl Packed {
     /// zeroed, then `fill(first, count, elements)` for each panel holding rows
     /// `first..first + count`, on the pool's threads (zeroed there, in cache,
     /// rather than all at once beforehand on the caller's thread), or on this
-    /// thread alone unless `parallel`.
+    /// thread alone unless `parallel`. When `whole_depth` (the depth is whole
+    /// tiles) `fill` writes every depth of the rows it is given, and a panel
+    /// whose tiles already hold values (an earlier packing's) is not zeroed
+    /// first: its rows past `extent` keep those values, which only reach sums
+    /// of rows (columns) that are never stored. Depths past a partial last
+    /// tile must be zeros (they meet the other operand's), so those panels
+    /// are always cleared.
     pub(super) fn panels(
         &mut self,
         extent: usize,
         tiles: usize,
+        whole_depth: bool,
         parallel: bool,
         fill: impl Fn(usize, usize, &mut [bf16]) + Sync,
     ) {
         let n = extent.div_ceil(2 * T) * 2 * tiles;
         if self.tiles.len() < n {
-            self.tiles = uninit::<Tile>(n);
+            (self.tiles, self.written) = (uninit::<Tile>(n), 0);
         }
-        let v = &mut self.tiles[..n];
+        let (v, written) = (&mut self.tiles[..n], self.written);
         let each = |panel: usize, dst: &mut [MaybeUninit<Tile>]| {
-            dst.fill(MaybeUninit::new(Tile([bf16::ZERO; TILE])));
-            // SAFETY: every tile of `dst` was written just above, and a `Tile` is
-            // TILE bf16s without padding.
+            let (first, end) = (panel * T, (panel * tiles + dst.len()));
+            if !(whole_depth && end <= written) {
+                dst.fill(MaybeUninit::new(Tile([bf16::ZERO; TILE])));
+            }
+            // SAFETY: every tile of `dst` was written just above, or, when not,
+            // holds the values of an earlier packing (it lies below `written`);
+            // a `Tile` is TILE bf16s without padding.
             let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<bf16>(), dst.len() * TILE) };
-            let first = panel * T;
             if first < extent {
                 fill(first, (extent - first).min(T), dst);
             }
@@ -337,7 +362,7 @@ impl Packed {
             v.chunks_mut(len).enumerate().for_each(|(panel, dst)| each(panel, dst));
         }
         // The chunks cover the first n tiles, each written in full above.
-        (self.extent, self.kt) = (extent, tiles);
+        (self.extent, self.kt, self.written) = (extent, tiles, written.max(n));
     }
 
     /// `a` in panels of T rows (a whole number of pairs of panels), each in
@@ -345,13 +370,21 @@ impl Packed {
     pub(super) fn pack_a(&mut self, a: Strided<'_>, m: usize, k: usize, parallel: bool) {
         a.check(m, k);
         let kt = k.div_ceil(TK);
-        self.panels(m, kt, parallel, |i0, rows, dst| {
+        self.panels(m, kt, k.is_multiple_of(TK), parallel, |i0, rows, dst| {
             if a.cs == 1 {
                 // Rows along the depth: 32 depths of a row at a time.
                 for r in 0..rows {
                     let row = &a.v[a.off + (i0 + r) * a.rs..][..k];
-                    for (t, part) in row.chunks(TK).enumerate() {
-                        dst[t * TILE + r * TK..][..part.len()].copy_from_slice(part);
+                    let mut parts = row.chunks_exact(TK);
+                    for (t, part) in (&mut parts).enumerate() {
+                        // A fixed-size copy (one 64-byte move), not a call per 64 bytes.
+                        let part: &[bf16; TK] = part.try_into().expect("chunks of TK");
+                        let to: &mut [bf16; TK] = (&mut dst[t * TILE + r * TK..][..TK]).try_into().expect("TK");
+                        *to = *part;
+                    }
+                    let rest = parts.remainder();
+                    if !rest.is_empty() {
+                        dst[(k / TK) * TILE + r * TK..][..rest.len()].copy_from_slice(rest);
                     }
                 }
             } else if a.rs == 1 {
@@ -394,7 +427,7 @@ impl Packed {
     pub(super) fn pack_b(&mut self, b: Strided<'_>, k: usize, n: usize, parallel: bool) {
         b.check(k, n);
         let kt = k.div_ceil(TK);
-        self.panels(n, kt, parallel, |j0, cols, dst| {
+        self.panels(n, kt, k.is_multiple_of(TK), parallel, |j0, cols, dst| {
             // The index of depth p's element of column c in the panel.
             let at = |p: usize, c: usize| (p / TK) * TILE + (p % TK / 2) * 2 * T + 2 * c + p % 2;
             if b.rs == 1 {

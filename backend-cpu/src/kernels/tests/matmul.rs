@@ -530,7 +530,7 @@ fn packed_tiles_and_sums_sit_on_cache_lines() {
     for (extent, tiles) in [(1usize, 1usize), (17, 3), (2048, 12), (384, 64)] {
         for parallel in [false, true] {
             let mut v = Packed::new();
-            v.panels(extent, tiles, parallel, |_, _, _| {});
+            v.panels(extent, tiles, false, parallel, |_, _, _| {});
             assert_eq!(v.tiles.as_ptr() as usize % 64, 0, "{extent} x {tiles} tiles");
         }
     }
