@@ -294,6 +294,16 @@ impl<F: AttnFloat> Kernel for GroupBackward<'_, F> {
     }
 }
 
+/// `x` in `groups` chunks of `per` elements, one (empty) chunk per group
+/// also when `per` is 0, so that zero-sized dims still give every group its task.
+pub(super) fn chunks<T>(x: &mut [T], per: usize, groups: usize) -> Vec<&mut [T]> {
+    if per == 0 {
+        (0..groups).map(|_| &mut [][..]).collect()
+    } else {
+        x.chunks_mut(per).collect()
+    }
+}
+
 /// Gradients `(dq, dk, dv)` of one attention problem.
 #[allow(clippy::type_complexity)]
 fn backward_typed<F: AttnFloat>(ops: [Operand<'_, F>; 5], lse: &[F], dm: Dims) -> (Vec<F>, Vec<F>, Vec<F>) {
@@ -310,14 +320,6 @@ fn backward_typed<F: AttnFloat>(ops: [Operand<'_, F>; 5], lse: &[F], dm: Dims) -
         let (b, kh) = (bk / dm.hk, bk % dm.hk);
         dispatch(GroupBackward { dm, b, kh, q, k: k.head(b, kh), v: v.head(b, kh), out, g, lse, dq, dk, dv });
     };
-    // Chunks of at least one element so that zero-sized dims still give one chunk per group.
-    fn chunks<F>(x: &mut [F], per: usize, groups: usize) -> Vec<&mut [F]> {
-        if per == 0 {
-            (0..groups).map(|_| &mut [][..]).collect()
-        } else {
-            x.chunks_mut(per).collect()
-        }
-    }
     let (qc, kc, vc) =
         (chunks(&mut dq, dm.group() * tq, groups), chunks(&mut dk, tk, groups), chunks(&mut dv, tv, groups));
     let mut parts: Vec<_> = qc.into_iter().zip(kc).zip(vc).map(|((dq, dk), dv)| (dq, dk, dv)).collect();

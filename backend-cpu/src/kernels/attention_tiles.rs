@@ -3,7 +3,7 @@
 //! f32 sums, the softmax and its gradient in f32 (Note [Attention on tiles]).
 // Only x86-64 Linux has the unit; elsewhere `gemm_bf16::available()` is false
 // and none of this runs.
-use super::attention::{softmax_prefix, Dims, Operand, BLOCK};
+use super::attention::{chunks, softmax_prefix, Dims, Operand, BLOCK};
 use super::elem::{assume_init, uninit};
 use super::gemm_bf16::{product, round_into, Packed, Strided};
 use super::iter::{fork_chunks, fork_zip};
@@ -289,13 +289,4 @@ pub(super) fn backward(ins: &[Input<'_>], lse: &[f32], dm: Dims) -> Result<Vec<H
     // there are no groups.
     let (dq, dk, dv) = unsafe { (assume_init(dq), assume_init(dk), assume_init(dv)) };
     Ok(vec![buf(dq), buf(dk), buf(dv)])
-}
-
-/// `x` in `groups` chunks of `per` (empty chunks when `per` is 0).
-fn chunks<T>(x: &mut [T], per: usize, groups: usize) -> Vec<&mut [T]> {
-    if per == 0 {
-        (0..groups).map(|_| &mut [][..]).collect()
-    } else {
-        x.chunks_mut(per).collect()
-    }
 }
