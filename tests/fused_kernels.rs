@@ -663,3 +663,49 @@ fn paged_attention_matches_contiguous_attention() {
     );
     common::assert_err(e, &["no gradient"]);
 }
+
+/// bf16 paged attention on the CPU gives, bit for bit, the rows the fused
+/// kernel gives each sequence alone: a prompt of 70 rows (two of the
+/// kernel's blocks of query rows) over 75 cached positions and one decoded
+/// row, grouped-query heads, blocks out of order (on tiles where the CPU has
+/// AMX, widened to float32 elsewhere: the same way on both sides).
+#[test]
+fn bf16_paged_attention_gives_the_fused_kernels_rows() {
+    let (h, hk, d, bs, blocks, mb) = (4usize, 2usize, 16usize, 8usize, 13usize, 10usize);
+    // (context length, new rows, block table)
+    let seqs: Vec<(usize, usize, Vec<i64>)> = vec![(75, 70, vec![9, 3, 0, 7, 1, 8, 2, 6, 4, 5]), (9, 1, vec![12, 10])];
+    let bf = |shape: &[usize], seed: u64| input(shape, seed, DType::BF16, Device::Cpu).to_dtype(DType::F32).unwrap();
+    let keys: Vec<Tensor> = seqs.iter().enumerate().map(|(i, s)| bf(&[s.0, hk, d], 60 + i as u64)).collect();
+    let vals: Vec<Tensor> = seqs.iter().enumerate().map(|(i, s)| bf(&[s.0, hk, d], 70 + i as u64)).collect();
+    let n: usize = seqs.iter().map(|s| s.1).sum();
+    let q = input(&[n, h, d], 80, DType::BF16, Device::Cpu);
+    let starts = [0i64, seqs[0].1 as i64, n as i64];
+    let mut want = vec![];
+    for (i, s) in seqs.iter().enumerate() {
+        let qs = q.narrow(0, starts[i] as isize, s.1).unwrap().transpose(0, 1).unwrap().unsqueeze(0).unwrap();
+        let four = |x: &Tensor| x.to_dtype(DType::BF16).unwrap().permute(&[1, 0, 2]).unwrap().unsqueeze(0).unwrap();
+        let o = qs.scaled_dot_product_attention(&four(&keys[i]), &four(&vals[i]), true, None).unwrap();
+        want.push(o.squeeze_dim(0).unwrap().transpose(0, 1).unwrap());
+    }
+    let want = Tensor::cat(&want.iter().collect::<Vec<_>>(), 0).unwrap();
+    let tables: Vec<Vec<i64>> = seqs.iter().map(|s| s.2.clone()).collect();
+    let pool = |x: &[Tensor]| paged_pool(x, &tables, blocks, bs, Device::Cpu).to_dtype(DType::BF16).unwrap();
+    let table: Vec<i64> = seqs.iter().flat_map(|s| (0..mb).map(|j| s.2.get(j).copied().unwrap_or(0))).collect();
+    let meta = |v: &[i64], shape: &[usize]| Tensor::from_vec(v.to_vec(), shape).unwrap();
+    let lens: Vec<i64> = seqs.iter().map(|s| s.0 as i64).collect();
+    let got = q
+        .paged_attention(
+            &pool(&keys),
+            &pool(&vals),
+            &meta(&table, &[2, mb]),
+            &meta(&lens, &[2]),
+            &meta(&starts, &[3]),
+            None,
+        )
+        .unwrap();
+    assert_eq!((got.shape(), got.dtype()), (&[n, h, d][..], DType::BF16));
+    let bits = |t: &Tensor| {
+        t.contiguous().unwrap().to_vec::<half::bf16>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    };
+    assert!(bits(&got) == bits(&want), "not bit for bit the fused kernel's rows");
+}

@@ -20,10 +20,15 @@
 //!   every head's rows at once (they are contiguous in a block), so a
 //!   decoding step streams through the cache once instead of copying it.
 //!
+//! bf16 with the AMX tile unit takes the gathered way on tiles, each row as
+//! `Op::Attention` computes it there (Note [Attention on tiles]); otherwise
 //! bf16 and f16 compute in float32 and round once (always gathered).
 use super::attention::{softmax_prefix, AttnFloat, Dims, HeadForward};
+use super::attention_tiles::HeadForwardTiles;
 use super::copy::contiguous;
 use super::elem::Elem;
+use super::elem::{assume_init, uninit};
+use super::gemm_bf16;
 use super::iter::fork_map;
 use super::matmul::MatRef;
 use super::simd::{dispatch, Kernel};
@@ -76,6 +81,10 @@ pub(crate) fn paged_attention(ins: &[Input<'_>], scale: f64) -> Result<HostBuffe
     match ins[0].dtype() {
         DType::F32 => typed::<f32, f32>(ins, sz, &layout, |s, d| d.copy_from_slice(s), |x| x, Some(|x| x)),
         DType::F64 => typed::<f64, f64>(ins, sz, &layout, |s, d| d.copy_from_slice(s), |x| x, Some(|x| x)),
+        DType::BF16 if gemm_bf16::available() => {
+            let (q, k, v) = (contiguous::<bf16>(&ins[0])?, contiguous::<bf16>(&ins[1])?, contiguous::<bf16>(&ins[2])?);
+            Ok(buf(forward_tiles(&q, &k, &v, sz, &layout)))
+        }
         DType::BF16 => typed::<bf16, f32>(ins, sz, &layout, widen::<bf16>, bf16::from_f32, None),
         DType::F16 => typed::<f16, f32>(ins, sz, &layout, widen::<f16>, f16::from_f32, None),
         dt => Err(Error::unsupported_dtype("paged_attention", dt)),
@@ -95,7 +104,7 @@ fn forward<T: Elem, F: AttnFloat>(
     // Rows per sequence up to which the direct way runs (when it may).
     const DIRECT_ROWS: usize = 4;
     let direct = direct.filter(|_| !kiln_tensor::is_batch_invariant());
-    let Sizes { n, h, d, bs, hk, dv, scale } = sz;
+    let Sizes { h, d, bs, hk, dv, scale, .. } = sz;
     let g = h / hk;
     let seqs = layout.lens.len();
     let rows_of = |s: usize| layout.starts[s + 1] - layout.starts[s];
@@ -150,9 +159,17 @@ fn forward<T: Elem, F: AttnFloat>(
         }
         (s, kh, out)
     });
-    let mut out = vec![<F as Elem>::of_f64(0.0); n * h * dv];
+    assemble(parts, sz, layout, <F as Elem>::of_f64(0.0))
+}
+
+/// The output `[N, H, Dv]` from each task's `(sequence, first kv head, its
+/// query heads' rows [heads, rows, Dv])`.
+fn assemble<E: Copy>(parts: Vec<(usize, usize, Vec<E>)>, sz: Sizes, layout: &PagedLayout, zero: E) -> Vec<E> {
+    let Sizes { n, h, hk, dv, .. } = sz;
+    let g = h / hk;
+    let mut out = vec![zero; n * h * dv];
     for (s, kh0, part) in parts {
-        let (r0, rows) = (layout.starts[s], rows_of(s));
+        let (r0, rows) = (layout.starts[s], layout.starts[s + 1] - layout.starts[s]);
         for (j, head) in part.chunks_exact((rows * dv).max(1)).enumerate() {
             let hq = kh0 * g + j;
             for (i, src) in head.chunks_exact(dv.max(1)).enumerate() {
@@ -161,6 +178,51 @@ fn forward<T: Elem, F: AttnFloat>(
         }
     }
     out
+}
+
+/// The gathered way in bf16 on tiles, one task per (sequence, key/value
+/// head): the sequence's keys and values gathered as they are (bf16), then
+/// the tile kernel's per-head forward on each query head of the group, so
+/// each row is the one `Op::Attention` gives (its products are row-invariant).
+fn forward_tiles(q: &[bf16], kc: &[bf16], vc: &[bf16], sz: Sizes, layout: &PagedLayout) -> Vec<bf16> {
+    let Sizes { h, d, bs, hk, dv, scale, .. } = sz;
+    let g = h / hk;
+    let rows_of = |s: usize| layout.starts[s + 1] - layout.starts[s];
+    let tasks: Vec<(usize, usize)> =
+        (0..layout.lens.len()).filter(|&s| rows_of(s) > 0).flat_map(|s| (0..hk).map(move |kh| (s, kh))).collect();
+    let parts: Vec<(usize, usize, Vec<bf16>)> = fork_map(tasks.len(), &|i| {
+        let (s, kh) = tasks[i];
+        let (r0, rows, len) = (layout.starts[s], rows_of(s), layout.lens[s]);
+        let gather = |cache: &[bf16], width: usize| -> Vec<bf16> {
+            let mut dst = Vec::with_capacity(len * width);
+            for p in 0..len {
+                let blk = layout.tables[s * layout.max_blocks + p / bs];
+                let row = ((blk * bs + p % bs) * hk + kh) * width;
+                dst.extend_from_slice(&cache[row..row + width]);
+            }
+            dst
+        };
+        let (ks, vs) = (gather(kc, d), gather(vc, dv));
+        let dm = Dims { b: 1, h, t: rows, d, hk, s: len, dv, scale, causal: true };
+        let mut out = uninit::<bf16>(g * rows * dv);
+        let mut lse = vec![0f32; rows];
+        for (gi, o) in out.chunks_mut((rows * dv).max(1)).enumerate().take(g) {
+            let hq = kh * g + gi;
+            dispatch(HeadForwardTiles {
+                dm,
+                q: MatRef { data: q, off: (r0 * h + hq) * d, rs: h * d, cs: 1 },
+                k: MatRef { data: &ks, off: 0, rs: d, cs: 1 },
+                v: MatRef { data: &vs, off: 0, rs: dv, cs: 1 },
+                out: o,
+                lse: &mut lse,
+            });
+        }
+        // SAFETY: each of the g query heads' `rows x dv` outputs was written in
+        // full by its kernel (every block of rows); with no elements there is
+        // nothing to write.
+        (s, kh, unsafe { assume_init(out) })
+    });
+    assemble(parts, sz, layout, bf16::ZERO)
 }
 
 /// The direct way for one sequence and a range of its key/value heads: every
