@@ -104,7 +104,7 @@ fn forward<T: Elem, F: AttnFloat>(
     // Rows per sequence up to which the direct way runs (when it may).
     const DIRECT_ROWS: usize = 4;
     let direct = direct.filter(|_| !kiln_tensor::is_batch_invariant());
-    let Sizes { h, d, bs, hk, dv, scale, .. } = sz;
+    let Sizes { h, d, hk, dv, scale, .. } = sz;
     let g = h / hk;
     let seqs = layout.lens.len();
     let rows_of = |s: usize| layout.starts[s + 1] - layout.starts[s];
@@ -132,17 +132,9 @@ fn forward<T: Elem, F: AttnFloat>(
             return (s, kh0, out);
         }
         let kh = kh0;
-        // The sequence's keys and values of head kh, position by position.
-        let gather = |cache: &[T], width: usize| -> Vec<F> {
-            let mut dst = vec![<F as Elem>::of_f64(0.0); len * width];
-            for (p, out) in dst.chunks_exact_mut(width.max(1)).enumerate().take(len) {
-                let blk = layout.tables[s * layout.max_blocks + p / bs];
-                let row = ((blk * bs + p % bs) * hk + kh) * width;
-                up(&cache[row..row + width], out);
-            }
-            dst
-        };
-        let (ks, vs) = (gather(kc, d), gather(vc, dv));
+        let zero = <F as Elem>::of_f64(0.0);
+        let (ks, vs) =
+            (gather(kc, (s, kh, len), d, sz, layout, up, zero), gather(vc, (s, kh, len), dv, sz, layout, up, zero));
         let dm = Dims { b: 1, h, t: rows, d, hk, s: len, dv, scale, causal: true };
         let mut out = vec![<F as Elem>::of_f64(0.0); g * rows * dv];
         let mut lse = vec![<F as Elem>::of_f64(0.0); rows];
@@ -180,12 +172,34 @@ fn assemble<E: Copy>(parts: Vec<(usize, usize, Vec<E>)>, sz: Sizes, layout: &Pag
     out
 }
 
+/// The keys (or values, `width` per row) of sequence `s`'s first `len`
+/// positions in head `kh`, position by position from their blocks, each row
+/// converted by `up`.
+fn gather<T, F: Copy>(
+    cache: &[T],
+    (s, kh, len): (usize, usize, usize),
+    width: usize,
+    sz: Sizes,
+    layout: &PagedLayout,
+    up: fn(&[T], &mut [F]),
+    zero: F,
+) -> Vec<F> {
+    let Sizes { bs, hk, .. } = sz;
+    let mut dst = vec![zero; len * width];
+    for (p, out) in dst.chunks_exact_mut(width.max(1)).enumerate().take(len) {
+        let blk = layout.tables[s * layout.max_blocks + p / bs];
+        let row = ((blk * bs + p % bs) * hk + kh) * width;
+        up(&cache[row..row + width], out);
+    }
+    dst
+}
+
 /// The gathered way in bf16 on tiles, one task per (sequence, key/value
 /// head): the sequence's keys and values gathered as they are (bf16), then
 /// the tile kernel's per-head forward on each query head of the group, so
 /// each row is the one `Op::Attention` gives (its products are row-invariant).
 fn forward_tiles(q: &[bf16], kc: &[bf16], vc: &[bf16], sz: Sizes, layout: &PagedLayout) -> Vec<bf16> {
-    let Sizes { h, d, bs, hk, dv, scale, .. } = sz;
+    let Sizes { h, d, hk, dv, scale, .. } = sz;
     let g = h / hk;
     let rows_of = |s: usize| layout.starts[s + 1] - layout.starts[s];
     let tasks: Vec<(usize, usize)> =
@@ -193,16 +207,11 @@ fn forward_tiles(q: &[bf16], kc: &[bf16], vc: &[bf16], sz: Sizes, layout: &Paged
     let parts: Vec<(usize, usize, Vec<bf16>)> = fork_map(tasks.len(), &|i| {
         let (s, kh) = tasks[i];
         let (r0, rows, len) = (layout.starts[s], rows_of(s), layout.lens[s]);
-        let gather = |cache: &[bf16], width: usize| -> Vec<bf16> {
-            let mut dst = Vec::with_capacity(len * width);
-            for p in 0..len {
-                let blk = layout.tables[s * layout.max_blocks + p / bs];
-                let row = ((blk * bs + p % bs) * hk + kh) * width;
-                dst.extend_from_slice(&cache[row..row + width]);
-            }
-            dst
-        };
-        let (ks, vs) = (gather(kc, d), gather(vc, dv));
+        let copy: fn(&[bf16], &mut [bf16]) = |s, d| d.copy_from_slice(s);
+        let (ks, vs) = (
+            gather(kc, (s, kh, len), d, sz, layout, copy, bf16::ZERO),
+            gather(vc, (s, kh, len), dv, sz, layout, copy, bf16::ZERO),
+        );
         let dm = Dims { b: 1, h, t: rows, d, hk, s: len, dv, scale, causal: true };
         let mut out = uninit::<bf16>(g * rows * dv);
         let mut lse = vec![0f32; rows];
