@@ -124,7 +124,7 @@ impl Layout {
             return None;
         }
         let mut order: Vec<usize> = (0..self.ndim()).collect();
-        // Size-1 dims keep their place among the others (their stride is any).
+        // Size-1 dims (whose stride is any) go last: `is_contiguous` ignores them.
         order.sort_by_key(|&d| std::cmp::Reverse(if self.shape[d] == 1 { 0 } else { self.strides[d] }));
         let permuted = self.permute("dense_order", &order).ok()?;
         permuted.is_contiguous().then_some(order)
