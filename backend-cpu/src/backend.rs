@@ -103,14 +103,16 @@ impl Backend for CpuBackend {
         kernels::assign(dst_buf, dst.layout(), &Input { buf: src_buf, layout: src.layout() })
     }
 
-    /// The interpreter with the CPU's elementwise fusion (Note \[Fused groups\]
-    /// in kiln-tensor; `KILN_CPU_FUSE=0` runs every instruction alone), run
-    /// on the compute threads as a loop of eager ops is.
+    /// The interpreter with the CPU's folded casts and elementwise fusion
+    /// (Note \[Folded casts\] in fold.rs, Note \[Fused groups\] in kiln-tensor;
+    /// `KILN_CPU_FUSE=0` runs every instruction alone, as written), run on the
+    /// compute threads as a loop of eager ops is.
     fn compile(&self, program: &Program, device: Device) -> Result<Arc<dyn Executable>> {
         let interp = if std::env::var("KILN_CPU_FUSE").is_ok_and(|v| v == "0") {
             Interpreter::new(program.clone(), device)?
         } else {
-            Interpreter::with_fuser(program.clone(), device, &kernels::CpuFuser)?
+            program.verify()?;
+            Interpreter::with_fuser(crate::fold::fold_casts(program)?, device, &kernels::CpuFuser)?
         };
         Ok(Arc::new(OnComputeThreads { interp, arena: Default::default() }))
     }

@@ -1,6 +1,7 @@
 //! kiln-cpu: the CPU backend. Kernels for every primitive of `kiln_tensor::Op`,
 //! working directly on strided views of host memory.
 mod backend;
+mod fold;
 mod kernels;
 mod plan;
 mod team;

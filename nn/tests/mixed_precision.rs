@@ -110,6 +110,52 @@ fn bf16_autocast_training_matches_pytorch_on_the_cpu() {
     check(Device::Cpu, false, false, "cpu");
 }
 
+/// The loss and every parameter's gradient of one autocast step of the
+/// llama fixture on the CPU, eager or captured (the fourth call, a replay).
+fn step_grads(compiled: bool) -> Vec<Tensor> {
+    let dir = fixture_dir("llama");
+    let ids = load_safetensors(dir.join("golden.safetensors")).unwrap()["input_ids"].clone();
+    let mut model = LlamaForCausalLM::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
+    model.train(true);
+    let params = model.named_parameters();
+    let step = |_: &[Tensor]| -> kiln::Result<Vec<Tensor>> {
+        model.zero_grad();
+        let logits = {
+            let _amp = kiln::tensor::autocast(DType::BF16)?;
+            model.forward(&ids, None)?
+        };
+        let loss = causal_lm_loss(&logits.to_dtype(DType::F32)?, &ids, None)?;
+        loss.backward()?;
+        let grads =
+            params.iter().map(|(n, p)| p.grad().ok_or_else(|| kiln::Error::invalid("test", format!("{n}: no grad"))));
+        std::iter::once(Ok(loss)).chain(grads).collect()
+    };
+    if !compiled {
+        return step(&[]).unwrap();
+    }
+    let mut c = kiln::compile(Device::Cpu, step);
+    let out = (0..4).map(|_| c.call(&[]).unwrap()).last().unwrap();
+    assert!(c.stats().replays >= 2, "{:?}", c.stats());
+    out
+}
+
+/// A captured step replays with the CPU's folded casts and fused groups
+/// (Note [Folded casts] in kiln-cpu, Note [Fused groups] in kiln-tensor),
+/// which promise the eager ops' bits: the loss and the gradients of an
+/// autocast step, whose rotary embeddings and loss sit between casts, are
+/// the eager step's exactly.
+#[test]
+fn a_compiled_bf16_step_on_the_cpu_gives_the_eager_bits() {
+    let (eager, compiled) = (step_grads(false), step_grads(true));
+    assert_eq!(eager.len(), compiled.len());
+    for (k, (e, c)) in eager.iter().zip(&compiled).enumerate() {
+        let bits = |t: &Tensor| t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let (e, c) = (bits(e), bits(c));
+        let bad = e.iter().zip(&c).position(|(a, b)| a != b);
+        assert!(bad.is_none(), "output {k} (0: the loss, then the gradients) differs at element {bad:?}");
+    }
+}
+
 #[test]
 fn bf16_autocast_training_matches_pytorch_on_pjrt() {
     support::register_tpu();

@@ -46,6 +46,8 @@ mod tests;
 pub(crate) use copy::{assign, materialize};
 pub(crate) use fused::CpuFuser;
 pub(crate) use index::nonzero;
+pub(crate) use rotary::widened as rotary_widened;
+pub(crate) use softmax::{cross_entropy_backward_widened, logsumexp_widened};
 
 use kiln_tensor::{Error, HostBuffer, HostElement, Layout, Meta, Op, Result};
 

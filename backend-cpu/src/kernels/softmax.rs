@@ -13,11 +13,11 @@
 //! made only of `-inf` makes the whole slice NaN (the max-shifted exponentials
 //! then hold a NaN, and so does their sum).
 use super::copy::{contiguous, materialize_vec};
-use super::elem::{assume_init, bf16_to_f32, f32_to_bf16, uninit, zeroed_block};
+use super::elem::{assume_init, bf16_to_f32, f32_to_bf16, uninit, zeroed_block, FloatElem};
 use super::iter::par_blocks;
 use super::simd::{dispatch, exp_f32, Kernel};
 use super::{buf, Input};
-use half::f16;
+use half::{bf16, f16};
 use kiln_tensor::{numel, DType, Error, HostBuffer, Result};
 
 /// Lanes of independent accumulators in the row loops (one AVX-512 register of f32).
@@ -451,4 +451,99 @@ pub(crate) fn logsumexp(x: &Input<'_>, dim: usize) -> Result<HostBuffer> {
         }
     }
     in_compute_type(x, "logsumexp", Lse { n, inner })
+}
+
+// ---- widened: float32 computation on narrower logits (Note [Folded casts] in fold.rs) ----
+
+/// `Op::LogSumExp` along `dim` of `x` (float32, bfloat16 or float16) widened
+/// exactly to float32: the float32 result of casting `x` first, each block
+/// widened as it is reduced (the widened copy is never written out).
+pub(crate) fn logsumexp_widened(x: &Input<'_>, dim: usize) -> Result<HostBuffer> {
+    fn run<I: FloatElem<C = f32>>(x: &Input<'_>, n: usize, inner: usize) -> Result<Vec<f32>> {
+        let xs = contiguous::<I>(x)?;
+        let outer = xs.len().checked_div(n * inner).unwrap_or(0);
+        let mut out = vec![0f32; outer * inner];
+        par_blocks(&mut out, inner, 4 * n, &|bi, ob| {
+            let mut xf = vec![0f32; n * inner];
+            I::load(&xs[bi * n * inner..][..n * inner], &mut xf);
+            dispatch(LseBlocks { x: &xf, out: ob, n, inner });
+        });
+        Ok(out)
+    }
+    let shape = x.layout.shape();
+    let (n, inner) = if shape.is_empty() { (1, 1) } else { (shape[dim], numel(&shape[dim + 1..])) };
+    if n == 0 {
+        return Ok(buf(vec![f32::NEG_INFINITY; numel(&shape[..dim]) * inner]));
+    }
+    Ok(buf(match x.dtype() {
+        DType::F32 => run::<f32>(x, n, inner)?,
+        DType::BF16 => run::<bf16>(x, n, inner)?,
+        DType::F16 => run::<f16>(x, n, inner)?,
+        dt => return Err(Error::unsupported_dtype("logsumexp (widened)", dt)),
+    }))
+}
+
+/// `Op::CrossEntropyBackward` computed in float32 on logits `x` (float32,
+/// bfloat16 or float16) widened exactly and float32 weights, each block's
+/// result rounded once to `out` (float32, bfloat16 or float16): the bits of
+/// casting `x` to float32, the float32 op, and casting its result to `out`.
+pub(crate) fn cross_entropy_backward_widened(
+    x: &Input<'_>,
+    t: &Input<'_>,
+    w: &Input<'_>,
+    smoothing: f64,
+    out: DType,
+) -> Result<HostBuffer> {
+    fn run<I: FloatElem<C = f32>, O: FloatElem<C = f32>>(
+        x: &Input<'_>,
+        t: &[i64],
+        w: &[f32],
+        (n, inner): (usize, usize),
+        smoothing: f64,
+    ) -> Result<Vec<O>> {
+        let xs = contiguous::<I>(x)?;
+        let block = n * inner;
+        let mut out = uninit::<O>(xs.len());
+        par_blocks(&mut out, block, 16, &|bi, ob| {
+            let (mut xf, mut of) = (vec![0f32; block], vec![0f32; block]);
+            I::load(&xs[bi * block..][..block], &mut xf);
+            let (tb, wb) = (&t[bi * inner..][..inner], &w[bi * inner..][..inner]);
+            dispatch(CeBlocks { x: &xf, out: &mut of, t: tb, w: wb, n, inner, smoothing });
+            O::store(&of, ob);
+        });
+        // SAFETY: `par_blocks` calls the closure on every `block`-sized piece of
+        // `out` (`block > 0`: checked by the caller), and `store` wrote each whole.
+        Ok(unsafe { assume_init(out) })
+    }
+    const OP: &str = "cross_entropy_backward (widened)";
+    let shape = x.layout.shape();
+    let (n, inner) = (shape[1], numel(&shape[2..]));
+    let tv = materialize_vec::<i64>(t)?;
+    if let Some(bad) = tv.iter().find(|&&c| c < 0 || c as usize >= n) {
+        return Err(Error::index("cross_entropy_backward", format!("target {bad} is out of bounds for {n} classes")));
+    }
+    if w.dtype() != DType::F32 {
+        return Err(Error::unsupported_dtype(OP, w.dtype()));
+    }
+    if n * inner == 0 {
+        return Ok(HostBuffer::zeros(out, 0));
+    }
+    let wv = materialize_vec::<f32>(w)?;
+    let dims = (n, inner);
+    macro_rules! to {
+        ($i:ty) => {
+            match out {
+                DType::F32 => buf(run::<$i, f32>(x, &tv, &wv, dims, smoothing)?),
+                DType::BF16 => buf(run::<$i, bf16>(x, &tv, &wv, dims, smoothing)?),
+                DType::F16 => buf(run::<$i, f16>(x, &tv, &wv, dims, smoothing)?),
+                dt => return Err(Error::unsupported_dtype(OP, dt)),
+            }
+        };
+    }
+    Ok(match x.dtype() {
+        DType::F32 => to!(f32),
+        DType::BF16 => to!(bf16),
+        DType::F16 => to!(f16),
+        dt => return Err(Error::unsupported_dtype(OP, dt)),
+    })
 }
