@@ -5,7 +5,7 @@
 //! the float32 computation on a narrower `x`, its result rounded once
 //! (Note \[Folded casts\] in fold.rs).
 use super::copy::materialize_vec;
-use super::elem::{assume_init, uninit, Elem};
+use super::elem::{assume_init, bf16_to_f32, f32_to_bf16, uninit, Elem};
 use super::iter::par_blocks;
 use super::simd::{dispatch, Kernel};
 use super::{buf, Input};
@@ -31,21 +31,27 @@ impl<T: Elem> Convert<T> for T {
     }
 }
 
-macro_rules! convert_f32 {
-    ($($t:ty),*) => {$(
-        impl Convert<f32> for $t {
-            #[inline(always)]
-            fn into_c(self) -> f32 {
-                self.to_f32()
-            }
-            #[inline(always)]
-            fn from_c(c: f32) -> $t {
-                <$t>::from_f32(c)
-            }
-        }
-    )*};
+impl Convert<f32> for bf16 {
+    #[inline(always)]
+    fn into_c(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    #[inline(always)]
+    fn from_c(c: f32) -> bf16 {
+        f32_to_bf16(c)
+    }
 }
-convert_f32!(bf16, f16);
+
+impl Convert<f32> for f16 {
+    #[inline(always)]
+    fn into_c(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn from_c(c: f32) -> f16 {
+        f16::from_f32(c)
+    }
+}
 
 /// The rotation of `x` (of `I`) computed in `C` with tables of `C`, results in `O`.
 fn run<I: Elem + Convert<C>, C: Elem, O: Elem + Convert<C>>(
@@ -116,12 +122,14 @@ impl<I: Convert<C>, C: Elem, O: Convert<C>> Kernel for Rows<'_, I, C, O> {
             let (c, s) = (&cos[pos * d..][..d], &sin[pos * d..][..d]);
             let (lo, hi) = orow.split_at_mut(h);
             if sd == 1 {
-                let row = &xs[base..base + d];
-                let (x1, x2) = row.split_at(h);
+                // Every slice exactly `h` long, so the loop has no bounds checks and vectorises.
+                let (x1, x2) = (&xs[base..][..h], &xs[base + h..][..h]);
+                let (c1, c2, s1, s2) = (&c[..h], &c[h..][..h], &s[..h], &s[h..][..h]);
+                let (lo, hi) = (&mut lo[..h], &mut hi[..h]);
                 for j in 0..h {
                     let (a, b) = (x_in(x1[j]), x_in(x2[j]));
-                    lo[j].write(out_of(a.mul_(c[j]).add_(b.mul_(minus).mul_(s[j]))));
-                    hi[j].write(out_of(b.mul_(c[h + j]).add_(a.mul_(s[h + j]))));
+                    lo[j].write(out_of(a.mul_(c1[j]).add_(b.mul_(minus).mul_(s1[j]))));
+                    hi[j].write(out_of(b.mul_(c2[j]).add_(a.mul_(s2[j]))));
                 }
             } else {
                 let at = |j: usize| x_in(xs[base + j * sd]);
