@@ -9,11 +9,12 @@ use std::sync::Arc;
 
 // Note [Folded casts]
 // ~~~~~~~~~~~~~~~~~~~
-// Autocast runs rotary embeddings and the loss in float32: a bfloat16 query
-// is cast to float32, rotated, and cast back to bfloat16 for attention; the
-// bfloat16 logits are cast to float32 for the log-sum-exp and the loss
-// gradient, whose float32 result is cast to bfloat16 for the products that
-// follow. Eager ops must write each of those float32 arrays (the next op
+// Autocast runs rotary embeddings, normalisation and the loss in float32: a
+// bfloat16 query is cast to float32, rotated, and cast back to bfloat16 for
+// attention; a float32 RMS norm's output is cast to bfloat16 for the
+// products; the bfloat16 logits are cast to float32 for the log-sum-exp and
+// the loss gradient, whose float32 result is cast to bfloat16 for the
+// products that follow. Eager ops must write each of those float32 arrays (the next op
 // could be anything); a program names every reader. So the CPU rewrites a
 // program it compiles, before scheduling it:
 //
@@ -21,9 +22,9 @@ use std::sync::Arc;
 //   views) by `rotary_embedding`, `logsumexp`, `cross_entropy_backward` or
 //   `gather` is read narrow by that op, which widens each element in its own
 //   loop (`gather` picks the narrow elements, then casts the few it picked);
-// - the float32 result of `rotary_embedding` or `cross_entropy_backward`
-//   whose only reader is (through views) a cast to bfloat16 or float16 is
-//   rounded by the op as it stores it.
+// - the float32 (first) result of `rotary_embedding`, `rms_norm` or
+//   `cross_entropy_backward` whose only reader is (through views) a cast to
+//   bfloat16 or float16 is rounded by the op as it stores it.
 //
 // The folded op is a CPU op of this file (`Widened`), computed in float32
 // with the float32 op's own kernel arithmetic: widening is exact, so it
@@ -57,14 +58,18 @@ pub(crate) fn fold_casts(program: &Program) -> Result<Program> {
             continue;
         }
         let arg = |k: usize, map: &[Option<Value>]| mapped(map, inst.args[k]);
-        let f32_out = inst.outs.len() == 1 && inst.outs[0].dtype == DType::F32;
+        let f32_out = inst.outs.first().is_some_and(|m| m.dtype == DType::F32);
         let f32_arg = |k: usize| inst.args.get(k).is_some_and(|&a| program.meta(a).dtype == DType::F32);
+        // The op, and whether it may read a narrow first operand and round its first result.
         let folded = match &inst.op {
-            Op::Rotary if f32_out && f32_arg(1) && f32_arg(2) => Some((Fold::Rotary, true)),
+            Op::Rotary if f32_out && f32_arg(1) && f32_arg(2) => Some((Fold::Rotary, true, true)),
             Op::CrossEntropyBackward { smoothing } if f32_out && f32_arg(2) => {
-                Some((Fold::CrossEntropyBackward { smoothing: *smoothing }, true))
+                Some((Fold::CrossEntropyBackward { smoothing: *smoothing }, true, true))
             }
-            Op::LogSumExp { dim } if f32_out => Some((Fold::LogSumExp { dim: *dim }, false)),
+            Op::LogSumExp { dim } if f32_out => Some((Fold::LogSumExp { dim: *dim }, true, false)),
+            Op::RmsNorm { eps } if f32_out && f32_arg(0) && f32_arg(1) => {
+                Some((Fold::RmsNorm { eps: *eps }, false, true))
+            }
             Op::Gather { .. } if f32_out => {
                 if let Some((x, views)) = widened_source(program, inst.args[0]) {
                     let narrow = viewed(&mut out, mapped(&map, x)?, &views)?;
@@ -76,18 +81,20 @@ pub(crate) fn fold_casts(program: &Program) -> Result<Program> {
             }
             _ => None,
         };
-        let Some((fold, rounds)) = folded else {
+        let Some((fold, reads, rounds)) = folded else {
             let args = (0..inst.args.len()).map(|k| arg(k, &map)).collect::<Result<Vec<_>>>()?;
             for (old, new) in inst.results().zip(out.push_typed(inst.op.clone(), &args, inst.outs.clone())?) {
                 map[old.index()] = Some(new);
             }
             continue;
         };
-        let source = widened_source(program, inst.args[0]);
+        let source = if reads { widened_source(program, inst.args[0]) } else { None };
         let sink = if rounds { rounding_sink(program, &readers, &is_result, inst.first) } else { None };
         if source.is_none() && sink.is_none() {
             let args = (0..inst.args.len()).map(|k| arg(k, &map)).collect::<Result<Vec<_>>>()?;
-            map[inst.first.index()] = Some(out.push_typed(inst.op.clone(), &args, inst.outs.clone())?[0]);
+            for (old, new) in inst.results().zip(out.push_typed(inst.op.clone(), &args, inst.outs.clone())?) {
+                map[old.index()] = Some(new);
+            }
             continue;
         }
         let x = match &source {
@@ -100,7 +107,11 @@ pub(crate) fn fold_casts(program: &Program) -> Result<Program> {
         }
         let to = sink.as_ref().map_or(DType::F32, |s| s.dtype);
         let op = Op::Custom(CustomOpRef(Arc::new(Widened { fold, out: to })));
-        let y = out.push(op, &args)?[0];
+        let ys = out.push(op, &args)?;
+        let y = ys[0];
+        for (k, &v) in ys.iter().enumerate().skip(1) {
+            map[inst.result(k).index()] = Some(v);
+        }
         match sink {
             Some(s) => {
                 map[s.last.index()] = Some(viewed(&mut out, y, &s.views)?);
@@ -188,6 +199,7 @@ enum Fold {
     Rotary,
     LogSumExp { dim: usize },
     CrossEntropyBackward { smoothing: f64 },
+    RmsNorm { eps: f64 },
 }
 
 /// An op of `Fold` computed in float32 on a first input of float32,
@@ -205,6 +217,7 @@ impl Widened {
             Fold::Rotary => Op::Rotary,
             Fold::LogSumExp { dim } => Op::LogSumExp { dim },
             Fold::CrossEntropyBackward { smoothing } => Op::CrossEntropyBackward { smoothing },
+            Fold::RmsNorm { eps } => Op::RmsNorm { eps },
         }
     }
 }
@@ -215,6 +228,7 @@ impl CustomOp for Widened {
             Fold::Rotary => "rotary_embedding (widened)",
             Fold::LogSumExp { .. } => "logsumexp (widened)",
             Fold::CrossEntropyBackward { .. } => "cross_entropy_backward (widened)",
+            Fold::RmsNorm { .. } => "rms_norm (rounded)",
         }
     }
 
@@ -238,13 +252,14 @@ impl CustomOp for Widened {
         if ins.len() != self.op().arity().unwrap_or(ins.len()) {
             return Err(kiln_tensor::Error::invalid(self.name(), format!("got {} inputs", ins.len())));
         }
-        Ok(vec![match self.fold {
-            Fold::Rotary => kernels::rotary_widened(&ins[0], &ins[1], &ins[2], self.out)?,
-            Fold::LogSumExp { dim } => kernels::logsumexp_widened(&ins[0], dim)?,
+        Ok(match self.fold {
+            Fold::Rotary => vec![kernels::rotary_widened(&ins[0], &ins[1], &ins[2], self.out)?],
+            Fold::LogSumExp { dim } => vec![kernels::logsumexp_widened(&ins[0], dim)?],
             Fold::CrossEntropyBackward { smoothing } => {
-                kernels::cross_entropy_backward_widened(&ins[0], &ins[1], &ins[2], smoothing, self.out)?
+                vec![kernels::cross_entropy_backward_widened(&ins[0], &ins[1], &ins[2], smoothing, self.out)?]
             }
-        }])
+            Fold::RmsNorm { eps } => kernels::rms_norm_rounded(&ins[0], &ins[1], eps, self.out)?,
+        })
     }
 }
 

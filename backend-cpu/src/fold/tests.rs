@@ -162,3 +162,23 @@ fn the_loss_reads_narrow_logits_and_rounds_its_gradient() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn a_normalisation_rounds_its_output_and_keeps_its_rstd() -> Result<()> {
+    // Odd sizes, then rows over both threads; `y` cast for a product, `rstd` kept float32.
+    for (i, (rows, d)) in [(3usize, 7usize), (2048, 384)].into_iter().enumerate() {
+        for dt in [DType::BF16, DType::F16] {
+            let mut p = Program::new();
+            let x = p.add_param(ParamKind::Input(0), Meta::new(&[rows, d], DType::F32));
+            let w = p.add_param(ParamKind::Input(1), Meta::new(&[d], DType::F32));
+            let outs = p.push(Op::RmsNorm { eps: 1e-5 }, &[x, w]).unwrap();
+            let y = cast(&mut p, outs[0], dt);
+            p.add_result(y, ResultKind::Fresh).unwrap();
+            p.add_result(outs[1], ResultKind::Fresh).unwrap();
+            let args = [randn(&[rows, d], DType::F32, 40 + i as u64), randn(&[d], DType::F32, 41)];
+            let folded = same_bits(&p, &args)?;
+            assert_eq!((count(&folded, "rms_norm (rounded)"), count(&folded, "to")), (1, 0), "{folded}");
+        }
+    }
+    Ok(())
+}

@@ -46,6 +46,7 @@ mod tests;
 pub(crate) use copy::{assign, materialize};
 pub(crate) use fused::CpuFuser;
 pub(crate) use index::nonzero;
+pub(crate) use norm::rms_norm_rounded;
 pub(crate) use rotary::widened as rotary_widened;
 pub(crate) use softmax::{cross_entropy_backward_widened, logsumexp_widened};
 

@@ -8,7 +8,7 @@
 //! g * x * rstd`, each task summing its rows' `dw` before the partial sums are
 //! added. bf16/f16 compute in float32 and round once.
 use super::copy::{contiguous, narrow_f32, widen_f32};
-use super::elem::{assume_init, uninit, zeroed_block, Elem};
+use super::elem::{assume_init, uninit, zeroed_block, Elem, FloatElem};
 use super::iter::fork_zip;
 use super::simd::{dispatch, Kernel};
 use super::softmax::SoftFloat;
@@ -216,4 +216,43 @@ pub(crate) fn rms_norm_backward(ins: &[Input<'_>]) -> Result<Vec<HostBuffer>> {
         DType::F16 => half::<f16>(x, w, r, g),
         dt => Err(Error::unsupported_dtype("rms_norm_backward", dt)),
     }
+}
+
+/// `Op::RmsNorm` on float32 `x` and `w` with `y` rounded once to `out`
+/// (float32, bfloat16 or float16) as each task's rows are done: the bits of
+/// the float32 op and a cast of `y` (Note \[Folded casts\] in fold.rs).
+pub(crate) fn rms_norm_rounded(x: &Input<'_>, w: &Input<'_>, eps: f64, out: DType) -> Result<Vec<HostBuffer>> {
+    fn run<O: FloatElem<C = f32>>(x: &[f32], w: &[f32], eps: f64) -> Vec<HostBuffer> {
+        let d = w.len();
+        let per = rows_per_task(d);
+        let mut y = uninit::<O>(x.len());
+        let mut rstd = vec![0f32; x.len() / d];
+        fork_zip(&mut y, per * d, &mut rstd, per, &|i, y, rstd| {
+            let mut yf = vec![0f32; y.len()];
+            dispatch(Forward { x: &x[i * per * d..][..y.len()], w, y: &mut yf, rstd, eps: eps as f32 });
+            O::store(&yf, y);
+        });
+        // SAFETY: the pieces `fork_zip` hands out cover `y`, and `store` wrote each whole.
+        vec![buf(unsafe { assume_init(y) }), buf(rstd)]
+    }
+    const OP: &str = "rms_norm (rounded)";
+    for t in [x, w] {
+        if t.dtype() != DType::F32 {
+            return Err(Error::unsupported_dtype(OP, t.dtype()));
+        }
+    }
+    if out == DType::F32 {
+        return rms_norm(x, w, eps);
+    }
+    if w.layout.numel() == 0 {
+        let mut ys = rms_norm(x, w, eps)?;
+        ys[0] = HostBuffer::zeros(out, 0);
+        return Ok(ys);
+    }
+    let (xs, ws) = (contiguous::<f32>(x)?, contiguous::<f32>(w)?);
+    Ok(match out {
+        DType::BF16 => run::<bf16>(&xs, &ws, eps),
+        DType::F16 => run::<f16>(&xs, &ws, eps),
+        dt => return Err(Error::unsupported_dtype(OP, dt)),
+    })
 }
