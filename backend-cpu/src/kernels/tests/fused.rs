@@ -236,3 +236,51 @@ fn the_profiler_times_instructions_and_fused_groups() -> Result<()> {
     assert!(has("fused", "div+sqrt+silu_mul+maximum+copy_ over 64 elements"), "{rows:?}");
     Ok(())
 }
+
+/// Float32 values where rounding to bfloat16 is delicate: ties (to even,
+/// either way), the largest finite value (rounds to infinity), a
+/// subnormal, signed zero, infinity and NaN, then random values.
+fn delicate(n: usize, seed: u64) -> Vec<f32> {
+    let special = [1.003_906_3, 1.011_718_8, -1.003_906_3, f32::MAX, 1e-40, -0.0, f32::INFINITY, f32::NAN];
+    let rest = args(n, seed)[0].to_vec::<f32>().unwrap();
+    special.iter().copied().chain(rest).take(n).collect()
+}
+
+#[test]
+fn casts_at_a_groups_edges_keep_the_eager_bits() -> Result<()> {
+    // r = widen(a) + x, written as float32 and rounded to bfloat16; the rounded
+    // value read back (widened) into s = that * x. One group, every cast inside.
+    for (i, n) in [5usize, 1025, 70_001].into_iter().enumerate() {
+        let mut p = Program::new();
+        let a = p.add_param(ParamKind::Input(0), Meta::new(&[n], DType::BF16));
+        let x = p.add_param(ParamKind::Input(1), Meta::new(&[n], DType::F32));
+        let wide = push(&mut p, Op::Cast(DType::F32), &[a]);
+        let r = push(&mut p, Op::Binary(BinaryOp::Add), &[wide, x]);
+        let rb = push(&mut p, Op::Cast(DType::BF16), &[r]);
+        let back = push(&mut p, Op::Cast(DType::F32), &[rb]);
+        let s = push(&mut p, Op::Binary(BinaryOp::Mul), &[back, x]);
+        for v in [r, rb, s] {
+            p.add_result(v, ResultKind::Fresh).unwrap();
+        }
+        let fused = Interpreter::with_fuser(p.clone(), Device::Cpu, &CpuFuser)?;
+        let groups: Vec<_> = fused.groups().cloned().collect();
+        assert_eq!((groups.len(), groups[0].members.len()), (1, 5), "{groups:?}");
+        let xs = delicate(n, 60 + i as u64);
+        let args = [
+            Tensor::from_vec(xs.iter().rev().copied().collect::<Vec<f32>>(), &[n])?.to_dtype(DType::BF16)?,
+            Tensor::from_vec(xs, &[n])?,
+        ];
+        let plain = Interpreter::new(p, Device::Cpu)?;
+        let (want, got) = (plain.run(&args)?, fused.run(&args)?);
+        for (k, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.dtype(), g.dtype());
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(t.to_dtype(DType::F32)?.to_vec::<f32>()?.iter().map(|v| v.to_bits()).collect())
+            };
+            let (w, g) = (bits(w)?, bits(g)?);
+            let bad = w.iter().zip(&g).position(|(a, b)| a != b);
+            assert!(bad.is_none(), "n = {n}, result {k}: element {bad:?} differs");
+        }
+    }
+    Ok(())
+}
