@@ -3,7 +3,7 @@
 //! part of those ops, so the float32 copies they make are never written.
 use crate::kernels;
 use kiln_tensor::custom::CustomOpRef;
-use kiln_tensor::ir::{Def, Program, Value};
+use kiln_tensor::ir::{Def, Inst, Program, Value};
 use kiln_tensor::{CustomOp, DType, HostBuffer, HostInput, Meta, Op, Result, ViewOp};
 use std::sync::Arc;
 
@@ -82,19 +82,13 @@ pub(crate) fn fold_casts(program: &Program) -> Result<Program> {
             _ => None,
         };
         let Some((fold, reads, rounds)) = folded else {
-            let args = (0..inst.args.len()).map(|k| arg(k, &map)).collect::<Result<Vec<_>>>()?;
-            for (old, new) in inst.results().zip(out.push_typed(inst.op.clone(), &args, inst.outs.clone())?) {
-                map[old.index()] = Some(new);
-            }
+            copy(&mut out, &mut map, inst)?;
             continue;
         };
         let source = if reads { widened_source(program, inst.args[0]) } else { None };
         let sink = if rounds { rounding_sink(program, &readers, &is_result, inst.first) } else { None };
         if source.is_none() && sink.is_none() {
-            let args = (0..inst.args.len()).map(|k| arg(k, &map)).collect::<Result<Vec<_>>>()?;
-            for (old, new) in inst.results().zip(out.push_typed(inst.op.clone(), &args, inst.outs.clone())?) {
-                map[old.index()] = Some(new);
-            }
+            copy(&mut out, &mut map, inst)?;
             continue;
         }
         let x = match &source {
@@ -126,6 +120,15 @@ pub(crate) fn fold_casts(program: &Program) -> Result<Program> {
         out.add_result(mapped(&map, r.value)?, r.kind.clone())?;
     }
     Ok(out.dce())
+}
+
+/// `inst` as it is, on the new program's values.
+fn copy(out: &mut Program, map: &mut [Option<Value>], inst: &Inst) -> Result<()> {
+    let args = inst.args.iter().map(|&a| mapped(map, a)).collect::<Result<Vec<_>>>()?;
+    for (old, new) in inst.results().zip(out.push_typed(inst.op.clone(), &args, inst.outs.clone())?) {
+        map[old.index()] = Some(new);
+    }
+    Ok(())
 }
 
 fn mapped(map: &[Option<Value>], v: Value) -> Result<Value> {
