@@ -517,6 +517,9 @@ pub(crate) fn cross_entropy_backward_widened(
     }
     const OP: &str = "cross_entropy_backward (widened)";
     let shape = x.layout.shape();
+    if shape.len() < 2 {
+        return Err(Error::shape(OP, format!("expected logits [N, C, ...], got {shape:?}")));
+    }
     let (n, inner) = (shape[1], numel(&shape[2..]));
     let tv = materialize_vec::<i64>(t)?;
     if let Some(bad) = tv.iter().find(|&&c| c < 0 || c as usize >= n) {
