@@ -325,6 +325,15 @@ fn ce_run<F: ComputeFloat>(xs: &[F], t: &[i64], w: &[F], n: usize, inner: usize,
     unsafe { assume_init(out) }
 }
 
+/// The class indices `t` in row-major order, each checked against `n` classes.
+fn targets(t: &Input<'_>, n: usize) -> Result<Vec<i64>> {
+    let tv = materialize_vec::<i64>(t)?;
+    if let Some(bad) = tv.iter().find(|&&c| c < 0 || c as usize >= n) {
+        return Err(Error::index("cross_entropy_backward", format!("target {bad} is out of bounds for {n} classes")));
+    }
+    Ok(tv)
+}
+
 /// `Op::CrossEntropyBackward`: `(softmax(x) - (1 - smoothing) onehot(t) -
 /// smoothing / C) * w` along dim 1 of `x [N, C, ...]`.
 pub(crate) fn cross_entropy_backward(
@@ -335,10 +344,7 @@ pub(crate) fn cross_entropy_backward(
 ) -> Result<HostBuffer> {
     let shape = x.layout.shape();
     let (n, inner) = (shape[1], numel(&shape[2..]));
-    let tv = materialize_vec::<i64>(t)?;
-    if let Some(bad) = tv.iter().find(|&&c| c < 0 || c as usize >= n) {
-        return Err(Error::index("cross_entropy_backward", format!("target {bad} is out of bounds for {n} classes")));
-    }
+    let tv = targets(t, n)?;
     struct Ce<'a> {
         t: Vec<i64>,
         /// The weights, in the compute type (`Op::infer` checked their dtype).
@@ -521,10 +527,7 @@ pub(crate) fn cross_entropy_backward_widened(
         return Err(Error::shape(OP, format!("expected logits [N, C, ...], got {shape:?}")));
     }
     let (n, inner) = (shape[1], numel(&shape[2..]));
-    let tv = materialize_vec::<i64>(t)?;
-    if let Some(bad) = tv.iter().find(|&&c| c < 0 || c as usize >= n) {
-        return Err(Error::index("cross_entropy_backward", format!("target {bad} is out of bounds for {n} classes")));
-    }
+    let tv = targets(t, n)?;
     if w.dtype() != DType::F32 {
         return Err(Error::unsupported_dtype(OP, w.dtype()));
     }
