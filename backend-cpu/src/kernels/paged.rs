@@ -63,7 +63,7 @@ pub(crate) fn paged_attention(ins: &[Input<'_>], scale: f64) -> Result<HostBuffe
         ins: &[Input<'_>],
         sz: Sizes,
         layout: &PagedLayout,
-        up: fn(&[T], &mut [F]),
+        up: Up<T, F>,
         down: fn(F) -> T,
         direct: Option<SameType<T, F>>,
     ) -> Result<HostBuffer> {
@@ -98,13 +98,13 @@ fn forward<T: Elem, F: AttnFloat>(
     vc: &[T],
     sz: Sizes,
     layout: &PagedLayout,
-    up: fn(&[T], &mut [F]),
+    up: Up<T, F>,
     direct: Option<SameType<T, F>>,
 ) -> Vec<F> {
     // Rows per sequence up to which the direct way runs (when it may).
     const DIRECT_ROWS: usize = 4;
     let direct = direct.filter(|_| !kiln_tensor::is_batch_invariant());
-    let Sizes { h, d, hk, dv, scale, .. } = sz;
+    let Sizes { h, hk, dv, .. } = sz;
     let g = h / hk;
     let seqs = layout.lens.len();
     let rows_of = |s: usize| layout.starts[s + 1] - layout.starts[s];
@@ -124,32 +124,19 @@ fn forward<T: Elem, F: AttnFloat>(
     // Each task returns its query heads' rows: [(kh1 - kh0) * G, n_s, Dv].
     let parts: Vec<(usize, usize, Vec<F>)> = fork_map(tasks.len(), &|i| {
         let (s, kh0, kh1) = tasks[i];
-        let (r0, rows, len) = (layout.starts[s], rows_of(s), layout.lens[s]);
+        let rows = rows_of(s);
         if let Some(same) = direct.filter(|_| rows <= DIRECT_ROWS) {
             let mut out = vec![<F as Elem>::of_f64(0.0); (kh1 - kh0) * g * rows * dv];
             let task = Direct { q, kc: same(kc), vc: same(vc), sz, layout, s, heads: (kh0, kh1), out: &mut out };
             dispatch(task);
             return (s, kh0, out);
         }
-        let kh = kh0;
         let zero = <F as Elem>::of_f64(0.0);
-        let (ks, vs) =
-            (gather(kc, (s, kh, len), d, sz, layout, up, zero), gather(vc, (s, kh, len), dv, sz, layout, up, zero));
-        let dm = Dims { b: 1, h, t: rows, d, hk, s: len, dv, scale, causal: true };
-        let mut out = vec![<F as Elem>::of_f64(0.0); g * rows * dv];
-        let mut lse = vec![<F as Elem>::of_f64(0.0); rows];
-        for (gi, o) in out.chunks_mut((rows * dv).max(1)).enumerate().take(g) {
-            let hq = kh * g + gi;
-            dispatch(HeadForward {
-                dm,
-                q: MatRef { data: q, off: (r0 * h + hq) * d, rs: h * d, cs: 1 },
-                k: MatRef { data: &ks, off: 0, rs: d, cs: 1 },
-                v: MatRef { data: &vs, off: 0, rs: dv, cs: 1 },
-                out: o,
-                lse: &mut lse,
-            });
-        }
-        (s, kh, out)
+        let (mut out, mut lse) = (vec![zero; g * rows * dv], vec![zero; rows]);
+        gathered_heads(q, (kc, vc), (s, kh0), sz, layout, (up, zero), &mut out, &mut |dm, [q, k, v], out| {
+            dispatch(HeadForward { dm, q, k, v, out, lse: &mut lse })
+        });
+        (s, kh0, out)
     });
     assemble(parts, sz, layout, <F as Elem>::of_f64(0.0))
 }
@@ -181,7 +168,7 @@ fn gather<T, F: Copy>(
     width: usize,
     sz: Sizes,
     layout: &PagedLayout,
-    up: fn(&[T], &mut [F]),
+    up: Up<T, F>,
     zero: F,
 ) -> Vec<F> {
     let Sizes { bs, hk, .. } = sz;
@@ -194,38 +181,60 @@ fn gather<T, F: Copy>(
     dst
 }
 
+/// A row conversion of the gathered way (`up`): a cache row into compute elements.
+type Up<T, X> = fn(&[T], &mut [X]);
+
+/// One query head's kernel, given its dims, its query rows, the keys and the
+/// values, and its rows of the output.
+type HeadKernel<'r, X, O> = dyn FnMut(Dims, [MatRef<'_, X>; 3], &mut [O]) + 'r;
+
+/// The gathered way's task for sequence `s` and key/value head `kh`: the
+/// sequence's keys and values of head `kh` gathered (each row converted by
+/// `up`), then `run(dims, [q, k, v], that head's rows of out)` for each query
+/// head of the group (`out` is `[G, rows, Dv]`).
+#[allow(clippy::too_many_arguments)]
+fn gathered_heads<T, X: Copy, O>(
+    q: &[X],
+    (kc, vc): (&[T], &[T]),
+    (s, kh): (usize, usize),
+    sz: Sizes,
+    layout: &PagedLayout,
+    (up, zero): (Up<T, X>, X),
+    out: &mut [O],
+    run: &mut HeadKernel<'_, X, O>,
+) {
+    let Sizes { h, d, hk, dv, scale, .. } = sz;
+    let g = h / hk;
+    let (r0, rows, len) = (layout.starts[s], layout.starts[s + 1] - layout.starts[s], layout.lens[s]);
+    let (ks, vs) =
+        (gather(kc, (s, kh, len), d, sz, layout, up, zero), gather(vc, (s, kh, len), dv, sz, layout, up, zero));
+    let dm = Dims { b: 1, h, t: rows, d, hk, s: len, dv, scale, causal: true };
+    for (gi, o) in out.chunks_mut((rows * dv).max(1)).enumerate().take(g) {
+        let hq = kh * g + gi;
+        let qm = MatRef { data: q, off: (r0 * h + hq) * d, rs: h * d, cs: 1 };
+        let (km, vm) =
+            (MatRef { data: &ks[..], off: 0, rs: d, cs: 1 }, MatRef { data: &vs[..], off: 0, rs: dv, cs: 1 });
+        run(dm, [qm, km, vm], o);
+    }
+}
+
 /// The gathered way in bf16 on tiles, one task per (sequence, key/value
 /// head): the sequence's keys and values gathered as they are (bf16), then
 /// the tile kernel's per-head forward on each query head of the group, so
 /// each row is the one `Op::Attention` gives (its products are row-invariant).
 fn forward_tiles(q: &[bf16], kc: &[bf16], vc: &[bf16], sz: Sizes, layout: &PagedLayout) -> Vec<bf16> {
-    let Sizes { h, d, hk, dv, scale, .. } = sz;
+    let Sizes { h, hk, dv, .. } = sz;
     let g = h / hk;
     let rows_of = |s: usize| layout.starts[s + 1] - layout.starts[s];
     let tasks: Vec<(usize, usize)> =
         (0..layout.lens.len()).filter(|&s| rows_of(s) > 0).flat_map(|s| (0..hk).map(move |kh| (s, kh))).collect();
     let parts: Vec<(usize, usize, Vec<bf16>)> = fork_map(tasks.len(), &|i| {
         let (s, kh) = tasks[i];
-        let (r0, rows, len) = (layout.starts[s], rows_of(s), layout.lens[s]);
-        let copy: fn(&[bf16], &mut [bf16]) = |s, d| d.copy_from_slice(s);
-        let (ks, vs) = (
-            gather(kc, (s, kh, len), d, sz, layout, copy, bf16::ZERO),
-            gather(vc, (s, kh, len), dv, sz, layout, copy, bf16::ZERO),
-        );
-        let dm = Dims { b: 1, h, t: rows, d, hk, s: len, dv, scale, causal: true };
-        let mut out = uninit::<bf16>(g * rows * dv);
-        let mut lse = vec![0f32; rows];
-        for (gi, o) in out.chunks_mut((rows * dv).max(1)).enumerate().take(g) {
-            let hq = kh * g + gi;
-            dispatch(HeadForwardTiles {
-                dm,
-                q: MatRef { data: q, off: (r0 * h + hq) * d, rs: h * d, cs: 1 },
-                k: MatRef { data: &ks, off: 0, rs: d, cs: 1 },
-                v: MatRef { data: &vs, off: 0, rs: dv, cs: 1 },
-                out: o,
-                lse: &mut lse,
-            });
-        }
+        let copy: Up<bf16, bf16> = |s, d| d.copy_from_slice(s);
+        let (mut out, mut lse) = (uninit::<bf16>(g * rows_of(s) * dv), vec![0f32; rows_of(s)]);
+        gathered_heads(q, (kc, vc), (s, kh), sz, layout, (copy, bf16::ZERO), &mut out, &mut |dm, [q, k, v], out| {
+            dispatch(HeadForwardTiles { dm, q, k, v, out, lse: &mut lse })
+        });
         // SAFETY: each of the g query heads' `rows x dv` outputs was written in
         // full by its kernel (every block of rows); with no elements there is
         // nothing to write.
