@@ -15,6 +15,7 @@ use kiln::prelude::*;
 use kiln::tensor::on_compute_threads;
 use kiln::tensor::quant::Activations;
 use serde_json::json;
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// What the model benchmarks run.
@@ -451,7 +452,7 @@ fn decode_runs<S: Send>(
         on_compute_threads(a.device, || decode(&mut state, &mut tokens))?;
         if run >= a.warmup {
             times.push(t0.elapsed().as_secs_f64());
-            sleeps.push((thread_sleeps() - s0) as f64 / a.new_tokens as f64);
+            sleeps.push(thread_sleeps_since(&s0) as f64 / a.new_tokens as f64);
         }
     }
     sleeps.sort_by(f64::total_cmp);
@@ -521,19 +522,28 @@ fn decode_model(a: &LlmArgs) -> Result<(LlamaConfig, DType, LlamaForCausalLM)> {
     Ok((cfg, dtype, model))
 }
 
-/// Times the process's threads have gone to sleep so far (their voluntary
-/// context switches, Linux only; 0 elsewhere): each is a wake-up to come.
-fn thread_sleeps() -> u64 {
+/// Times each of the process's threads (by id) has gone to sleep so far
+/// (its voluntary context switches; Linux only, none elsewhere): each is a
+/// wake-up to come.
+fn thread_sleeps() -> HashMap<String, u64> {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
+        return HashMap::new();
     };
     tasks
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("status")).ok())
-        .filter_map(|s| {
-            let line = s.lines().find(|l| l.starts_with("voluntary_ctxt_switches:"))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        .filter_map(|t| {
+            let t = t.ok()?;
+            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+            let line = status.lines().find(|l| l.starts_with("voluntary_ctxt_switches:"))?;
+            Some((t.file_name().to_string_lossy().into_owned(), line.split_whitespace().nth(1)?.parse().ok()?))
         })
-        .sum()
+        .collect()
+}
+
+/// The sleeps since `before` of the threads alive at both readings: a
+/// thread that ended in between (another test's, a finished helper) takes
+/// its count with it, so totals over all threads may shrink.
+fn thread_sleeps_since(before: &HashMap<String, u64>) -> u64 {
+    thread_sleeps().into_iter().filter_map(|(tid, n)| Some(n.saturating_sub(*before.get(&tid)?))).sum()
 }
 
 /// The CPU's read bandwidth in GB/s: the best of 5 sums over 1 GiB of f32,
