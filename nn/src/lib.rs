@@ -12,6 +12,7 @@ pub mod models;
 pub mod module;
 pub mod optim;
 pub mod parallel;
+pub mod pipeline;
 pub mod precision;
 pub mod quantize;
 pub mod schedule;

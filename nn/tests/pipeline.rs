@@ -1,0 +1,215 @@
+//! Pipeline parallelism (`kiln::nn::pipeline`): the llama and qwen3 fixtures
+//! split into stages and trained by the GPipe, 1F1B and interleaved 1F1B
+//! schedules reproduce the one-device golden values (logits, loss, every
+//! gradient, the global gradient norm, AdamW steps 1 and 10, the loss
+//! curve), op by op and with each stage captured as programs of its own, on
+//! the CPU backend, on two XLA:CPU devices, and split between the two.
+mod support;
+
+use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM};
+use kiln::nn::module::Module;
+use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
+use kiln::nn::pipeline::{LossFn, PipelineSchedule, PipelineStage, ScheduleKind};
+use kiln::prelude::*;
+use std::sync::Arc;
+use support::{assert_close, check_params, fixture_dir, register_tpu_with_devices, tolerance};
+
+fn loss_fn() -> LossFn {
+    Arc::new(|logits: &Tensor, ids: &Tensor| causal_lm_loss(logits, ids, None))
+}
+
+/// The fixture `name` cut at `split_points`, stage `i` on `devices[i]`,
+/// run by a `kind` schedule over `microbatches` microbatches.
+fn pipeline(
+    name: &str,
+    split_points: &[usize],
+    devices: &[Device],
+    kind: ScheduleKind,
+    microbatches: usize,
+    compiled: bool,
+) -> PipelineSchedule {
+    let model = LlamaForCausalLM::from_pretrained(fixture_dir(name), DType::F32, Device::Cpu).unwrap();
+    let stages = model.pipeline_stages(split_points).unwrap();
+    let n = stages.len();
+    assert_eq!(n, devices.len());
+    let stages = stages
+        .into_iter()
+        .zip(devices)
+        .enumerate()
+        .map(|(i, (mut s, &d))| {
+            s.to_device(d).unwrap();
+            let mut stage = PipelineStage::new(s, i, n, d).unwrap();
+            stage.set_compiled(compiled);
+            stage
+        })
+        .collect();
+    PipelineSchedule::new(kind, stages, microbatches, loss_fn()).unwrap()
+}
+
+/// Every stage's parameters by name, a tied parameter once (the first stage's copy).
+fn named(p: &PipelineSchedule) -> Vec<(String, Tensor)> {
+    let mut seen = std::collections::HashSet::new();
+    p.stages().iter().flat_map(|s| s.module().named_parameters()).filter(|(n, _)| seen.insert(n.clone())).collect()
+}
+
+/// Checks one pipelined step and ten AdamW steps against fixture `name`'s golden values.
+fn check(name: &str, split_points: &[usize], devices: &[Device], kind: ScheduleKind, compiled: bool) {
+    let g = kiln::nn::io::load_safetensors(fixture_dir(name).join("golden.safetensors")).unwrap();
+    let ids = &g["input_ids"];
+    let mut p = pipeline(name, split_points, devices, kind, 2, compiled);
+    let what = format!("{name} {kind:?} on {devices:?}{}", if compiled { " compiled" } else { "" });
+    let (la, lr) = tolerance(name, "logits");
+    assert_close(&format!("{what} logits"), &p.forward(ids).unwrap(), &g["logits"], la, lr);
+
+    let losses = p.step(ids, ids).unwrap();
+    let mean = |ls: &[Tensor]| ls.iter().map(|l| l.item::<f32>().unwrap()).sum::<f32>() / ls.len() as f32;
+    let loss = mean(&losses);
+    let (sa, sr) = tolerance(name, "loss");
+    assert_close(&format!("{what} loss"), &Tensor::scalar(loss, DType::F32).unwrap(), &g["loss"], sa, sr);
+    let (ga, gr) = tolerance(name, "grad");
+    for s in p.stages() {
+        // Every copy of a tied parameter carries the whole gradient.
+        for (n, t) in s.module().named_parameters() {
+            let grad = t.grad().unwrap_or_else(|| panic!("{what}: {n} got no gradient"));
+            assert_close(
+                &format!("{what} grad.{n} (stage {})", s.stage_index()),
+                &grad,
+                &g[&format!("grad.{n}")],
+                ga,
+                gr,
+            );
+        }
+    }
+    let want_norm: f64 = g
+        .iter()
+        .filter(|(k, _)| k.starts_with("grad."))
+        .flat_map(|(_, t)| t.to_vec_f64().unwrap())
+        .map(|x| x * x)
+        .sum::<f64>()
+        .sqrt();
+    let norm = p.clip_grad_norm_(f64::INFINITY).unwrap();
+    assert!((norm - want_norm).abs() <= 1e-5 * want_norm, "{what}: global gradient norm {norm} vs {want_norm}");
+
+    let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let mut opts: Vec<AdamW> =
+        p.stages().iter().map(|s| AdamW::new(s.module().named_parameters(), cfg).unwrap()).collect();
+    let mut curve = vec![loss];
+    opts.iter_mut().for_each(|o| o.step().unwrap());
+    check_params(name, &named(&p), &g, "adamw_step1");
+    for _ in 1..10 {
+        opts.iter_mut().for_each(|o| o.zero_grad());
+        curve.push(mean(&p.step(ids, ids).unwrap()));
+        opts.iter_mut().for_each(|o| o.step().unwrap());
+    }
+    let logits = p.forward(ids).unwrap();
+    curve.push(causal_lm_loss(&logits, &ids.to_device(logits.device()).unwrap(), None).unwrap().item::<f32>().unwrap());
+    check_params(name, &named(&p), &g, "adamw_step10");
+    let (ca, cr) = tolerance(name, "loss_curve");
+    let ca = ca.max(5e-5);
+    assert_close(&format!("{what} loss curve"), &Tensor::from_vec(curve, &[11]).unwrap(), &g["loss_curve"], ca, cr);
+    if compiled {
+        for s in p.stages() {
+            let (f, b) = s.capture_stats().unwrap();
+            assert_eq!((f.retraces, b.retraces), (0, 0), "{what} stage {}: {f:?} {b:?}", s.stage_index());
+            assert!(b.replays >= 15, "{what} stage {}: the backward replays once stable: {b:?}", s.stage_index());
+        }
+        // MPMD: the first stage's programs (embedding, no loss) are not the last's (the loss, in backward).
+        let (first, last) = (p.stages()[0].programs().unwrap(), p.stages().last().unwrap().programs().unwrap());
+        assert!(first.0.is_some() && last.0.is_none(), "{what}: the last stage's forward is its backward program's");
+        let (a, b) = (first.1.to_string(), last.1.to_string());
+        assert!(a.contains("embedding") || a.contains("index_select") || a.contains("gather"), "{what}: {a}");
+        assert!(b.contains("cross_entropy") && !a.contains("cross_entropy"), "{what}: the loss is the last stage's");
+    }
+}
+
+#[test]
+fn schedules_on_the_cpu_reproduce_the_fixtures() {
+    let cpu2 = [Device::Cpu, Device::Cpu];
+    for compiled in [false, true] {
+        for name in ["llama", "qwen3"] {
+            check(name, &[2], &cpu2, ScheduleKind::GPipe, compiled);
+            check(name, &[1], &cpu2, ScheduleKind::OneFOneB, compiled);
+        }
+    }
+}
+
+#[test]
+fn schedules_on_two_pjrt_devices_reproduce_the_fixtures() {
+    register_tpu_with_devices(8);
+    let two = [Device::Tpu(0), Device::Tpu(1)];
+    let four = [Device::Tpu(0), Device::Tpu(1), Device::Tpu(0), Device::Tpu(1)];
+    for compiled in [false, true] {
+        for name in ["llama", "qwen3"] {
+            check(name, &[2], &two, ScheduleKind::GPipe, compiled);
+            check(name, &[1], &two, ScheduleKind::OneFOneB, compiled);
+            check(name, &[1, 2, 3], &four, ScheduleKind::Interleaved1F1B, compiled);
+        }
+    }
+}
+
+#[test]
+fn a_pipeline_split_between_the_cpu_and_a_pjrt_device_reproduces_the_fixtures() {
+    register_tpu_with_devices(8);
+    for compiled in [false, true] {
+        check("llama", &[1], &[Device::Cpu, Device::Tpu(0)], ScheduleKind::OneFOneB, compiled);
+        check("qwen3", &[2], &[Device::Tpu(1), Device::Cpu], ScheduleKind::GPipe, compiled);
+    }
+}
+
+#[test]
+fn balanced_splits_weigh_the_output_projection() {
+    use kiln::nn::pipeline::balanced_split_points;
+    let cfg = |vocab: usize| {
+        kiln::nn::LlamaConfig::from_json_str(&format!(
+            r#"{{"model_type": "llama", "vocab_size": {vocab}, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 4}}"#
+        ))
+        .unwrap()
+    };
+    // Small vocabulary: layers split evenly; a head as costly as three layers moves layers forward.
+    assert_eq!(balanced_split_points(&cfg(64), 2).unwrap(), vec![4]);
+    assert_eq!(balanced_split_points(&cfg(64), 4).unwrap(), vec![2, 4, 6]);
+    // A layer costs 4 * 64 * 64 + 3 * 64 * 128 = 40960 multiply-adds per token, a head of 1920
+    // tokens three layers' worth: 3 + 4 + (1 + 3) layers, where ignoring the head gives [3, 6].
+    assert_eq!(balanced_split_points(&cfg(1920), 3).unwrap(), vec![3, 7]);
+    assert!(balanced_split_points(&cfg(64), 10).is_err());
+    assert!(balanced_split_points(&cfg(64), 0).is_err());
+}
+
+#[test]
+fn bad_pipelines_are_errors() {
+    let model = LlamaForCausalLM::from_pretrained(fixture_dir("llama"), DType::F32, Device::Cpu).unwrap();
+    for bad in [&[2, 1][..], &[1, 1], &[4]] {
+        let e = model.pipeline_stages(bad).unwrap_err().to_string();
+        assert!(e.contains("split points"), "{bad:?}: {e}");
+    }
+    let stages = model.pipeline_stages(&[1]).unwrap();
+    // A stage whose parameters are elsewhere.
+    let e = PipelineStage::new(stages[0].clone(), 0, 2, Device::Tpu(0)).unwrap_err().to_string();
+    assert!(e.contains("stage 0 runs on tpu:0"), "{e}");
+    let e = PipelineStage::new(stages[0].clone(), 2, 2, Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("not below num_stages"), "{e}");
+    // Stages out of order, and a batch that does not split.
+    let mk = |i: usize| PipelineStage::new(stages[i].clone(), i, 2, Device::Cpu).unwrap();
+    let e = PipelineSchedule::new(ScheduleKind::GPipe, vec![mk(1), mk(0)], 2, loss_fn()).unwrap_err().to_string();
+    assert!(e.contains("says it is stage"), "{e}");
+    let mut p = PipelineSchedule::new(ScheduleKind::OneFOneB, vec![mk(0), mk(1)], 2, loss_fn()).unwrap();
+    let ids = Tensor::zeros(&[3, 8], DType::I64).unwrap();
+    let e = p.step(&ids, &ids).unwrap_err().to_string();
+    assert!(e.contains("does not split into 2 equal microbatches"), "{e}");
+    // The interleaved schedule wants stage s on the device of rank s % p.
+    register_tpu_with_devices(8);
+    let stages4 = model.pipeline_stages(&[1, 2, 3]).unwrap();
+    let devs = [Device::Tpu(0), Device::Tpu(1), Device::Tpu(1), Device::Tpu(0)];
+    let staged: Vec<PipelineStage> = stages4
+        .into_iter()
+        .zip(devs)
+        .enumerate()
+        .map(|(i, (mut s, d))| {
+            s.to_device(d).unwrap();
+            PipelineStage::new(s, i, 4, d).unwrap()
+        })
+        .collect();
+    let e = PipelineSchedule::new(ScheduleKind::Interleaved1F1B, staged, 2, loss_fn()).unwrap_err().to_string();
+    assert!(e.contains("runs stage 2 on rank 0"), "{e}");
+}
