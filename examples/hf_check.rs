@@ -8,6 +8,7 @@
 //!     [--dtype f32|bf16] [--steps N] [--lr 1e-3 --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1] \
 //!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled] \
 //!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp|ep|fsdp+ep] [--quantized dequant|dequant-bf16|keep] [--weights-only]
+//!     [--mesh pp=2 | --stage-devices cpu,tpu:0] --parallel pp [--schedule gpipe|1f1b|interleaved] [--microbatches N]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -23,10 +24,11 @@ mod logging;
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::io::{load_safetensors, save_safetensors};
 use kiln::nn::layers::to_hub_layout;
-use kiln::nn::models::{LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
+use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
 use kiln::nn::module::Module;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::nn::parallel::{parse_mesh, Recipe};
+use kiln::nn::pipeline::{LossFn, PipelinePlan, PipelineSchedule, ScheduleKind};
 use kiln::nn::precision::MixedPrecisionPolicy;
 use kiln::prelude::*;
 use std::collections::BTreeMap;
@@ -52,7 +54,12 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
   --mesh SPEC          run on a mesh of PJRT devices, e.g. dp=4, dp=2,tp=2 or ep=4 (KILN_PJRT_CPU_DEVICES
                        sets the number of XLA:CPU devices); needs --device tpu and --parallel
   --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp, fsdp+tp, or for a mixture of
-                       experts ep (experts split over the mesh's ep axis) or fsdp+ep (on dp=N,ep=M)
+                       experts ep (experts split over the mesh's ep axis) or fsdp+ep (on dp=N,ep=M), or
+                       pp: pipeline stages, one rank per device of --mesh pp=N or of --stage-devices
+  --stage-devices L    the pipeline's ranks' devices, e.g. cpu,tpu:0 (stages on different backends)
+  --schedule S         the pipeline's schedule: gpipe, 1f1b or interleaved [default: 1f1b]
+  --microbatches N     microbatches per pipeline step (must divide the batch) [default: the batch size]
+  --stages-per-rank V  stages per rank of the interleaved schedule [default: 2]
   --precision P        f32, or bf16-mixed / f16-mixed: the forward under autocast, parameters, gradients
                        and AdamW state float32 (with --dtype f32) [default: f32]
   --quantized Q        a quantized checkpoint (FP8, MXFP4, NVFP4): dequant (exactly, in float32), dequant-bf16
@@ -75,6 +82,8 @@ struct Args {
     compiled: bool,
     /// The mesh and the recipe (`--mesh`, `--parallel`).
     parallel: Option<(kiln::DeviceMesh, Recipe)>,
+    /// `--parallel pp`: the pipeline's plan (the microbatches 0 until the batch is read).
+    pipeline: Option<PipelinePlan>,
     quantized: QuantizedLoad,
     weights_only: bool,
     precision: Option<MixedPrecisionPolicy>,
@@ -96,11 +105,16 @@ fn parse_args() -> Args {
     let mut device = Device::Cpu;
     let mut mode = None;
     let mut compiled = false;
-    let mut mesh_spec = None;
+    let mut mesh_spec: Option<String> = None;
     let mut recipe = None;
+    let mut pipelined = false;
     let mut quantized = QuantizedLoad::Dequantize { round_to: None };
     let mut weights_only = false;
     let mut precision = None;
+    let mut stage_devices: Option<Vec<Device>> = None;
+    let mut schedule = ScheduleKind::OneFOneB;
+    let mut microbatches = 0;
+    let mut stages_per_rank = None;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
@@ -141,7 +155,15 @@ fn parse_args() -> Args {
                 )
             }
             "--mesh" => mesh_spec = Some(value),
+            "--parallel" if value == "pp" => pipelined = true,
             "--parallel" => recipe = Some(Recipe::parse(&value).unwrap_or_else(|e| fail(&e.to_string()))),
+            "--stage-devices" => {
+                let devs = value.split(',').map(|d| Device::parse(d.trim()).unwrap_or_else(|e| fail(&e.to_string())));
+                stage_devices = Some(devs.collect())
+            }
+            "--schedule" => schedule = ScheduleKind::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
+            "--microbatches" => microbatches = int(&value),
+            "--stages-per-rank" => stages_per_rank = Some(int(&value)),
             "--precision" => precision = MixedPrecisionPolicy::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
             "--quantized" => {
                 quantized = match value.as_str() {
@@ -157,6 +179,22 @@ fn parse_args() -> Args {
     kiln::init_device(device).unwrap_or_else(|e| fail(&e.to_string()));
     if let Some(m) = mode {
         kiln::tpu::set_mode(m);
+    }
+    let pipeline = pipelined.then(|| {
+        let devices = match (&mesh_spec, stage_devices) {
+            (Some(spec), None) => pipeline_ranks(spec),
+            (None, Some(d)) => d,
+            _ => fail("--parallel pp takes --mesh pp=N or --stage-devices LIST"),
+        };
+        for d in &devices {
+            kiln::init_device(*d).unwrap_or_else(|e| fail(&e.to_string()));
+        }
+        let interleaved = schedule == ScheduleKind::Interleaved1F1B;
+        let stages_per_rank = stages_per_rank.unwrap_or(if interleaved { 2 } else { 1 });
+        PipelinePlan { kind: schedule, devices, stages_per_rank, microbatches, compiled }
+    });
+    if pipelined {
+        mesh_spec = None;
     }
     let parallel = match (mesh_spec, recipe) {
         (None, None) => None,
@@ -179,9 +217,18 @@ fn parse_args() -> Args {
         device: parallel.as_ref().map_or(device, |(m, _)| m.device()),
         compiled,
         parallel,
+        pipeline,
         quantized,
         weights_only,
         precision,
+    }
+}
+
+/// The ranks of `--mesh pp=N`: PJRT devices 0 to N - 1.
+fn pipeline_ranks(spec: &str) -> Vec<Device> {
+    match spec.trim().strip_prefix("pp=").map(str::parse::<usize>) {
+        Some(Ok(n)) if n > 0 => (0..n).map(Device::Tpu).collect(),
+        _ => fail(&format!("--mesh {spec}: --parallel pp takes a mesh pp=N")),
     }
 }
 
@@ -291,6 +338,13 @@ fn run(a: Args) -> Result<()> {
         out.insert("generate.output".into(), g.to_device(Device::Cpu)?);
     }
 
+    if let Some(plan) = &a.pipeline {
+        run_pipeline(&a, plan, &model, &ids, &mut out)?;
+        save_safetensors(&a.out, &out, None)?;
+        eprintln!("wrote {} tensors to {} ({:.2}s in all)", out.len(), a.out.display(), t0.elapsed().as_secs_f64());
+        return Ok(());
+    }
+
     // transformers' loss with labels = input_ids: for a mixture-of-experts
     // model with output_router_logits, the router's load-balancing loss too.
     let loss_of = |m: &LlamaForCausalLM| -> Result<(Tensor, Tensor)> {
@@ -393,5 +447,100 @@ fn run(a: Args) -> Result<()> {
 
     save_safetensors(&a.out, &out, None)?;
     eprintln!("wrote {} tensors to {} ({:.2}s in all)", out.len(), a.out.display(), t0.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// `--parallel pp`: the logits, the loss and every gradient of one pipelined
+/// step, and with `--steps` the AdamW steps (one optimizer per stage), as
+/// the unpipelined run writes them.
+fn run_pipeline(
+    a: &Args,
+    plan: &PipelinePlan,
+    model: &LlamaForCausalLM,
+    ids: &Tensor,
+    out: &mut BTreeMap<String, Tensor>,
+) -> Result<()> {
+    let mut plan = plan.clone();
+    if plan.microbatches == 0 {
+        plan.microbatches = ids.shape()[0];
+    }
+    let loss_fn: LossFn = std::sync::Arc::new(|logits: &Tensor, ids: &Tensor| causal_lm_loss(logits, ids, Some(-100)));
+    let mut p = model.pipeline(&plan, loss_fn)?;
+    eprintln!(
+        "pipeline: {:?}, {} stages on {:?}, {} microbatches{}",
+        plan.kind,
+        p.stages().len(),
+        plan.devices,
+        plan.microbatches,
+        if plan.compiled { ", each stage captured" } else { "" }
+    );
+    for s in p.stages() {
+        let names: Vec<String> = s.module().named_parameters().into_iter().map(|(n, _)| n).collect();
+        let (first, last) = (names.first().cloned().unwrap_or_default(), names.last().cloned().unwrap_or_default());
+        eprintln!("  stage {} on {}: {} parameters, {first} .. {last}", s.stage_index(), s.device(), names.len());
+    }
+    let mean =
+        |ls: &[Tensor]| -> Result<f64> { Ok(ls.iter().map(|l| l.item_f64()).sum::<Result<f64>>()? / ls.len() as f64) };
+    let t = Instant::now();
+    out.insert("logits".into(), f32_cpu(&p.forward(ids)?)?);
+    let loss = mean(&p.step(ids, ids)?)?;
+    eprintln!(
+        "loss {loss:.6} (pipelined forward + backward {:.2}s, {} bytes between stages)",
+        t.elapsed().as_secs_f64(),
+        p.bytes_sent()
+    );
+    out.insert("loss".into(), Tensor::scalar(loss as f32, DType::F32)?);
+    let grads = p
+        .named_parameters()
+        .into_iter()
+        .map(|(n, t)| {
+            Ok((n.clone(), t.grad().ok_or_else(|| Error::invalid("hf_check", format!("{n} got no gradient")))?))
+        })
+        .collect::<Result<BTreeMap<_, _>>>()?;
+    for (n, g) in to_hub_layout(grads)? {
+        out.insert(format!("grad.{n}"), f32_cpu(&g)?);
+    }
+    if a.steps == 0 {
+        return Ok(());
+    }
+    let mut opts: Vec<AdamW> =
+        p.stages().iter().map(|s| AdamW::new(s.module().named_parameters(), a.adamw)).collect::<Result<_>>()?;
+    let snapshot = |p: &PipelineSchedule, tag: &str, out: &mut BTreeMap<String, Tensor>| -> Result<()> {
+        for (n, t) in to_hub_layout(p.named_parameters().into_iter().collect())? {
+            out.insert(format!("{tag}.{n}"), f32_cpu(&t)?);
+        }
+        Ok(())
+    };
+    let mut curve = vec![loss as f32];
+    opts.iter_mut().try_for_each(|o| o.step())?;
+    snapshot(&p, "adamw_step1", out)?;
+    let t = Instant::now();
+    for _ in 1..a.steps {
+        opts.iter_mut().for_each(|o| o.zero_grad());
+        curve.push(mean(&p.step(ids, ids)?)? as f32);
+        opts.iter_mut().try_for_each(|o| o.step())?;
+    }
+    if a.steps > 1 {
+        let per = t.elapsed().as_secs_f64() / (a.steps - 1) as f64;
+        eprintln!("pipelined training step (forward, backward, AdamW, loss read) {:.2} ms", per * 1e3);
+        snapshot(&p, &format!("adamw_step{}", a.steps), out)?;
+    }
+    let logits = p.forward(ids)?;
+    curve.push(causal_lm_loss(&logits, &ids.to_device(logits.device())?, Some(-100))?.item_f64()? as f32);
+    for s in p.stages() {
+        if let Some((f, b)) = s.capture_stats() {
+            eprintln!(
+                "  stage {} programs: forward {} traced / {} replayed, backward {} traced / {} replayed",
+                s.stage_index(),
+                f.traces,
+                f.replays,
+                b.traces,
+                b.replays
+            );
+        }
+    }
+    eprintln!("loss curve: {curve:?}");
+    let n = curve.len();
+    out.insert("loss_curve".into(), Tensor::from_vec(curve, &[n])?);
     Ok(())
 }

@@ -46,12 +46,6 @@ fn pipeline(
     PipelineSchedule::new(kind, stages, microbatches, loss_fn()).unwrap()
 }
 
-/// Every stage's parameters by name, a tied parameter once (the first stage's copy).
-fn named(p: &PipelineSchedule) -> Vec<(String, Tensor)> {
-    let mut seen = std::collections::HashSet::new();
-    p.stages().iter().flat_map(|s| s.module().named_parameters()).filter(|(n, _)| seen.insert(n.clone())).collect()
-}
-
 /// Checks one pipelined step and ten AdamW steps against fixture `name`'s golden values.
 fn check(name: &str, split_points: &[usize], devices: &[Device], kind: ScheduleKind, compiled: bool) {
     let g = kiln::nn::io::load_safetensors(fixture_dir(name).join("golden.safetensors")).unwrap();
@@ -95,7 +89,7 @@ fn check(name: &str, split_points: &[usize], devices: &[Device], kind: ScheduleK
         p.stages().iter().map(|s| AdamW::new(s.module().named_parameters(), cfg).unwrap()).collect();
     let mut curve = vec![loss];
     opts.iter_mut().for_each(|o| o.step().unwrap());
-    check_params(name, &named(&p), &g, "adamw_step1");
+    check_params(name, &p.named_parameters(), &g, "adamw_step1");
     for _ in 1..10 {
         opts.iter_mut().for_each(|o| o.zero_grad());
         curve.push(mean(&p.step(ids, ids).unwrap()));
@@ -103,7 +97,7 @@ fn check(name: &str, split_points: &[usize], devices: &[Device], kind: ScheduleK
     }
     let logits = p.forward(ids).unwrap();
     curve.push(causal_lm_loss(&logits, &ids.to_device(logits.device()).unwrap(), None).unwrap().item::<f32>().unwrap());
-    check_params(name, &named(&p), &g, "adamw_step10");
+    check_params(name, &p.named_parameters(), &g, "adamw_step10");
     let (ca, cr) = tolerance(name, "loss_curve");
     let ca = ca.max(5e-5);
     assert_close(&format!("{what} loss curve"), &Tensor::from_vec(curve, &[11]).unwrap(), &g["loss_curve"], ca, cr);
@@ -111,6 +105,9 @@ fn check(name: &str, split_points: &[usize], devices: &[Device], kind: ScheduleK
         for s in p.stages() {
             let (f, b) = s.capture_stats().unwrap();
             assert_eq!((f.retraces, b.retraces), (0, 0), "{what} stage {}: {f:?} {b:?}", s.stage_index());
+            // One program per stage and phase: traced twice (the second trace confirms the first), then replayed.
+            let forwards = if s.stage_index() + 1 == p.stages().len() { 0 } else { 2 };
+            assert_eq!((f.traces, b.traces), (forwards, 2), "{what} stage {}: {f:?} {b:?}", s.stage_index());
             assert!(b.replays >= 15, "{what} stage {}: the backward replays once stable: {b:?}", s.stage_index());
         }
         // MPMD: the first stage's programs (embedding, no loss) are not the last's (the loss, in backward).

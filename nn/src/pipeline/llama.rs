@@ -2,13 +2,15 @@
 //! on the first stage, a run of decoder layers, the final norm and the
 //! output projection on the last; Hugging Face names), split points given
 //! or balanced by compute.
-use super::stage::StageModule;
+use super::order::ScheduleKind;
+use super::schedule::PipelineSchedule;
+use super::stage::{LossFn, PipelineStage, StageModule};
 use crate::layers::{AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding};
 use crate::models::{DecoderLayer, LlamaConfig, LlamaForCausalLM};
 use crate::module::{join_name, Module};
 use crate::precision::MixedPrecisionPolicy;
 use kiln_tensor::trace::ConstantScope;
-use kiln_tensor::{autocast, DType, Error, Result, Tensor};
+use kiln_tensor::{autocast, DType, Device, Error, Result, Tensor};
 
 /// The part of a [`LlamaForCausalLM`] one pipeline stage runs, with the
 /// model's parameter names (`model.layers.{i}.…` keep their layer index),
@@ -78,6 +80,57 @@ impl LlamaForCausalLM {
                 })
             })
             .collect()
+    }
+}
+
+/// How [`LlamaForCausalLM::pipeline`] pipelines a model: the schedule, one
+/// device per rank, the stages per rank (1, or more for the interleaved
+/// schedule), the microbatches per step and whether stages are captured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PipelinePlan {
+    /// The schedule.
+    pub kind: ScheduleKind,
+    /// Rank `r`'s device; stage `s` runs on `devices[s % devices.len()]`.
+    pub devices: Vec<Device>,
+    /// Stages per rank: 1 for GPipe and 1F1B, usually 2 for the interleaved schedule.
+    pub stages_per_rank: usize,
+    /// Microbatches per step.
+    pub microbatches: usize,
+    /// Each stage as captured programs ([`PipelineStage::set_compiled`]).
+    pub compiled: bool,
+}
+
+impl LlamaForCausalLM {
+    /// The model as a pipeline: `plan.devices.len() * plan.stages_per_rank`
+    /// stages split by [`balanced_split_points`], stage `s` moved to rank
+    /// `s % p`'s device, run by `plan.kind` with `loss_fn` (usually
+    /// [`crate::models::causal_lm_loss`]). The stages' parameters are fresh
+    /// leaves wherever a stage moves, so optimizers are made per stage.
+    /// A mixture of experts whose loss adds the routers' load-balancing term
+    /// (over every layer at once) cannot be cut into stages and is refused.
+    pub fn pipeline(&self, plan: &PipelinePlan, loss_fn: LossFn) -> Result<PipelineSchedule> {
+        if self.config().moe.as_ref().is_some_and(|m| m.output_router_logits && m.num_experts > 0) {
+            return Err(Error::invalid(
+                "pipeline",
+                "the model's loss adds the routers' load-balancing loss over every layer (output_router_logits), \
+                 which no stage sees whole; turn it off to pipeline the model",
+            ));
+        }
+        let n = plan.devices.len() * plan.stages_per_rank;
+        let points = balanced_split_points(self.config(), n)?;
+        let stages = self
+            .pipeline_stages(&points)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut s)| {
+                let d = plan.devices[i % plan.devices.len()];
+                s.to_device(d)?;
+                let mut stage = PipelineStage::new(s, i, n, d)?;
+                stage.set_compiled(plan.compiled);
+                Ok(stage)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        PipelineSchedule::new(plan.kind, stages, plan.microbatches, loss_fn)
     }
 }
 

@@ -188,6 +188,13 @@ impl PipelineSchedule {
         self.tied.keys().cloned().collect()
     }
 
+    /// Every stage's parameters by name, in model order; a tied parameter
+    /// once (its first stage's copy): the model's `named_parameters`.
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut seen = std::collections::HashSet::new();
+        self.stages.iter().flat_map(|s| s.module().named_parameters()).filter(|(n, _)| seen.insert(n.clone())).collect()
+    }
+
     /// Bytes of activations and gradients the last step moved between stages on different devices.
     pub fn bytes_sent(&self) -> u64 {
         self.bytes_sent
@@ -349,7 +356,9 @@ fn take(map: &mut HashMap<(usize, usize), Tensor>, key: (usize, usize), what: &s
     })
 }
 
-/// `t` split along dimension 0 into `m` equal microbatches.
+/// `t` split along dimension 0 into `m` equal microbatches, each in storage
+/// of its own (so every microbatch meets a captured stage with the same
+/// layout, offset 0).
 fn microbatches(t: &Tensor, m: usize, what: &str) -> Result<Vec<Tensor>> {
     let b = t.shape().first().copied().unwrap_or(0);
     if t.ndim() == 0 || b == 0 || !b.is_multiple_of(m) {
@@ -358,5 +367,6 @@ fn microbatches(t: &Tensor, m: usize, what: &str) -> Result<Vec<Tensor>> {
             format!("the {what} of shape {:?} does not split into {m} equal microbatches along dimension 0", t.shape()),
         ));
     }
-    (0..m).map(|i| t.narrow(0, (i * (b / m)) as isize, b / m)).collect()
+    let _g = no_grad();
+    (0..m).map(|i| t.narrow(0, (i * (b / m)) as isize, b / m)?.deep_clone()).collect()
 }
