@@ -111,7 +111,7 @@ fn line(bench: &str, a: &LlmArgs) -> Line {
 }
 
 /// Random token ids `[b, t]` in `[0, vocab)`, from the global generator.
-fn random_ids(b: usize, t: usize, vocab: usize, device: Device) -> Result<Tensor> {
+pub fn random_ids(b: usize, t: usize, vocab: usize, device: Device) -> Result<Tensor> {
     Tensor::randint(0, vocab as i64, &[b, t], (DType::I64, device))
 }
 
@@ -602,10 +602,10 @@ pub fn autograd(a: &LlmArgs) -> Result<Line> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn tiny() -> LlmArgs {
+    pub(crate) fn tiny() -> LlmArgs {
         LlmArgs {
             device: Device::Cpu,
             preset: "llama-tiny".into(),
@@ -623,7 +623,7 @@ mod tests {
         }
     }
 
-    fn num(l: &Line, k: &str) -> f64 {
+    pub(crate) fn num(l: &Line, k: &str) -> f64 {
         l.get(k).and_then(|v| v.as_f64()).unwrap_or_else(|| panic!("no number {k}"))
     }
 

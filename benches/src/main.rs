@@ -5,6 +5,7 @@
 //! (matmul, ops) and `benches/compare_torch_train.py` (train, infer, decode) run
 //! this binary and the same measurements in PyTorch, and print the ratios.
 mod llm;
+mod pipeline;
 mod report;
 mod serve_load;
 mod suites;
@@ -30,6 +31,7 @@ USAGE:
     kiln-bench decode [--preset P] [--prompt P] [--new-tokens N] [--steps N] [--warmup W] [--weights W]
                       [--activations A]
     kiln-bench autograd [--steps N] [--warmup W]
+    kiln-bench pipeline [--preset P] [--ranks N] [--microbatches M] [--batch B] [--seq T] [--mode compiled]
     kiln-bench serve-load [--preset P] [--requests N] [--gap-ms G] [--seed S] [--kv-mb M] [--only LIST] [--repeat R]
 
 BENCHMARKS:
@@ -63,6 +65,15 @@ BENCHMARKS:
              prompt: tokens_per_s = new tokens / median decoding time
     autograd 4 x ([512, 1024] @ [1024, 1024] + gelu), summed: forward and forward+backward
              times and backward_forward_ratio = (forward+backward - forward) / forward
+    pipeline the preset trained by each pipeline schedule (gpipe, 1f1b, interleaved with 2 stages
+             per rank) over N ranks (--device tpu: tpu:0..N, default 4; cpu: all on the CPU) with
+             M microbatches (default 8): median_step_ms; bubble_theory ((p-1)/(m+p-1), and
+             (p-1)/(vm+p-1) interleaved), bubble_schedule_uniform_costs (the order's timeline,
+             backward twice a forward) and bubble_schedule_measured_costs (the same timeline with
+             each action's time from one step where every action runs alone: devices sharing
+             the machine's cores cannot overlap for real); bytes_between_stages against
+             bytes_minimum (each boundary's activations and their gradients);
+             peak_microbatches_held_per_rank
     serve-load the serving engine (continuous batching, paged KV cache) under N requests (default
              64) of 16-512 prompt and 16-256 new tokens arriving as a Poisson stream (mean gap
              G ms, default 50), against the same requests through generate() one at a time;
@@ -151,6 +162,9 @@ struct Args {
     /// `train --mesh SPEC --parallel R`.
     mesh: Option<String>,
     parallel: Option<String>,
+    /// `pipeline`.
+    ranks: usize,
+    microbatches: usize,
     /// `serve-load`.
     requests: usize,
     gap_ms: f64,
@@ -222,6 +236,8 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         kv_mb: 1024,
         write_workload: None,
         repeat: 3,
+        ranks: 4,
+        microbatches: 8,
     };
     let mut it = argv.iter();
     while let Some(arg) = it.next() {
@@ -285,13 +301,15 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--kv-mb" => a.kv_mb = int("--kv-mb", &value()?)?,
             "--write-workload" => a.write_workload = Some(value()?),
             "--repeat" => a.repeat = int("--repeat", &value()?)?,
+            "--ranks" => a.ranks = int("--ranks", &value()?)?,
+            "--microbatches" => a.microbatches = int("--microbatches", &value()?)?,
             c if !c.starts_with('-') && a.cmd.is_empty() => a.cmd = c.to_string(),
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
     if a.cmd.is_empty() {
         return Err(
-            "missing benchmark name (matmul, ops, all, chain, serve, serve-load, train, infer, decode or autograd)"
+            "missing benchmark name (matmul, ops, all, chain, serve, serve-load, train, infer, decode, autograd or pipeline)"
                 .into(),
         );
     }
@@ -309,7 +327,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
     if a.activations != Activations::Exact && a.cmd != "decode" {
         return Err(format!("--activations: only decode takes it, not {}", a.cmd));
     }
-    if a.compiled && !matches!(a.cmd.as_str(), "train" | "decode") {
+    if a.compiled && !matches!(a.cmd.as_str(), "train" | "decode" | "pipeline") {
         return Err(format!(
             "--mode compiled: {} runs eagerly (train and decode capture their step with kiln::compile)",
             a.cmd
@@ -374,7 +392,7 @@ fn main() -> ExitCode {
             }
         }
         "all" => suites::matmul(&cfg(3.0), &args.sizes, args.dtype, args.linear) + suites::ops(&cfg(2.0), args.dim),
-        cmd @ ("train" | "infer" | "decode" | "autograd") => {
+        cmd @ ("train" | "infer" | "decode" | "autograd" | "pipeline") => {
             if let Err(e) = llm::preset(&args.preset) {
                 eprintln!("kiln-bench: {e}");
                 return ExitCode::from(2);
@@ -402,6 +420,18 @@ fn main() -> ExitCode {
                     }
                 },
             };
+            if cmd == "pipeline" {
+                return match pipeline::pipeline(&a, args.ranks, args.microbatches) {
+                    Ok(lines) => {
+                        lines.into_iter().for_each(report::Line::emit);
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        report::Line::new(cmd, "float32", &args.device.to_string()).set("error", e.to_string()).emit();
+                        ExitCode::FAILURE
+                    }
+                };
+            }
             let r = match cmd {
                 "train" => llm::train(&a),
                 "infer" => llm::infer(&a),
@@ -421,7 +451,7 @@ fn main() -> ExitCode {
         }
         other => {
             eprintln!(
-                "kiln-bench: unknown benchmark {other:?} (expected matmul, ops, all, chain, serve, train, infer, decode or autograd)\n\n{HELP}"
+                "kiln-bench: unknown benchmark {other:?} (expected matmul, ops, all, chain, serve, train, infer, decode, autograd or pipeline)\n\n{HELP}"
             );
             return ExitCode::from(2);
         }

@@ -39,6 +39,6 @@ pub mod schedule;
 pub mod stage;
 
 pub use llama::{balanced_split_points, LlamaStage, PipelinePlan};
-pub use order::{peak_in_flight, rank_orders, simulate, Action, Phase, ScheduleKind, Timeline};
+pub use order::{peak_in_flight, rank_orders, simulate, simulate_with, Action, Phase, ScheduleKind, Timeline};
 pub use schedule::{PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B};
 pub use stage::{LossFn, PipelineStage, StageModule};

@@ -157,6 +157,11 @@ impl Timeline {
 /// backward. An order that can never finish (a rank waiting on work
 /// another rank only does after it) is an error.
 pub fn simulate(orders: &[Vec<Action>], stages: usize, t_forward: f64, t_backward: f64) -> Result<Timeline> {
+    simulate_with(orders, stages, |a| if a.phase == Phase::Forward { t_forward } else { t_backward })
+}
+
+/// [`simulate`] with each action's own cost (measured ones, say).
+pub fn simulate_with(orders: &[Vec<Action>], stages: usize, cost: impl Fn(&Action) -> f64) -> Result<Timeline> {
     use std::collections::HashMap;
     let mut done: HashMap<(usize, usize, bool), f64> = HashMap::new();
     let mut next = vec![0usize; orders.len()];
@@ -180,7 +185,7 @@ pub fn simulate(orders: &[Vec<Action>], stages: usize, t_forward: f64, t_backwar
             let Some(ready) = deps.iter().map(|d| done.get(d).copied()).try_fold(0.0f64, |t, d| Some(t.max(d?))) else {
                 continue;
             };
-            let cost = if a.phase == Phase::Forward { t_forward } else { t_backward };
+            let cost = cost(&a);
             let start = ready.max(free[r]);
             free[r] = start + cost;
             busy[r] += cost;

@@ -23,6 +23,8 @@ pub struct PipelineSchedule {
     /// Parameters held by several stages (tied weights): name -> stages.
     tied: BTreeMap<String, Vec<usize>>,
     bytes_sent: u64,
+    /// With profiling on, each action of the last step and its seconds.
+    profile: Option<Vec<(Action, f64)>>,
 }
 
 impl std::fmt::Debug for PipelineSchedule {
@@ -148,6 +150,7 @@ impl PipelineSchedule {
             dispatch,
             tied,
             bytes_sent: 0,
+            profile: None,
         })
     }
 
@@ -193,6 +196,19 @@ impl PipelineSchedule {
     pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut seen = std::collections::HashSet::new();
         self.stages.iter().flat_map(|s| s.module().named_parameters()).filter(|(n, _)| seen.insert(n.clone())).collect()
+    }
+
+    /// Profiling: each action waits for its device to finish and is timed
+    /// ([`PipelineSchedule::action_times`]), which serialises the devices;
+    /// for measuring stage costs, not for training.
+    pub fn set_profile(&mut self, on: bool) {
+        self.profile = on.then(Vec::new);
+    }
+
+    /// With profiling on, each action of the last step and its seconds
+    /// (the transfer of its result included).
+    pub fn action_times(&self) -> &[(Action, f64)] {
+        self.profile.as_deref().unwrap_or(&[])
     }
 
     /// Bytes of activations and gradients the last step moved between stages on different devices.
@@ -254,8 +270,12 @@ impl PipelineSchedule {
         grads: &mut HashMap<(usize, usize), Tensor>,
     ) -> Result<()> {
         let (m, last) = (self.microbatches, self.stages.len() - 1);
+        if let Some(p) = &mut self.profile {
+            p.clear();
+        }
         for a in self.dispatch.clone() {
             let (s, mb) = (a.stage, a.microbatch);
+            let t0 = std::time::Instant::now();
             match a.phase {
                 Phase::Forward => {
                     let x = if s == 0 { inputs[mb].clone() } else { take(arrived, (s, mb), "input")? };
@@ -272,6 +292,11 @@ impl PipelineSchedule {
                         grads.insert((s - 1, mb), dx);
                     }
                 }
+            }
+            if let Some(p) = &mut self.profile {
+                let dev = self.stages[s].device();
+                dev.backend()?.synchronize(dev)?;
+                p.push((a, t0.elapsed().as_secs_f64()));
             }
         }
         Ok(())
