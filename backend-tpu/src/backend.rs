@@ -67,6 +67,9 @@ pub struct Stats {
     /// device to another (each device's block less the piece it keeps,
     /// summed over the devices), over every region run.
     pub all_to_all_bytes: u64,
+    /// Bytes copied from one device to another without the host
+    /// (`Tensor::to_device` between devices of the client).
+    pub device_copy_bytes: u64,
 }
 
 /// Executables by program text, then by the options they were compiled with.
@@ -86,6 +89,7 @@ pub struct PjrtBackend {
     hits: AtomicU64,
     executions: AtomicU64,
     all_to_all_bytes: AtomicU64,
+    device_copy_bytes: AtomicU64,
     compile_ns: AtomicU64,
     disk: Option<DiskCache>,
 }
@@ -120,6 +124,7 @@ impl PjrtBackend {
             hits: AtomicU64::new(0),
             executions: AtomicU64::new(0),
             all_to_all_bytes: AtomicU64::new(0),
+            device_copy_bytes: AtomicU64::new(0),
             compile_ns: AtomicU64::new(0),
             disk: cache::cache_dir().map(|d| DiskCache::new(d, &client)),
             client,
@@ -130,6 +135,30 @@ impl PjrtBackend {
     /// program first when the storage waits for it.
     pub(crate) fn buffer_of(&self, t: &Tensor) -> Result<Arc<Buffer>> {
         self.ready_data(data_of(t)?)
+    }
+
+    /// `t`'s elements copied to PJRT device `j` (`PJRT_Buffer_CopyToDevice`):
+    /// a view is first made a contiguous buffer on its own device.
+    fn copy_between_devices(&self, t: &Tensor, j: usize) -> Result<Arc<Storage>> {
+        let buf = self.buffer_of(t)?;
+        let (l, dtype) = (t.layout(), t.dtype());
+        let whole = l.is_contiguous() && l.offset() == 0 && l.numel() == buf.numel();
+        let src = if whole {
+            buf
+        } else {
+            let text = lower::read_module(l, buf.numel(), dtype)?;
+            let meta = Meta { shape: [l.numel()].as_slice().into(), dtype };
+            Arc::new(self.run("to_device", &text, &[&buf], &[meta], &[], &[], t.device())?.remove(0))
+        };
+        let copy = src.copy_to_device(j)?;
+        let n = copy.numel();
+        self.device_copy_bytes.fetch_add((n * dtype.size_in_bytes()) as u64, Ordering::Relaxed);
+        Ok(Arc::new(Storage::new(
+            StorageData::Device(Box::new(PjrtBuffer::Ready(Arc::new(copy)))),
+            dtype,
+            n,
+            Device::Tpu(j),
+        )))
     }
 
     /// One value of a creation op (see `lower::creation_args`) as a one-element buffer on `device`.
@@ -208,6 +237,7 @@ impl PjrtBackend {
             compile_secs: self.compile_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             load_secs: self.disk.as_ref().map_or(0, |d| d.load_ns.load(Ordering::Relaxed)) as f64 * 1e-9,
             all_to_all_bytes: self.all_to_all_bytes.load(Ordering::Relaxed),
+            device_copy_bytes: self.device_copy_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -458,6 +488,13 @@ impl Backend for PjrtBackend {
         let mut bytes = kiln_tensor::alloc::try_vec("to_host", &[out.numel() * dtype.size_in_bytes()], DType::U8, 0u8)?;
         out.copy_to_host(&mut bytes)?;
         HostBuffer::from_le_bytes(dtype, &bytes)
+    }
+
+    fn copy_to_device(&self, t: &Tensor, device: Device) -> Option<Result<Arc<Storage>>> {
+        match (t.device(), device) {
+            (Device::Tpu(_), Device::Tpu(j)) => Some(self.copy_between_devices(t, j)),
+            _ => None,
+        }
     }
 
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>> {

@@ -176,6 +176,13 @@ impl kiln_tensor::Backend for Registered {
     fn to_host(&self, t: &kiln_tensor::Tensor) -> Result<kiln_tensor::HostBuffer> {
         self.0.to_host(t)
     }
+    fn copy_to_device(
+        &self,
+        t: &kiln_tensor::Tensor,
+        device: kiln_tensor::Device,
+    ) -> Option<Result<Arc<kiln_tensor::Storage>>> {
+        self.0.copy_to_device(t, device)
+    }
     fn exec(
         &self,
         op: &kiln_tensor::Op,

@@ -188,3 +188,36 @@ fn deferred_index_errors_surface_at_the_op() {
     let e = with_mode(Mode::Defer, gather_out_of_range).unwrap_err().to_string();
     assert!(e.contains("index 7 is out of bounds for dimension 1 with size 3"), "{e}");
 }
+
+#[test]
+fn copies_between_devices_skip_the_host() {
+    setup();
+    let n = kiln_tensor::backend_for(kiln_tensor::DeviceKind::Tpu).unwrap().device_count();
+    assert!(n >= 2, "the XLA:CPU plugin is set up with several devices, got {n}");
+    let one = Device::Tpu(1);
+    let before = kiln_tpu::stats().unwrap().device_copy_bytes;
+    let x = Tensor::arange(0.0, 12.0, 1.0, DType::F32).unwrap().reshape(&[3, 4]).unwrap().to_device(TPU).unwrap();
+    let y = x.to_device(one).unwrap();
+    assert_eq!((y.device(), y.shape()), (one, &[3usize, 4][..]));
+    assert_eq!(y.to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap());
+    // A view (transposed, narrowed) arrives as its own elements, contiguous.
+    let v = x.t().unwrap().narrow(0, 1, 2).unwrap();
+    let w = v.to_device(one).unwrap();
+    assert!(w.is_contiguous());
+    assert_eq!(w.to_vec::<f32>().unwrap(), v.to_vec::<f32>().unwrap());
+    // Other dtypes, an empty tensor, and the way back, computed on.
+    let b = x.to_dtype(DType::BF16).unwrap().to_device(one).unwrap();
+    assert_eq!(b.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap());
+    let i = Tensor::new([[1i64, -2], [3, i64::MAX]]).unwrap().to_device(TPU).unwrap().to_device(one).unwrap();
+    assert_eq!(i.to_vec::<i64>().unwrap(), vec![1, -2, 3, i64::MAX]);
+    let e = Tensor::zeros(&[0, 3], (DType::F32, TPU)).unwrap().to_device(one).unwrap();
+    assert_eq!((e.shape(), e.device()), (&[0usize, 3][..], one));
+    let back = w.to_device(TPU).unwrap();
+    assert_eq!(
+        (&back + &v).to_vec::<f32>().unwrap(),
+        v.to_vec::<f32>().unwrap().iter().map(|a| 2.0 * a).collect::<Vec<_>>()
+    );
+    // Every copy went device to device: 48 + 24 + 24 (bf16) + 32 + 0 + 24 bytes.
+    let copied = kiln_tpu::stats().unwrap().device_copy_bytes - before;
+    assert_eq!(copied, 48 + 24 + 24 + 32 + 24);
+}

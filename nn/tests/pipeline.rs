@@ -55,7 +55,23 @@ fn check(name: &str, split_points: &[usize], devices: &[Device], kind: ScheduleK
     let (la, lr) = tolerance(name, "logits");
     assert_close(&format!("{what} logits"), &p.forward(ids).unwrap(), &g["logits"], la, lr);
 
+    let copied = || kiln::tpu::stats().map_or(0, |s| s.device_copy_bytes);
+    let before = copied();
     let losses = p.step(ids, ids).unwrap();
+    // Between PJRT devices, activations and gradients go device to device:
+    // [1, 16, 64] f32 per microbatch and boundary, each way.
+    let boundaries = devices.windows(2).filter(|w| w[0] != w[1]).count() as u64;
+    assert_eq!(p.bytes_sent(), boundaries * 2 * 2 * 16 * 64 * 4, "{what}");
+    if devices.iter().all(|d| matches!(d, Device::Tpu(_))) {
+        // A tied embedding's gradient goes to the first stage's device and its sum back.
+        let tied: u64 = p
+            .named_parameters()
+            .iter()
+            .filter(|(n, _)| p.tied_parameters().contains(n))
+            .map(|(_, t)| 2 * 4 * t.numel() as u64)
+            .sum();
+        assert_eq!(copied() - before, p.bytes_sent() + tied, "{what}: every transfer is a device copy");
+    }
     let mean = |ls: &[Tensor]| ls.iter().map(|l| l.item::<f32>().unwrap()).sum::<f32>() / ls.len() as f32;
     let loss = mean(&losses);
     let (sa, sr) = tolerance(name, "loss");

@@ -67,10 +67,20 @@ impl Tensor {
         Tensor::apply1(Op::Cast(dtype), &[self])
     }
 
-    /// Copies to `device` (PyTorch's `.to(device)`); returns the same tensor when already there.
+    /// Copies to `device` (PyTorch's `.to(device)`); returns the same tensor
+    /// when already there. Between devices of one backend that can copy
+    /// device to device (a PJRT client's), the copy skips the host.
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
         if device == self.device() {
             return Ok(self.clone());
+        }
+        if device.kind() == self.device().kind() {
+            crate::capture::record::check_read(self, reading_via().unwrap_or("to_device"))?;
+            if let Some(storage) = self.backend().copy_to_device(self, device) {
+                let t = Tensor::from_storage(storage?, crate::Layout::contiguous(self.shape()))?;
+                crate::capture::record::upload(&t);
+                return Ok(t);
+            }
         }
         let host = self.read_host("to_device")?;
         Tensor::from_host(host, self.shape(), device)

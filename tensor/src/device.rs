@@ -113,6 +113,13 @@ pub trait Backend: Send + Sync + 'static {
     fn from_host(&self, buf: HostBuffer, device: Device) -> Result<Arc<Storage>>;
     /// Reads the elements of `t` (any layout) into a contiguous host buffer, row-major.
     fn to_host(&self, t: &Tensor) -> Result<HostBuffer>;
+    /// Copies the elements of `t` (on one of this backend's devices, any
+    /// layout) to `device` without going through the host, as a contiguous
+    /// storage, when the backend can (devices of one PJRT client); `None`
+    /// sends [`Tensor::to_device`] through the host.
+    fn copy_to_device(&self, _t: &Tensor, _device: Device) -> Option<Result<Arc<Storage>>> {
+        None
+    }
     /// Runs a non-view primitive on `inputs` (all on `device`), returning one
     /// fresh contiguous storage per output, each of the shape and dtype in `outs`.
     fn exec(&self, op: &Op, inputs: &[&Tensor], outs: &[Meta], device: Device) -> Result<Vec<Arc<Storage>>>;

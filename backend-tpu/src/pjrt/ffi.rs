@@ -542,6 +542,15 @@ pub struct PJRT_Buffer_ToHostBuffer_Args {
 }
 
 #[repr(C)]
+pub struct PJRT_Buffer_CopyToDevice_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub buffer: *mut PJRT_Buffer,
+    pub dst_device: *mut PJRT_Device,
+    pub dst_buffer: *mut PJRT_Buffer,
+}
+
+#[repr(C)]
 pub struct PJRT_Buffer_ReadyEvent_Args {
     pub struct_size: usize,
     pub extension_start: *mut c_void,
@@ -601,6 +610,7 @@ args!(
     PJRT_Buffer_ElementType_Args,
     PJRT_Buffer_Dimensions_Args,
     PJRT_Buffer_ToHostBuffer_Args,
+    PJRT_Buffer_CopyToDevice_Args,
     PJRT_Buffer_ReadyEvent_Args,
 );
 

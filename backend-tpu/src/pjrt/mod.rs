@@ -655,6 +655,17 @@ impl Buffer {
         }
         Ok(())
     }
+    /// A copy of the buffer on device `device` of the same client
+    /// (`PJRT_Buffer_CopyToDevice`): device to device, without the host. The
+    /// copy is asynchronous; reading the new buffer waits for it.
+    pub fn copy_to_device(&self, device: usize) -> Result<Buffer> {
+        let mut a = ffi::PJRT_Buffer_CopyToDevice_Args::new();
+        a.buffer = self.raw;
+        a.dst_device = self.client.device(device)?;
+        self.client.api.call("Buffer_CopyToDevice", self.client.api.t().buffer_copy_to_device, &mut a)?;
+        Ok(Buffer { client: self.client.clone(), raw: a.dst_buffer, dtype: self.dtype, dims: self.dims.clone() })
+    }
+
     /// An event that fires when the buffer's contents are computed.
     pub fn ready_event(&self) -> Result<Event> {
         let mut a = ffi::PJRT_Buffer_ReadyEvent_Args::new();
