@@ -1,7 +1,8 @@
 //! A small key-value store over TCP (PyTorch's `TCPStore` role): the rendezvous
 //! of a process group. Rank 0 serves it; every process (rank 0 included)
 //! talks to it as a client. Values are bytes; `get` blocks until the key
-//! exists or its deadline passes, `try_get` answers at once, `put` overwrites.
+//! exists or its deadline passes, `try_get` answers at once, `put` overwrites,
+//! `take` is a `get` that removes the key (a message to one receiver).
 //! The PJRT plugins that need one (GPU, TPU) read and write it through
 //! `PJRT_Client_Create`'s callbacks to exchange topology and communicator ids
 //! (see `process_group.rs`).
@@ -25,11 +26,12 @@ use std::time::{Duration, Instant};
 
 // The wire format, one request then one response on a connection, repeated:
 //   request  = op (u8) | key length (u32 LE) | key | op payload
-//              PUT: value length (u64 LE) | value;  GET: timeout in ms (u64 LE);  TRY_GET: nothing
+//              PUT: value length (u64 LE) | value;  GET, TAKE: timeout in ms (u64 LE);  TRY_GET: nothing
 //   response = status (u8) | length (u64 LE) | bytes (the value, or an error message)
 const PUT: u8 = 1;
 const GET: u8 = 2;
 const TRY_GET: u8 = 3;
+const TAKE: u8 = 4;
 const OK: u8 = 0;
 const NOT_FOUND: u8 = 1;
 const DEADLINE: u8 = 2;
@@ -167,6 +169,14 @@ impl TcpStore {
         self.call(GET, key, &ms.to_le_bytes(), Some(timeout))
     }
 
+    /// [`TcpStore::get`] that also removes `key`: the value goes to one
+    /// taker, and the store does not keep it.
+    pub fn take(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let ms = timeout.as_millis().min(u64::MAX as u128) as u64;
+        self.call(TAKE, key, &ms.to_le_bytes(), Some(timeout))?
+            .ok_or_else(|| store_err(format!("no value for {key:?} in the store at {} after {timeout:?}", self.addr)))
+    }
+
     /// The value of `key` if it is set now.
     pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
         self.call(TRY_GET, key, &[], None)
@@ -275,13 +285,14 @@ fn serve_connection(mut c: TcpStream, table: &Table) {
                 changed.notify_all();
                 reply(&mut c, OK, &[])
             }
-            GET => {
+            GET | TAKE => {
                 let Ok(ms) = read_u64(&mut c) else { return };
                 let deadline = deadline_after(Duration::from_millis(ms));
                 let mut m = map.lock().unwrap_or_else(|e| e.into_inner());
                 let found = loop {
-                    if let Some(v) = m.get(&key) {
-                        break Some(v.clone());
+                    let v = if op[0] == TAKE { m.remove(&key) } else { m.get(&key).cloned() };
+                    if let Some(v) = v {
+                        break Some(v);
                     }
                     m = match deadline {
                         None => changed.wait(m).unwrap_or_else(|e| e.into_inner()),

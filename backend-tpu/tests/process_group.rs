@@ -58,6 +58,17 @@ fn the_store_blocks_until_a_key_is_put_and_keeps_binary_values() {
         std::thread::sleep(Duration::from_millis(50));
         b.put("k0", &[0]).unwrap();
     });
+    // A take waits like a get and removes the key: one taker gets the value.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            b.put("message", b"activations").unwrap();
+        });
+        assert_eq!(a.take("message", Duration::from_secs(10)).unwrap(), b"activations");
+    });
+    assert_eq!(a.try_get("message").unwrap(), None);
+    let e = b.take("message", Duration::from_millis(200)).unwrap_err().to_string();
+    assert!(e.contains("no value for \"message\""), "{e}");
     // Timeouts past what an Instant holds wait without a deadline, not panic.
     assert_eq!(a.get("big", Duration::MAX).unwrap(), big);
     assert!(TcpStore::connect(server.addr(), Duration::MAX).is_ok());

@@ -32,13 +32,18 @@
 //   becomes their sum (Megatron-LM's embedding all-reduce), so optimizers
 //   stepping each stage keep the copies equal. Clipping by the global norm
 //   counts them once.
-// - Activations move with `to_device` (through the host between devices).
+// - Activations move with `to_device`: device to device between PJRT
+//   devices of the process, through the host otherwise. A pipeline launched
+//   as one process per rank runs `PipelineRank`s instead, each its own
+//   rank's order (Note [Pipelines across processes]).
 pub mod llama;
 pub mod order;
+pub mod rank;
 pub mod schedule;
 pub mod stage;
 
 pub use llama::{balanced_split_points, LlamaStage, PipelinePlan};
 pub use order::{peak_in_flight, rank_orders, simulate, simulate_with, Action, Phase, ScheduleKind, Timeline};
+pub use rank::{PipelineRank, StageTransport};
 pub use schedule::{PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B};
 pub use stage::{LossFn, PipelineStage, StageModule};

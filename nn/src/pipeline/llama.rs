@@ -3,6 +3,7 @@
 //! output projection on the last; Hugging Face names), split points given
 //! or balanced by compute.
 use super::order::ScheduleKind;
+use super::rank::{PipelineRank, StageTransport};
 use super::schedule::PipelineSchedule;
 use super::stage::{LossFn, PipelineStage, StageModule};
 use crate::layers::{AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding};
@@ -11,6 +12,7 @@ use crate::module::{join_name, Module};
 use crate::precision::MixedPrecisionPolicy;
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{autocast, DType, Device, Error, Result, Tensor};
+use std::collections::BTreeMap;
 
 /// The part of a [`LlamaForCausalLM`] one pipeline stage runs, with the
 /// model's parameter names (`model.layers.{i}.…` keep their layer index),
@@ -131,6 +133,45 @@ impl LlamaForCausalLM {
             })
             .collect::<Result<Vec<_>>>()?;
         PipelineSchedule::new(plan.kind, stages, plan.microbatches, loss_fn)
+    }
+}
+
+impl LlamaForCausalLM {
+    /// Rank `rank`'s part of [`LlamaForCausalLM::pipeline`] for a pipeline
+    /// launched as one process per rank: the same split, this rank's stages
+    /// (stage `s` on rank `s % p`) moved to `plan.devices[rank]` (the
+    /// device as this process numbers it), exchanging with the other ranks
+    /// through `transport` (Note [Pipelines across processes]).
+    pub fn pipeline_rank(
+        &self,
+        plan: &PipelinePlan,
+        rank: usize,
+        loss_fn: LossFn,
+        transport: StageTransport,
+    ) -> Result<PipelineRank> {
+        let p = plan.devices.len();
+        let n = p * plan.stages_per_rank;
+        let stages = self.pipeline_stages(&balanced_split_points(self.config(), n)?)?;
+        let mut holders: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for (i, s) in stages.iter().enumerate() {
+            s.visit_params("", &mut |name, _| holders.entry(name.to_string()).or_default().push(i));
+        }
+        holders.retain(|_, v| v.len() > 1);
+        let device = *plan.devices.get(rank).ok_or_else(|| {
+            Error::invalid("pipeline_rank", format!("rank {rank} has no device in {:?}", plan.devices))
+        })?;
+        let own = stages
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % p == rank)
+            .map(|(i, mut s)| {
+                s.to_device(device)?;
+                let mut stage = PipelineStage::new(s, i, n, device)?;
+                stage.set_compiled(plan.compiled);
+                Ok(stage)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        PipelineRank::new(plan.kind, rank, p, own, plan.microbatches, loss_fn, holders, transport)
     }
 }
 

@@ -365,7 +365,7 @@ impl PipelineSchedule {
 }
 
 /// The parameter `name` of `stage`.
-fn param(stage: &PipelineStage, name: &str) -> Result<Tensor> {
+pub(super) fn param(stage: &PipelineStage, name: &str) -> Result<Tensor> {
     let mut found = None;
     stage.module().visit_params("", &mut |n, p| {
         if n == name {
@@ -384,7 +384,7 @@ fn take(map: &mut HashMap<(usize, usize), Tensor>, key: (usize, usize), what: &s
 /// `t` split along dimension 0 into `m` equal microbatches, each in storage
 /// of its own (so every microbatch meets a captured stage with the same
 /// layout, offset 0).
-fn microbatches(t: &Tensor, m: usize, what: &str) -> Result<Vec<Tensor>> {
+pub(super) fn microbatches(t: &Tensor, m: usize, what: &str) -> Result<Vec<Tensor>> {
     let b = t.shape().first().copied().unwrap_or(0);
     if t.ndim() == 0 || b == 0 || !b.is_multiple_of(m) {
         return Err(Error::shape(

@@ -151,7 +151,7 @@ pub fn register_tpu_with_devices(n: usize) {
     kiln::tpu::register_with_cpu_devices(n).unwrap_or_else(|e| panic!("registering the PJRT backend: {e}"));
 }
 
-fn fetch_pjrt_plugin() {
+pub fn fetch_pjrt_plugin() {
     static READY: std::sync::Once = std::sync::Once::new();
     READY.call_once(|| pjrt_plugin::fetch_pjrt_plugin_unless(kiln::tpu::pjrt::find_plugin().is_ok()));
 }
