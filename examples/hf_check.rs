@@ -9,6 +9,7 @@
 //!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled] \
 //!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp|ep|fsdp+ep] [--quantized dequant|dequant-bf16|keep] [--weights-only]
 //!     [--mesh pp=2 | --stage-devices cpu,tpu:0] --parallel pp [--schedule gpipe|1f1b|interleaved] [--microbatches N]
+//!     [--mesh pp=2,dp=2,tp=2 --parallel pp+fsdp+tp]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -55,7 +56,9 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
                        sets the number of XLA:CPU devices); needs --device tpu and --parallel
   --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp, fsdp+tp, or for a mixture of
                        experts ep (experts split over the mesh's ep axis) or fsdp+ep (on dp=N,ep=M), or
-                       pp: pipeline stages, one rank per device of --mesh pp=N or of --stage-devices
+                       pp: pipeline stages, one rank per device of --mesh pp=N or of --stage-devices;
+                       pp+ddp, pp+fsdp, pp+tp or pp+fsdp+tp: each rank's stages split over its own
+                       mesh (--mesh pp=2,dp=2,tp=2: rank r on devices 4r..4r+3)
   --stage-devices L    the pipeline's ranks' devices, e.g. cpu,tpu:0 (stages on different backends)
   --schedule S         the pipeline's schedule: gpipe, 1f1b or interleaved [default: 1f1b]
   --microbatches N     microbatches per pipeline step (must divide the batch) [default: the batch size]
@@ -108,6 +111,7 @@ fn parse_args() -> Args {
     let mut mesh_spec: Option<String> = None;
     let mut recipe = None;
     let mut pipelined = false;
+    let mut stage_recipe = None;
     let mut quantized = QuantizedLoad::Dequantize { round_to: None };
     let mut weights_only = false;
     let mut precision = None;
@@ -156,6 +160,10 @@ fn parse_args() -> Args {
             }
             "--mesh" => mesh_spec = Some(value),
             "--parallel" if value == "pp" => pipelined = true,
+            "--parallel" if value.starts_with("pp+") => {
+                pipelined = true;
+                stage_recipe = Some(Recipe::parse(&value[3..]).unwrap_or_else(|e| fail(&e.to_string())));
+            }
             "--parallel" => recipe = Some(Recipe::parse(&value).unwrap_or_else(|e| fail(&e.to_string()))),
             "--stage-devices" => {
                 let devs = value.split(',').map(|d| Device::parse(d.trim()).unwrap_or_else(|e| fail(&e.to_string())));
@@ -182,7 +190,7 @@ fn parse_args() -> Args {
     }
     let pipeline = pipelined.then(|| {
         let devices = match (&mesh_spec, stage_devices) {
-            (Some(spec), None) => pipeline_ranks(spec),
+            (Some(spec), None) => pipeline_ranks(spec, stage_recipe.is_some()),
             (None, Some(d)) => d,
             _ => fail("--parallel pp takes --mesh pp=N or --stage-devices LIST"),
         };
@@ -191,7 +199,7 @@ fn parse_args() -> Args {
         }
         let interleaved = schedule == ScheduleKind::Interleaved1F1B;
         let stages_per_rank = stages_per_rank.unwrap_or(if interleaved { 2 } else { 1 });
-        PipelinePlan { kind: schedule, devices, stages_per_rank, microbatches, compiled }
+        PipelinePlan { kind: schedule, devices, stages_per_rank, microbatches, compiled, recipe: stage_recipe }
     });
     if pipelined {
         mesh_spec = None;
@@ -224,11 +232,37 @@ fn parse_args() -> Args {
     }
 }
 
-/// The ranks of `--mesh pp=N`: PJRT devices 0 to N - 1.
-fn pipeline_ranks(spec: &str) -> Vec<Device> {
-    match spec.trim().strip_prefix("pp=").map(str::parse::<usize>) {
-        Some(Ok(n)) if n > 0 => (0..n).map(Device::Tpu).collect(),
-        _ => fail(&format!("--mesh {spec}: --parallel pp takes a mesh pp=N")),
+/// The ranks of `--mesh pp=N[,AXIS=SIZE...]`: PJRT devices 0 to N - 1, or
+/// with more axes (and a stage recipe) rank r's mesh of those axes over the
+/// r-th block of devices (`pp` first, so a block is contiguous).
+fn pipeline_ranks(spec: &str, meshes: bool) -> Vec<Device> {
+    let mut axes = spec.split(',').map(|a| {
+        let (n, v) = a.split_once('=').unwrap_or_else(|| fail(&format!("--mesh {spec}: expected NAME=SIZE,...")));
+        let v = v.trim().parse::<usize>().ok().filter(|&v| v > 0);
+        (n.trim(), v.unwrap_or_else(|| fail(&format!("--mesh {spec}: {a:?} needs a positive size"))))
+    });
+    let ranks = match axes.next() {
+        Some(("pp", n)) => n,
+        _ => fail(&format!("--mesh {spec}: --parallel pp takes a mesh whose first axis is pp, e.g. pp=2,dp=2,tp=2")),
+    };
+    let (names, shape): (Vec<&str>, Vec<usize>) = axes.unzip();
+    match (names.is_empty(), meshes) {
+        (true, false) => (0..ranks).map(Device::Tpu).collect(),
+        (false, true) => {
+            let k: usize = shape.iter().product();
+            (0..ranks)
+                .map(|r| {
+                    let devices: Vec<usize> = (r * k..(r + 1) * k).collect();
+                    let mesh = kiln::DeviceMesh::new(kiln::DeviceKind::Tpu, &devices, &shape, &names)
+                        .unwrap_or_else(|e| fail(&e.to_string()));
+                    mesh.device()
+                })
+                .collect()
+        }
+        (true, true) => fail(&format!("--mesh {spec}: a stage recipe (pp+...) needs mesh axes besides pp")),
+        (false, false) => {
+            fail(&format!("--mesh {spec}: axes besides pp need a stage recipe, e.g. --parallel pp+fsdp+tp"))
+        }
     }
 }
 

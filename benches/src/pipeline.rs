@@ -44,7 +44,14 @@ fn one_schedule(
 ) -> Result<Line> {
     kiln::manual_seed(0);
     let model = LlamaForCausalLM::new(cfg, (DType::F32, Device::Cpu))?;
-    let plan = PipelinePlan { kind, devices: devices.to_vec(), stages_per_rank, microbatches: m, compiled: a.compiled };
+    let plan = PipelinePlan {
+        kind,
+        devices: devices.to_vec(),
+        stages_per_rank,
+        microbatches: m,
+        compiled: a.compiled,
+        recipe: None,
+    };
     let loss_fn: LossFn = Arc::new(|logits: &Tensor, ids: &Tensor| causal_lm_loss(logits, ids, None));
     let mut p = model.pipeline(&plan, loss_fn)?;
     drop(model);

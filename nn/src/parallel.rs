@@ -245,6 +245,22 @@ impl Recipe {
 
     /// Places `model`'s parameters on `mesh`.
     pub fn apply(self, model: &mut LlamaForCausalLM, mesh: &DeviceMesh) -> Result<()> {
+        self.check_axes(mesh)?;
+        match self {
+            Recipe::Ddp | Recipe::Fsdp | Recipe::Tp | Recipe::FsdpTp => self.apply_dense(model, mesh),
+            Recipe::Ep | Recipe::FsdpEp => self.apply_experts(model, mesh),
+        }
+    }
+
+    /// Places the parameters of any module with Llama's names (a pipeline
+    /// stage, say) on `mesh` by a recipe that needs no experts: DDP, FSDP,
+    /// TP or FSDP x TP; the expert recipes are refused.
+    pub fn apply_to_module<M: Module + ?Sized>(self, module: &mut M, mesh: &DeviceMesh) -> Result<()> {
+        self.check_axes(mesh)?;
+        self.apply_dense(module, mesh)
+    }
+
+    fn check_axes(self, mesh: &DeviceMesh) -> Result<()> {
         for a in self.axes() {
             mesh.axis_size(a).map_err(|_| {
                 Error::invalid(
@@ -255,6 +271,11 @@ impl Recipe {
                 )
             })?;
         }
+        Ok(())
+    }
+
+    /// The recipes without experts, on any module (the expert recipes are an error).
+    fn apply_dense<M: Module + ?Sized>(self, model: &mut M, mesh: &DeviceMesh) -> Result<()> {
         let sub = |a: &str| mesh.sub(&[a]);
         match self {
             Recipe::Ddp => replicate(model, &sub("dp")?),
@@ -264,6 +285,18 @@ impl Recipe {
                 parallelize_module(model, &sub("tp")?, &llama_tp_plan())?;
                 fully_shard(model, &sub("dp")?)
             }
+            Recipe::Ep | Recipe::FsdpEp => Err(Error::invalid(
+                "parallel",
+                format!("{self:?} splits a whole model's experts; apply it to the model, not to a part of it"),
+            )),
+        }
+    }
+
+    /// The expert recipes, on a whole model.
+    fn apply_experts(self, model: &mut LlamaForCausalLM, mesh: &DeviceMesh) -> Result<()> {
+        let sub = |a: &str| mesh.sub(&[a]);
+        match self {
+            Recipe::Ddp | Recipe::Fsdp | Recipe::Tp | Recipe::FsdpTp => self.apply_dense(model, mesh),
             Recipe::Ep | Recipe::FsdpEp => {
                 let ep = sub("ep")?;
                 model.parallelize_experts(&ep, "ep")?;

@@ -48,10 +48,15 @@ fn pipeline(
 
 /// Checks one pipelined step and ten AdamW steps against fixture `name`'s golden values.
 fn check(name: &str, split_points: &[usize], devices: &[Device], kind: ScheduleKind, compiled: bool) {
+    let p = pipeline(name, split_points, devices, kind, 2, compiled);
+    let what = format!("{name} {kind:?} on {devices:?}{}", if compiled { " compiled" } else { "" });
+    verify(name, p, &what, devices, compiled);
+}
+
+/// [`check`]'s checks on the pipeline `p` of fixture `name`, whose stages sit on `devices`.
+fn verify(name: &str, mut p: PipelineSchedule, what: &str, devices: &[Device], compiled: bool) {
     let g = kiln::nn::io::load_safetensors(fixture_dir(name).join("golden.safetensors")).unwrap();
     let ids = &g["input_ids"];
-    let mut p = pipeline(name, split_points, devices, kind, 2, compiled);
-    let what = format!("{name} {kind:?} on {devices:?}{}", if compiled { " compiled" } else { "" });
     let (la, lr) = tolerance(name, "logits");
     assert_close(&format!("{what} logits"), &p.forward(ids).unwrap(), &g["logits"], la, lr);
 
@@ -225,4 +230,51 @@ fn bad_pipelines_are_errors() {
         .collect();
     let e = PipelineSchedule::new(ScheduleKind::Interleaved1F1B, staged, 2, loss_fn()).unwrap_err().to_string();
     assert!(e.contains("runs stage 2 on rank 0"), "{e}");
+}
+
+#[test]
+fn pp_times_fsdp_times_tp_and_pp_times_ddp_on_eight_devices_reproduce_the_fixtures() {
+    use kiln::nn::parallel::Recipe;
+    use kiln::nn::pipeline::PipelinePlan;
+    use kiln::{DeviceKind, DeviceMesh, Placement};
+    register_tpu_with_devices(8);
+    // pp = 2 ranks, each a 2 x 2 (dp, tp) mesh of four devices.
+    let meshes: Vec<DeviceMesh> = (0..2)
+        .map(|r| DeviceMesh::new(DeviceKind::Tpu, &[4 * r, 4 * r + 1, 4 * r + 2, 4 * r + 3], &[2, 2], &["dp", "tp"]))
+        .collect::<kiln::Result<_>>()
+        .unwrap();
+    let devices: Vec<Device> = meshes.iter().map(DeviceMesh::device).collect();
+    let runs = [
+        ("llama", Recipe::FsdpTp, ScheduleKind::OneFOneB, false),
+        ("qwen3", Recipe::FsdpTp, ScheduleKind::GPipe, false),
+        ("llama", Recipe::FsdpTp, ScheduleKind::GPipe, true),
+        ("qwen3", Recipe::FsdpTp, ScheduleKind::OneFOneB, true),
+        ("llama", Recipe::Ddp, ScheduleKind::GPipe, false),
+        ("qwen3", Recipe::Ddp, ScheduleKind::OneFOneB, true),
+    ];
+    for (name, recipe, kind, compiled) in runs {
+        let model = LlamaForCausalLM::from_pretrained(fixture_dir(name), DType::F32, Device::Cpu).unwrap();
+        let plan = PipelinePlan {
+            kind,
+            devices: devices.clone(),
+            stages_per_rank: 1,
+            microbatches: 2,
+            compiled,
+            recipe: Some(recipe),
+        };
+        let p = model.pipeline(&plan, loss_fn()).unwrap();
+        // Each stage's parameters are split over its rank's own mesh by the recipe.
+        for (i, s) in p.stages().iter().enumerate() {
+            let q = s.module().named_parameters().into_iter().find(|(n, _)| n.ends_with("q_proj.weight")).unwrap().1;
+            assert_eq!(q.device_mesh().unwrap().root().devices(), meshes[i].devices());
+            let want = match recipe {
+                Recipe::FsdpTp => vec![Placement::Shard(0), Placement::Shard(0)],
+                _ => vec![Placement::Replicate],
+            };
+            assert_eq!(q.placements().unwrap(), want, "{name} {recipe:?} stage {i}");
+        }
+        let what =
+            format!("{name} {kind:?} pp=2 x {recipe:?} on (dp=2, tp=2){}", if compiled { " compiled" } else { "" });
+        verify(name, p, &what, &devices, compiled);
+    }
 }

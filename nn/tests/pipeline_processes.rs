@@ -23,7 +23,14 @@ fn loss_fn() -> LossFn {
 
 fn plan(kind: ScheduleKind, compiled: bool) -> PipelinePlan {
     let v = if kind == ScheduleKind::Interleaved1F1B { 2 } else { 1 };
-    PipelinePlan { kind, devices: vec![Device::Tpu(0); WORLD], stages_per_rank: v, microbatches: 2, compiled }
+    PipelinePlan {
+        kind,
+        devices: vec![Device::Tpu(0); WORLD],
+        stages_per_rank: v,
+        microbatches: 2,
+        compiled,
+        recipe: None,
+    }
 }
 
 #[test]

@@ -9,9 +9,10 @@ use super::stage::{LossFn, PipelineStage, StageModule};
 use crate::layers::{AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding};
 use crate::models::{DecoderLayer, LlamaConfig, LlamaForCausalLM};
 use crate::module::{join_name, Module};
+use crate::parallel::Recipe;
 use crate::precision::MixedPrecisionPolicy;
 use kiln_tensor::trace::ConstantScope;
-use kiln_tensor::{autocast, DType, Device, Error, Result, Tensor};
+use kiln_tensor::{autocast, DType, Device, DeviceMesh, Error, Result, Tensor};
 use std::collections::BTreeMap;
 
 /// The part of a [`LlamaForCausalLM`] one pipeline stage runs, with the
@@ -100,6 +101,23 @@ pub struct PipelinePlan {
     pub microbatches: usize,
     /// Each stage as captured programs ([`PipelineStage::set_compiled`]).
     pub compiled: bool,
+    /// With each rank's device a mesh (`Device::Mesh`), how the rank's
+    /// stages are split over it: PP x DDP, FSDP, TP or FSDP x TP
+    /// ([`Recipe::apply_to_module`]); `None` moves stages whole.
+    pub recipe: Option<Recipe>,
+}
+
+/// Puts `stage` on `device`: moved whole, or split over the mesh `device`
+/// is by `recipe`.
+fn place_stage(stage: &mut LlamaStage, device: Device, recipe: Option<Recipe>) -> Result<()> {
+    match (recipe, device) {
+        (Some(r), Device::Mesh(_)) => r.apply_to_module(stage, &DeviceMesh::of_device(device)?),
+        (Some(r), d) => Err(Error::invalid(
+            "pipeline",
+            format!("{r:?} splits a stage over a mesh, but the stage's device is {d}, not a mesh"),
+        )),
+        (None, d) => stage.to_device(d),
+    }
 }
 
 impl LlamaForCausalLM {
@@ -126,7 +144,7 @@ impl LlamaForCausalLM {
             .enumerate()
             .map(|(i, mut s)| {
                 let d = plan.devices[i % plan.devices.len()];
-                s.to_device(d)?;
+                place_stage(&mut s, d, plan.recipe)?;
                 let mut stage = PipelineStage::new(s, i, n, d)?;
                 stage.set_compiled(plan.compiled);
                 Ok(stage)
@@ -165,7 +183,7 @@ impl LlamaForCausalLM {
             .enumerate()
             .filter(|(i, _)| i % p == rank)
             .map(|(i, mut s)| {
-                s.to_device(device)?;
+                place_stage(&mut s, device, plan.recipe)?;
                 let mut stage = PipelineStage::new(s, i, n, device)?;
                 stage.set_compiled(plan.compiled);
                 Ok(stage)
