@@ -2,8 +2,13 @@
 //! parallelism (`replicate`, DDP's composable form), FSDP2 (`fully_shard`),
 //! tensor parallelism (`parallelize_module` with `ColwiseParallel` /
 //! `RowwiseParallel` plans, one for Llama and Qwen3), expert parallelism for
-//! mixture-of-experts models, and their 2-D compositions (see Note
-//! [Parallelism recipes]).
+//! mixture-of-experts models, their 2-D compositions (see Note
+//! [Parallelism recipes]), and context parallelism (`ContextParallel`, ring
+//! attention over a `cp` axis).
+mod context;
+
+pub use context::{ring_attention, ContextParallel};
+
 use crate::layers::is_stacked_expert;
 use crate::models::LlamaForCausalLM;
 use crate::module::Module;

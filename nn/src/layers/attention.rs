@@ -170,6 +170,10 @@ pub enum AttentionMask<'a> {
     /// key, the dtype's lowest value drops it (see [`causal_mask`], which adds
     /// padding to the causal mask).
     Additive(&'a Tensor),
+    /// Causal over a sequence split along a context-parallel axis: ring
+    /// attention ([`crate::parallel::ring_attention`]), each token's position
+    /// in `positions` (int64 `[T]`, split like the sequence).
+    Ring(&'a crate::parallel::ContextParallel, &'a Tensor),
 }
 
 /// Grouped-query causal self-attention (`LlamaAttention`, `Qwen3Attention`):
@@ -337,6 +341,15 @@ impl Attention {
         let dropout = self.dropout.is_active();
         let fused = matches!(q.dtype(), DType::F32 | DType::F64) && !dropout;
         let out = match mask {
+            AttentionMask::Ring(cp, positions) => {
+                if self.dropout.is_active() || s != t {
+                    return Err(Error::invalid(
+                        "Attention",
+                        "ring attention (context parallelism) runs without attention dropout and without a KV cache",
+                    ));
+                }
+                crate::parallel::ring_attention(&q, &k, &v, positions, cp, self.scaling)?
+            }
             AttentionMask::None | AttentionMask::Causal if fused => {
                 let causal = matches!(mask, AttentionMask::Causal);
                 q.scaled_dot_product_attention(&k, &v, causal, Some(self.scaling))?
@@ -344,7 +357,7 @@ impl Attention {
             _ => {
                 let built;
                 let additive = match mask {
-                    AttentionMask::None => None,
+                    AttentionMask::None | AttentionMask::Ring(..) => None,
                     AttentionMask::Causal => {
                         built = causal_mask(t, s - t, None, q.dtype(), q.device())?;
                         built.as_ref()

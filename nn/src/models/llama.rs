@@ -226,6 +226,9 @@ pub struct LlamaModel {
     pub norm: RmsNorm,
     #[module(skip)]
     rotary: RotaryEmbedding,
+    /// The sequence split over a mesh axis, attention as ring attention.
+    #[module(skip)]
+    context_parallel: Option<crate::parallel::ContextParallel>,
 }
 
 impl LlamaModel {
@@ -239,6 +242,7 @@ impl LlamaModel {
             layers,
             norm: rms(src, &join_name(prefix, "norm"), cfg.hidden_size, cfg.rms_norm_eps)?,
             rotary: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling)?,
+            context_parallel: None,
         })
     }
 
@@ -301,16 +305,32 @@ impl LlamaModel {
             a.insert("act.embed".into(), x.clone());
         }
         let (dt, dev) = (x.dtype(), x.device());
+        // Context parallelism: the sequence in the order the devices hold it,
+        // attention over the ring (Note [Ring attention]).
+        let ring = match &self.context_parallel {
+            Some(cp) if attention_mask.is_some() || cache.is_some() => {
+                return Err(Error::invalid(
+                    "LlamaModel",
+                    "context parallelism runs causal attention over whole sequences: no padding mask, no KV cache",
+                ))
+            }
+            Some(cp) => Some((cp, cp.positions(t)?, cp.order(t)?)),
+            None => None,
+        };
         // Built once per forward and shared by every layer.
-        let rope = self.rotary.tables(past, t, dt, dev)?;
+        let rope = match &ring {
+            Some((_, _, order)) => self.rotary.tables_at(order.iter().copied(), dt, dev)?,
+            None => self.rotary.tables(past, t, dt, dev)?,
+        };
         // Padding needs an explicit mask; the plain causal mask is the fused kernel's own.
         let padded = match attention_mask {
             Some(_) => causal_mask(t, past, attention_mask, dt, dev)?,
             None => None,
         };
-        let mask = match &padded {
-            Some(m) => AttentionMask::Additive(m),
-            None => AttentionMask::Causal,
+        let mask = match (&padded, &ring) {
+            (_, Some((cp, positions, _))) => AttentionMask::Ring(cp, positions),
+            (Some(m), None) => AttentionMask::Additive(m),
+            (None, None) => AttentionMask::Causal,
         };
         let mut cache = cache;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -612,6 +632,18 @@ impl LlamaForCausalLM {
         }
         self.mixed_precision = policy;
         Ok(())
+    }
+
+    /// Splits every sequence of [`LlamaForCausalLM::forward`] over the mesh
+    /// of `cp` (context parallelism; `None` turns it off): the token ids
+    /// come from [`ContextParallel::shard_sequence`](crate::parallel::ContextParallel::shard_sequence),
+    /// the logits leave split the same way
+    /// ([`ContextParallel::unshard_sequence`](crate::parallel::ContextParallel::unshard_sequence),
+    /// [`ContextParallel::causal_lm_loss`](crate::parallel::ContextParallel::causal_lm_loss)),
+    /// and attention is ring attention. The parameters must be on (or
+    /// replicated over) the same mesh.
+    pub fn set_context_parallel(&mut self, cp: Option<crate::parallel::ContextParallel>) {
+        self.model.context_parallel = cp;
     }
 
     /// The mixed-precision policy, if one is set.
