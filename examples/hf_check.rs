@@ -9,7 +9,7 @@
 //!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled] \
 //!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp|ep|fsdp+ep] [--quantized dequant|dequant-bf16|keep] [--weights-only]
 //!     [--mesh pp=2 | --stage-devices cpu,tpu:0] --parallel pp [--schedule gpipe|1f1b|interleaved] [--microbatches N]
-//!     [--mesh pp=2,dp=2,tp=2 --parallel pp+fsdp+tp]
+//!     [--mesh pp=2,dp=2,tp=2 --parallel pp+fsdp+tp] [--mesh cp=4]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -28,7 +28,7 @@ use kiln::nn::layers::to_hub_layout;
 use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
 use kiln::nn::module::Module;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
-use kiln::nn::parallel::{parse_mesh, Recipe};
+use kiln::nn::parallel::{parse_mesh, replicate, ContextParallel, Recipe};
 use kiln::nn::pipeline::{LossFn, PipelinePlan, PipelineSchedule, ScheduleKind};
 use kiln::nn::precision::MixedPrecisionPolicy;
 use kiln::prelude::*;
@@ -59,6 +59,8 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
                        pp: pipeline stages, one rank per device of --mesh pp=N or of --stage-devices;
                        pp+ddp, pp+fsdp, pp+tp or pp+fsdp+tp: each rank's stages split over its own
                        mesh (--mesh pp=2,dp=2,tp=2: rank r on devices 4r..4r+3)
+  --mesh cp=N          context parallelism: every sequence split over N PJRT devices (TorchTitan's
+                       load-balanced order), attention as ring attention; the parameters replicated
   --stage-devices L    the pipeline's ranks' devices, e.g. cpu,tpu:0 (stages on different backends)
   --schedule S         the pipeline's schedule: gpipe, 1f1b or interleaved [default: 1f1b]
   --microbatches N     microbatches per pipeline step (must divide the batch) [default: the batch size]
@@ -87,6 +89,8 @@ struct Args {
     parallel: Option<(kiln::DeviceMesh, Recipe)>,
     /// `--parallel pp`: the pipeline's plan (the microbatches 0 until the batch is read).
     pipeline: Option<PipelinePlan>,
+    /// `--mesh cp=N`: sequences split over N devices, ring attention (load-balanced order).
+    context: Option<ContextParallel>,
     quantized: QuantizedLoad,
     weights_only: bool,
     precision: Option<MixedPrecisionPolicy>,
@@ -111,6 +115,7 @@ fn parse_args() -> Args {
     let mut mesh_spec: Option<String> = None;
     let mut recipe = None;
     let mut pipelined = false;
+    let mut recipe_is_cp = false;
     let mut stage_recipe = None;
     let mut quantized = QuantizedLoad::Dequantize { round_to: None };
     let mut weights_only = false;
@@ -160,6 +165,7 @@ fn parse_args() -> Args {
             }
             "--mesh" => mesh_spec = Some(value),
             "--parallel" if value == "pp" => pipelined = true,
+            "--parallel" if value == "cp" => recipe_is_cp = true,
             "--parallel" if value.starts_with("pp+") => {
                 pipelined = true;
                 stage_recipe = Some(Recipe::parse(&value[3..]).unwrap_or_else(|e| fail(&e.to_string())));
@@ -204,6 +210,20 @@ fn parse_args() -> Args {
     if pipelined {
         mesh_spec = None;
     }
+    // `--mesh cp=N` (with `--parallel cp` or alone): context parallelism.
+    let context = match (&mesh_spec, recipe_is_cp) {
+        (Some(spec), _) if spec.trim().starts_with("cp=") => Some(spec.clone()),
+        (_, true) => fail("--parallel cp takes --mesh cp=N"),
+        _ => None,
+    };
+    let context = context.map(|spec| {
+        if device.kind() != kiln::DeviceKind::Tpu {
+            fail("--mesh cp=N needs --device tpu");
+        }
+        let mesh = parse_mesh(&spec, kiln::DeviceKind::Tpu).unwrap_or_else(|e| fail(&e.to_string()));
+        mesh_spec = None;
+        ContextParallel::new(&mesh, "cp", true).unwrap_or_else(|e| fail(&e.to_string()))
+    });
     let parallel = match (mesh_spec, recipe) {
         (None, None) => None,
         (Some(spec), Some(r)) => {
@@ -226,6 +246,7 @@ fn parse_args() -> Args {
         compiled,
         parallel,
         pipeline,
+        context,
         quantized,
         weights_only,
         precision,
@@ -372,6 +393,12 @@ fn run(a: Args) -> Result<()> {
         out.insert("generate.output".into(), g.to_device(Device::Cpu)?);
     }
 
+    if let Some(cp) = &a.context {
+        run_context_parallel(&a, cp, model, &input_ids_of(&a)?, &mut out)?;
+        save_safetensors(&a.out, &out, None)?;
+        eprintln!("wrote {} tensors to {} ({:.2}s in all)", out.len(), a.out.display(), t0.elapsed().as_secs_f64());
+        return Ok(());
+    }
     if let Some(plan) = &a.pipeline {
         run_pipeline(&a, plan, &model, &ids, &mut out)?;
         save_safetensors(&a.out, &out, None)?;
@@ -573,6 +600,96 @@ fn run_pipeline(
             );
         }
     }
+    eprintln!("loss curve: {curve:?}");
+    let n = curve.len();
+    out.insert("loss_curve".into(), Tensor::from_vec(curve, &[n])?);
+    Ok(())
+}
+
+/// The batch's token ids on the host (`--mesh cp=N` splits them itself).
+fn input_ids_of(a: &Args) -> Result<Tensor> {
+    let input = load_safetensors(&a.input)?;
+    let t = input
+        .get("input_ids")
+        .ok_or_else(|| Error::invalid("hf_check", format!("{} has no tensor \"input_ids\"", a.input.display())))?;
+    t.to_dtype(DType::I64)
+}
+
+/// `--mesh cp=N`: logits, loss and gradients of the batch with every sequence
+/// split over the cp devices, and with `--steps` the AdamW steps (captured
+/// by `kiln::compile` with `--mode compiled`).
+fn run_context_parallel(
+    a: &Args,
+    cp: &ContextParallel,
+    mut model: LlamaForCausalLM,
+    ids: &Tensor,
+    out: &mut BTreeMap<String, Tensor>,
+) -> Result<()> {
+    model.to_device(Device::Cpu)?;
+    replicate(&mut model, cp.mesh())?;
+    model.set_context_parallel(Some(cp.clone()));
+    eprintln!("context parallel: every sequence split over {} (load-balanced order), ring attention", cp.mesh());
+    let x = cp.shard_sequence(ids)?;
+    let t = Instant::now();
+    let logits = model.forward(&x, None)?;
+    let loss = cp.causal_lm_loss(&logits, ids)?;
+    loss.backward()?;
+    eprintln!("loss {:.6} (forward + backward {:.2}s)", loss.item_f64()?, t.elapsed().as_secs_f64());
+    out.insert("logits".into(), f32_cpu(&cp.unshard_sequence(&logits)?)?);
+    out.insert("loss".into(), f32_cpu(&loss)?.reshape(&[])?);
+    let grads = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, p)| {
+            Ok((n.clone(), p.grad().ok_or_else(|| Error::invalid("hf_check", format!("{n} got no gradient")))?))
+        })
+        .collect::<Result<BTreeMap<_, _>>>()?;
+    for (n, g) in to_hub_layout(grads)? {
+        out.insert(format!("grad.{n}"), f32_cpu(&g)?);
+    }
+    if a.steps == 0 {
+        return Ok(());
+    }
+    let mut opt = AdamW::new(model.named_parameters(), a.adamw)?;
+    opt.set_capturable(a.compiled)?;
+    let mut curve = vec![loss.item_f64()? as f32];
+    opt.step()?;
+    let snapshot = |m: &LlamaForCausalLM, tag: &str, out: &mut BTreeMap<String, Tensor>| -> Result<()> {
+        for (n, p) in to_hub_layout(m.named_parameters().into_iter().collect())? {
+            out.insert(format!("{tag}.{n}"), f32_cpu(&p)?);
+        }
+        Ok(())
+    };
+    snapshot(&model, "adamw_step1", out)?;
+    let step = |opt: &mut AdamW| -> Result<Tensor> {
+        opt.zero_grad();
+        let l = cp.causal_lm_loss(&model.forward(&x, None)?, ids)?;
+        l.backward()?;
+        opt.step()?;
+        Ok(l)
+    };
+    let t = Instant::now();
+    if a.compiled {
+        let mut c = kiln::compile(cp.mesh().device(), |_: &[Tensor]| Ok(vec![step(&mut opt)?]));
+        for _ in 1..a.steps {
+            curve.push(c.call(&[])?[0].item_f64()? as f32);
+        }
+        let s = c.stats();
+        eprintln!(
+            "kiln::compile: {} calls, {} traced, {} replayed, {} retraces",
+            s.calls, s.traces, s.replays, s.retraces
+        );
+    } else {
+        for _ in 1..a.steps {
+            curve.push(step(&mut opt)?.item_f64()? as f32);
+        }
+    }
+    if a.steps > 1 {
+        let per = t.elapsed().as_secs_f64() / (a.steps - 1) as f64;
+        eprintln!("context-parallel training step (forward, backward, AdamW, loss read) {:.2} ms", per * 1e3);
+        snapshot(&model, &format!("adamw_step{}", a.steps), out)?;
+    }
+    curve.push(cp.causal_lm_loss(&model.forward(&x, None)?, ids)?.item_f64()? as f32);
     eprintln!("loss curve: {curve:?}");
     let n = curve.len();
     out.insert("loss_curve".into(), Tensor::from_vec(curve, &[n])?);
