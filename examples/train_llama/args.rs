@@ -1,6 +1,6 @@
 //! train_llama's command line: the options, their defaults, and the run
 //! settings a checkpoint keeps.
-use kiln::nn::parallel::{parse_mesh, Recipe};
+use kiln::nn::parallel::{parse_mesh, ContextParallel, Recipe};
 use kiln::nn::precision::MixedPrecisionPolicy;
 use kiln::prelude::*;
 use kiln::DeviceMesh;
@@ -41,7 +41,9 @@ RUN
   --mode M             the PJRT backend's mode: strict, debug or defer, or compiled (each training step
                        captured by kiln::compile into one program) [default: strict, or KILN_TPU_MODE]
   --mesh SPEC          train on a mesh of PJRT devices, e.g. dp=4 or dp=2,tp=2 (KILN_PJRT_CPU_DEVICES
-                       sets the number of XLA:CPU devices); needs --device tpu and --parallel
+                       sets the number of XLA:CPU devices); needs --device tpu and --parallel; or
+                       cp=N alone: context parallelism, every sequence split over N devices (ring
+                       attention; --seq + 1 a multiple of 2N)
   --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp, or with --experts, ep
                        (experts split over the mesh's ep axis) or fsdp+ep (e.g. --mesh dp=2,ep=2) (a
                        resumed run may use another mesh or recipe: its checkpoint is resharded on load)
@@ -319,6 +321,7 @@ impl Args {
     pub fn parallelism(&self) -> Result<Option<(DeviceMesh, Recipe)>> {
         match (&self.mesh, self.parallel) {
             (None, None) => Ok(None),
+            (Some(spec), None) if spec.trim().starts_with("cp=") => Ok(None),
             (Some(spec), Some(r)) => {
                 if self.device.kind() != kiln::DeviceKind::Tpu {
                     return Err(arg_err("--mesh needs --device tpu"));
@@ -329,6 +332,34 @@ impl Args {
                 Ok(Some((parse_mesh(spec, kiln::DeviceKind::Tpu)?, r)))
             }
             _ => Err(arg_err("--mesh and --parallel go together")),
+        }
+    }
+
+    /// `--mesh cp=N` (without `--parallel`): every sequence split over N
+    /// PJRT devices in TorchTitan's load-balanced order, attention as ring
+    /// attention, the parameters replicated.
+    pub fn context_parallelism(&self) -> Result<Option<ContextParallel>> {
+        match (&self.mesh, self.parallel) {
+            (Some(spec), None) if spec.trim().starts_with("cp=") => {
+                if self.device.kind() != kiln::DeviceKind::Tpu {
+                    return Err(arg_err("--mesh cp=N needs --device tpu"));
+                }
+                if self.experts > 0 {
+                    return Err(arg_err("--mesh cp=N splits the sequences of a dense model; drop --experts"));
+                }
+                let cp = ContextParallel::new(&parse_mesh(spec, kiln::DeviceKind::Tpu)?, "cp", true)?;
+                // Training windows hold --seq + 1 tokens (the last one is only a target).
+                let pieces = 2 * cp.degree();
+                if !(self.seq + 1).is_multiple_of(pieces) {
+                    return Err(arg_err(format!(
+                        "--mesh {spec} cuts each window of --seq + 1 = {} tokens into {pieces} equal chunks: choose --seq so that --seq + 1 is a multiple of {pieces} (e.g. {})",
+                        self.seq + 1,
+                        (self.seq + 1).div_ceil(pieces) * pieces - 1
+                    )));
+                }
+                Ok(Some(cp))
+            }
+            _ => Ok(None),
         }
     }
 }

@@ -39,6 +39,7 @@ use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::models::{causal_lm_loss, LlamaConfig, LlamaForCausalLM};
 use kiln::nn::module::Module;
 use kiln::nn::optim::{decay_groups, AdamW, AdamWConfig, Optimizer};
+use kiln::nn::parallel::replicate;
 use kiln::nn::schedule::LrSchedule;
 use kiln::prelude::*;
 use log::{plot, read_log, write_log, Row};
@@ -251,7 +252,12 @@ fn run(mut args: Args) -> Result<()> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let parallel = args.parallelism()?;
     // Where the step's tensors live: the mesh, or the one device.
-    let device = parallel.as_ref().map_or(args.device, |(m, _)| m.device());
+    let context = args.context_parallelism()?;
+    let device = match (&parallel, &context) {
+        (Some((m, _)), _) => m.device(),
+        (None, Some(cp)) => cp.mesh().device(),
+        (None, None) => args.device,
+    };
     match &parallel {
         Some((mesh, recipe)) => println!("kiln train_llama on {mesh} ({recipe:?}; {threads} host threads)"),
         None => println!("kiln train_llama on {} ({threads} threads)", args.device),
@@ -270,6 +276,12 @@ fn run(mut args: Args) -> Result<()> {
             "precision: forward under autocast to {} (master weights and gradients float32)",
             p.param_dtype.map_or("float32".into(), |d| d.to_string())
         );
+    }
+    if let Some(cp) = &context {
+        // Initialised on one device, then replicated over the cp devices.
+        replicate(&mut model, cp.mesh())?;
+        model.set_context_parallel(Some(cp.clone()));
+        println!("context parallel: every sequence split over {} (load-balanced order), ring attention", cp.mesh());
     }
     if let Some((mesh, recipe)) = &parallel {
         // Initialised on one device (the same weights as a one-device run), then placed.
@@ -360,9 +372,13 @@ fn run(mut args: Args) -> Result<()> {
         let model = model.borrow();
         let mut opt = opt.borrow_mut();
         let mut loss_sum: Option<Tensor> = None;
-        for batch in batches {
-            let logits = model.forward(batch, None)?;
-            let loss = causal_lm_loss(&logits, batch, None)?;
+        // Under context parallelism each micro-batch comes with its next-token targets.
+        for batch in batches.chunks(if context.is_some() { 2 } else { 1 }) {
+            let logits = model.forward(&batch[0], None)?;
+            let loss = match &context {
+                Some(cp) => cp.loss(&logits, &batch[1])?,
+                None => causal_lm_loss(&logits, &batch[0], None)?,
+            };
             kiln::constant(|| loss.div(args.grad_accum as f64))?.backward()?;
             let l = loss.detach();
             loss_sum = Some(match loss_sum {
@@ -377,13 +393,17 @@ fn run(mut args: Args) -> Result<()> {
         Ok(vec![loss, grad_norm])
     };
     let mut compiled = args.compiled.then(|| kiln::compile(device, train_step));
-    let place = |batch: Tensor| match &parallel {
-        Some((mesh, recipe)) => recipe.place_batch(&batch, mesh),
-        None => batch.to_device(args.device),
+    let place = |batch: Tensor| -> Result<Vec<Tensor>> {
+        match (&parallel, &context) {
+            (_, Some(cp)) => Ok(vec![cp.shard_sequence(&batch)?, cp.next_token_targets(&batch)?]),
+            (Some((mesh, recipe)), None) => Ok(vec![recipe.place_batch(&batch, mesh)?]),
+            (None, None) => Ok(vec![batch.to_device(args.device)?]),
+        }
     };
     while step < args.steps {
         let lr = args.lr * schedule.apply(&mut *opt.borrow_mut(), step);
-        let batches = (0..args.grad_accum).map(|_| place(data.train.next_batch()?)).collect::<Result<Vec<_>>>()?;
+        let batches =
+            (0..args.grad_accum).map(|_| place(data.train.next_batch()?)).collect::<Result<Vec<_>>>()?.concat();
         let out = match &mut compiled {
             Some(c) => c.call(&batches)?,
             None => train_step(&batches)?,
@@ -401,6 +421,8 @@ fn run(mut args: Args) -> Result<()> {
         if step.is_multiple_of(args.eval_every) || step == args.steps {
             let mut model = model.borrow_mut();
             model.eval();
+            // Evaluation (whole validation sequences, generation with a KV cache) runs unsplit.
+            model.set_context_parallel(None);
             let mut line = format!("step {step:>6}  train loss {loss:.4}");
             if let Some(val) = &data.val {
                 let v = validation_loss(&model, val, 16)?;
@@ -427,6 +449,7 @@ fn run(mut args: Args) -> Result<()> {
                 "evaluated"
             );
             report(format!("{line}  [{tps:.0} tok/s]"));
+            model.set_context_parallel(context.clone());
             model.train(true);
         }
         if step.is_multiple_of(args.save_every) || step == args.steps {
@@ -454,6 +477,7 @@ fn run(mut args: Args) -> Result<()> {
     }
     drop(compiled);
     let mut model = model.into_inner();
+    model.set_context_parallel(None);
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
 

@@ -112,30 +112,52 @@ impl ContextParallel {
     /// transformers' causal-LM loss (`labels = input_ids`, mean cross
     /// entropy of each position's logits against the next token) for
     /// `logits` from a context-parallel forward on `shard_sequence(ids)`:
-    /// the next-token targets are made in sequence order, then reordered
-    /// and split like the logits, the last position ignored.
+    /// [`ContextParallel::next_token_targets`] then [`ContextParallel::loss`].
     pub fn causal_lm_loss(&self, logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        self.loss(logits, &self.next_token_targets(ids)?)
+    }
+
+    /// The next-token targets of `ids` (`[B, T]`, on the host), made in
+    /// sequence order (the last position ignored, -100), then flattened in
+    /// the order the devices hold the sequence: `[B * T]` int64, on the
+    /// mesh whole (an upload of a whole tensor, which a captured step may
+    /// take as an input).
+    pub fn next_token_targets(&self, ids: &Tensor) -> Result<Tensor> {
         let _c = kiln_tensor::trace::ConstantScope::enter();
-        if ids.ndim() != 2 || logits.ndim() != 3 || logits.shape()[..2] != *ids.shape() {
+        if ids.ndim() != 2 || ids.shape()[1] < 2 {
             return Err(Error::shape(
                 "context_parallel",
-                format!("expected logits [B, T, V] and ids [B, T], got {:?} and {:?}", logits.shape(), ids.shape()),
+                format!("expected ids [B, T] with T >= 2, got {:?}", ids.shape()),
             ));
         }
-        let (b, t, v) = (logits.shape()[0], logits.shape()[1], logits.shape()[2]);
+        let (b, t) = (ids.shape()[0], ids.shape()[1]);
         let ids = ids.to_device(kiln_tensor::Device::Cpu)?.to_dtype(DType::I64)?;
         let last = Tensor::full(&[b, 1], -100i64, DType::I64)?;
         let next = Tensor::cat(&[&ids.narrow(1, 1, t - 1)?, &last], 1)?;
-        // Uploaded whole (replicated): a split upload is work outside a captured step.
         let order = self.order(t)?;
         let idx = Tensor::from_vec(order.iter().map(|&i| i as i64).collect::<Vec<_>>(), &[t])?;
-        let targets = next.index_select(1, &idx)?.reshape(&[(b * t) as isize])?.to_device(self.mesh.device())?;
+        next.index_select(1, &idx)?.reshape(&[(b * t) as isize])?.to_device(self.mesh.device())
+    }
+
+    /// The mean cross entropy of `logits` (`[B, T, V]` from a
+    /// context-parallel forward) against `targets` from
+    /// [`ContextParallel::next_token_targets`], ignoring -100 (computed in
+    /// float32 for half-precision logits).
+    pub fn loss(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let _c = kiln_tensor::trace::ConstantScope::enter();
+        if logits.ndim() != 3 || targets.shape() != [logits.shape()[0] * logits.shape()[1]] {
+            return Err(Error::shape(
+                "context_parallel",
+                format!(
+                    "expected logits [B, T, V] and targets [B * T], got {:?} and {:?}",
+                    logits.shape(),
+                    targets.shape()
+                ),
+            ));
+        }
+        let (bt, v) = (targets.shape()[0], logits.shape()[2]);
         let ct = if matches!(logits.dtype(), DType::BF16 | DType::F16) { DType::F32 } else { logits.dtype() };
-        logits.to_dtype(ct)?.reshape(&[(b * t) as isize, v as isize])?.cross_entropy(
-            &targets,
-            Some(-100),
-            Reduction::Mean,
-        )
+        logits.to_dtype(ct)?.reshape(&[bt as isize, v as isize])?.cross_entropy(targets, Some(-100), Reduction::Mean)
     }
 
     /// The positions of the sequence as the devices hold them: int64 `[T]`
