@@ -19,8 +19,8 @@ use kiln::prelude::*;
 use kiln::{distribute_tensor, init_device_mesh, DeviceKind, DeviceMesh, Placement};
 use std::collections::BTreeMap;
 use support::{
-    assert_close, check_logits_and_loss, check_params, fixture_dir, nine_more_steps, python_with_safetensors,
-    register_tpu_with_devices, temp_dir, tolerance,
+    assert_close, assert_golden_grad_norm, check_logits_and_loss, check_params, fixture_dir, nine_more_steps,
+    python_with_safetensors, register_tpu_with_devices, temp_dir, tolerance,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -112,14 +112,7 @@ fn check(name: &str, recipe: Recipe, shape: &[usize], compiled: bool) {
 
     // Gradient clipping's global norm over sharded gradients equals the norm of the golden ones.
     let norm = kiln::nn::clip::grad_norm(&model.parameters()).unwrap().item::<f32>().unwrap() as f64;
-    let want: f64 = g
-        .iter()
-        .filter(|(k, _)| k.starts_with("grad."))
-        .flat_map(|(_, t)| t.to_vec_f64().unwrap())
-        .map(|x| x * x)
-        .sum::<f64>()
-        .sqrt();
-    assert!((norm - want).abs() <= 1e-5 * want, "{what}: global gradient norm {norm} vs {want}");
+    assert_golden_grad_norm(&what, norm, &g);
     let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
     let mut opt = AdamW::new(model.named_parameters(), cfg).unwrap();
     opt.set_capturable(compiled).unwrap();

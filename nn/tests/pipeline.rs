@@ -12,7 +12,7 @@ use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::nn::pipeline::{LossFn, PipelineSchedule, PipelineStage, ScheduleKind};
 use kiln::prelude::*;
 use std::sync::Arc;
-use support::{assert_close, check_params, fixture_dir, register_tpu_with_devices, tolerance};
+use support::{assert_close, assert_golden_grad_norm, check_params, fixture_dir, register_tpu_with_devices, tolerance};
 
 fn loss_fn() -> LossFn {
     Arc::new(|logits: &Tensor, ids: &Tensor| causal_lm_loss(logits, ids, None))
@@ -95,15 +95,7 @@ fn verify(name: &str, mut p: PipelineSchedule, what: &str, devices: &[Device], c
             );
         }
     }
-    let want_norm: f64 = g
-        .iter()
-        .filter(|(k, _)| k.starts_with("grad."))
-        .flat_map(|(_, t)| t.to_vec_f64().unwrap())
-        .map(|x| x * x)
-        .sum::<f64>()
-        .sqrt();
-    let norm = p.clip_grad_norm_(f64::INFINITY).unwrap();
-    assert!((norm - want_norm).abs() <= 1e-5 * want_norm, "{what}: global gradient norm {norm} vs {want_norm}");
+    assert_golden_grad_norm(what, p.clip_grad_norm_(f64::INFINITY).unwrap(), &g);
 
     let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
     let mut opts: Vec<AdamW> =

@@ -13,7 +13,7 @@ use kiln::nn::pipeline::{LossFn, PipelinePlan, ScheduleKind, StageTransport};
 use kiln::prelude::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{assert_close, check_params, fixture_dir, tolerance};
+use support::{assert_close, assert_golden_grad_norm, check_params, fixture_dir, tolerance};
 
 const WORLD: usize = 2;
 
@@ -116,15 +116,7 @@ fn rank_of_a_pipeline() {
                 }
             }
         }
-        let want: f64 = g
-            .iter()
-            .filter(|(k, _)| k.starts_with("grad."))
-            .flat_map(|(_, t)| t.to_vec_f64().unwrap())
-            .map(|x| x * x)
-            .sum::<f64>()
-            .sqrt();
-        let norm = p.clip_grad_norm_(f64::INFINITY).unwrap();
-        assert!((norm - want).abs() <= 1e-5 * want, "{what}: global gradient norm {norm} vs {want}");
+        assert_golden_grad_norm(&what, p.clip_grad_norm_(f64::INFINITY).unwrap(), &g);
         let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
         let mut opts: Vec<AdamW> =
             p.stages().map(|s| AdamW::new(s.module().named_parameters(), cfg).unwrap()).collect();

@@ -38,6 +38,20 @@ pub fn check_logits_and_loss(
     loss
 }
 
+/// Checks that `norm` (what gradient clipping computed) is the global L2
+/// norm of fixture `g`'s golden gradients, to 1e-5 relative.
+#[track_caller]
+pub fn assert_golden_grad_norm(what: &str, norm: f64, g: &std::collections::BTreeMap<String, Tensor>) {
+    let want: f64 = g
+        .iter()
+        .filter(|(k, _)| k.starts_with("grad."))
+        .flat_map(|(_, t)| t.to_vec_f64().unwrap())
+        .map(|x| x * x)
+        .sum::<f64>()
+        .sqrt();
+    assert!((norm - want).abs() <= 1e-5 * want, "{what}: global gradient norm {norm} vs {want}");
+}
+
 /// Steps 2 to 10 of the fixtures' AdamW schedule on `ids` (each step's
 /// loss), eagerly or captured by `kiln::compile` on `device` (which must
 /// replay, never retrace), then the loss after the last step.
