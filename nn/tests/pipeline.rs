@@ -207,6 +207,33 @@ fn bad_pipelines_are_errors() {
     let ids = Tensor::zeros(&[3, 8], DType::I64).unwrap();
     let e = p.step(&ids, &ids).unwrap_err().to_string();
     assert!(e.contains("does not split into 2 equal microbatches"), "{e}");
+    // A captured stage recomputes its forward: dropout in training would draw other numbers.
+    let cfg = kiln::nn::LlamaConfig::from_json_str(
+        r#"{"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "attention_dropout": 0.1}"#,
+    )
+    .unwrap();
+    let mut dropping = LlamaForCausalLM::new(&cfg, DType::F32).unwrap();
+    dropping.train(true);
+    let ids = Tensor::zeros(&[2, 4], DType::I64).unwrap();
+    for compiled in [false, true] {
+        let mut stages: Vec<PipelineStage> = dropping
+            .pipeline_stages(&[1])
+            .unwrap()
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| PipelineStage::new(s, i, 2, Device::Cpu).unwrap())
+            .collect();
+        stages.iter_mut().for_each(|s| s.set_compiled(compiled));
+        let mut p = PipelineSchedule::new(ScheduleKind::GPipe, stages, 2, loss_fn()).unwrap();
+        match compiled {
+            false => assert_eq!(p.step(&ids, &ids).unwrap().len(), 2),
+            true => {
+                let e = p.step(&ids, &ids).unwrap_err().to_string();
+                assert!(e.contains("draws random numbers"), "{e}");
+            }
+        }
+    }
     // The interleaved schedule wants stage s on the device of rank s % p.
     register_tpu_with_devices(8);
     let stages4 = model.pipeline_stages(&[1, 2, 3]).unwrap();

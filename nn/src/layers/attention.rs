@@ -384,6 +384,11 @@ impl Attention {
         self.o_proj.forward(&out)
     }
 
+    /// Whether `forward` draws random numbers (attention dropout in training mode).
+    pub fn dropout_is_active(&self) -> bool {
+        self.dropout.is_active()
+    }
+
     /// Query heads.
     pub fn num_heads(&self) -> usize {
         self.num_heads

@@ -327,6 +327,10 @@ impl StageModule for LlamaStage {
             _ => Ok(y),
         }
     }
+
+    fn draws_random_numbers(&self) -> bool {
+        self.layers.iter().any(|(_, l)| l.self_attn.dropout_is_active())
+    }
 }
 
 impl Module for LlamaStage {

@@ -16,6 +16,12 @@ pub trait StageModule: Module + Send + Sync {
     /// stage, the previous stage's output on the others; the last stage's
     /// output goes to the loss function.
     fn forward(&self, input: &Tensor) -> Result<Tensor>;
+
+    /// Whether `forward` draws random numbers now (dropout in training
+    /// mode): a captured stage recomputes its forward in backward, which
+    /// would draw other numbers than the forward did, so such a stage runs
+    /// op by op only.
+    fn draws_random_numbers(&self) -> bool;
 }
 
 /// A pipeline's loss: `(last stage's output, target) -> scalar loss` of one
@@ -200,6 +206,16 @@ impl PipelineStage {
             ));
         }
         let out = if self.compiled {
+            if self.module.draws_random_numbers() {
+                return Err(Error::invalid(
+                    "PipelineStage::forward",
+                    format!(
+                        "stage {} draws random numbers (dropout in training mode); a captured stage recomputes its \
+                         forward in backward and would draw others: run it op by op (set_compiled(false)) or in eval mode",
+                        self.stage_index
+                    ),
+                ));
+            }
             self.ensure_programs(loss_fn, microbatches);
             self.held.insert(microbatch, Held::Input(input.clone()));
             if self.is_last() {
