@@ -296,12 +296,24 @@ pub fn save_checkpoint(
     optimizer: &dyn Optimizer,
     state: &TrainerState,
 ) -> Result<()> {
-    let t = std::time::Instant::now();
     let weights = crate::layers::to_hub_layout(model.state_dict())?;
     let opt_state: BTreeMap<String, Tensor> = optimizer.state_dict()?.into_iter().collect();
+    save_checkpoint_parts(dir.as_ref(), &weights, model_config, &opt_state, state)
+}
+
+/// [`save_checkpoint`] from its parts: the weights (in the Hub's layout) and
+/// the optimizer state by name, for runs whose model or optimizer is in
+/// pieces (a pipeline's stages, see [`crate::pipeline::save_pipeline_checkpoint`]).
+pub fn save_checkpoint_parts(
+    dir: &Path,
+    weights: &BTreeMap<String, Tensor>,
+    model_config: Option<&str>,
+    opt_state: &BTreeMap<String, Tensor>,
+    state: &TrainerState,
+) -> Result<()> {
+    let t = std::time::Instant::now();
     let trainer =
         serde_json::to_string_pretty(&state.to_json()).map_err(|e| io_err(Path::new(TRAINER_STATE_FILE), e))?;
-    let dir = dir.as_ref();
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         remove_leftovers(parent)?;
     }
@@ -309,11 +321,11 @@ pub fn save_checkpoint(
         // A distributed model is written shard by shard into the index layout
         // (Note [Sharded checkpoints]); its files can then be written per host.
         let files = weights.values().any(Tensor::is_distributed).then_some(SHARDED_FILE_BYTES);
-        save_checkpoint_dir(tmp, &weights, files)?;
+        save_checkpoint_dir(tmp, weights, files)?;
         if let Some(cfg) = model_config {
             write_atomic(&tmp.join(CONFIG_FILE), |w| w.write_all(cfg.as_bytes()))?;
         }
-        save_safetensors(tmp.join(OPTIMIZER_FILE), &opt_state, None)?;
+        save_safetensors(tmp.join(OPTIMIZER_FILE), opt_state, None)?;
         write_atomic(&tmp.join(TRAINER_STATE_FILE), |w| w.write_all(trainer.as_bytes()))?;
         write_manifest(tmp)
     })?;

@@ -36,12 +36,14 @@
 //   devices of the process, through the host otherwise. A pipeline launched
 //   as one process per rank runs `PipelineRank`s instead, each its own
 //   rank's order (Note [Pipelines across processes]).
+pub mod checkpoint;
 pub mod llama;
 pub mod order;
 pub mod rank;
 pub mod schedule;
 pub mod stage;
 
+pub use checkpoint::{merged_optimizer_state, restore_pipeline, save_pipeline_checkpoint};
 pub use llama::{balanced_split_points, LlamaStage, PipelinePlan};
 pub use order::{peak_in_flight, rank_orders, simulate, simulate_with, Action, Phase, ScheduleKind, Timeline};
 pub use rank::{PipelineRank, StageTransport};

@@ -297,3 +297,79 @@ fn pp_times_fsdp_times_tp_and_pp_times_ddp_on_eight_devices_reproduce_the_fixtur
         verify(name, p, &what, &devices, compiled);
     }
 }
+
+#[test]
+fn pipelined_checkpoints_resume_on_other_layouts() {
+    use kiln::nn::checkpoint::{load_checkpoint, TrainerState};
+    use kiln::nn::pipeline::{restore_pipeline, save_pipeline_checkpoint};
+    // qwen3 ties its embedding and head: the two copies' state must come back on both stages.
+    let name = "qwen3";
+    let g = kiln::nn::io::load_safetensors(fixture_dir(name).join("golden.safetensors")).unwrap();
+    let ids = &g["input_ids"];
+    let cfg = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let fresh = || LlamaForCausalLM::from_pretrained(fixture_dir(name), DType::F32, Device::Cpu).unwrap();
+    let plain_steps = |model: &LlamaForCausalLM, opt: &mut AdamW, n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                opt.zero_grad();
+                let l = causal_lm_loss(&model.forward(ids, None).unwrap(), ids, None).unwrap();
+                l.backward().unwrap();
+                opt.step().unwrap();
+                l.item::<f32>().unwrap()
+            })
+            .collect()
+    };
+    let piped_steps = |p: &mut PipelineSchedule, opts: &mut [AdamW], n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                opts.iter_mut().for_each(|o| o.zero_grad());
+                let ls = p.step(ids, ids).unwrap();
+                opts.iter_mut().for_each(|o| o.step().unwrap());
+                ls.iter().map(|l| l.item::<f32>().unwrap()).sum::<f32>() / ls.len() as f32
+            })
+            .collect()
+    };
+    let stage_opts = |p: &PipelineSchedule| -> Vec<AdamW> {
+        p.stages().iter().map(|s| AdamW::new(s.module().named_parameters(), cfg).unwrap()).collect()
+    };
+    // Six steps without a pipeline: the reference.
+    let model = fresh();
+    let mut opt = AdamW::new(model.named_parameters(), cfg).unwrap();
+    let reference = plain_steps(&model, &mut opt, 6);
+    // Three steps on two stages, saved in the unpipelined layout.
+    let mut p = pipeline(name, &[1], &[Device::Cpu, Device::Cpu], ScheduleKind::OneFOneB, 2, false);
+    let mut opts = stage_opts(&p);
+    let mut first = piped_steps(&mut p, &mut opts, 3);
+    let dir = support::temp_dir("pipeline-checkpoint").join("checkpoint-3");
+    let refs: Vec<&dyn Optimizer> = opts.iter().map(|o| o as &dyn Optimizer).collect();
+    save_pipeline_checkpoint(&dir, &p, None, &refs, &TrainerState::capture(3, None).unwrap()).unwrap();
+    let ckpt = load_checkpoint(&dir).unwrap();
+    assert!(
+        !ckpt.model_state().unwrap().contains_key("lm_head.weight"),
+        "the tied head is saved once, as the Hub has it"
+    );
+    let (ca, cr) = tolerance(name, "loss_curve");
+    let check = |what: &str, got: Vec<f32>| {
+        let n = got.len();
+        let want = Tensor::from_vec(reference[6 - n..].to_vec(), &[n]).unwrap();
+        assert_close(what, &Tensor::from_vec(got, &[n]).unwrap(), &want, ca.max(5e-5), cr);
+    };
+    first.extend(piped_steps(&mut p, &mut opts, 3));
+    check("six pipelined steps", first);
+    // Resumed without a pipeline, and on three stages under GPipe.
+    let mut model = fresh();
+    let mut opt = AdamW::new(model.named_parameters(), cfg).unwrap();
+    ckpt.restore(&mut model, &mut opt).unwrap();
+    check("resumed unpipelined", plain_steps(&model, &mut opt, 3));
+    let mut p3 = pipeline(name, &[1, 2], &[Device::Cpu; 3], ScheduleKind::GPipe, 2, true);
+    let mut opts3 = stage_opts(&p3);
+    let mut refs3: Vec<&mut dyn Optimizer> = opts3.iter_mut().map(|o| o as &mut dyn Optimizer).collect();
+    restore_pipeline(&ckpt, &p3, &mut refs3).unwrap();
+    check("resumed on three stages", piped_steps(&mut p3, &mut opts3, 3));
+    // A state that does not fit the model is refused before anything is written.
+    let mut bad = p3.state_dict();
+    bad.insert("extra.weight".into(), Tensor::zeros(&[1], DType::F32).unwrap());
+    let e = p3.load_state_dict(&bad).unwrap_err().to_string();
+    assert!(e.contains("unexpected extra.weight"), "{e}");
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
