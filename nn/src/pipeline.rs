@@ -17,11 +17,13 @@
 //   schedule intends, and the CPU runs them in that order.
 // - A stage runs op by op, keeping each microbatch's autograd graph from its
 //   forward to its backward (PyTorch's way), or captured: two programs made
-//   by `kiln::compile` on its device and traced once, a forward and a
-//   backward that recomputes the forward from the kept input and returns the
-//   input's gradient and the parameters' gradient sums (passed in and out,
-//   so the program is a pure function of its inputs and the parameters).
-//   The last stage's forward runs inside its backward program, with the loss.
+//   by `kiln::compile` on its device (traced until two traces agree, then
+//   replayed), a forward and a backward that recomputes the forward from the
+//   kept input and returns the input's gradient and the parameters' gradient
+//   sums (passed in and out, so the program is a pure function of its inputs
+//   and the parameters). The last stage's forward runs inside its backward
+//   program, with the loss. A stage drawing random numbers (dropout in
+//   training) is refused captured: the recompute would draw others.
 //   Each stage's programs differ from the others' (embeddings on the first,
 //   the loss on the last): MPMD, not one module.
 // - Every microbatch's loss counts `1 / m` (PyTorch's `scale_grads`), so a
@@ -36,6 +38,10 @@
 //   devices of the process, through the host otherwise. A pipeline launched
 //   as one process per rank runs `PipelineRank`s instead, each its own
 //   rank's order (Note [Pipelines across processes]).
+// - Checkpoints (`checkpoint.rs`) are the unpipelined model's: the whole
+//   model's weights with Hub names (a tied parameter once) and the stages'
+//   optimizer states merged by parameter name, so a run resumes on another
+//   number of stages or without a pipeline.
 pub mod checkpoint;
 pub mod llama;
 pub mod order;
