@@ -1,6 +1,7 @@
 //! train_llama's command line: the options, their defaults, and the run
 //! settings a checkpoint keeps.
 use kiln::nn::parallel::{parse_mesh, ContextParallel, Recipe};
+use kiln::nn::pipeline::{PipelinePlan, ScheduleKind};
 use kiln::nn::precision::MixedPrecisionPolicy;
 use kiln::prelude::*;
 use kiln::DeviceMesh;
@@ -43,10 +44,14 @@ RUN
   --mesh SPEC          train on a mesh of PJRT devices, e.g. dp=4 or dp=2,tp=2 (KILN_PJRT_CPU_DEVICES
                        sets the number of XLA:CPU devices); needs --device tpu and --parallel; or
                        cp=N alone: context parallelism, every sequence split over N devices (ring
-                       attention; --seq + 1 a multiple of 2N)
+                       attention; --seq + 1 a multiple of 2N); or pp=N with --parallel pp
   --parallel R         parallelism recipe on the mesh: ddp, fsdp, tp or fsdp+tp, or with --experts, ep
                        (experts split over the mesh's ep axis) or fsdp+ep (e.g. --mesh dp=2,ep=2) (a
                        resumed run may use another mesh or recipe: its checkpoint is resharded on load)
+  --schedule S         with --parallel pp (--mesh pp=N): the pipeline's schedule, gpipe, 1f1b or
+                       interleaved (2 stages per device); --mode compiled captures each stage
+                       [default: 1f1b]
+  --microbatches M     microbatches per pipeline step (must divide --batch) [default: --batch]
   --precision P        f32, or bf16-mixed / f16-mixed: the forward under autocast (matmuls and attention in
                        bf16, softmax, norms and the loss in f32), master weights, gradients and AdamW
                        state in f32 [default: f32]
@@ -88,6 +93,12 @@ pub struct Args {
     /// The device mesh (`--mesh`) and parallelism recipe (`--parallel`).
     pub mesh: Option<String>,
     pub parallel: Option<Recipe>,
+    /// `--parallel pp`: pipeline stages over the devices of `--mesh pp=N`.
+    pub pipelined: bool,
+    /// `--schedule`: the pipeline's schedule.
+    pub schedule: ScheduleKind,
+    /// `--microbatches`: microbatches per pipeline step (0: one per sequence of the batch).
+    pub microbatches: usize,
     /// `--precision`: the model's mixed-precision policy (`None`: float32).
     pub precision: Option<MixedPrecisionPolicy>,
     pub out: PathBuf,
@@ -125,6 +136,9 @@ impl Default for Args {
             compiled: false,
             mesh: None,
             parallel: None,
+            pipelined: false,
+            schedule: ScheduleKind::OneFOneB,
+            microbatches: 0,
             precision: None,
             out: PathBuf::from("runs/train_llama"),
             resume: false,
@@ -240,7 +254,10 @@ impl Args {
                 kiln::tpu::set_mode(m);
             }
             "mesh" => self.mesh = Some(v.to_string()),
+            "parallel" if v == "pp" => self.pipelined = true,
             "parallel" => self.parallel = Some(Recipe::parse(v)?),
+            "schedule" => self.schedule = ScheduleKind::parse(v)?,
+            "microbatches" => self.microbatches = parse_num(&flag, v)?,
             "precision" => self.precision = MixedPrecisionPolicy::parse(v)?,
             "out" => self.out = PathBuf::from(v),
             "eval-every" => self.eval_every = parse_num(&flag, v)?,
@@ -321,7 +338,7 @@ impl Args {
     pub fn parallelism(&self) -> Result<Option<(DeviceMesh, Recipe)>> {
         match (&self.mesh, self.parallel) {
             (None, None) => Ok(None),
-            (Some(spec), None) if spec.trim().starts_with("cp=") => Ok(None),
+            (Some(spec), None) if spec.trim().starts_with("cp=") || self.pipelined => Ok(None),
             (Some(spec), Some(r)) => {
                 if self.device.kind() != kiln::DeviceKind::Tpu {
                     return Err(arg_err("--mesh needs --device tpu"));
@@ -333,6 +350,38 @@ impl Args {
             }
             _ => Err(arg_err("--mesh and --parallel go together")),
         }
+    }
+
+    /// `--mesh pp=N --parallel pp [--schedule S] [--microbatches M]`: the
+    /// model cut into N stages (balanced), stage i on PJRT device i.
+    pub fn pipeline_plan(&self) -> Result<Option<PipelinePlan>> {
+        if !self.pipelined {
+            return Ok(None);
+        }
+        let n = match self.mesh.as_deref().and_then(|m| m.trim().strip_prefix("pp=")).map(str::parse::<usize>) {
+            Some(Ok(n)) if n > 0 => n,
+            _ => return Err(arg_err("--parallel pp takes --mesh pp=N (N PJRT devices, one stage each)")),
+        };
+        if self.device.kind() != kiln::DeviceKind::Tpu {
+            return Err(arg_err("--parallel pp needs --device tpu"));
+        }
+        if self.experts > 0 {
+            return Err(arg_err("--parallel pp cuts a dense model into stages; drop --experts"));
+        }
+        let m = if self.microbatches == 0 { self.batch } else { self.microbatches };
+        if !self.batch.is_multiple_of(m) {
+            return Err(arg_err(format!("--microbatches {m} must divide --batch {}", self.batch)));
+        }
+        let v = if self.schedule == ScheduleKind::Interleaved1F1B { 2 } else { 1 };
+        let devices = (0..n).map(Device::Tpu).collect();
+        Ok(Some(PipelinePlan {
+            kind: self.schedule,
+            devices,
+            stages_per_rank: v,
+            microbatches: m,
+            compiled: self.compiled,
+            recipe: None,
+        }))
     }
 
     /// `--mesh cp=N` (without `--parallel`): every sequence split over N

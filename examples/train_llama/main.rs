@@ -40,6 +40,7 @@ use kiln::nn::models::{causal_lm_loss, LlamaConfig, LlamaForCausalLM};
 use kiln::nn::module::Module;
 use kiln::nn::optim::{decay_groups, AdamW, AdamWConfig, Optimizer};
 use kiln::nn::parallel::replicate;
+use kiln::nn::pipeline::{restore_pipeline, save_pipeline_checkpoint, LossFn, PipelineSchedule};
 use kiln::nn::schedule::LrSchedule;
 use kiln::prelude::*;
 use log::{plot, read_log, write_log, Row};
@@ -102,6 +103,48 @@ fn load_data(args: &Args) -> Result<Data> {
     let val = TokenLoader::new(val_tokens, args.batch, args.seq).ok().map(|l| l.with_shuffle(false));
     let description = format!("{what}; unigram entropy {entropy:.3} nats/token");
     Ok(Data { tokenizer, train, val, addition, description })
+}
+
+// ---- pipelines --------------------------------------------------------------------------------
+
+/// One pipelined training step over `batches` (the micro-batches of
+/// `--grad-accum`, each split into the pipeline's microbatches): gradients
+/// accumulate (each micro-batch counting 1 / grad_accum), are clipped by the
+/// global norm across stages, and every stage's AdamW steps. Returns the mean
+/// loss and the norm before clipping.
+fn pipelined_step(p: &mut PipelineSchedule, opts: &mut [AdamW], batches: &[Tensor], clip: f64) -> Result<(f64, f64)> {
+    let mut loss = 0.0;
+    for b in batches {
+        let losses = p.step(b, b)?;
+        loss += losses.iter().map(|l| l.item_f64()).sum::<Result<f64>>()? / losses.len() as f64;
+    }
+    let k = batches.len() as f64;
+    if k > 1.0 {
+        // Each step's gradients are its microbatches' mean: k steps summed, over k.
+        let _g = kiln::autograd::no_grad();
+        for s in p.stages() {
+            for t in s.module().parameters() {
+                if let Some(g) = t.grad() {
+                    g.mul_(&Tensor::scalar(1.0 / k, (g.dtype(), g.device()))?)?;
+                }
+            }
+        }
+    }
+    let grad_norm = p.clip_grad_norm_(clip)?;
+    for o in opts.iter_mut() {
+        o.step()?;
+        o.zero_grad();
+    }
+    Ok((loss / k, grad_norm))
+}
+
+/// Copies the pipeline's parameters into `model` (on its own devices), for
+/// evaluation, generation and the final save.
+fn sync_from_pipeline(model: &mut LlamaForCausalLM, p: &PipelineSchedule) -> Result<()> {
+    let device = model.device();
+    let state = p.state_dict().into_iter().map(|(n, t)| Ok((n, t.to_device(device)?))).collect::<Result<_>>()?;
+    model.load_state_dict(&state, true)?;
+    Ok(())
 }
 
 // ---- evaluation -------------------------------------------------------------------------------
@@ -313,7 +356,7 @@ fn run(mut args: Args) -> Result<()> {
     let adamw =
         AdamWConfig { lr: args.lr, betas: (0.9, 0.95), eps: 1e-8, weight_decay: args.weight_decay, amsgrad: false };
     let mut opt = AdamW::new(decay_groups(model.named_parameters(), args.weight_decay), adamw)?;
-    if args.compiled {
+    if args.compiled && !args.pipelined {
         if args.device.kind() != kiln::DeviceKind::Tpu {
             return Err(arg_err("--mode compiled needs a PJRT device (--device tpu)"));
         }
@@ -321,12 +364,42 @@ fn run(mut args: Args) -> Result<()> {
         // writes them between steps, the captured step reads them.
         opt.set_capturable(true)?;
     }
+    // --parallel pp: the model cut into stages on their devices, one AdamW per
+    // stage; the model itself is brought up to date for evaluation and the end.
+    let mut pipe = match args.pipeline_plan()? {
+        Some(plan) => {
+            let loss_fn: LossFn =
+                std::sync::Arc::new(|logits: &Tensor, ids: &Tensor| causal_lm_loss(logits, ids, None));
+            let p = model.pipeline(&plan, loss_fn)?;
+            let opts = p
+                .stages()
+                .iter()
+                .map(|s| AdamW::new(decay_groups(s.module().named_parameters(), args.weight_decay), adamw))
+                .collect::<Result<Vec<_>>>()?;
+            println!(
+                "pipeline: {:?}, {} stages on {:?}, {} microbatches{}",
+                plan.kind,
+                p.stages().len(),
+                plan.devices,
+                plan.microbatches,
+                if plan.compiled { ", each stage captured" } else { "" }
+            );
+            Some((p, opts))
+        }
+        None => None,
+    };
     let schedule = LrSchedule::Cosine { warmup: args.warmup, total: args.steps, min_lr_ratio: 0.1 };
     let csv_path = args.out.join("loss.csv");
     let mut step = 0u64;
     let mut rows = vec![];
     if let Some(c) = &checkpoint {
-        c.restore(&mut model, &mut opt)?;
+        match &mut pipe {
+            Some((p, opts)) => {
+                let mut refs: Vec<&mut dyn Optimizer> = opts.iter_mut().map(|o| o as &mut dyn Optimizer).collect();
+                restore_pipeline(c, p, &mut refs)?;
+            }
+            None => c.restore(&mut model, &mut opt)?,
+        }
         if let Some(l) = c.state.loader {
             data.train.set_state(l)?;
         }
@@ -401,14 +474,27 @@ fn run(mut args: Args) -> Result<()> {
         }
     };
     while step < args.steps {
-        let lr = args.lr * schedule.apply(&mut *opt.borrow_mut(), step);
-        let batches =
-            (0..args.grad_accum).map(|_| place(data.train.next_batch()?)).collect::<Result<Vec<_>>>()?.concat();
-        let out = match &mut compiled {
-            Some(c) => c.call(&batches)?,
-            None => train_step(&batches)?,
+        let (lr, loss, grad_norm) = match &mut pipe {
+            Some((p, opts)) => {
+                let mut lr = args.lr;
+                for o in opts.iter_mut() {
+                    lr = args.lr * schedule.apply(o, step);
+                }
+                let batches = (0..args.grad_accum).map(|_| data.train.next_batch()).collect::<Result<Vec<_>>>()?;
+                let (loss, grad_norm) = pipelined_step(p, opts, &batches, args.clip)?;
+                (lr, loss, grad_norm)
+            }
+            None => {
+                let lr = args.lr * schedule.apply(&mut *opt.borrow_mut(), step);
+                let batches =
+                    (0..args.grad_accum).map(|_| place(data.train.next_batch()?)).collect::<Result<Vec<_>>>()?.concat();
+                let out = match &mut compiled {
+                    Some(c) => c.call(&batches)?,
+                    None => train_step(&batches)?,
+                };
+                (lr, out[0].item_f64()?, out[1].item_f64()?)
+            }
         };
-        let (loss, grad_norm) = (out[0].item_f64()?, out[1].item_f64()?);
         step += 1;
         if !loss.is_finite() {
             return Err(arg_err(format!("the loss became {loss} at step {step}; try a smaller --lr")));
@@ -420,6 +506,9 @@ fn run(mut args: Args) -> Result<()> {
         bar.set_message(format!("loss {loss:.4} | {tps:.0} tok/s | lr {lr:.2e}"));
         if step.is_multiple_of(args.eval_every) || step == args.steps {
             let mut model = model.borrow_mut();
+            if let Some((p, _)) = &pipe {
+                sync_from_pipeline(&mut model, p)?;
+            }
             model.eval();
             // Evaluation (whole validation sequences, generation with a KV cache) runs unsplit.
             model.set_context_parallel(None);
@@ -458,13 +547,19 @@ fn run(mut args: Args) -> Result<()> {
             write_log(&csv_path, &rows)?;
             let state = TrainerState::capture(step, Some(data.train.state()))?
                 .with_extra(json!({ "args": args.run_settings() }));
-            save_checkpoint(
-                checkpoint_dir(&args.out, step),
-                &*model.borrow(),
-                Some(&config_json),
-                &*opt.borrow(),
-                &state,
-            )?;
+            match &pipe {
+                Some((p, opts)) => {
+                    let refs: Vec<&dyn Optimizer> = opts.iter().map(|o| o as &dyn Optimizer).collect();
+                    save_pipeline_checkpoint(checkpoint_dir(&args.out, step), p, Some(&config_json), &refs, &state)?
+                }
+                None => save_checkpoint(
+                    checkpoint_dir(&args.out, step),
+                    &*model.borrow(),
+                    Some(&config_json),
+                    &*opt.borrow(),
+                    &state,
+                )?,
+            }
             prune_checkpoints(&args.out, 2)?;
         }
     }
@@ -478,6 +573,9 @@ fn run(mut args: Args) -> Result<()> {
     drop(compiled);
     let mut model = model.into_inner();
     model.set_context_parallel(None);
+    if let Some((p, _)) = &pipe {
+        sync_from_pipeline(&mut model, p)?;
+    }
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
 

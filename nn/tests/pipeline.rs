@@ -373,3 +373,29 @@ fn pipelined_checkpoints_resume_on_other_layouts() {
     assert!(e.contains("unexpected extra.weight"), "{e}");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
+
+#[test]
+fn gradients_accumulate_across_steps_until_zeroed() {
+    // Two steps on the same batch without zero_grad: every gradient, a tied
+    // one's copies included, is twice the golden one (PyTorch's accumulation).
+    let g = kiln::nn::io::load_safetensors(fixture_dir("qwen3").join("golden.safetensors")).unwrap();
+    let ids = &g["input_ids"];
+    let (ga, gr) = tolerance("qwen3", "grad");
+    for compiled in [false, true] {
+        let mut p = pipeline("qwen3", &[2], &[Device::Cpu, Device::Cpu], ScheduleKind::GPipe, 2, compiled);
+        p.step(ids, ids).unwrap();
+        p.step(ids, ids).unwrap();
+        for s in p.stages() {
+            for (n, t) in s.module().named_parameters() {
+                let want = g[&format!("grad.{n}")].mul(2.0).unwrap();
+                assert_close(
+                    &format!("twice grad.{n} (stage {})", s.stage_index()),
+                    &t.grad().unwrap(),
+                    &want,
+                    2.0 * ga,
+                    gr,
+                );
+            }
+        }
+    }
+}

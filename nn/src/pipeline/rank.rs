@@ -246,11 +246,21 @@ impl PipelineRank {
         let step = self.steps;
         self.steps += 1;
         self.bytes_sent = 0;
+        // Tied gradients as the step starts (equal on every copy), counted once in the step's sum.
+        let mut before = BTreeMap::new();
+        for (name, holders) in &self.tied {
+            if let Some(&s) = holders.iter().find(|s| self.stages.contains_key(s)) {
+                if let Some(g) = super::schedule::param(&self.stages[&s], name)?.grad() {
+                    let _g = no_grad();
+                    before.insert(name.clone(), g.detach().deep_clone()?);
+                }
+            }
+        }
         let result = self.run(step, &inputs, &targets);
         let finished: Result<Vec<()>> = self.stages.values_mut().map(PipelineStage::finish).collect();
         result?;
         finished?;
-        self.sum_tied_grads(step)?;
+        self.sum_tied_grads(step, &before)?;
         match self.stages.get_mut(&last) {
             Some(s) => Ok(s.take_losses().into_iter().map(|(_, l)| l).collect()),
             None => Ok(vec![]),
@@ -290,8 +300,9 @@ impl PipelineRank {
     }
 
     /// Every tied parameter's gradient becomes the sum over the stages that
-    /// hold it, added in stage order on every holder.
-    fn sum_tied_grads(&mut self, step: u64) -> Result<()> {
+    /// hold it, added in stage order on every holder; the gradient it had
+    /// before the step (`before`, on every copy) counts once.
+    fn sum_tied_grads(&mut self, step: u64, before: &BTreeMap<String, Tensor>) -> Result<()> {
         let _g = no_grad();
         for (name, holders) in self.tied.clone() {
             let mine: Vec<usize> = holders.iter().copied().filter(|s| self.stages.contains_key(s)).collect();
@@ -320,6 +331,10 @@ impl PipelineRank {
                         Some(a) => a.add(&g)?,
                     });
                 }
+                let sum = match (sum, before.get(&name)) {
+                    (Some(a), Some(b)) => Some(a.sub(&b.to_device(dev)?.mul((holders.len() - 1) as f64)?)?),
+                    (sum, _) => sum,
+                };
                 let p = super::schedule::param(&self.stages[&s], &name)?;
                 p.set_grad(sum);
             }

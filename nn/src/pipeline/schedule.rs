@@ -246,11 +246,12 @@ impl PipelineSchedule {
         let mut arrived: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut grads: HashMap<(usize, usize), Tensor> = HashMap::new();
         self.bytes_sent = 0;
+        let before = self.tied_grads_before()?;
         let result = self.run_actions(&inputs, &targets, &mut arrived, &mut grads);
         let finished: Result<Vec<()>> = self.stages.iter_mut().map(PipelineStage::finish).collect();
         result?;
         finished?;
-        self.sum_tied_grads()?;
+        self.sum_tied_grads(&before)?;
         let mut losses = self.stages[last].take_losses();
         if losses.len() != m {
             return Err(Error::invalid(
@@ -311,9 +312,25 @@ impl PipelineSchedule {
         t.to_device(dev)
     }
 
+    /// Each tied parameter's gradient as a step starts (its copies hold the
+    /// same one after a step), copied: gradients accumulate across steps
+    /// until zeroed, and the step's sum must count it once.
+    fn tied_grads_before(&self) -> Result<BTreeMap<String, Tensor>> {
+        let _g = no_grad();
+        let mut out = BTreeMap::new();
+        for (name, stages) in &self.tied {
+            if let Some(g) = param(&self.stages[stages[0]], name)?.grad() {
+                out.insert(name.clone(), g.detach().deep_clone()?);
+            }
+        }
+        Ok(out)
+    }
+
     /// Every tied parameter's gradient becomes the sum of its stages'
-    /// gradients, on each of them (Megatron-LM's embedding all-reduce).
-    fn sum_tied_grads(&mut self) -> Result<()> {
+    /// gradients, on each of them (Megatron-LM's embedding all-reduce); the
+    /// gradient it had before the step (`before`, held by every copy) is
+    /// counted once.
+    fn sum_tied_grads(&mut self, before: &BTreeMap<String, Tensor>) -> Result<()> {
         let _g = no_grad();
         for (name, stages) in &self.tied {
             let params: Vec<Tensor> = stages.iter().map(|&s| param(&self.stages[s], name)).collect::<Result<_>>()?;
@@ -323,6 +340,9 @@ impl PipelineSchedule {
                 if let Some(g) = p.grad() {
                     sum = sum.add(&g.to_device(sum.device())?)?;
                 }
+            }
+            if let Some(b) = before.get(name) {
+                sum = sum.sub(&b.to_device(sum.device())?.mul((params.len() - 1) as f64)?)?;
             }
             for p in &params {
                 p.set_grad(Some(sum.to_device(p.device())?));
