@@ -75,6 +75,8 @@ impl Tensor {
             return Ok(self.clone());
         }
         if device.kind() == self.device().kind() {
+            // A device that does not exist is named as every other path names it.
+            device.backend()?;
             crate::capture::record::check_read(self, reading_via().unwrap_or("to_device"))?;
             if let Some(storage) = self.backend().copy_to_device(self, device) {
                 let t = Tensor::from_storage(storage?, crate::Layout::contiguous(self.shape()))?;
