@@ -567,6 +567,8 @@ fn regions_module() -> Module {
     let gather = Attr::Gather {
         offset_dims: vec![1],
         collapsed_slice_dims: vec![0],
+        operand_batching_dims: vec![],
+        start_indices_batching_dims: vec![],
         start_index_map: vec![0],
         index_vector_dim: 1,
     };

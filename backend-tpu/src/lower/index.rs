@@ -96,16 +96,49 @@ pub(super) fn scatter(
 pub(super) fn gather(b: &mut Builder, x: &[Val], dim: &usize, out: Ty) -> Lowered {
     let (src, idx) = (&x[0], &x[1]);
     let ok = index_check(b, idx, src, *dim);
-    let coords = coordinates(b, idx, *dim);
     let r = src.ty.rank();
     let all: Vec<usize> = (0..r).collect();
     let attrs = gather_attrs(&[], &all, &all, r, &vec![1; r]);
     let g = if idx.ty.numel() == 0 || r == 0 {
         gather0(b, src, idx)
+    } else if let Some(attrs) = batched_gather_attrs(b, src, idx, *dim) {
+        let mut with1 = idx.shape().to_vec();
+        with1.push(1);
+        let i = b.reshape(idx, &with1);
+        b.op("stablehlo.gather", &[src, &i], attrs, out)
     } else {
+        let coords = coordinates(b, idx, *dim);
         b.op("stablehlo.gather", &[src, &coords], attrs, out)
     };
     (vec![g], vec![ok])
+}
+
+/// Over a mesh, a gather whose index has the source's length off `dim`
+/// names those dimensions as batching dimensions, pairing each index
+/// element with the source row it reads: the partitioner then keeps a
+/// split batch on its devices. Coordinates made of iotas (`coordinates`)
+/// hide that pairing and are gathered whole. Programs on one device keep
+/// the iota form, which portable artifacts (VHLO 1.0.0) can carry.
+fn batched_gather_attrs(b: &Builder, src: &Val, idx: &Val, dim: usize) -> Option<super::Attrs> {
+    let r = src.ty.rank();
+    let same = (0..r).all(|d| d == dim || src.shape()[d] == idx.shape()[d]);
+    if !b.is_sharded() || !same || r < 2 {
+        return None;
+    }
+    let batch: Vec<i64> = (0..r).filter(|&d| d != dim).map(|d| d as i64).collect();
+    let dims = super::Attr::Gather {
+        offset_dims: vec![],
+        collapsed_slice_dims: vec![dim as i64],
+        operand_batching_dims: batch.clone(),
+        start_indices_batching_dims: batch,
+        start_index_map: vec![dim as i64],
+        index_vector_dim: r as i64,
+    };
+    Some(vec![
+        ("dimension_numbers", dims),
+        ("indices_are_sorted", super::Attr::Bool(false)),
+        ("slice_sizes", super::arr(&vec![1; r])),
+    ])
 }
 
 /// `Op::Scatter` along `dim` (replacing or adding), with its index check.

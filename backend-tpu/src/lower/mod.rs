@@ -63,6 +63,8 @@ pub fn gather_attrs(
     let dims = Attr::Gather {
         offset_dims: list(offset),
         collapsed_slice_dims: list(collapsed),
+        operand_batching_dims: vec![],
+        start_indices_batching_dims: vec![],
         start_index_map: list(start_map),
         index_vector_dim: index_dim as i64,
     };
@@ -253,6 +255,11 @@ impl Builder {
 
     /// Appends an argument of a program over a mesh: `ty` is the global type,
     /// each device passes its shard.
+    /// Whether some argument is sharded: a program over a mesh.
+    pub fn is_sharded(&self) -> bool {
+        self.arg_shardings.iter().any(|s| s.is_some())
+    }
+
     pub fn add_sharded_arg(&mut self, ty: Ty, sharding: Sharding) -> Result<Val> {
         if let Some(first) = self.arg_shardings.iter().flatten().next() {
             shard::check_mesh(&sharding, &first.mesh)?;

@@ -76,6 +76,10 @@ fn views_lower_to_slices_transposes_and_broadcasts() {
     // narrow(1, 1, 2) of [2, 4]: a slice of the window, no gather.
     let n = read_ops(&lay(&[2, 2], &[4, 1], 1), 8);
     assert!(n.contains(&"stablehlo.slice".to_string()) && !n.contains(&"stablehlo.gather".to_string()), "{n:?}");
+    // `x[:, 1:]` of [8, 256]: cut on the storage's grid, so rows split over
+    // devices are read in place (no shifted flat run, no padding).
+    let w = read_ops(&lay(&[8, 255], &[256, 1], 1), 2048);
+    assert_eq!(w, ["stablehlo.reshape", "stablehlo.slice", "stablehlo.reshape", "stablehlo.reshape"], "{w:?}");
     // The diagonal of [3, 3] runs past the storage: padded, never gathered.
     let d = read_ops(&lay(&[3], &[4], 0), 9);
     assert!(d.contains(&"stablehlo.pad".to_string()) && !d.contains(&"stablehlo.gather".to_string()), "{d:?}");

@@ -12,9 +12,15 @@ use kiln_tensor::{DType, Error, Layout, Result};
 // dims, order the others by decreasing stride s_0 > ... > s_{m-1}; when each
 // stride divides the previous one and each dim fits inside its outer stride
 // (n_{j+1} s_{j+1} <= s_j), the elements are exactly
-//     flat[offset .. offset + n_0 s_0]  reshaped to  [n_0, s_0/s_1, ..., s_{m-2}/s_{m-1}, s_{m-1}]
-// sliced to [0:n_0, 0:n_1, ..., 0:n_{m-1}, 0:1], then transposed back to the
-// view's dim order and broadcast over the dropped dims. That covers
+//     flat  reshaped to  [len / s_0, s_0/s_1, ..., s_{m-2}/s_{m-1}, s_{m-1}]
+// sliced at the offset's coordinates on that grid to n_0, n_1, ..., n_{m-1}, 1
+// elements, then transposed back to the view's dim order and broadcast over
+// the dropped dims. Cutting on the storage's grid rather than from the flat
+// offset keeps a window of a storage split by rows on its devices over a
+// mesh. A window that leaves rows of the grid out, a storage that is not
+// whole rows of it, or a window that wraps around a row (a diagonal) is cut
+// from flat[offset .. offset + n_0 s_0] instead (padded where that runs past
+// the end). That covers
 // contiguous tensors, narrow/slice with steps, select, transpose/permute,
 // expand and diagonal (whose window may run past the end of the storage: the
 // buffer is padded first; the padding is never selected). Any other layout
@@ -96,18 +102,24 @@ pub fn read_view(b: &mut Builder, flat: &Val, layout: &Layout) -> Result<Val> {
         dims.push(strides[kept[m - 1]]);
         (dims, shape[kept[0]] * strides[kept[0]])
     };
-    let mut src = flat.clone();
-    if off + extent > len {
-        src = b.pad(&src, Lit::I(0), &[0], &[off + extent - len]);
-    }
-    let run = b.slice(&src, &[off], &[off + extent], &[1]);
     let v = if m == 0 {
+        let run = b.slice(flat, &[off], &[off + 1], &[1]);
         b.reshape(&run, &[])
     } else {
-        let r = b.reshape(&run, &dims);
         let mut limit: Vec<usize> = kept.iter().map(|&d| shape[d]).collect();
         limit.push(1);
-        let sl = b.slice(&r, &vec![0; m + 1], &limit, &vec![1; m + 1]);
+        let sl = match grid_window(b, flat, &dims, &limit, off) {
+            Some(sl) => sl,
+            None => {
+                let mut src = flat.clone();
+                if off + extent > len {
+                    src = b.pad(&src, Lit::I(0), &[0], &[off + extent - len]);
+                }
+                let run = b.slice(&src, &[off], &[off + extent], &[1]);
+                let r = b.reshape(&run, &dims);
+                b.slice(&r, &vec![0; m + 1], &limit, &vec![1; m + 1])
+            }
+        };
         let sorted_shape: Vec<usize> = kept.iter().map(|&d| shape[d]).collect();
         let v = b.reshape(&sl, &sorted_shape);
         // Back to the view's dim order: output j is the kept dim that comes j-th in the view.
@@ -119,6 +131,37 @@ pub fn read_view(b: &mut Builder, flat: &Val, layout: &Layout) -> Result<Val> {
     let mut in_order = kept;
     in_order.sort();
     Ok(b.broadcast(&v, &shape, &in_order))
+}
+
+/// The window `dims` / `limit` at `off` cut from the storage's own grid (see
+/// the Note): `flat` reshaped to `[rows, dims[1..]]` and sliced at the
+/// offset's coordinates, so that the window of a storage split by rows over
+/// devices is cut on each device (`x[:, 1:]` reads no neighbour's elements).
+/// `None` when the storage is not whole rows of the grid, the window leaves
+/// rows out, or it wraps around a row (a diagonal): the caller slices the
+/// flat run.
+fn grid_window(b: &mut Builder, flat: &Val, dims: &[usize], limit: &[usize], off: usize) -> Option<Val> {
+    let len = flat.ty.numel();
+    let outer: usize = dims[1..].iter().product();
+    let mut rem = off % outer;
+    let mut starts = vec![off / outer];
+    for j in 1..dims.len() {
+        let inner: usize = dims[j + 1..].iter().product();
+        starts.push(rem / inner);
+        rem %= inner;
+    }
+    let rows = len / outer;
+    // Every row, whole: a split of the rows stays as it is (XLA's partitioner
+    // aborts on some scatters of a slice of split rows, which the flat run avoids).
+    let inner_only = starts[0] == 0 && limit[0] == rows;
+    if !len.is_multiple_of(outer) || !inner_only || (1..dims.len()).any(|j| starts[j] + limit[j] > dims[j]) {
+        return None;
+    }
+    let mut grid = vec![rows];
+    grid.extend_from_slice(&dims[1..]);
+    let r = b.reshape(flat, &grid);
+    let ends: Vec<usize> = starts.iter().zip(limit).map(|(s, l)| s + l).collect();
+    Some(b.slice(&r, &starts, &ends, &vec![1; dims.len()]))
 }
 
 /// `flat[idx]` for int64 indices `[*shape, 1]` into a 1-D buffer.

@@ -269,7 +269,10 @@ fn attribute(op: &str, k: &str, v: &Attr) -> Result<Vec<(String, String)>, Strin
             list("lhs_contracting_dimensions", lhs_contract),
             list("rhs_contracting_dimensions", rhs_contract),
         ],
-        Attr::Gather { offset_dims, collapsed_slice_dims, start_index_map, index_vector_dim } => vec![
+        Attr::Gather { operand_batching_dims, .. } if !operand_batching_dims.is_empty() => {
+            return Err("a gather with batching dimensions has no VHLO 1.0.0 form".into())
+        }
+        Attr::Gather { offset_dims, collapsed_slice_dims, start_index_map, index_vector_dim, .. } => vec![
             list("offset_dims", offset_dims),
             list("collapsed_slice_dims", collapsed_slice_dims),
             list("start_index_map", start_index_map),

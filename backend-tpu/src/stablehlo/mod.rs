@@ -142,7 +142,16 @@ pub enum Attr {
     /// `#stablehlo.dot<..>`: dimension numbers of `dot_general`.
     Dot { lhs_batch: Vec<i64>, rhs_batch: Vec<i64>, lhs_contract: Vec<i64>, rhs_contract: Vec<i64> },
     /// `#stablehlo.gather<..>`.
-    Gather { offset_dims: Vec<i64>, collapsed_slice_dims: Vec<i64>, start_index_map: Vec<i64>, index_vector_dim: i64 },
+    Gather {
+        offset_dims: Vec<i64>,
+        collapsed_slice_dims: Vec<i64>,
+        /// Dimensions of the operand that pair with `start_indices_batching_dims`
+        /// of the indices, element for element (empty: none).
+        operand_batching_dims: Vec<i64>,
+        start_indices_batching_dims: Vec<i64>,
+        start_index_map: Vec<i64>,
+        index_vector_dim: i64,
+    },
     /// `#stablehlo.scatter<..>`.
     Scatter {
         update_window_dims: Vec<i64>,

@@ -55,17 +55,28 @@ impl Display for Attr {
                 list(lhs_contract),
                 list(rhs_contract)
             ),
-            Attr::Gather { offset_dims, collapsed_slice_dims, start_index_map, index_vector_dim } => {
+            Attr::Gather {
+                offset_dims,
+                collapsed_slice_dims,
+                operand_batching_dims,
+                start_indices_batching_dims,
+                start_index_map,
+                index_vector_dim,
+            } => {
                 f.write_str("#stablehlo.gather<")?;
                 if !offset_dims.is_empty() {
                     write!(f, "offset_dims = {}, ", list(offset_dims))?;
                 }
-                write!(
-                    f,
-                    "collapsed_slice_dims = {}, start_index_map = {}, index_vector_dim = {index_vector_dim}>",
-                    list(collapsed_slice_dims),
-                    list(start_index_map)
-                )
+                write!(f, "collapsed_slice_dims = {}, ", list(collapsed_slice_dims))?;
+                if !operand_batching_dims.is_empty() {
+                    write!(
+                        f,
+                        "operand_batching_dims = {}, start_indices_batching_dims = {}, ",
+                        list(operand_batching_dims),
+                        list(start_indices_batching_dims)
+                    )?;
+                }
+                write!(f, "start_index_map = {}, index_vector_dim = {index_vector_dim}>", list(start_index_map))
             }
             Attr::Scatter { update_window_dims, inserted_window_dims, scatter_dims_to_operand_dims, index_vector_dim } => {
                 f.write_str("#stablehlo.scatter<")?;
