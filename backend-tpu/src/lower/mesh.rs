@@ -64,6 +64,104 @@ pub(crate) fn result_sharding(
     }
 }
 
+// Note [Partial sums and reduce-scatter]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A partial sum moved to a split over its partial axes (FSDP's gradient:
+// `redistribute(Partial -> Shard(0))`, DTensor's reduce-scatter) could be left
+// to the partitioner as a resharding, but XLA's SPMD partitioner lowers that
+// as an all-reduce of the whole value followed by each device's slice, and
+// only the GPU and TPU compilers fuse the pair back into a reduce-scatter
+// (their `ReduceScatterCreator` pass); XLA:CPU moves the whole gradient. So
+// kiln writes the reduce-scatter itself: the partial sum enters a manual
+// computation with its unreduced axes in the in-sharding (each device's own
+// addend) and leaves as one `stablehlo.reduce_scatter` over exactly those
+// axes, along the dimension the target splits. Every compiler then sends
+// 1/N of the bytes an all-reduce sends. A target that also moves other
+// axes, splits several dimensions, or pads an uneven one takes the general
+// path (reduce, then slice).
+
+/// The partial sum `u` (sharding `from`, with unreduced axes, of `shape`)
+/// reduce-scattered to `to`, which splits one dimension further over exactly
+/// the unreduced axes (the pieces' order: `to`'s): one `stablehlo.reduce_scatter`
+/// in a manual computation over the mesh (Note [Partial sums and
+/// reduce-scatter]). `None` where `to` is not such a split or a dimension is
+/// uneven; the caller then reduces and slices.
+pub(crate) fn reduce_scatter(
+    b: &mut Builder,
+    u: &Val,
+    from: &Sharding,
+    to: &Sharding,
+    shape: &[usize],
+) -> Result<Option<Val>> {
+    if from.unreduced.is_empty()
+        || !to.unreduced.is_empty()
+        || from.dims.len() != shape.len()
+        || to.dims.len() != shape.len()
+    {
+        return Ok(None);
+    }
+    let changed: Vec<usize> = (0..shape.len()).filter(|&d| from.dims[d] != to.dims[d]).collect();
+    let [d] = changed[..] else { return Ok(None) };
+    let Some(added) = to.dims[d].strip_prefix(from.dims[d].as_slice()) else { return Ok(None) };
+    let mut sorted = added.to_vec();
+    sorted.sort_unstable();
+    let mut partial = from.unreduced.clone();
+    partial.sort_unstable();
+    let even = from.padded_shape(shape) == shape && to.padded_shape(shape) == shape;
+    if sorted != partial || !even {
+        return Ok(None);
+    }
+    let groups = groups_over(&from.mesh, added);
+    let block = Ty::new(&from.shard_shape(shape), u.dtype());
+    let (mut body, args) = Builder::new(&[block]);
+    let op = kiln_tensor::collective::CollectiveOp {
+        kind: kiln_tensor::collective::Collective::ReduceScatter { dim: d },
+        groups,
+    };
+    let out = kiln_tensor::Meta::new(&to.shard_shape(shape), u.dtype());
+    let scattered = super::collective::lower(&mut body, &op, &args[0], &out);
+    let outs = super::manual_computation(
+        b,
+        &[u],
+        std::slice::from_ref(from),
+        body,
+        &[scattered],
+        std::slice::from_ref(to),
+        std::slice::from_ref(&u.ty),
+    )?;
+    Ok(outs.into_iter().next())
+}
+
+/// The mesh positions whose coordinates differ only on `axes`, each group
+/// in the order of its coordinates on `axes` (the first axis major): the
+/// replica groups of a collective over those axes.
+fn groups_over(mesh: &DeviceMesh, axes: &[usize]) -> Vec<Vec<usize>> {
+    let mut keys: Vec<Vec<usize>> = vec![];
+    let mut groups: Vec<Vec<(Vec<usize>, usize)>> = vec![];
+    for pos in 0..mesh.devices().len() {
+        let c = mesh.coordinates(pos);
+        let mut key = c.clone();
+        for &a in axes {
+            key[a] = 0;
+        }
+        let rank = axes.iter().map(|&a| c[a]).collect();
+        match keys.iter().position(|k| *k == key) {
+            Some(g) => groups[g].push((rank, pos)),
+            None => {
+                keys.push(key);
+                groups.push(vec![(rank, pos)]);
+            }
+        }
+    }
+    groups
+        .into_iter()
+        .map(|mut g| {
+            g.sort();
+            g.into_iter().map(|(_, p)| p).collect()
+        })
+        .collect()
+}
+
 /// `lower::write_view` in a program over `mesh`. A write through a strided
 /// view is a scatter whose combiner replaces, which the partitioner cannot
 /// split (XLA aborts the process on it), so its operands are gathered first;
@@ -313,6 +411,11 @@ impl Placing {
             .enumerate()
             .map(|(i, p)| (p.layout.shape().to_vec(), needed(op, i, &p.sharding, &p.shape, &p.layout).1))
             .collect();
+        if let (Op::Redistribute(_), [arg]) = (op, args) {
+            if let Some(v) = self.scatter_partial(b, op, *arg, &ins)? {
+                return Ok((vec![v], ins));
+            }
+        }
         let partial =
             (0..outs.len()).any(|i| !shard::out_sharding(op, &ins, i, &outs[i].shape, &self.mesh).unreduced.is_empty());
         let mut vals = Vec::with_capacity(x.len());
@@ -320,6 +423,25 @@ impl Placing {
             vals.push(constrain(b, op, i, v, &p.sharding, &p.shape, &p.layout, partial).0);
         }
         Ok((vals, ins))
+    }
+
+    /// The redistribution `op` of the partial sum `arg` (a whole storage) as
+    /// one reduce-scatter, when it splits exactly the partial axes (see
+    /// [`reduce_scatter`]); `None` otherwise.
+    fn scatter_partial(
+        &self,
+        b: &mut Builder,
+        op: &Op,
+        arg: Value,
+        ins: &[(Vec<usize>, Sharding)],
+    ) -> Result<Option<Val>> {
+        let p = self.get(arg)?;
+        let Some(u) = self.unreduced.get(arg.index()).and_then(|u| u.as_ref()) else { return Ok(None) };
+        if !p.is_storage() || p.layout.shape() != p.shape.as_slice() {
+            return Ok(None);
+        }
+        let to = shard::out_sharding(op, ins, 0, &p.shape, &self.mesh);
+        reduce_scatter(b, u, &p.sharding, &to, &p.shape)
     }
 
     /// Places `op`'s results (`results`, the values `outs`) by kiln's rule;

@@ -26,9 +26,14 @@ use kiln_tensor::DeviceMesh;
 //   rotary embedding, the cross-entropy gradient, RMSNorm's gradient) keep
 //   the split of their inputs' first (batch) dimension and read the rest of
 //   those inputs, and their other inputs (weights, rotary tables), whole;
-//   RMSNorm's weight gradient (a sum over the batch) is replicated;
-// - anything else (indexing, sorting, attention, creation ops, ...) is
-//   replicated, which is always correct and costs memory and gathers.
+//   RMSNorm's weight gradient (a sum over the batch) is a partial sum over
+//   the batch's split;
+// - `index_select` (the embedding lookup) keeps the split of its table off
+//   the selected dimension and, along it, the split of its index (the
+//   tokens' batch); `cat` keeps the split its first split input has off the
+//   concatenated dimension (the others are cut to it);
+// - anything else (scatters, sorting, creation ops, ...) is replicated,
+//   which is always correct and costs memory and gathers.
 // A partial sum is kept only where Shardy keeps it: straight out of the
 // reduction or dot that makes it. A result whose lowering does more after
 // the reduction (a convert back to a 16-bit type) or that kiln pads (an
@@ -36,13 +41,21 @@ use kiln_tensor::DeviceMesh;
 // reduces an unreduced value before such ops, and declaring the result
 // unreduced afterwards would make every device's copy count as a partial.
 // Inputs keep their split where the partitioner can compute on it, and are
-// gathered where it cannot: XLA partitions a reduction over a split dimension
+// gathered where it cannot (a `gather` over a mesh names the index's batch
+// dimensions as gather batching dimensions, so that the partitioner keeps
+// them split, `lower/index.rs`): XLA partitions a reduction over a split dimension
 // only when its body is a plain sum, so kiln's NaN-propagating max and min,
 // and softmax and RMSNorm along the normalised dimension, first gather that
 // dimension; primitives without a rule take whole (replicated) inputs.
 // An input that is a view of its storage (a transpose, a slice, an expand) has
-// the split of its storage's dimensions when the view only permutes them, and
-// counts as replicated otherwise.
+// the split of its storage's dimensions when the view only permutes them or
+// reshapes them keeping each split dimension whole (`[8, 256, 384]` split on
+// its batch read as `[384, 2048]`: split on the columns), keeps the split of
+// the dimensions a window takes whole (`x[:, 1:]`: split on the rows; views
+// are cut on the storage's grid, Note [Views of flat buffers], so the window
+// reads no neighbour's rows), and counts as replicated otherwise. A partial
+// sum redistributed to a split over its partial axes is one reduce-scatter
+// (Note [Partial sums and reduce-scatter] in `mesh.rs`).
 
 /// The sharding of the view `shape` / `strides` / `offset` of a storage of
 /// `storage_shape` with sharding `s` (see the Note).
@@ -68,8 +81,78 @@ pub fn view_sharding(s: &Sharding, storage_shape: &[usize], layout: &kiln_tensor
     if permutes {
         Sharding { mesh: s.mesh.clone(), dims, unreduced: s.unreduced.clone() }
     } else {
-        Sharding::replicated(&s.mesh, shape.len())
+        reshaped_sharding(s, storage_shape, layout)
+            .or_else(|| narrowed_sharding(s, storage_shape, layout))
+            .unwrap_or_else(|| Sharding::replicated(&s.mesh, shape.len()))
     }
+}
+
+/// The sharding of a window of the storage in its own dimensions (`x[:, 1:]`:
+/// the storage's strides, an offset inside it): a split dimension the window
+/// takes whole keeps its split; a split dimension it cuts counts as
+/// replicated. `None` for any other view.
+fn narrowed_sharding(s: &Sharding, storage_shape: &[usize], layout: &kiln_tensor::Layout) -> Option<Sharding> {
+    let (shape, strides) = (layout.shape(), layout.strides());
+    let cs = kiln_tensor::contiguous_strides(storage_shape);
+    if shape.len() != storage_shape.len() || s.dims.len() != shape.len() || strides != cs.as_slice() {
+        return None;
+    }
+    let mut rem = layout.offset();
+    let mut dims = vec![vec![]; shape.len()];
+    for d in 0..shape.len() {
+        let start = rem.checked_div(cs[d]).unwrap_or(0);
+        rem -= start * cs[d];
+        if start + shape[d] > storage_shape[d] {
+            return None;
+        }
+        if start == 0 && shape[d] == storage_shape[d] {
+            dims[d] = s.dims[d].clone();
+        }
+    }
+    (rem == 0).then(|| Sharding { mesh: s.mesh.clone(), dims, unreduced: s.unreduced.clone() })
+}
+
+/// The sharding of a view that reads every element of its storage once in
+/// another shape and order (a reshape, possibly transposed: `x.view(..).t()`)
+/// of a storage split on its first (batch) dimension only: that split over
+/// axes `A` (even) goes to the view dimension whose top the first dimension
+/// is, when that view dimension's length divides into the same pieces and
+/// the storage dimensions it merges below it are not split. Each device then
+/// holds the same elements under either reading. `None` for any other view
+/// (see the Note: it counts as replicated); a split of other dimensions
+/// (features split by a matmul) is not carried through reshapes, whose
+/// consumers (attention over heads) XLA's partitioner could then split along
+/// their reductions.
+fn reshaped_sharding(s: &Sharding, storage_shape: &[usize], layout: &kiln_tensor::Layout) -> Option<Sharding> {
+    let (shape, strides) = (layout.shape(), layout.strides());
+    let n: usize = storage_shape.iter().product();
+    let leading_only = s.dims.iter().skip(1).all(|d| d.is_empty());
+    if layout.offset() != 0 || layout.numel() != n || s.dims.len() != storage_shape.len() || !leading_only {
+        return None;
+    }
+    // A bijection onto the storage: the view's dimensions, by stride, are contiguous.
+    let mut order: Vec<usize> = (0..shape.len()).filter(|&j| shape[j] > 1).collect();
+    order.sort_by_key(|&j| std::cmp::Reverse(strides[j]));
+    let mut expect = 1;
+    for &j in order.iter().rev() {
+        if strides[j] != expect {
+            return None;
+        }
+        expect *= shape[j];
+    }
+    let cs = kiln_tensor::contiguous_strides(storage_shape);
+    let mut dims = vec![vec![]; shape.len()];
+    for i in (0..storage_shape.len()).filter(|&i| !s.dims[i].is_empty()) {
+        let (pieces, top) = (s.splits(i), cs[i] * storage_shape[i]);
+        let j = *order.iter().find(|&&j| strides[j] * shape[j] == top)?;
+        let merged_split =
+            (i + 1..storage_shape.len()).any(|k| cs[k] * storage_shape[k] > strides[j] && !s.dims[k].is_empty());
+        if !storage_shape[i].is_multiple_of(pieces) || !shape[j].is_multiple_of(pieces) || merged_split {
+            return None;
+        }
+        dims[j] = s.dims[i].clone();
+    }
+    Some(Sharding { mesh: s.mesh.clone(), dims, unreduced: s.unreduced.clone() })
 }
 
 /// The sharding input `s` (of `shape`) must have when `op` reads it (see the Note).
@@ -95,7 +178,10 @@ pub fn in_sharding(op: &kiln_tensor::Op, input: usize, s: &Sharding, shape: &[us
             .unwrap_or_else(|_| whole()),
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Mean, .. } => s.reduced(),
         Op::Reduce { dims, .. } => gather(dims),
-        Op::Softmax { dim, .. } | Op::LogSumExp { dim } | Op::Gather { dim } => gather(&[*dim]),
+        Op::Softmax { dim, .. } | Op::LogSumExp { dim } | Op::Gather { dim } | Op::Cat { dim } => gather(&[*dim]),
+        // The table is read whole along the selected dimension; the index keeps its split.
+        Op::IndexSelect { dim } if input == 0 => gather(&[*dim]),
+        Op::IndexSelect { .. } => s.reduced(),
         Op::RmsNorm { .. } if !shape.is_empty() => gather(&[shape.len() - 1]),
         Op::Attention { .. }
         | Op::AttentionBackward { .. }
@@ -114,9 +200,7 @@ pub fn in_sharding(op: &kiln_tensor::Op, input: usize, s: &Sharding, shape: &[us
         | Op::Cumsum { .. }
         | Op::GroupedMatMul
         | Op::View(_)
-        | Op::Cat { .. }
         | Op::Scatter { .. }
-        | Op::IndexSelect { .. }
         | Op::IndexAdd { .. }
         | Op::Sort { .. }
         | Op::TopK { .. }
@@ -268,6 +352,29 @@ pub fn out_sharding(
             dims[*dim] = vec![];
             split(dims, vec![])
         }
+        // The table's split off `dim`, and along `dim` the index's.
+        Op::IndexSelect { dim } => {
+            let [(ts, t), (is, i)] = ins else { return rep };
+            if *dim >= ts.len() || is.len() != 1 || ts.len() != out_shape.len() {
+                return rep;
+            }
+            let mut dims = t.dims.clone();
+            dims[*dim] = i.dims[0].clone();
+            split(dims, vec![])
+        }
+        // The split off `dim` of the first input that has one (the others are cut to it).
+        Op::Cat { dim } => {
+            let off_dim = |s: &Sharding| s.dims.iter().enumerate().any(|(d, a)| d != *dim && !a.is_empty());
+            let Some((_, s)) = ins.iter().find(|(shape, s)| shape.len() == out_shape.len() && off_dim(s)) else {
+                return rep;
+            };
+            let mut dims = s.dims.clone();
+            if *dim >= dims.len() {
+                return rep;
+            }
+            dims[*dim] = vec![];
+            split(dims, vec![])
+        }
         Op::Softmax { dim, .. } if out == 0 => {
             let Some((shape, s)) = ins.first() else { return rep };
             if shape != out_shape {
@@ -277,6 +384,14 @@ pub fn out_sharding(
             dims[*dim] = vec![];
             split(dims, vec![])
         }
+        // RMSNorm's weight gradient sums over the rows: a partial sum over their split.
+        Op::RmsNormBackward { .. } if out == 1 => {
+            let Some((shape, s)) = ins.first() else { return rep };
+            if shape.len() < 2 || out_shape.len() != 1 {
+                return rep;
+            }
+            split(vec![vec![]], s.dims[0].clone())
+        }
         // A batch-wise primitive's outputs of the first input's batch size keep its batch split.
         Op::Attention { .. }
         | Op::AttentionBackward { .. }
@@ -285,7 +400,7 @@ pub fn out_sharding(
         | Op::RmsNormBackward { .. } => {
             let Some((shape, s)) = ins.first() else { return rep };
             let same_batch = out_shape.len() >= 2 && shape.first() == out_shape.first();
-            if !same_batch || matches!(op, Op::RmsNormBackward { .. } if out == 1) {
+            if !same_batch {
                 return rep;
             }
             let mut dims = vec![vec![]; out_shape.len()];
@@ -320,9 +435,7 @@ pub fn out_sharding(
         | Op::Cumsum { .. }
         | Op::GroupedMatMul
         | Op::View(_)
-        | Op::Cat { .. }
         | Op::Scatter { .. }
-        | Op::IndexSelect { .. }
         | Op::IndexAdd { .. }
         | Op::Sort { .. }
         | Op::TopK { .. }
