@@ -3,7 +3,8 @@
 # training step captured by kiln::compile on 4 XLA:CPU devices under DDP, FSDP
 # and FSDP x TP, each with
 #   - the collectives of its optimized program (count and bytes per step, from
-#     XLA's dump, benches/collectives.py) against the recipe's minimum,
+#     XLA's dump, benches/collectives.py) beside the recipe's minimum (DDP and
+#     FSDP; kiln-bench prints it, see `collective_minimum` in benches/src/llm.rs),
 #   - the per-device bytes of parameters + gradients + AdamW state against the
 #     unsharded model (state_fraction_per_device; FSDP's target is 1/N),
 #   - tokens/s against the one-device step with the same per-device batch.
@@ -31,6 +32,6 @@ for p in "dp=4 ddp" "dp=4 fsdp" "dp=2,tp=2 fsdp+tp"; do
     echo "== --mesh $1 --parallel $2, global batch $B"
     rm -rf "$TMP/dump"
     XLA_FLAGS="--xla_dump_to=$TMP/dump --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" KILN_CACHE_DIR="$TMP/cache" \
-        "$BIN" "${common[@]}" --batch "$B" --mesh "$1" --parallel "$2" 2>&1 | quiet | tail -1
-    python3 benches/collectives.py "$TMP/dump"
+        "$BIN" "${common[@]}" --batch "$B" --mesh "$1" --parallel "$2" 2>&1 | quiet | tail -1 | tee "$TMP/line"
+    python3 benches/collectives.py "$TMP/dump" "$(cat "$TMP/line")"
 done

@@ -161,7 +161,10 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
         let a = LlmArgs { device, ..a.clone() };
         let l = train_compiled(&a, &model, &mut opt, &ids)?;
         return match &recipe {
-            Some((mesh, r)) => memory_line(l, &model, &opt, mesh, &format!("{r:?}")),
+            Some((mesh, r)) => {
+                let l = memory_line(l, &model, &opt, mesh, &format!("{r:?}"))?;
+                collective_minimum(l, &model, &cfg, mesh, r, a.batch * a.seq, &a.precision)
+            }
             None => Ok(l),
         };
     }
@@ -235,6 +238,66 @@ fn memory_line(l: Line, model: &LlamaForCausalLM, opt: &AdamW, mesh: &kiln::Devi
         .set("state_mb_per_device", sig4(worst as f64 / (1 << 20) as f64))
         .set("state_mb_unsharded", sig4(whole as f64 / (1 << 20) as f64))
         .set("state_fraction_per_device", sig4(worst as f64 / whole.max(1) as f64)))
+}
+
+/// The collective bytes per device and step (results, as
+/// `benches/collectives.py` counts them) that DDP's and FSDP's step cannot do
+/// without, by kind:
+/// - every gradient reduced once: all-reduced (DDP) or reduce-scattered to
+///   its shard (FSDP), except the input embedding's, whose rows only the
+///   step's tokens touch: its token gradients (`tokens x hidden`) and the
+///   token ids are all-gathered and added into a whole table on each device
+///   (fewer bytes than reducing a table of `vocab x hidden` whenever there
+///   are fewer tokens than vocabulary rows, and the same lowering otherwise);
+/// - FSDP gathers every parameter for the forward, and again for the backward
+///   each matrix the backward reads (the weights are resharded after the
+///   forward, FSDP2's default; the norms' gathered weights are small and kept).
+/// - the loss's sum and the number of counted tokens are all-reduced (an f32
+///   and an i64), with the two index checks' flags (the embedding's ids and
+///   the targets in range: a bool each).
+///
+/// Other recipes print no minimum.
+fn collective_minimum(
+    l: Line,
+    model: &LlamaForCausalLM,
+    cfg: &LlamaConfig,
+    mesh: &kiln::DeviceMesh,
+    recipe: &kiln::nn::parallel::Recipe,
+    tokens: usize,
+    precision: &str,
+) -> Result<Line> {
+    use kiln::nn::parallel::Recipe;
+    let (mut reduced, mut sharded, mut params, mut matrices) = (0usize, 0usize, 0usize, 0usize);
+    for (name, p) in model.named_parameters() {
+        let bytes = p.dtype().size_in_bytes();
+        let whole = p.numel() * bytes;
+        params += whole;
+        let embedding = name.ends_with("embed_tokens.weight") && !cfg.tie_word_embeddings;
+        if !embedding {
+            reduced += whole;
+            sharded += p.to_local()?.iter().map(|s| s.numel() * bytes).max().unwrap_or(0);
+            if p.ndim() == 2 {
+                matrices += whole;
+            }
+        }
+    }
+    // f32 token gradients and i64 ids (a mixed-precision step prints no minimum).
+    let token_grads = tokens * (cfg.hidden_size * 4 + 8);
+    let scalars = 4 + 8 + 2;
+    if precision != "f32" {
+        return Ok(l);
+    }
+    Ok(match recipe {
+        Recipe::Ddp if mesh.ndim() == 1 => l
+            .set("min_all_reduce_bytes", reduced + scalars)
+            .set("min_reduce_scatter_bytes", 0)
+            .set("min_all_gather_bytes", token_grads),
+        Recipe::Fsdp if mesh.ndim() == 1 => l
+            .set("min_all_reduce_bytes", scalars)
+            .set("min_reduce_scatter_bytes", sharded)
+            .set("min_all_gather_bytes", params + matrices + token_grads),
+        _ => l,
+    })
 }
 
 /// The line of a `train` run: throughput from the sorted step times, first and last loss, peak RSS.
@@ -650,6 +713,38 @@ pub(crate) mod tests {
         assert!(preset("llama-16m").is_ok() && preset("gpt").is_err());
         // The eager line names how its ops ran.
         assert_eq!(t.get("mode").and_then(|v| v.as_str()), Some("eager"));
+        Ok(())
+    }
+
+    /// The minimum `measure_parallel.sh` prints beside the measured bytes,
+    /// against llama-tiny's parameters counted by hand: every gradient but
+    /// the input embedding's reduced (whole under DDP, a quarter under FSDP
+    /// on dp=4), the embedding's token gradients and ids gathered, FSDP's
+    /// parameters gathered for the forward and its matrices again for the backward.
+    #[test]
+    fn the_collective_minimum_counts_llama_tiny_by_hand() -> Result<()> {
+        use kiln::nn::parallel::{parse_mesh, Recipe};
+        kiln::init_device(Device::Tpu(0))?;
+        let cfg = preset("llama-tiny").map_err(|e| Error::invalid("test", e))?;
+        let mesh = parse_mesh("dp=4", kiln::DeviceKind::Tpu)?;
+        // Per layer: q, o [64, 64]; k, v [32, 64]; gate, up [128, 64]; down [64, 128]; two norms [64].
+        let layer_matrices = 2 * 4096 + 2 * 2048 + 3 * 8192;
+        let matrices = 2 * layer_matrices + 256 * 64; // and the untied head
+        let reduced = matrices + 2 * 2 * 64 + 64; // and the norms
+        let params = reduced + 256 * 64; // and the embedding
+        let tokens = 2 * 8 * (64 * 4 + 8);
+        let line = |r: Recipe| -> Result<Line> {
+            let mut model = LlamaForCausalLM::new(&cfg, (DType::F32, mesh.device()))?;
+            r.apply(&mut model, &mesh)?;
+            collective_minimum(line("train", &tiny()), &model, &cfg, &mesh, &r, 2 * 8, "f32")
+        };
+        let ddp = line(Recipe::Ddp)?;
+        assert_eq!(num(&ddp, "min_all_reduce_bytes"), (reduced * 4 + 14) as f64);
+        assert_eq!(num(&ddp, "min_all_gather_bytes"), tokens as f64);
+        let fsdp = line(Recipe::Fsdp)?;
+        assert_eq!(num(&fsdp, "min_reduce_scatter_bytes"), reduced as f64);
+        assert_eq!(num(&fsdp, "min_all_gather_bytes"), (params * 4 + matrices * 4 + tokens) as f64);
+        assert_eq!(num(&fsdp, "min_all_reduce_bytes"), 14.0);
         Ok(())
     }
 
