@@ -141,6 +141,12 @@ fn rms_norm_weight_gradients_are_partial_sums_over_the_batch() {
     assert_eq!((dw.dims, dw.unreduced), (vec![vec![]], vec![0]));
     let dx = shard::out_sharding(&op, &ins, 0, &[8, 16], &m);
     assert_eq!((dx.dims, dx.unreduced), (vec![vec![0], vec![]], vec![]));
+    // With an axis that does not split the batch (tensor parallelism): replicated.
+    let m = mesh(&[2, 2], &["dp", "tp"]);
+    let rows = Sharding::from_placements(&m, &[Placement::Shard(0), Placement::Replicate], 2).unwrap();
+    let rep = |n: usize| Sharding::replicated(&m, n);
+    let ins = [(vec![8, 16], rows.clone()), (vec![16], rep(1)), (vec![8], rep(1)), (vec![8, 16], rows)];
+    assert!(shard::out_sharding(&op, &ins, 1, &[16], &m).is_replicated());
 }
 
 #[test]

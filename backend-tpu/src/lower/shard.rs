@@ -27,7 +27,10 @@ use kiln_tensor::DeviceMesh;
 //   the split of their inputs' first (batch) dimension and read the rest of
 //   those inputs, and their other inputs (weights, rotary tables), whole;
 //   RMSNorm's weight gradient (a sum over the batch) is a partial sum over
-//   the batch's split;
+//   the batch's split where every mesh axis splits the batch (DDP, FSDP),
+//   replicated otherwise (with tensor parallelism, spelling out its inputs'
+//   batch split, which a partial sum needs, costs more gathers than the
+//   small sum saves);
 // - `index_select` (the embedding lookup) keeps the split of its table off
 //   the selected dimension and, along it, the split of its index (the
 //   tokens' batch); `cat` keeps the split its first split input has off the
@@ -384,10 +387,12 @@ pub fn out_sharding(
             dims[*dim] = vec![];
             split(dims, vec![])
         }
-        // RMSNorm's weight gradient sums over the rows: a partial sum over their split.
+        // RMSNorm's weight gradient sums over the rows: a partial sum over
+        // their split when every axis of the mesh splits them (see the Note).
         Op::RmsNormBackward { .. } if out == 1 => {
             let Some((shape, s)) = ins.first() else { return rep };
-            if shape.len() < 2 || out_shape.len() != 1 {
+            let every_axis = (0..mesh.root_shape().len()).all(|a| s.dims[0].contains(&a));
+            if shape.len() < 2 || out_shape.len() != 1 || !every_axis {
                 return rep;
             }
             split(vec![vec![]], s.dims[0].clone())
