@@ -7,7 +7,9 @@
 #     FSDP; kiln-bench prints it, see `collective_minimum` in benches/src/llm.rs),
 #   - the per-device bytes of parameters + gradients + AdamW state against the
 #     unsharded model (state_fraction_per_device; FSDP's target is 1/N),
-#   - tokens/s against the one-device step with the same per-device batch.
+#   - tokens/s against the one-device step with the same per-device batch;
+# and expert parallelism's all_to_all bytes beside the routing's minimum,
+# dropless and with capacity factors (hf_check on the qwen3_moe fixture).
 # On a 2-core machine the 4 devices share 2 cores: tokens/s measures the
 # partitioning overhead, not a speed-up.
 # Usage: benches/measure_parallel.sh [BATCH]   (global batch, default 8; seq 256)
@@ -35,3 +37,19 @@ for p in "dp=4 ddp" "dp=4 fsdp" "dp=2,tp=2 fsdp+tp"; do
         "$BIN" "${common[@]}" --batch "$B" --mesh "$1" --parallel "$2" 2>&1 | quiet | tail -1 | tee "$TMP/line"
     python3 benches/collectives.py "$TMP/dump" "$(cat "$TMP/line")"
 done
+
+# Expert parallelism: what the all_to_alls of a training step send beside the
+# routing's minimum (the remote slots' rows, four exchanges a step), dropless
+# and with GShard's capacity factor, on the qwen3_moe fixture (hf_check prints it).
+MOE="${KILN_FIXTURES:-../shared/fixtures}/qwen3_moe"
+if [ -d "$MOE" ]; then
+    cargo build --release --example hf_check >&2
+    for cf in "" "--capacity-factor 2" "--capacity-factor 1.25" "--capacity-factor 1"; do
+        echo "== --mesh ep=4 --parallel ep ${cf:-(dropless)}"
+        # shellcheck disable=SC2086
+        KILN_PJRT_CPU_DEVICES=4 target/release/examples/hf_check --model "$MOE" --input-ids "$MOE/golden.safetensors" \
+            --out "$TMP/ep" --steps 3 --device tpu --mesh ep=4 --parallel ep $cf 2>&1 | grep "all_to_all per training step"
+    done
+else
+    echo "== expert parallelism: no fixture at $MOE (set KILN_FIXTURES), skipped"
+fi

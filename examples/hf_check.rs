@@ -59,6 +59,8 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
                        pp: pipeline stages, one rank per device of --mesh pp=N or of --stage-devices;
                        pp+ddp, pp+fsdp, pp+tp or pp+fsdp+tp: each rank's stages split over its own
                        mesh (--mesh pp=2,dp=2,tp=2: rank r on devices 4r..4r+3)
+  --capacity-factor F  with ep or fsdp+ep: GShard's capacity factor (each device sends each expert
+                       device at most F/devices of its routing slots, the rest dropped) [default: dropless]
   --mesh cp=N          context parallelism: every sequence split over N PJRT devices (TorchTitan's
                        load-balanced order), attention as ring attention; the parameters replicated
   --stage-devices L    the pipeline's ranks' devices, e.g. cpu,tpu:0 (stages on different backends)
@@ -92,6 +94,8 @@ struct Args {
     /// `--mesh cp=N`: sequences split over N devices, ring attention (load-balanced order).
     context: Option<ContextParallel>,
     quantized: QuantizedLoad,
+    /// `--capacity-factor`: GShard's capacity factor for expert parallelism.
+    capacity_factor: Option<f64>,
     weights_only: bool,
     precision: Option<MixedPrecisionPolicy>,
 }
@@ -119,6 +123,7 @@ fn parse_args() -> Args {
     let mut stage_recipe = None;
     let mut quantized = QuantizedLoad::Dequantize { round_to: None };
     let mut weights_only = false;
+    let mut capacity_factor = None;
     let mut precision = None;
     let mut stage_devices: Option<Vec<Device>> = None;
     let mut schedule = ScheduleKind::OneFOneB;
@@ -177,6 +182,7 @@ fn parse_args() -> Args {
             }
             "--schedule" => schedule = ScheduleKind::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
             "--microbatches" => microbatches = int(&value),
+            "--capacity-factor" => capacity_factor = Some(num(&value)),
             "--stages-per-rank" => stages_per_rank = Some(int(&value)),
             "--precision" => precision = MixedPrecisionPolicy::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
             "--quantized" => {
@@ -234,6 +240,9 @@ fn parse_args() -> Args {
         }
         _ => fail("--mesh and --parallel go together"),
     };
+    if capacity_factor.is_some() && !matches!(parallel, Some((_, Recipe::Ep | Recipe::FsdpEp))) {
+        fail("--capacity-factor applies to expert parallelism: --parallel ep or fsdp+ep");
+    }
     Args {
         model: model.unwrap_or_else(|| fail("--model is required")),
         input: input.unwrap_or_else(|| fail("--input-ids is required")),
@@ -248,6 +257,7 @@ fn parse_args() -> Args {
         pipeline,
         context,
         quantized,
+        capacity_factor,
         weights_only,
         precision,
     }
@@ -348,6 +358,9 @@ fn run(a: Args) -> Result<()> {
     model.set_mixed_precision(a.precision)?;
     if let Some((mesh, recipe)) = &a.parallel {
         recipe.apply(&mut model, mesh)?;
+        if a.capacity_factor.is_some() {
+            model.set_expert_capacity_factor(a.capacity_factor)?;
+        }
         eprintln!("parallel: {recipe:?} on {mesh}");
         for (n, p) in model.named_parameters().iter().take(4) {
             let placements: Vec<String> = p.placements()?.iter().map(|x| x.to_string()).collect();

@@ -52,6 +52,9 @@ RUN
                        interleaved (2 stages per device); --mode compiled captures each stage
                        [default: 1f1b]
   --microbatches M     microbatches per pipeline step (must divide --batch) [default: --batch]
+  --capacity-factor F  with --parallel ep or fsdp+ep: GShard's capacity factor (each device sends each
+                       expert device at most F/devices of its routing slots, the rest dropped)
+                       [default: dropless]
   --precision P        f32, or bf16-mixed / f16-mixed: the forward under autocast (matmuls and attention in
                        bf16, softmax, norms and the loss in f32), master weights, gradients and AdamW
                        state in f32 [default: f32]
@@ -99,6 +102,8 @@ pub struct Args {
     pub schedule: ScheduleKind,
     /// `--microbatches`: microbatches per pipeline step (0: one per sequence of the batch).
     pub microbatches: usize,
+    /// `--capacity-factor`: GShard's capacity factor under expert parallelism (`None`: dropless).
+    pub capacity_factor: Option<f64>,
     /// `--precision`: the model's mixed-precision policy (`None`: float32).
     pub precision: Option<MixedPrecisionPolicy>,
     pub out: PathBuf,
@@ -139,6 +144,7 @@ impl Default for Args {
             pipelined: false,
             schedule: ScheduleKind::OneFOneB,
             microbatches: 0,
+            capacity_factor: None,
             precision: None,
             out: PathBuf::from("runs/train_llama"),
             resume: false,
@@ -258,6 +264,7 @@ impl Args {
             "parallel" => self.parallel = Some(Recipe::parse(v)?),
             "schedule" => self.schedule = ScheduleKind::parse(v)?,
             "microbatches" => self.microbatches = parse_num(&flag, v)?,
+            "capacity-factor" => self.capacity_factor = Some(parse_num(&flag, v)?),
             "precision" => self.precision = MixedPrecisionPolicy::parse(v)?,
             "out" => self.out = PathBuf::from(v),
             "eval-every" => self.eval_every = parse_num(&flag, v)?,
@@ -345,6 +352,9 @@ impl Args {
                 }
                 if matches!(r, Recipe::Ep | Recipe::FsdpEp) && self.experts == 0 {
                     return Err(arg_err("--parallel ep splits experts: give the model some (--experts N)"));
+                }
+                if self.capacity_factor.is_some() && !matches!(r, Recipe::Ep | Recipe::FsdpEp) {
+                    return Err(arg_err("--capacity-factor applies to expert parallelism: --parallel ep or fsdp+ep"));
                 }
                 Ok(Some((parse_mesh(spec, kiln::DeviceKind::Tpu)?, r)))
             }

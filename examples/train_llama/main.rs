@@ -329,6 +329,9 @@ fn run(mut args: Args) -> Result<()> {
     if let Some((mesh, recipe)) = &parallel {
         // Initialised on one device (the same weights as a one-device run), then placed.
         recipe.apply(&mut model, mesh)?;
+        if args.capacity_factor.is_some() {
+            model.set_expert_capacity_factor(args.capacity_factor)?;
+        }
         for (n, p) in model.named_parameters().iter().filter(|(n, _)| n.contains("layers.0.") || !n.contains("layers"))
         {
             let placements: Vec<String> = p.placements()?.iter().map(|x| x.to_string()).collect();

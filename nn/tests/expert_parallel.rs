@@ -159,7 +159,11 @@ fn an_unseen_mixture_of_experts_under_ep_equals_one_device_and_saves_in_the_hub_
     let got = causal_lm_loss(&logits, &dist_ids, None).unwrap();
     assert_close("loss", &got, &want, 1e-5, 1e-5);
     assert_close("logits", &logits, &one.forward(&ids, None).unwrap(), 1e-5, 1e-5);
+    // The backward sends each exchange's gradient back once and recomputes
+    // no forward exchange: the rows twice per sparse layer, no counts.
+    let before = all_to_all_bytes();
     got.backward().unwrap();
+    assert_eq!(all_to_all_bytes() - before, (2 * 4 * (2 * rows) * 3 / 4) as u64);
     let grads = hub(ep.named_parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap())).collect());
     let grads: BTreeMap<String, Tensor> = grads.into_iter().collect();
     assert_eq!(grads.len(), one.named_parameters().len());
@@ -182,6 +186,112 @@ fn an_unseen_mixture_of_experts_under_ep_equals_one_device_and_saves_in_the_hub_
     assert!(back.named_parameters().iter().any(|(n, _)| n == "model.layers.2.mlp.experts.7.down_proj.weight"));
     assert_close("reloaded", &back.forward(&ids, None).unwrap(), &one.forward(&ids, None).unwrap(), 0.0, 0.0);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One sparse block on tokens `x` with GShard's token dropping, on the host:
+/// each group of `block` tokens (one device's) sends each of the `p` expert
+/// devices at most `cap` of its slots, in the order of its slots sorted by
+/// expert; the block's output and the router's weights as the block computes
+/// them, with every expert's SwiGLU from its Hub-named weights.
+fn dropping_block(
+    block: &kiln::nn::layers::SparseMoeBlock,
+    x: &Tensor,
+    per_device: usize,
+    p: usize,
+    cap: usize,
+) -> Tensor {
+    let (_, weights, idx) = block.route(x).unwrap();
+    let params: BTreeMap<String, Tensor> = hub(block.named_parameters()).into_iter().collect();
+    let (n, k) = (idx.shape()[0], idx.shape()[1]);
+    let experts = params.keys().filter(|n| n.ends_with(".gate_proj.weight") && n.starts_with("experts.")).count();
+    let local = experts / p;
+    let idx_host = idx.to_vec::<i64>().unwrap();
+    let mut keep = vec![0f32; n * k];
+    for start in (0..n).step_by(per_device) {
+        let slots: Vec<usize> = (start * k..((start + per_device).min(n)) * k).collect();
+        let mut sorted = slots.clone();
+        sorted.sort_by_key(|&s| idx_host[s]); // stable: slot order within an expert
+        let mut sent = vec![0; p];
+        for s in sorted {
+            let dest = idx_host[s] as usize / local;
+            if sent[dest] < cap {
+                keep[s] = 1.0;
+            }
+            sent[dest] += 1;
+        }
+    }
+    let keep = Tensor::from_vec(keep, &[n, k]).unwrap();
+    let weights = weights.mul(&keep).unwrap();
+    let mut out = x.zeros_like().unwrap();
+    for e in 0..experts {
+        let w = |proj: &str| params[&format!("experts.{e}.{proj}.weight")].clone();
+        let g = x.matmul(&w("gate_proj").t().unwrap()).unwrap();
+        let u = x.matmul(&w("up_proj").t().unwrap()).unwrap();
+        let y = g.silu().unwrap().mul(&u).unwrap().matmul(&w("down_proj").t().unwrap()).unwrap();
+        let chose = idx.eq(e as f64).unwrap().to_dtype(DType::F32).unwrap();
+        let scale = weights.mul(&chose).unwrap().sum_dim(1, true).unwrap();
+        out = out.add(&y.mul(&scale).unwrap()).unwrap();
+    }
+    out
+}
+
+#[test]
+fn a_capacity_factor_drops_the_slots_past_each_destinations_capacity() {
+    four_devices();
+    let _rng = rng_lock();
+    kiln::manual_seed(5);
+    // Eight experts, three per token, two per device; 16 tokens, 4 per device: 12 slots each.
+    let one = LlamaForCausalLM::new(&unseen_config(8), DType::F32).unwrap();
+    let mesh = parse_mesh("ep=4", DeviceKind::Tpu).unwrap();
+    let mut ep = one.clone();
+    Recipe::Ep.apply(&mut ep, &mesh).unwrap();
+    let theirs = one.model.layers[0].mlp.as_sparse().unwrap().clone();
+    let x = Tensor::randn(&[16, 24], DType::F32).unwrap();
+    let run = |factor: Option<f64>| {
+        let mut m = ep.clone();
+        m.set_expert_capacity_factor(factor).unwrap();
+        let block = m.model.layers[0].mlp.as_sparse().unwrap().clone();
+        let xd = x.to_device(mesh.device()).unwrap().detach();
+        xd.requires_grad_(true).unwrap();
+        let before = all_to_all_bytes();
+        let y = block.forward(&xd).unwrap();
+        let sent = all_to_all_bytes() - before;
+        y.mul(&y).unwrap().sum().unwrap().backward().unwrap();
+        (y, xd.grad().unwrap(), sent)
+    };
+    let reference = |cap: usize| {
+        let xr = x.detach();
+        xr.requires_grad_(true).unwrap();
+        let y = dropping_block(&theirs, &xr, 4, 4, cap);
+        y.mul(&y).unwrap().sum().unwrap().backward().unwrap();
+        (y, xr.grad().unwrap())
+    };
+    // Rows [4 destinations, cap, 24] f32 (twice) and counts [4, 2] int64, three quarters sent away.
+    let bytes = |cap: usize| (4 * (2 * 4 * cap * 24 * 4 + 4 * 2 * 8) * 3 / 4) as u64;
+    // Dropless (and a factor of at least the device count): the one-device block.
+    for factor in [None, Some(4.0)] {
+        let (y, gx, sent) = run(factor);
+        let (want, want_gx) = reference(12);
+        assert_close("dropless", &y, &theirs.forward(&x).unwrap(), 1e-5, 1e-5);
+        assert_close("dropless reference", &y, &want, 1e-5, 1e-5);
+        assert_close("dropless d/dx", &gx, &want_gx, 1e-5, 1e-4);
+        assert_eq!(sent, bytes(12));
+    }
+    // A factor of 1: 3 rows per destination; some slots dropped, the bytes a quarter.
+    let (y, gx, sent) = run(Some(1.0));
+    let (want, want_gx) = reference(3);
+    assert!(want.sub(&theirs.forward(&x).unwrap()).unwrap().abs().unwrap().max().unwrap().item_f64().unwrap() > 1e-3);
+    assert_close("factor 1", &y, &want, 1e-5, 1e-5);
+    assert_close("factor 1 d/dx", &gx, &want_gx, 1e-5, 1e-4);
+    assert_eq!(sent, bytes(3));
+    // Bad factors, and a block that is not split over a mesh.
+    let mut m = ep.clone();
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let e = m.set_expert_capacity_factor(Some(bad)).unwrap_err().to_string();
+        assert!(e.contains("the capacity factor must be positive"), "{e}");
+    }
+    let e = one.clone().set_expert_capacity_factor(Some(1.0)).unwrap_err().to_string();
+    assert!(e.contains("split the experts over a mesh first"), "{e}");
 }
 
 #[test]

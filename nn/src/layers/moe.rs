@@ -150,6 +150,29 @@ impl SparseMoeBlock {
         Ok(())
     }
 
+    /// GShard's capacity factor for an expert-parallel block (Note [Expert
+    /// parallelism]): each device sends each destination at most
+    /// `ceil(factor * slots / devices)` of its `slots` routing slots, and
+    /// drops the rest (a dropped slot adds nothing to its token). `None`
+    /// (the default) is dropless: the one-device block's result. The factor
+    /// must be positive and finite, and the block split over a mesh.
+    pub fn set_capacity_factor(&mut self, factor: Option<f64>) -> Result<()> {
+        let Some(ep) = self.parallel.as_mut() else {
+            return Err(Error::invalid(
+                "set_capacity_factor",
+                "a capacity factor bounds what expert parallelism exchanges: split the experts over a mesh first",
+            ));
+        };
+        if let Some(f) = factor.filter(|f| !f.is_finite() || *f <= 0.0) {
+            return Err(Error::invalid(
+                "set_capacity_factor",
+                format!("the capacity factor must be positive, got {f}"),
+            ));
+        }
+        ep.capacity_factor = factor;
+        Ok(())
+    }
+
     /// Experts per token.
     pub fn top_k(&self) -> usize {
         self.top_k

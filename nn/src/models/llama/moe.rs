@@ -35,6 +35,12 @@ impl LlamaForCausalLM {
         blocks.into_iter().try_for_each(|b| b.parallelize_experts(mesh, axis))
     }
 
+    /// GShard's capacity factor for every expert-parallel block (see
+    /// [`SparseMoeBlock::set_capacity_factor`]); `None` restores dropless routing.
+    pub fn set_expert_capacity_factor(&mut self, factor: Option<f64>) -> Result<()> {
+        self.sparse_blocks_mut().into_iter().try_for_each(|b| b.set_capacity_factor(factor))
+    }
+
     /// Logits `[B, T, vocab]` and the router logits of every sparse layer
     /// (`[B * T, experts]` each, in layer order; none for a dense model).
     pub fn forward_with_router_logits(
