@@ -8,8 +8,9 @@
 #   - the per-device bytes of parameters + gradients + AdamW state against the
 #     unsharded model (state_fraction_per_device; FSDP's target is 1/N),
 #   - tokens/s against the one-device step with the same per-device batch;
-# and expert parallelism's all_to_all bytes beside the routing's minimum,
-# dropless and with capacity factors (hf_check on the qwen3_moe fixture).
+# expert parallelism's all_to_all bytes beside the routing's minimum,
+# dropless and with capacity factors (hf_check on the qwen3_moe fixture); and
+# context parallelism's device memory per device against one device's.
 # On a 2-core machine the 4 devices share 2 cores: tokens/s measures the
 # partitioning overhead, not a speed-up.
 # Usage: benches/measure_parallel.sh [BATCH]   (global batch, default 8; seq 256)
@@ -53,3 +54,16 @@ if [ -d "$MOE" ]; then
 else
     echo "== expert parallelism: no fixture at $MOE (set KILN_FIXTURES), skipped"
 fi
+
+# Context parallelism: the captured step's device memory (XLA's buffer
+# assignment of one device's program, benches/program_memory.py) on one device
+# and with every sequence split over cp=4 (ring attention), one sequence of 2,048.
+for p in "" "--mesh cp=4 --parallel cp"; do
+    echo "== one sequence of 2048 tokens ${p:-on one device}"
+    rm -rf "$TMP/dump"
+    # shellcheck disable=SC2086
+    XLA_FLAGS="--xla_dump_to=$TMP/dump --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" KILN_CACHE_DIR="$TMP/cache" \
+        "$BIN" train --preset llama-16m --seq 2048 --batch 1 --steps 2 --warmup 1 --device tpu --mode compiled $p \
+        2>&1 | quiet | tail -1
+    python3 benches/program_memory.py "$TMP/dump"
+done

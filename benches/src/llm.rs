@@ -133,6 +133,9 @@ fn time_steps(warmup: usize, steps: usize, mut f: impl FnMut() -> Result<()>) ->
 /// `train`: zero_grad + forward + backward + AdamW step + reading the loss.
 pub fn train(a: &LlmArgs) -> Result<Line> {
     let cfg = preset(&a.preset).map_err(|e| Error::invalid("kiln-bench", e))?;
+    if let Some((spec, _)) = a.parallel.as_ref().filter(|(_, r)| r == "cp") {
+        return train_context_parallel(a, &cfg, spec);
+    }
     let recipe = match &a.parallel {
         Some((spec, r)) => {
             Some((kiln::nn::parallel::parse_mesh(spec, a.device.kind())?, kiln::nn::parallel::Recipe::parse(r)?))
@@ -159,7 +162,9 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
     let mut losses = vec![];
     if a.compiled {
         let a = LlmArgs { device, ..a.clone() };
-        let l = train_compiled(&a, &model, &mut opt, &ids)?;
+        let l = train_compiled(&a, &model, &mut opt, std::slice::from_ref(&ids), |logits, xs| {
+            causal_lm_loss(logits, &xs[0], None)
+        })?;
         return match &recipe {
             Some((mesh, r)) => {
                 let l = memory_line(l, &model, &opt, mesh, &format!("{r:?}"))?;
@@ -318,13 +323,47 @@ fn train_line(a: &LlmArgs, times: &[f64], losses: &[f64]) -> Line {
 
 /// `train` with the whole step (zero_grad, forward, loss, backward, AdamW)
 /// captured by `kiln::compile` into one program.
-fn train_compiled(a: &LlmArgs, model: &LlamaForCausalLM, opt: &mut AdamW, ids: &Tensor) -> Result<Line> {
+/// `train --mesh cp=N --parallel cp --mode compiled`: the step with every
+/// sequence split over N devices (ring attention, TorchTitan's load-balanced
+/// order), the parameters replicated. XLA's dump of the step
+/// (`benches/program_memory.py`) gives its memory per device against the
+/// one-device step's.
+fn train_context_parallel(a: &LlmArgs, cfg: &LlamaConfig, spec: &str) -> Result<Line> {
+    use kiln::nn::parallel::{parse_mesh, replicate, ContextParallel};
+    if !a.compiled {
+        return Err(Error::invalid("kiln-bench", "--parallel cp runs the captured step: add --mode compiled"));
+    }
+    let mesh = parse_mesh(spec, a.device.kind())?;
+    let cp = ContextParallel::new(&mesh, "cp", true)?;
+    let mut model = LlamaForCausalLM::new(cfg, (DType::F32, Device::Tpu(0)))?;
+    replicate(&mut model, cp.mesh())?;
+    model.set_context_parallel(Some(cp.clone()));
+    model.train(true);
+    let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+    let mut opt = AdamW::new(model.named_parameters(), adamw)?;
+    opt.set_capturable(true)?;
+    let ids = random_ids(a.batch, a.seq, cfg.vocab_size, Device::Cpu)?;
+    let inputs = [cp.shard_sequence(&ids)?, cp.next_token_targets(&ids)?];
+    let a = LlmArgs { device: mesh.device(), ..a.clone() };
+    let l = train_compiled(&a, &model, &mut opt, &inputs, |logits, xs| cp.loss(logits, &xs[1]))?;
+    Ok(l.set("mesh", mesh.to_string()).set("parallel", "cp"))
+}
+
+/// The captured training step on `inputs` (the token ids first), with `loss`
+/// of the logits and the inputs.
+fn train_compiled(
+    a: &LlmArgs,
+    model: &LlamaForCausalLM,
+    opt: &mut AdamW,
+    inputs: &[Tensor],
+    loss: impl Fn(&Tensor, &[Tensor]) -> Result<Tensor>,
+) -> Result<Line> {
     let mut losses = vec![];
     let before = kiln::tpu::stats().ok();
     let mut step = kiln::compile(a.device, |xs: &[Tensor]| {
         opt.zero_grad();
         let logits = model.forward(&xs[0], None)?;
-        let loss = causal_lm_loss(&logits, &xs[0], None)?;
+        let loss = loss(&logits, xs)?;
         loss.backward()?;
         opt.step()?;
         Ok(vec![loss])
@@ -335,7 +374,7 @@ fn train_compiled(a: &LlmArgs, model: &LlamaForCausalLM, opt: &mut AdamW, ids: &
             kiln::tensor::profile::take();
         }
         calls += 1;
-        let out = step.call(std::slice::from_ref(ids))?;
+        let out = step.call(inputs)?;
         losses.push(out[0].item_f64()?);
         Ok(())
     })?;
@@ -686,12 +725,20 @@ pub(crate) mod tests {
         }
     }
 
+    /// Held by the tests that draw from the global random generator and
+    /// compare what they drew: the tests of one binary run on several threads.
+    pub(crate) fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+        static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        RNG.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub(crate) fn num(l: &Line, k: &str) -> f64 {
         l.get(k).and_then(|v| v.as_f64()).unwrap_or_else(|| panic!("no number {k}"))
     }
 
     #[test]
     fn model_benchmarks_run_and_report() -> Result<()> {
+        let _rng = rng_lock();
         kiln::init();
         let t = train(&tiny())?;
         // A fresh model on random tokens starts near the uniform loss ln(vocab).
@@ -724,6 +771,7 @@ pub(crate) mod tests {
     #[test]
     fn the_collective_minimum_counts_llama_tiny_by_hand() -> Result<()> {
         use kiln::nn::parallel::{parse_mesh, Recipe};
+        let _rng = rng_lock();
         kiln::init_device(Device::Tpu(0))?;
         let cfg = preset("llama-tiny").map_err(|e| Error::invalid("test", e))?;
         let mesh = parse_mesh("dp=4", kiln::DeviceKind::Tpu)?;
@@ -748,10 +796,34 @@ pub(crate) mod tests {
         Ok(())
     }
 
+    /// `train --mesh cp=4 --parallel cp`: the step with the sequence split
+    /// over four devices (ring attention) starts from the one-device step's
+    /// loss and takes the same first step (same seed: same weights, same tokens).
+    #[test]
+    fn the_context_parallel_step_is_the_one_device_step() -> Result<()> {
+        let _rng = rng_lock();
+        kiln::init_device(Device::Tpu(0))?;
+        let a = LlmArgs { device: Device::Tpu(0), compiled: true, batch: 1, seq: 16, steps: 2, ..tiny() };
+        kiln::manual_seed(3);
+        let one = train(&a)?;
+        kiln::manual_seed(3);
+        let cp = train(&LlmArgs { parallel: Some(("cp=4".into(), "cp".into())), ..a.clone() })?;
+        // The lines round to four significant digits: equal up to one unit of the last.
+        for k in ["loss_first", "loss_last"] {
+            assert!((num(&one, k) - num(&cp, k)).abs() <= 1.01e-3, "{k}: {} vs {}", num(&one, k), num(&cp, k));
+        }
+        assert_eq!(cp.get("parallel").and_then(|v| v.as_str()), Some("cp"));
+        let eager = train(&LlmArgs { compiled: false, parallel: Some(("cp=4".into(), "cp".into())), ..a });
+        let e = eager.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("add --mode compiled"), "{e}");
+        Ok(())
+    }
+
     /// The captured decoding step (the paged step, fused on the CPU) decodes
     /// the tokens the eager loop decodes.
     #[test]
     fn compiled_decoding_decodes_the_eager_tokens() -> Result<()> {
+        let _rng = rng_lock();
         kiln::init();
         let a = LlmArgs { new_tokens: 12, ..tiny() };
         let (_, _, model) = decode_model(&a)?;

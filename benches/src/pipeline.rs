@@ -127,6 +127,7 @@ mod tests {
 
     #[test]
     fn every_schedule_reports_its_bubble_bytes_and_held_microbatches() -> Result<()> {
+        let _rng = crate::llm::tests::rng_lock();
         kiln::init();
         let lines = pipeline(&LlmArgs { batch: 4, compiled: true, ..tiny() }, 2, 2)?;
         assert_eq!(lines.len(), 3);
