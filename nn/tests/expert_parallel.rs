@@ -284,6 +284,13 @@ fn a_capacity_factor_drops_the_slots_past_each_destinations_capacity() {
     assert_close("factor 1", &y, &want, 1e-5, 1e-5);
     assert_close("factor 1 d/dx", &gx, &want_gx, 1e-5, 1e-4);
     assert_eq!(sent, bytes(3));
+    // 15 tokens: the last device's padding token takes no capacity from its three real ones.
+    let x15 = x.narrow(0, 0, 15).unwrap();
+    let mut m = ep.clone();
+    m.set_expert_capacity_factor(Some(1.0)).unwrap();
+    let block = m.model.layers[0].mlp.as_sparse().unwrap().clone();
+    let y = block.forward(&x15.to_device(mesh.device()).unwrap()).unwrap();
+    assert_close("15 tokens, factor 1", &y, &dropping_block(&theirs, &x15, 4, 4, 3), 1e-5, 1e-5);
     // Bad factors, and a block that is not split over a mesh.
     let mut m = ep.clone();
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {

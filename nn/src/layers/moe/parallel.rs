@@ -36,7 +36,9 @@ use kiln_tensor::{DType, DeviceMesh, Error, Placement, Result, Tensor};
 // capacity factor f (GShard's; `SparseMoeBlock::set_capacity_factor`) sets
 // C = ceil(f * n*k / P): the slots a device routes to one destination past
 // C (in expert order) are dropped, adding nothing to their tokens, and the
-// exchange moves f times the routing's average.
+// exchange moves f times the routing's average. The padding tokens that even
+// out the last device's block sort after its real slots and are never sent,
+// so they take no capacity.
 // The regions: the plan (step 1's bookkeeping and the counts' all_to_all,
 // integers only), the dispatch (step 1's buffer and step 2's rows), the
 // experts (step 3, no collective) and the combine (step 4). `local_map`
@@ -119,9 +121,10 @@ impl ExpertParallel {
             Tensor::cat(&[t, &z], 0)
         };
         let (x, weights, idx) = (padded(x)?, padded(weights)?, padded(idx)?);
+        let real = padded(&Tensor::ones(&[n], (DType::I64, x.device()))?)?;
         let cap = self.capacity((n + pad) / devices * k, p);
         let shape = Shape { k, p, local, cap };
-        let plan = Plan::new(&self.mesh, &self.axis, &idx, shape)?;
+        let plan = Plan::new(&self.mesh, &self.axis, &idx, &real, shape)?;
         let rows = dispatch(&self.mesh, &self.axis, &x, &plan, shape)?;
         let y = self.experts(experts, &rows, &plan.sizes)?;
         let out = combine(&self.mesh, &self.axis, &y, &weights, &plan, shape)?;
@@ -179,37 +182,47 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(mesh: &DeviceMesh, axis: &str, idx: &Tensor, s: Shape) -> Result<Plan> {
+    /// The plan of tokens routed to `idx`, of which `real` (1 or 0 per
+    /// token) marks the tokens that are not padding.
+    fn new(mesh: &DeviceMesh, axis: &str, idx: &Tensor, real: &Tensor, s: Shape) -> Result<Plan> {
         let _g = kiln_autograd::no_grad();
         let axis = axis.to_string();
-        let body = move |b: &[Tensor]| -> Result<Vec<Tensor>> { plan_block(&b[0], s, &axis) };
+        let body = move |b: &[Tensor]| -> Result<Vec<Tensor>> { plan_block(&b[0], &b[1], s, &axis) };
         let t = tokens(mesh);
-        let outs = local_map(body, mesh, std::slice::from_ref(&t), &vec![t.clone(); 6], &[idx])?;
+        let outs = local_map(body, mesh, &[t.clone(), t.clone()], &vec![t.clone(); 6], &[idx, real])?;
         let [token, row, keep, order, by_expert, sizes]: [Tensor; 6] =
             outs.try_into().map_err(|_| Error::invalid("expert parallelism", "a routing plan has six parts"))?;
         Ok(Plan { token, row, keep, order, by_expert, sizes })
     }
 }
 
-/// One device's [`Plan`] from its tokens' expert indices `idx` (`[n, k]`).
-fn plan_block(idx: &Tensor, s: Shape, axis: &str) -> Result<Vec<Tensor>> {
+/// One device's [`Plan`] from its tokens' expert indices `idx` (`[n, k]`)
+/// and which of them are `real` (`[n]`, 1 or 0: padding).
+fn plan_block(idx: &Tensor, real: &Tensor, s: Shape, axis: &str) -> Result<Vec<Tensor>> {
     let Shape { k, p, local, cap } = s;
     let dev = idx.device();
     let int = (DType::I64, dev);
-    let slots = idx.shape()[0] * k;
+    let n = idx.shape()[0];
+    let slots = n * k;
     let experts = idx.reshape_to(&[slots])?;
-    let (sorted, order) = experts.sort_stable(0, false)?;
+    let real = real.unsqueeze(1)?.expand(&[-1, k as isize])?.reshape_to(&[slots])?;
+    // Padding slots sort after every real one (a key past the last expert),
+    // take no capacity from real ones and are never sent.
+    let padding = real.eq(0.0)?.to_dtype(DType::I64)?;
+    let key = experts.add(&padding.mul((p * local) as i64)?)?;
+    let (sorted_key, order) = key.sort_stable(0, false)?;
+    let sorted = experts.index_select(0, &order)?;
     let token = order.floor_divide(k as i64)?;
-    let counts = Tensor::zeros(&[p * local], int)?.index_add(0, &experts, &Tensor::ones(&[slots], int)?)?;
+    let counts = Tensor::zeros(&[p * local], int)?.index_add(0, &experts, &real)?;
     let per_dest = counts.reshape_to(&[p, local])?.sum_dim(1, false)?;
     let first = per_dest.cumsum(0)?.sub(&per_dest)?;
-    let dest = sorted.floor_divide(local as i64)?;
+    let dest = sorted_key.floor_divide(local as i64)?.clamp(None, Some(p as f64 - 1.0))?;
     let within = Tensor::arange(0.0, slots as f64, 1.0, int)?.sub(&first.index_select(0, &dest)?)?;
     // Slots past a destination's capacity are dropped (GShard): they write
     // nothing (`keep` 0) to that destination's last row.
-    let kept = within.lt(cap as f64)?;
+    let kept = within.lt(cap as f64)?.to_dtype(DType::I64)?.mul(&real.index_select(0, &order)?)?;
     let row = dest.mul(cap as i64)?.add(&within.clamp(None, Some(cap as f64 - 1.0))?)?;
-    let kept_counts = Tensor::zeros(&[p * local], int)?.index_add(0, &sorted, &kept.to_dtype(DType::I64)?)?;
+    let kept_counts = Tensor::zeros(&[p * local], int)?.index_add(0, &sorted, &kept)?;
     let got = all_to_all(&kept_counts.reshape_to(&[p, local])?, 0, 0, axis)?;
     // The received rows by local expert (key = the expert, `local` for rows past the counts).
     let ends = got.cumsum(1)?.reshape_to(&[p, 1, local])?;
