@@ -343,6 +343,9 @@ impl Args {
 impl Args {
     /// The mesh and recipe of `--mesh` / `--parallel`, checked against each other and `--device`.
     pub fn parallelism(&self) -> Result<Option<(DeviceMesh, Recipe)>> {
+        if self.capacity_factor.is_some() && !matches!(self.parallel, Some(Recipe::Ep | Recipe::FsdpEp)) {
+            return Err(arg_err("--capacity-factor applies to expert parallelism: --parallel ep or fsdp+ep"));
+        }
         match (&self.mesh, self.parallel) {
             (None, None) => Ok(None),
             (Some(spec), None) if spec.trim().starts_with("cp=") || self.pipelined => Ok(None),
@@ -352,9 +355,6 @@ impl Args {
                 }
                 if matches!(r, Recipe::Ep | Recipe::FsdpEp) && self.experts == 0 {
                     return Err(arg_err("--parallel ep splits experts: give the model some (--experts N)"));
-                }
-                if self.capacity_factor.is_some() && !matches!(r, Recipe::Ep | Recipe::FsdpEp) {
-                    return Err(arg_err("--capacity-factor applies to expert parallelism: --parallel ep or fsdp+ep"));
                 }
                 Ok(Some((parse_mesh(spec, kiln::DeviceKind::Tpu)?, r)))
             }
