@@ -299,6 +299,11 @@ fn a_capacity_factor_drops_the_slots_past_each_destinations_capacity() {
     }
     let e = one.clone().set_expert_capacity_factor(Some(1.0)).unwrap_err().to_string();
     assert!(e.contains("split the experts over a mesh first"), "{e}");
+    let mut cfg = unseen_config(8).to_json(DType::F32);
+    cfg["model_type"] = "llama".into();
+    let mut dense = LlamaForCausalLM::new(&LlamaConfig::from_json(&cfg).unwrap(), DType::F32).unwrap();
+    let e = dense.set_expert_capacity_factor(Some(1.0)).unwrap_err().to_string();
+    assert!(e.contains("no mixture-of-experts layer"), "{e}");
 }
 
 #[test]

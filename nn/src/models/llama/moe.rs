@@ -36,9 +36,17 @@ impl LlamaForCausalLM {
     }
 
     /// GShard's capacity factor for every expert-parallel block (see
-    /// [`SparseMoeBlock::set_capacity_factor`]); `None` restores dropless routing.
+    /// [`SparseMoeBlock::set_capacity_factor`]); `None` restores dropless
+    /// routing. A dense model has no experts to bound: an error.
     pub fn set_expert_capacity_factor(&mut self, factor: Option<f64>) -> Result<()> {
-        self.sparse_blocks_mut().into_iter().try_for_each(|b| b.set_capacity_factor(factor))
+        let blocks = self.sparse_blocks_mut();
+        if blocks.is_empty() {
+            return Err(Error::invalid(
+                "set_expert_capacity_factor",
+                "the model has no mixture-of-experts layer: a capacity factor bounds what expert parallelism exchanges",
+            ));
+        }
+        blocks.into_iter().try_for_each(|b| b.set_capacity_factor(factor))
     }
 
     /// Logits `[B, T, vocab]` and the router logits of every sparse layer
