@@ -20,7 +20,10 @@
 //! # Ok(()) }
 //! ```
 use crate::data::LoaderState;
-use crate::io::{load_checkpoint_dir, load_safetensors, save_checkpoint_dir, save_safetensors, write_atomic};
+use crate::io::{
+    load_checkpoint_dir, load_safetensors, save_checkpoint_dir, save_checkpoint_files, save_safetensors, split_by_size,
+    write_atomic,
+};
 use crate::module::Module;
 use crate::optim::Optimizer;
 use kiln_tensor::generator::{default_generator, default_generators};
@@ -298,15 +301,22 @@ pub fn save_checkpoint(
 ) -> Result<()> {
     let weights = crate::layers::to_hub_layout(model.state_dict())?;
     let opt_state: BTreeMap<String, Tensor> = optimizer.state_dict()?.into_iter().collect();
-    save_checkpoint_parts(dir.as_ref(), &weights, model_config, &opt_state, state)
+    save_checkpoint_parts(dir.as_ref(), std::slice::from_ref(&weights), model_config, &opt_state, state)
 }
 
 /// [`save_checkpoint`] from its parts: the weights (in the Hub's layout) and
 /// the optimizer state by name, for runs whose model or optimizer is in
 /// pieces (a pipeline's stages, see [`crate::pipeline::save_pipeline_checkpoint`]).
+///
+/// `weights` holds one map per piece. One piece is written as
+/// [`save_checkpoint`] writes a model; several (a pipeline's stages, each
+/// parameter in one of them) each get files of their own in the index layout
+/// (Note [Sharded checkpoints]), piece `s` in the files the index's
+/// `kiln_pieces[s]` lists, so that each could be written where its piece
+/// lives; a loader reads them as one model.
 pub fn save_checkpoint_parts(
     dir: &Path,
-    weights: &BTreeMap<String, Tensor>,
+    weights: &[BTreeMap<String, Tensor>],
     model_config: Option<&str>,
     opt_state: &BTreeMap<String, Tensor>,
     state: &TrainerState,
@@ -320,8 +330,7 @@ pub fn save_checkpoint_parts(
     write_dir_atomic(dir, |tmp| {
         // A distributed model is written shard by shard into the index layout
         // (Note [Sharded checkpoints]); its files can then be written per host.
-        let files = weights.values().any(Tensor::is_distributed).then_some(SHARDED_FILE_BYTES);
-        save_checkpoint_dir(tmp, weights, files)?;
+        save_model_files(tmp, weights)?;
         if let Some(cfg) = model_config {
             write_atomic(&tmp.join(CONFIG_FILE), |w| w.write_all(cfg.as_bytes()))?;
         }
@@ -337,6 +346,38 @@ pub fn save_checkpoint_parts(
         "saved a training checkpoint"
     );
     Ok(())
+}
+
+/// The model files of a checkpoint from the weights of its pieces (see
+/// [`save_checkpoint_parts`]).
+fn save_model_files(dir: &Path, pieces: &[BTreeMap<String, Tensor>]) -> Result<()> {
+    let distributed = pieces.iter().flat_map(BTreeMap::values).any(Tensor::is_distributed);
+    match pieces {
+        [] => Err(Error::invalid("save_checkpoint_parts", "no weights: one map per piece of the model")),
+        // A distributed model is written shard by shard into the index layout
+        // (Note [Sharded checkpoints]); its files can then be written per host.
+        [whole] => save_checkpoint_dir(dir, whole, distributed.then_some(SHARDED_FILE_BYTES)),
+        _ => {
+            let mut files = vec![];
+            let mut listed = vec![];
+            for piece in pieces {
+                let own = split_by_size(piece, SHARDED_FILE_BYTES);
+                let names: Vec<serde_json::Value> =
+                    (files.len()..files.len() + own.len()).map(|i| serde_json::Value::from(i + 1)).collect();
+                listed.push(serde_json::Value::Array(names));
+                files.extend(own);
+            }
+            let n = files.len();
+            for l in &mut listed {
+                for v in l.as_array_mut().expect("an array, made above") {
+                    let i = v.as_u64().expect("a file number, set above");
+                    *v = serde_json::Value::String(format!("model-{i:05}-of-{n:05}.safetensors"));
+                }
+            }
+            let extra = serde_json::Map::from_iter([("kiln_pieces".to_string(), serde_json::Value::Array(listed))]);
+            save_checkpoint_files(dir, &files, Some(extra))
+        }
+    }
 }
 
 /// A checkpoint directory, read back: its [`TrainerState`], and the files for

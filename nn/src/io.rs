@@ -10,6 +10,8 @@ pub mod hub;
 pub mod quant;
 mod safetensors;
 
-pub use self::hf::{load_checkpoint_dir, save_checkpoint_dir, INDEX_FILE, SINGLE_FILE};
+pub use self::hf::{
+    load_checkpoint_dir, save_checkpoint_dir, save_checkpoint_files, split_by_size, INDEX_FILE, SINGLE_FILE,
+};
 pub use self::quant::{load_quantized, QuantMethod, QuantizationConfig, QuantizedCheckpoint, QuantizedWeight};
 pub use self::safetensors::{load_safetensors, save_safetensors, write_atomic, SafetensorsFile};

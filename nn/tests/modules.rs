@@ -176,6 +176,25 @@ fn save_pretrained_roundtrip_single_and_sharded() {
 }
 
 #[test]
+fn checkpoint_files_refuse_a_name_twice_and_an_empty_file() {
+    use kiln::nn::io::save_checkpoint_files;
+    use std::collections::BTreeMap;
+    let t = Tensor::zeros(&[2], DType::F32).unwrap();
+    let group =
+        |names: &[&str]| -> BTreeMap<String, Tensor> { names.iter().map(|n| (n.to_string(), t.clone())).collect() };
+    let dir = temp_dir("checkpoint-files");
+    let e = save_checkpoint_files(&dir, &[group(&["a", "b"]), group(&["b"])], None).unwrap_err().to_string();
+    assert!(e.contains("\"b\" is in two files"), "{e}");
+    let e = save_checkpoint_files(&dir, &[group(&["a"]), group(&[])], None).unwrap_err().to_string();
+    assert!(e.contains("file 2 of 2 would hold no tensor"), "{e}");
+    assert!(!dir.join("model.safetensors.index.json").exists(), "nothing is written when refused");
+    save_checkpoint_files(&dir, &[group(&["a"]), group(&["b"])], None).unwrap();
+    let back = kiln::nn::io::load_checkpoint_dir(&dir, None, Device::Cpu).unwrap();
+    assert_eq!(back.keys().collect::<Vec<_>>(), ["a", "b"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn save_in_bf16_and_reload_from_hf4_config() {
     let mut m = fixture_model("llama");
     m.to_dtype(DType::BF16).unwrap();

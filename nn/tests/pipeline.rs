@@ -11,6 +11,7 @@ use kiln::nn::module::Module;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
 use kiln::nn::pipeline::{LossFn, PipelineSchedule, PipelineStage, ScheduleKind};
 use kiln::prelude::*;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use support::{assert_close, assert_golden_grad_norm, check_params, fixture_dir, register_tpu_with_devices, tolerance};
 
@@ -348,6 +349,26 @@ fn pipelined_checkpoints_resume_on_other_layouts() {
         !ckpt.model_state().unwrap().contains_key("lm_head.weight"),
         "the tied head is saved once, as the Hub has it"
     );
+    // Each stage's weights are in files of their own, listed per stage in the index.
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(kiln::nn::io::INDEX_FILE)).unwrap()).unwrap();
+    let pieces = index["metadata"]["kiln_pieces"].as_array().unwrap();
+    assert_eq!(pieces.len(), 2, "{index}");
+    let mut earlier = BTreeSet::new();
+    for (stage, files) in p.stages().iter().zip(pieces) {
+        let files: Vec<&str> = files.as_array().unwrap().iter().map(|f| f.as_str().unwrap()).collect();
+        let held: BTreeSet<String> =
+            files.iter().flat_map(|f| kiln::nn::io::load_safetensors(dir.join(f)).unwrap().into_keys()).collect();
+        // The tied head's copy on the last stage is the first stage's embedding: saved there.
+        let own: BTreeSet<String> = stage
+            .module()
+            .named_parameters()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| earlier.insert(n.clone()))
+            .collect();
+        assert_eq!(held, own, "the files {files:?} of a stage hold exactly its parameters, a tied one once");
+    }
     let (ca, cr) = tolerance(name, "loss_curve");
     let check = |what: &str, got: Vec<f32>| {
         let n = got.len();

@@ -90,57 +90,96 @@ pub fn save_checkpoint_dir(
     max_shard_bytes: Option<usize>,
 ) -> Result<()> {
     let dir = dir.as_ref();
-    std::fs::create_dir_all(dir).map_err(|e| dir_err(dir, format!("cannot create: {e}")))?;
-    let meta = pt_metadata();
-    let remove = |name: &str| {
-        let p = dir.join(name);
-        if p.is_file() {
-            std::fs::remove_file(&p).map_err(|e| dir_err(&p, format!("cannot remove the stale file: {e}")))
-        } else {
-            Ok(())
-        }
-    };
     let Some(max) = max_shard_bytes else {
-        save_safetensors(dir.join(SINGLE_FILE), tensors, Some(&meta))?;
-        return remove(INDEX_FILE);
+        std::fs::create_dir_all(dir).map_err(|e| dir_err(dir, format!("cannot create: {e}")))?;
+        save_safetensors(dir.join(SINGLE_FILE), tensors, Some(&pt_metadata()))?;
+        return remove_stale(dir, INDEX_FILE);
     };
-    let mut shards: Vec<BTreeMap<String, Tensor>> = vec![];
+    save_checkpoint_files(dir, &split_by_size(tensors, max), None)
+}
+
+/// `tensors` in groups of at most `max` bytes each, in name order (a tensor
+/// larger than `max` gets a group of its own).
+pub fn split_by_size(tensors: &BTreeMap<String, Tensor>, max: usize) -> Vec<BTreeMap<String, Tensor>> {
+    let mut groups: Vec<BTreeMap<String, Tensor>> = vec![];
     let mut size = 0usize;
     for (name, t) in tensors {
         let n = t.numel() * t.dtype().size_in_bytes();
-        if shards.is_empty() || (size + n > max && size > 0) {
-            shards.push(BTreeMap::new());
+        if groups.is_empty() || (size + n > max && size > 0) {
+            groups.push(BTreeMap::new());
             size = 0;
         }
-        shards.last_mut().expect("pushed above").insert(name.clone(), t.clone());
+        groups.last_mut().expect("pushed above").insert(name.clone(), t.clone());
         size += n;
     }
-    let total = shards.len();
+    groups
+}
+
+/// Writes a Hugging Face checkpoint in the index layout into `dir` (created
+/// if needed): group `i` of `files` as `model-0000{i+1}-of-0000N.safetensors`
+/// and `model.safetensors.index.json` mapping every name to its file, whose
+/// metadata records the mesh and placements of distributed tensors and
+/// `extra` metadata when given (`kiln_` keys). A name in two groups is an
+/// error; so is an empty group. Every file is written atomically, and a
+/// stale `model.safetensors` in `dir` is removed.
+pub fn save_checkpoint_files(
+    dir: impl AsRef<Path>,
+    files: &[BTreeMap<String, Tensor>],
+    extra: Option<serde_json::Map<String, serde_json::Value>>,
+) -> Result<()> {
+    let dir = dir.as_ref();
+    if let Some(i) = files.iter().position(BTreeMap::is_empty) {
+        return Err(dir_err(dir, format!("file {} of {} would hold no tensor", i + 1, files.len())));
+    }
     let mut weight_map = serde_json::Map::new();
-    let mut total_size = 0usize;
-    for (i, shard) in shards.iter().enumerate() {
-        let file = format!("model-{:05}-of-{total:05}.safetensors", i + 1);
-        save_safetensors(dir.join(&file), shard, Some(&meta))?;
-        for (name, t) in shard {
-            total_size += t.numel() * t.dtype().size_in_bytes();
-            weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
+    for (i, group) in files.iter().enumerate() {
+        for name in group.keys() {
+            if weight_map.insert(name.clone(), serde_json::Value::from(i)).is_some() {
+                return Err(dir_err(dir, format!("{name:?} is in two files of one checkpoint")));
+            }
         }
+    }
+    std::fs::create_dir_all(dir).map_err(|e| dir_err(dir, format!("cannot create: {e}")))?;
+    let meta = pt_metadata();
+    let total = files.len();
+    let file_name = |i: usize| format!("model-{:05}-of-{total:05}.safetensors", i + 1);
+    let mut total_size = 0usize;
+    for (i, group) in files.iter().enumerate() {
+        save_safetensors(dir.join(file_name(i)), group, Some(&meta))?;
+        total_size += group.values().map(|t| t.numel() * t.dtype().size_in_bytes()).sum::<usize>();
+    }
+    for file in weight_map.values_mut() {
+        *file = serde_json::Value::String(file_name(file.as_u64().expect("an index, set above") as usize));
     }
     let mut metadata = serde_json::json!({ "total_size": total_size });
     // Where each distributed tensor was placed, for the reader's information
     // (a loader takes the placements of its own parameters).
-    let placed: serde_json::Map<String, serde_json::Value> = tensors
+    let placed: serde_json::Map<String, serde_json::Value> = files
         .iter()
+        .flatten()
         .filter(|(_, t)| t.is_distributed())
         .map(|(name, t)| Ok((name.clone(), serde_json::Value::String(placement_text(t)?))))
         .collect::<Result<_>>()?;
     if !placed.is_empty() {
         metadata["kiln_placements"] = serde_json::Value::Object(placed);
     }
+    for (k, v) in extra.into_iter().flatten() {
+        metadata[k] = v;
+    }
     let index = serde_json::json!({ "metadata": metadata, "weight_map": weight_map });
     let text = serde_json::to_string_pretty(&index).map_err(|e| dir_err(dir, e))?;
     write_atomic(&dir.join(INDEX_FILE), |w| w.write_all(text.as_bytes()))?;
-    remove(SINGLE_FILE)
+    remove_stale(dir, SINGLE_FILE)
+}
+
+/// Removes `dir/name` if it is a file (a checkpoint of the other layout).
+fn remove_stale(dir: &Path, name: &str) -> Result<()> {
+    let p = dir.join(name);
+    if p.is_file() {
+        std::fs::remove_file(&p).map_err(|e| dir_err(&p, format!("cannot remove the stale file: {e}")))
+    } else {
+        Ok(())
+    }
 }
 
 /// `"dp=2,tp=2 [Shard(dim=0), Replicate()]"`: a distributed tensor's mesh and placements.

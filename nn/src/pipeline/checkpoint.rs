@@ -1,6 +1,7 @@
-//! Checkpoints of pipelined runs in the unpipelined layout: the whole
-//! model's weights (a tied parameter once) with Hugging Face names and the
-//! stages' optimizer states merged by parameter name, so a run resumes on
+//! Checkpoints of pipelined runs: each stage's weights in files of its own
+//! (a tied parameter once, in the first stage holding it) under one Hugging
+//! Face index with Hub names, and the stages' optimizer states merged by
+//! parameter name, so the directory loads as one model: a run resumes on
 //! another number of stages, another schedule, or without a pipeline, and
 //! an unpipelined run's checkpoint resumes as a pipeline.
 use super::schedule::PipelineSchedule;
@@ -66,9 +67,11 @@ pub fn merged_optimizer_state(optimizers: &[&dyn Optimizer]) -> Result<BTreeMap<
 }
 
 /// Saves a pipelined run as [`crate::checkpoint::save_checkpoint`] saves an
-/// unpipelined one: the whole model's weights in the Hub's layout, the
-/// optimizer state by parameter name (one optimizer per stage, in stage
-/// order), `config.json` and the trainer state.
+/// unpipelined one, but with each stage's weights in files of its own
+/// (`model-0000k-of-0000n.safetensors`, listed per stage in the index's
+/// `kiln_pieces`; a stage on a mesh written shard by shard), the optimizer
+/// state by parameter name (one optimizer per stage, in stage order),
+/// `config.json` and the trainer state.
 pub fn save_pipeline_checkpoint(
     dir: impl AsRef<Path>,
     pipeline: &PipelineSchedule,
@@ -82,8 +85,16 @@ pub fn save_pipeline_checkpoint(
             format!("{} optimizers for {} stages: one per stage", optimizers.len(), pipeline.stages().len()),
         ));
     }
-    let weights = crate::layers::to_hub_layout(pipeline.state_dict())?;
-    save_checkpoint_parts(dir.as_ref(), &weights, model_config, &merged_optimizer_state(optimizers)?, state)
+    let mut seen = BTreeSet::new();
+    let pieces = pipeline
+        .stages()
+        .iter()
+        .map(|s| {
+            let own = s.module().named_parameters().into_iter().filter(|(n, _)| seen.insert(n.clone()));
+            crate::layers::to_hub_layout(own.map(|(n, t)| (n, t.detach())).collect())
+        })
+        .collect::<Result<Vec<_>>>()?;
+    save_checkpoint_parts(dir.as_ref(), &pieces, model_config, &merged_optimizer_state(optimizers)?, state)
 }
 
 /// Restores a checkpoint (of a pipelined run with any number of stages, or
