@@ -67,6 +67,10 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
         let (m, n) = (&s.member, &s.name);
         quote_spanned!(s.span=> #p::ModuleField::visit_field_mut(&mut self.#m, &#p::join_name(prefix, #n), f)?;)
     });
+    let linears = specs.iter().map(|s| {
+        let (m, n) = (&s.member, &s.name);
+        quote_spanned!(s.span=> #p::ModuleField::visit_linears_field_mut(&mut self.#m, &#p::join_name(prefix, #n), f)?;)
+    });
     let trains = specs.iter().map(|s| {
         let m = &s.member;
         quote_spanned!(s.span=> #p::ModuleField::train_field(&mut self.#m, on);)
@@ -113,6 +117,16 @@ fn expand(input: &DeriveInput) -> syn::Result<TokenStream2> {
                 f: &mut dyn FnMut(&str, &mut #p::Tensor) -> #p::Result<()>,
             ) -> #p::Result<()> {
                 #(#visits_mut)*
+                ::core::result::Result::Ok(())
+            }
+
+            #[allow(unused_variables)]
+            fn visit_linears_mut(
+                &mut self,
+                prefix: &str,
+                f: &mut dyn FnMut(&str, &mut #p::Linear) -> #p::Result<()>,
+            ) -> #p::Result<()> {
+                #(#linears)*
                 ::core::result::Result::Ok(())
             }
 

@@ -8,6 +8,7 @@ pub mod data;
 pub mod generate;
 pub mod io;
 pub mod layers;
+pub mod lora;
 pub mod models;
 pub mod module;
 pub mod optim;

@@ -15,6 +15,7 @@ pub use kiln_derive::Module;
 #[doc(hidden)]
 pub mod __derive {
     pub use super::{join_name, ModuleField};
+    pub use crate::layers::Linear;
     pub use kiln_tensor::{Result, Tensor};
 }
 
@@ -189,6 +190,23 @@ pub trait Module {
         self.train(false)
     }
 
+    /// Calls `f(name, linear)` for every [`Linear`](crate::layers::Linear)
+    /// the module holds (itself, when it is one), with its full dotted name
+    /// (`model.layers.0.self_attn.q_proj`): the walk by which adapters
+    /// ([`crate::lora`]) reach their target layers. `#[derive(Module)]`
+    /// writes it from the fields; a hand-written module holding `Linear`s
+    /// implements it (where it does not, [`crate::lora::inject_adapter`]
+    /// reports the targets it names as layers it cannot adapt); stops at the
+    /// first error.
+    fn visit_linears_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(&str, &mut crate::layers::Linear) -> Result<()>,
+    ) -> Result<()> {
+        let _ = (prefix, f);
+        Ok(())
+    }
+
     /// Sets the module's mixed-precision policy (see
     /// [`crate::precision::MixedPrecisionPolicy`]). Modules whose forward
     /// takes no policy refuse one.
@@ -208,6 +226,19 @@ pub trait Module {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = vec![];
         self.visit_params("", &mut |n, t| out.push((n.to_string(), t.clone())));
+        out
+    }
+
+    /// `(name, parameter)` for every parameter that requires grad: what an
+    /// optimizer steps when part of the model is frozen (adapters over a
+    /// frozen base, [`crate::lora`]).
+    fn named_trainable_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![];
+        self.visit_params("", &mut |n, t| {
+            if t.requires_grad() {
+                out.push((n.to_string(), t.clone()))
+            }
+        });
         out
     }
 

@@ -1,5 +1,6 @@
 //! `Linear`: `y = x @ W.T + b` with the weight stored `[out, in]`, as in PyTorch.
 use super::{parameter, uniform_param};
+use crate::lora::LoraAdapter;
 use crate::module::{join_name, Module};
 use kiln_tensor::quant::{Activations, QuantSpec};
 use kiln_tensor::trace::ConstantScope;
@@ -28,6 +29,8 @@ pub struct Linear {
     /// The weight's codes and scales when it is kept quantized (then `weight`
     /// is a placeholder of its shape that holds one element).
     quantized: Option<QuantizedParts>,
+    /// A LoRA adapter on the layer (Note [LoRA adapters]).
+    adapter: Option<Box<LoraAdapter>>,
 }
 
 /// A kept-quantized weight on its device (Note [Quantized weights] in kiln-tensor).
@@ -47,7 +50,7 @@ impl Linear {
         let bound = if in_features > 0 { 1.0 / (in_features as f64).sqrt() } else { 0.0 };
         let weight = uniform_param(&[out_features, in_features], bound, opts)?;
         let bias = if bias { Some(uniform_param(&[out_features], bound, opts)?) } else { None };
-        Ok(Linear { weight, bias, quantized: None })
+        Ok(Linear { weight, bias, quantized: None, adapter: None })
     }
 
     /// A layer with weights drawn from `N(0, std²)` and a zero bias (Hugging
@@ -62,7 +65,7 @@ impl Linear {
         let opts = opts.into();
         let weight = super::normal_param(&[out_features, in_features], std, opts)?;
         let bias = if bias { Some(parameter(Tensor::zeros(&[out_features], opts.dtype)?, opts)?) } else { None };
-        Ok(Linear { weight, bias, quantized: None })
+        Ok(Linear { weight, bias, quantized: None, adapter: None })
     }
 
     /// A layer around existing tensors (checked: the weight 2-D, the bias `[out]`).
@@ -86,7 +89,7 @@ impl Linear {
                 ));
             }
         }
-        Ok(Linear { weight, bias, quantized: None })
+        Ok(Linear { weight, bias, quantized: None, adapter: None })
     }
 
     /// `in_features`.
@@ -147,23 +150,76 @@ impl Linear {
         self.quantized.as_ref().map(|q| (&q.spec, &q.codes, &q.scales))
     }
 
-    /// `x @ W.T (+ b)` over the last dim of `x` (`[..., in]` to `[..., out]`).
+    /// The LoRA adapter on the layer, if any.
+    pub fn adapter(&self) -> Option<&LoraAdapter> {
+        self.adapter.as_deref()
+    }
+
+    /// The LoRA adapter on the layer, mutably.
+    pub fn adapter_mut(&mut self) -> Option<&mut LoraAdapter> {
+        self.adapter.as_deref_mut()
+    }
+
+    /// Puts `adapter` on the layer (replacing one it had, which is
+    /// returned): checked to fit the layer (`A` `[r, in]`, `B` `[out, r]`,
+    /// on the weight's device); a merged adapter cannot be replaced, since
+    /// its update is in the weight.
+    pub fn set_adapter(&mut self, adapter: LoraAdapter) -> Result<Option<LoraAdapter>> {
+        let (a, b) = (adapter.lora_a.shape(), adapter.lora_b.shape());
+        if a[1] != self.in_features() || b[0] != self.out_features() {
+            return Err(Error::shape(
+                "Linear::set_adapter",
+                format!(
+                    "an adapter with lora_A {a:?} and lora_B {b:?} does not fit a layer {} -> {}",
+                    self.in_features(),
+                    self.out_features()
+                ),
+            ));
+        }
+        if adapter.lora_a.device() != self.weight.device() {
+            return Err(Error::device(
+                "Linear::set_adapter",
+                format!("the adapter is on {:?}, the layer on {:?}", adapter.lora_a.device(), self.weight.device()),
+            ));
+        }
+        if self.adapter.as_ref().is_some_and(|a| a.is_merged()) {
+            return Err(Error::invalid("Linear::set_adapter", "the layer's adapter is merged: unmerge it first"));
+        }
+        Ok(self.adapter.replace(Box::new(adapter)).map(|a| *a))
+    }
+
+    /// Takes the adapter off the layer (a merged one stays in the weight).
+    pub fn take_adapter(&mut self) -> Option<LoraAdapter> {
+        self.adapter.take().map(|a| *a)
+    }
+
+    /// `x @ W.T (+ b)` over the last dim of `x` (`[..., in]` to `[..., out]`),
+    /// plus the adapter's `scaling * B(A(x))` when one is on the layer and
+    /// not merged.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _c = ConstantScope::enter();
-        match &self.quantized {
-            None => x.linear(&self.weight, self.bias.as_ref()),
+        let y = match &self.quantized {
+            None => x.linear(&self.weight, self.bias.as_ref())?,
             Some(q) => {
                 let y = x.quant_matmul(&q.codes, &q.scales, &q.spec)?;
                 match &self.bias {
-                    Some(b) => y.add(b),
-                    None => Ok(y),
+                    Some(b) => y.add(b)?,
+                    None => y,
                 }
             }
+        };
+        match self.adapter.as_deref() {
+            Some(a) if !a.is_merged() => a.add_to(&y, x),
+            _ => Ok(y),
         }
     }
 }
 
 impl Module for Linear {
+    fn visit_linears_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear) -> Result<()>) -> Result<()> {
+        f(prefix, self)
+    }
+
     // A kept-quantized weight is frozen data, not a parameter (see
     // `quantize_weight`): parameter walks skip it.
     fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
@@ -172,6 +228,9 @@ impl Module for Linear {
         }
         if let Some(b) = &self.bias {
             f(&join_name(prefix, "bias"), b);
+        }
+        if let Some(a) = &self.adapter {
+            a.visit_params(prefix, f);
         }
     }
 
@@ -182,6 +241,19 @@ impl Module for Linear {
         if let Some(b) = &mut self.bias {
             f(&join_name(prefix, "bias"), b)?;
         }
-        Ok(())
+        match &mut self.adapter {
+            Some(a) => a.visit_params_mut(prefix, f),
+            None => Ok(()),
+        }
+    }
+
+    fn train(&mut self, on: bool) {
+        if let Some(a) = &mut self.adapter {
+            a.train(on)
+        }
+    }
+
+    fn is_training(&self) -> bool {
+        self.adapter.as_ref().is_some_and(|a| a.is_training())
     }
 }

@@ -422,6 +422,10 @@ impl Module for FeedForward {
         self.module_mut().visit_params_mut(prefix, f)
     }
 
+    fn visit_linears_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear) -> Result<()>) -> Result<()> {
+        self.module_mut().visit_linears_mut(prefix, f)
+    }
+
     fn train(&mut self, on: bool) {
         self.module_mut().train(on)
     }

@@ -725,6 +725,15 @@ impl LlamaForCausalLM {
                  a dense checkpoint",
             ));
         }
+        if let Some(n) = self.state_dict().keys().find(|n| crate::lora::is_adapter_parameter(n)) {
+            return Err(Error::invalid(
+                "save_pretrained",
+                format!(
+                    "the model has LoRA adapters ({n}): save them with lora::save_adapter, or fold them into the \
+                     weights with lora::merge_and_unload first"
+                ),
+            ));
+        }
         // The Hub's per-expert names, whatever the experts' layout (Note [Stacked experts]).
         save_checkpoint_dir(dir, &crate::layers::to_hub_layout(self.state_dict())?, shard)?;
         let text = serde_json::to_string_pretty(&self.config.to_json(self.dtype()))

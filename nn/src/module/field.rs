@@ -3,6 +3,7 @@
 //! `#[module(skip)]` to this trait, so the field's type, not its spelling in
 //! the source, decides whether it is a parameter, a submodule or a list.
 use super::{join_name, Module};
+use crate::layers::Linear;
 use kiln_tensor::{Result, Tensor};
 
 /// A field of a module that `#[derive(Module)]` walks: a [`Tensor`] (a
@@ -36,6 +37,16 @@ pub trait ModuleField {
     fn field_is_training(&self) -> bool {
         false
     }
+
+    /// Calls `f` for each [`Linear`] the field holds (see [`Module::visit_linears_mut`]).
+    fn visit_linears_field_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Linear) -> Result<()>,
+    ) -> Result<()> {
+        let _ = (name, f);
+        Ok(())
+    }
 }
 
 impl ModuleField for Tensor {
@@ -64,6 +75,14 @@ impl<M: Module> ModuleField for M {
     fn field_is_training(&self) -> bool {
         self.is_training()
     }
+
+    fn visit_linears_field_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Linear) -> Result<()>,
+    ) -> Result<()> {
+        self.visit_linears_mut(name, f)
+    }
 }
 
 impl<T: ModuleField> ModuleField for Option<T> {
@@ -88,6 +107,17 @@ impl<T: ModuleField> ModuleField for Option<T> {
 
     fn field_is_training(&self) -> bool {
         self.as_ref().is_some_and(|t| t.field_is_training())
+    }
+
+    fn visit_linears_field_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Linear) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            Some(t) => t.visit_linears_field_mut(name, f),
+            None => Ok(()),
+        }
     }
 }
 
@@ -119,6 +149,17 @@ macro_rules! list_field {
 
             fn field_is_training(&self) -> bool {
                 self.iter().any(|t| t.field_is_training())
+            }
+
+            fn visit_linears_field_mut(
+                &mut self,
+                name: &str,
+                f: &mut dyn FnMut(&str, &mut Linear) -> Result<()>,
+            ) -> Result<()> {
+                for (i, t) in self.iter_mut().enumerate() {
+                    t.visit_linears_field_mut(&join_name(name, &i.to_string()), f)?;
+                }
+                Ok(())
             }
         }
     };

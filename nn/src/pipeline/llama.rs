@@ -376,6 +376,16 @@ impl Module for LlamaStage {
         Ok(())
     }
 
+    fn visit_linears_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear) -> Result<()>) -> Result<()> {
+        for (i, l) in &mut self.layers {
+            l.visit_linears_mut(&join_name(prefix, &format!("model.layers.{i}")), f)?;
+        }
+        if let Some(h) = &mut self.lm_head {
+            h.visit_linears_mut(&join_name(prefix, "lm_head"), f)?;
+        }
+        Ok(())
+    }
+
     fn train(&mut self, on: bool) {
         for (_, l) in &mut self.layers {
             l.train(on);

@@ -1,0 +1,178 @@
+//! `LoraAdapter`: one LoRA adapter on one `Linear` (PEFT's `LoraLayer` for
+//! one adapter): `A` `[r, in]`, `B` `[out, r]`, the scaling, the dropout on
+//! the adapter's input, and the product it adds to the layer's output
+//! (Note [LoRA adapters]).
+use crate::layers::{normal_param, parameter, uniform_param, Dropout};
+use crate::module::{join_name, Module};
+use kiln_tensor::trace::ConstantScope;
+use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
+
+/// How a fresh adapter's matrices are drawn (PEFT's `init_lora_weights`),
+/// from the global generator (`kiln::manual_seed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoraInit {
+    /// `true`, PEFT's default: `A` Kaiming-uniform with `a = sqrt(5)`
+    /// (`U(-1/sqrt(in), 1/sqrt(in))`), `B` zero, so the adapter starts as
+    /// the identity.
+    Default,
+    /// `"gaussian"`: `A ~ N(0, 1/r²)`, `B` zero.
+    Gaussian,
+    /// `false`: both as a fresh `torch.nn.Linear` (`A ~ U(±1/sqrt(in))`,
+    /// `B ~ U(±1/sqrt(r))`), so the adapter changes the output from the
+    /// start (for tests).
+    Random,
+}
+
+/// A LoRA adapter on one [`crate::layers::Linear`]: the layer computes
+/// `W x + b + scaling * B(A(dropout(x)))` (PEFT's order: the scaling
+/// multiplies `B`'s output), or only `W x + b` while the adapter is merged
+/// into `W`.
+#[derive(Debug, Clone)]
+pub struct LoraAdapter {
+    /// `lora_A.weight`, `[r, in_features]`.
+    pub lora_a: Tensor,
+    /// `lora_B.weight`, `[out_features, r]`.
+    pub lora_b: Tensor,
+    scaling: f64,
+    dropout: Dropout,
+    merged: bool,
+}
+
+impl LoraAdapter {
+    /// A fresh adapter of rank `r` for a layer `in_features -> out_features`,
+    /// its matrices drawn as `init` says, in `opts`' dtype and device, as
+    /// trainable parameters.
+    pub fn new(
+        in_features: usize,
+        out_features: usize,
+        r: usize,
+        scaling: f64,
+        dropout: f64,
+        init: LoraInit,
+        opts: impl Into<TensorOptions>,
+    ) -> Result<LoraAdapter> {
+        if r == 0 {
+            return Err(Error::invalid("LoraAdapter", "the rank r must be at least 1"));
+        }
+        let opts = opts.into();
+        let bound = |fan_in: usize| 1.0 / (fan_in.max(1) as f64).sqrt();
+        let (lora_a, lora_b) = match init {
+            LoraInit::Default => (
+                uniform_param(&[r, in_features], bound(in_features), opts)?,
+                parameter(Tensor::zeros(&[out_features, r], opts.dtype)?, opts)?,
+            ),
+            LoraInit::Gaussian => (
+                normal_param(&[r, in_features], 1.0 / r as f64, opts)?,
+                parameter(Tensor::zeros(&[out_features, r], opts.dtype)?, opts)?,
+            ),
+            LoraInit::Random => (
+                uniform_param(&[r, in_features], bound(in_features), opts)?,
+                uniform_param(&[out_features, r], bound(r), opts)?,
+            ),
+        };
+        LoraAdapter::from_weights(lora_a, lora_b, scaling, dropout)
+    }
+
+    /// An adapter around existing matrices (checked: `A` `[r, in]` and `B`
+    /// `[out, r]` of one floating dtype and device, a finite scaling, a
+    /// dropout probability in `[0, 1)`).
+    pub fn from_weights(lora_a: Tensor, lora_b: Tensor, scaling: f64, dropout: f64) -> Result<LoraAdapter> {
+        let (a, b) = (lora_a.shape(), lora_b.shape());
+        if a.len() != 2 || b.len() != 2 || a[0] != b[1] || a[0] == 0 {
+            return Err(Error::shape(
+                "LoraAdapter",
+                format!("lora_A must be [r, in] and lora_B [out, r] with one r >= 1, got {a:?} and {b:?}"),
+            ));
+        }
+        if lora_a.dtype() != lora_b.dtype() || !lora_a.dtype().is_float() || lora_a.device() != lora_b.device() {
+            return Err(Error::dtype(
+                "LoraAdapter",
+                format!(
+                    "lora_A ({}, {:?}) and lora_B ({}, {:?}) must share one floating dtype and device",
+                    lora_a.dtype(),
+                    lora_a.device(),
+                    lora_b.dtype(),
+                    lora_b.device()
+                ),
+            ));
+        }
+        if !scaling.is_finite() {
+            return Err(Error::invalid("LoraAdapter", format!("the scaling must be finite, got {scaling}")));
+        }
+        Ok(LoraAdapter { lora_a, lora_b, scaling, dropout: Dropout::new(dropout)?, merged: false })
+    }
+
+    /// The rank `r`.
+    pub fn rank(&self) -> usize {
+        self.lora_a.shape()[0]
+    }
+
+    /// The factor on `B(A(x))`: `lora_alpha / r`, or `lora_alpha / sqrt(r)`
+    /// with rsLoRA.
+    pub fn scaling(&self) -> f64 {
+        self.scaling
+    }
+
+    /// The dropout probability on the adapter's input.
+    pub fn dropout(&self) -> f64 {
+        self.dropout.p()
+    }
+
+    /// Whether the adapter is merged into its layer's weight (then the
+    /// layer's forward does not add it again).
+    pub fn is_merged(&self) -> bool {
+        self.merged
+    }
+
+    pub(crate) fn set_merged(&mut self, merged: bool) {
+        self.merged = merged;
+    }
+
+    /// The adapter's update of the weight, `scaling * B @ A` (`[out, in]`),
+    /// in `dtype`, computed in f32 (what merging adds to `W`).
+    pub fn delta_weight(&self, dtype: DType) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
+        let (a, b) = (self.lora_a.to_dtype(DType::F32)?, self.lora_b.to_dtype(DType::F32)?);
+        b.matmul(&a)?.mul(self.scaling)?.to_dtype(dtype)
+    }
+
+    /// `y + scaling * B(A(dropout(x)))`: the input is cast to the adapter's
+    /// dtype and the sum taken in the wider of the two dtypes, then cast
+    /// back to `y`'s (PEFT's `_cast_input_dtype` and its final cast), so a
+    /// low-precision base keeps f32 adapters exact.
+    pub(crate) fn add_to(&self, y: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
+        let x = self.dropout.forward(x)?;
+        let x = if x.dtype() == self.lora_a.dtype() { x } else { x.to_dtype(self.lora_a.dtype())? };
+        let delta = x.linear(&self.lora_a, None)?.linear(&self.lora_b, None)?.mul(self.scaling)?;
+        if delta.dtype() == y.dtype() {
+            return y.add(&delta);
+        }
+        y.to_dtype(delta.dtype())?.add(&delta)?.to_dtype(y.dtype())
+    }
+
+    /// Moves the adapter's matrices to `device`, keeping `requires_grad`.
+    pub fn to_device(&mut self, device: Device) -> Result<()> {
+        Module::to_device(self, device)
+    }
+}
+
+impl Module for LoraAdapter {
+    fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
+        f(&join_name(prefix, "lora_A.weight"), &self.lora_a);
+        f(&join_name(prefix, "lora_B.weight"), &self.lora_b);
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
+        f(&join_name(prefix, "lora_A.weight"), &mut self.lora_a)?;
+        f(&join_name(prefix, "lora_B.weight"), &mut self.lora_b)
+    }
+
+    fn train(&mut self, on: bool) {
+        self.dropout.train(on)
+    }
+
+    fn is_training(&self) -> bool {
+        self.dropout.is_training()
+    }
+}
