@@ -9,7 +9,7 @@
 //!     [--generate N] [--device cpu|tpu] [--mode strict|debug|defer|compiled] \
 //!     [--mesh dp=2,tp=2 --parallel ddp|fsdp|tp|fsdp+tp|ep|fsdp+ep] [--quantized dequant|dequant-bf16|keep] [--weights-only]
 //!     [--mesh pp=2 | --stage-devices cpu,tpu:0] --parallel pp [--schedule gpipe|1f1b|interleaved] [--microbatches N]
-//!     [--mesh pp=2,dp=2,tp=2 --parallel pp+fsdp+tp] [--mesh cp=4]
+//!     [--mesh pp=2,dp=2,tp=2 --parallel pp+fsdp+tp] [--mesh cp=4] [--lora ADAPTER_DIR]
 //! ```
 //!
 //! Reads `input_ids` (int64 `[B, T]`) and, for `--generate`, `generate.prompt`
@@ -25,6 +25,7 @@ mod logging;
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::io::{load_safetensors, save_safetensors};
 use kiln::nn::layers::to_hub_layout;
+use kiln::nn::lora::{load_adapter, PEFT_PREFIX};
 use kiln::nn::models::{causal_lm_loss, LlamaForCausalLM, PretrainedOptions, QuantizedLoad};
 use kiln::nn::module::Module;
 use kiln::nn::optim::{AdamW, AdamWConfig, Optimizer};
@@ -59,6 +60,9 @@ USAGE: cargo run --release --example hf_check -- --model DIR --input-ids IN.safe
                        pp: pipeline stages, one rank per device of --mesh pp=N or of --stage-devices;
                        pp+ddp, pp+fsdp, pp+tp or pp+fsdp+tp: each rank's stages split over its own
                        mesh (--mesh pp=2,dp=2,tp=2: rank r on devices 4r..4r+3)
+  --lora DIR           a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) on
+                       the model: only the adapter trains, and grad.* / adamw_step*.* carry the names of
+                       adapter_model.safetensors (base_model.model.<module>.lora_A.weight)
   --capacity-factor F  with ep or fsdp+ep: GShard's capacity factor (each device sends each expert
                        device at most F/devices of its routing slots, the rest dropped) [default: dropless]
   --mesh cp=N          context parallelism: every sequence split over N PJRT devices (TorchTitan's
@@ -96,6 +100,8 @@ struct Args {
     quantized: QuantizedLoad,
     /// `--capacity-factor`: GShard's capacity factor for expert parallelism.
     capacity_factor: Option<f64>,
+    /// `--lora`: a PEFT adapter directory to load and train.
+    lora: Option<PathBuf>,
     weights_only: bool,
     precision: Option<MixedPrecisionPolicy>,
 }
@@ -124,6 +130,7 @@ fn parse_args() -> Args {
     let mut quantized = QuantizedLoad::Dequantize { round_to: None };
     let mut weights_only = false;
     let mut capacity_factor = None;
+    let mut lora = None;
     let mut precision = None;
     let mut stage_devices: Option<Vec<Device>> = None;
     let mut schedule = ScheduleKind::OneFOneB;
@@ -183,6 +190,7 @@ fn parse_args() -> Args {
             "--schedule" => schedule = ScheduleKind::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
             "--microbatches" => microbatches = int(&value),
             "--capacity-factor" => capacity_factor = Some(num(&value)),
+            "--lora" => lora = Some(PathBuf::from(value)),
             "--stages-per-rank" => stages_per_rank = Some(int(&value)),
             "--precision" => precision = MixedPrecisionPolicy::parse(&value).unwrap_or_else(|e| fail(&e.to_string())),
             "--quantized" => {
@@ -243,6 +251,9 @@ fn parse_args() -> Args {
     if capacity_factor.is_some() && !matches!(parallel, Some((_, Recipe::Ep | Recipe::FsdpEp))) {
         fail("--capacity-factor applies to expert parallelism: --parallel ep or fsdp+ep");
     }
+    if lora.is_some() && (parallel.is_some() || pipeline.is_some() || context.is_some()) {
+        fail("--lora runs on one device: adapters under --mesh are not supported by hf_check yet");
+    }
     Args {
         model: model.unwrap_or_else(|| fail("--model is required")),
         input: input.unwrap_or_else(|| fail("--input-ids is required")),
@@ -258,6 +269,7 @@ fn parse_args() -> Args {
         context,
         quantized,
         capacity_factor,
+        lora,
         weights_only,
         precision,
     }
@@ -356,6 +368,14 @@ fn run(a: Args) -> Result<()> {
         LlamaForCausalLM::from_pretrained_with(&a.model, &opts)?
     };
     model.set_mixed_precision(a.precision)?;
+    if let Some(dir) = &a.lora {
+        let c = load_adapter(&mut model, dir, true)?;
+        let n: usize = model.named_trainable_parameters().iter().map(|(_, t)| t.numel()).sum();
+        eprintln!("LoRA adapter {} (r {}, alpha {}): {n} trainable parameters", dir.display(), c.r, c.lora_alpha);
+    }
+    // The names the outputs carry: PEFT's for an adapter's parameters.
+    let peft = a.lora.is_some();
+    let out_name = move |n: String| if peft { format!("{PEFT_PREFIX}{n}") } else { n };
     if let Some((mesh, recipe)) = &a.parallel {
         recipe.apply(&mut model, mesh)?;
         if a.capacity_factor.is_some() {
@@ -432,27 +452,27 @@ fn run(a: Args) -> Result<()> {
     out.insert("logits".into(), f32_cpu(&logits)?);
     out.insert("loss".into(), f32_cpu(&loss)?.reshape(&[])?);
     let mut grads = BTreeMap::new();
-    for (n, p) in model.named_parameters() {
+    for (n, p) in model.named_trainable_parameters() {
         let g = p.grad().ok_or_else(|| Error::invalid("hf_check", format!("{n} got no gradient")))?;
         grads.insert(n, g);
     }
     // Stacked experts' gradients under the Hub's per-expert names, as the fixtures hold them.
     for (n, g) in to_hub_layout(grads)? {
-        out.insert(format!("grad.{n}"), f32_cpu(&g)?);
+        out.insert(format!("grad.{}", out_name(n)), f32_cpu(&g)?);
     }
 
     if a.steps > 0 {
         // The fixture's schedule: the gradient above makes step 1; each later
         // step recomputes it on the same batch; the last loss is measured after.
-        let mut opt = AdamW::new(model.named_parameters(), a.adamw)?;
+        let mut opt = AdamW::new(model.named_trainable_parameters(), a.adamw)?;
         if a.compiled {
             opt.set_capturable(true)?;
         }
         let mut curve = vec![loss.item_f64()? as f32];
         opt.step()?;
         let snapshot = |tag: &str, out: &mut BTreeMap<String, Tensor>| -> Result<()> {
-            for (n, p) in to_hub_layout(model.named_parameters().into_iter().collect())? {
-                out.insert(format!("{tag}.{n}"), f32_cpu(&p)?);
+            for (n, p) in to_hub_layout(model.named_trainable_parameters().into_iter().collect())? {
+                out.insert(format!("{tag}.{}", out_name(n)), f32_cpu(&p)?);
             }
             Ok(())
         };
