@@ -5,6 +5,7 @@
 //! `benches/compare_torch_train.py` runs the same steps in PyTorch. Each
 //! benchmark prints one JSON line (its last line is the result); `peak_rss_mb`
 //! is the process's peak resident memory (`VmHWM`) when the line is printed.
+use crate::finetune::Finetune;
 use crate::report::{sig4, Line};
 use crate::timing::median;
 use kiln::autograd::no_grad;
@@ -41,6 +42,8 @@ pub struct LlmArgs {
     pub compiled: bool,
     /// `train` only: a mesh spec (`dp=4`) and a recipe (`fsdp`), see `kiln::nn::parallel`.
     pub parallel: Option<(String, String)>,
+    /// `train` only: full fine-tuning, LoRA or QLoRA (`crate::finetune`).
+    pub finetune: Finetune,
 }
 
 /// The model presets, as Hugging Face `config.json` values.
@@ -147,12 +150,16 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
     // A mixture of experts trains with its experts stacked, as train_llama holds them.
     model.stack_experts()?;
     model.set_mixed_precision(kiln::nn::precision::MixedPrecisionPolicy::parse(&a.precision)?)?;
+    if a.finetune != Finetune::Full && recipe.is_some() {
+        return Err(Error::invalid("kiln-bench", "--finetune lora|qlora runs on one device"));
+    }
+    crate::finetune::prepare(&mut model, &a.finetune)?;
     if let Some((mesh, r)) = &recipe {
         r.apply(&mut model, mesh)?;
     }
     model.train(true);
     let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
-    let mut opt = AdamW::new(model.named_parameters(), adamw)?;
+    let mut opt = AdamW::new(model.named_trainable_parameters(), adamw)?;
     opt.set_capturable(a.compiled)?;
     let ids = random_ids(a.batch, a.seq, cfg.vocab_size, Device::Cpu)?;
     let ids = match &recipe {
@@ -170,7 +177,7 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
                 let l = memory_line(l, &model, &opt, mesh, &format!("{r:?}"))?;
                 collective_minimum(l, &model, &cfg, mesh, r, a.batch * a.seq, &a.precision)
             }
-            None => Ok(l),
+            None => crate::finetune::fields(l, &mut model, &a.finetune),
         };
     }
     // On a PJRT device: the executable cache's counters over the timed steps.
@@ -212,7 +219,7 @@ pub fn train(a: &LlmArgs) -> Result<Line> {
             .set("pjrt_disk_hits", s1.disk_hits)
             .set("pjrt_disk_load_s", sig4(s1.load_secs));
     }
-    Ok(l)
+    crate::finetune::fields(l, &mut model, &a.finetune)
 }
 
 /// Per-device bytes of parameters, gradients and AdamW state of a model on a

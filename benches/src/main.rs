@@ -4,6 +4,7 @@
 //! `infer`, `decode` and `autograd`; see `--help`. `benches/compare_torch.py`
 //! (matmul, ops) and `benches/compare_torch_train.py` (train, infer, decode) run
 //! this binary and the same measurements in PyTorch, and print the ratios.
+mod finetune;
 mod llm;
 mod pipeline;
 mod report;
@@ -111,6 +112,12 @@ OPTIONS:
     --new-tokens N     decode: tokens generated (default 64)
     --precision P      train: f32 (default), or bf16-mixed / f16-mixed (autocast forward, float32
                        master weights, gradients and AdamW state)
+    --finetune F       train: full (default), lora (adapters of rank --lora-r, alpha 2r, on every
+                       decoder Linear; the rest frozen) or qlora (the same over decoder weights kept
+                       quantized as --qlora-scheme, default nvfp4); the line adds trainable_params,
+                       optimizer_state_mb, weights_mb and rss_mb (resident after the steps)
+    --lora-r R         train --finetune lora|qlora: the adapters' rank (default 16)
+    --qlora-scheme S   train --finetune qlora: nvfp4 (default), mxfp4, fp8, fp8-channel, q8_0, q4_0
     --weights W        decode: the decoder Linear weights as f32 (default), bf16 (the whole model in
                        bf16), or kept quantized: fp8 (128x128 blocks), fp8-channel, nvfp4, mxfp4,
                        q8_0, q4_0
@@ -159,6 +166,9 @@ struct Args {
     weights: String,
     activations: Activations,
     precision: String,
+    finetune: String,
+    lora_r: usize,
+    qlora_scheme: String,
     /// `train --mesh SPEC --parallel R`.
     mesh: Option<String>,
     parallel: Option<String>,
@@ -228,6 +238,9 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         weights: "f32".into(),
         activations: Activations::Exact,
         precision: "f32".into(),
+        finetune: "full".into(),
+        lora_r: 16,
+        qlora_scheme: "nvfp4".into(),
         mesh: None,
         parallel: None,
         requests: 64,
@@ -293,6 +306,9 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
                 }
             }
             "--precision" => a.precision = value()?,
+            "--finetune" => a.finetune = value()?,
+            "--lora-r" => a.lora_r = value()?.parse().map_err(|_| "--lora-r needs a count".to_string())?,
+            "--qlora-scheme" => a.qlora_scheme = value()?,
             "--mesh" => a.mesh = Some(value()?),
             "--parallel" => a.parallel = Some(value()?),
             "--requests" => a.requests = int("--requests", &value()?)?,
@@ -411,6 +427,13 @@ fn main() -> ExitCode {
                 activations: args.activations,
                 precision: args.precision.clone(),
                 compiled: args.compiled,
+                finetune: match finetune::Finetune::parse(&args.finetune, args.lora_r, &args.qlora_scheme) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        eprintln!("kiln-bench: {e}");
+                        return ExitCode::from(2);
+                    }
+                },
                 parallel: match (&args.mesh, &args.parallel) {
                     (Some(m), Some(p)) => Some((m.clone(), p.clone())),
                     (None, None) => None,

@@ -31,8 +31,12 @@
 // quantized base (QLoRA: the base product dequantizes block by block and
 // the input still gets its gradient, so the adapters train through it).
 // The layer computes `W x + b + scaling * B(A(dropout(x)))` as PEFT does:
-// the input is cast to the adapter's dtype, the scaling multiplies `B`'s
-// output, and the sum is taken in the wider dtype and cast back. Adapters
+// the input is cast to the adapter's dtype and the sum taken in the wider
+// dtype and cast back. PEFT multiplies `B`'s output by the scaling; kiln
+// multiplies `A`'s rank-r output, which is bit-equal for a power-of-two
+// scaling (alpha / r = 2, the common choice) and otherwise differs by a
+// rounding, and keeps one full-width tensor fewer for backward (every op's
+// inputs are kept until backward). Adapters
 // are kept in f32 over a bf16/f16 base (PEFT's `autocast_adapter_dtype`).
 // The adapter's parameters are named inside the layer's, `….q_proj.lora_A
 // .weight`; PEFT's files put `base_model.model.` in front (the adapter

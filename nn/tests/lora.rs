@@ -335,3 +335,71 @@ fn fresh_adapters_start_as_the_identity_and_drop_out_while_training() {
     let (a, b) = (model.forward(ids, None).unwrap(), model.forward(ids, None).unwrap());
     assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
 }
+
+/// Asserts that `got` is as near the float64 result `exact` as the float32
+/// computation `f32_ref` is, up to 4x (f32 products summed in another order
+/// differ by a few roundings; a wrong scale or a lost gradient by far more):
+/// the tolerance is the measured spread of float32, floored at one float32
+/// rounding of the largest element. Returns the worst error.
+fn within_f32_spread(what: &str, got: &Tensor, f32_ref: &Tensor, exact: &Tensor) -> f64 {
+    let v = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_device(Device::Cpu).unwrap().to_vec::<f64>().unwrap();
+    let (g, r, x) = (v(got), v(f32_ref), v(exact));
+    let worst = |a: &[f64]| a.iter().zip(&x).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+    let scale = x.iter().fold(0f64, |m, a| m.max(a.abs()));
+    let (e, spread) = (worst(&g), worst(&r).max(scale * f32::EPSILON as f64));
+    assert!(e <= 4.0 * spread, "{what}: {e:.3e} from float64, float32's own spread {spread:.3e}");
+    e
+}
+
+/// QLoRA: an adapter over a kept-quantized base (codes and scales resident,
+/// the base product dequantizing block by block) trains as the same adapter
+/// over the base dequantized exactly: logits, adapter gradients and three
+/// AdamW steps, on the CPU and on PJRT, in each quantized format, held to
+/// float32's own spread around the float64 computation.
+#[test]
+fn qlora_over_kept_quantized_weights_equals_lora_over_the_dequantized_base() {
+    use kiln::nn::models::{PretrainedOptions, QuantizedLoad};
+    let _g = support::rng_lock();
+    support::register_tpu();
+    let mut worst = 0f64;
+    for (format, dev) in
+        [("fp8_block", Device::Cpu), ("ct_mxfp4", Device::Cpu), ("ct_nvfp4", Device::Cpu), ("ct_nvfp4", Device::Tpu(0))]
+    {
+        let dir = fixture_dir("quant").join(format);
+        let ids = &kiln::nn::io::load_safetensors(dir.join("golden.safetensors")).unwrap()["input_ids"];
+        let run = |quantized: QuantizedLoad, dtype: DType, dev: Device| -> (Tensor, Vec<(String, Tensor)>, Tensor) {
+            let opts = PretrainedOptions::new(dtype, dev).with_quantized(quantized);
+            let mut model = LlamaForCausalLM::from_pretrained_with(&dir, &opts).unwrap();
+            kiln::manual_seed(9);
+            let mut c = LoraConfig::new(8, TargetModules::Regex(r".*\.(q_proj|v_proj|up_proj|down_proj)".into()));
+            c.lora_alpha = 16.0;
+            c.init_lora_weights = LoraInit::Random;
+            inject_adapter(&mut model, &c).unwrap();
+            let ids = &ids.to_device(dev).unwrap();
+            let logits = model.forward(ids, None).unwrap();
+            causal_lm_loss(&logits, ids, None).unwrap().backward().unwrap();
+            let grads = model.named_trainable_parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap())).collect();
+            let mut opt = AdamW::new(model.named_trainable_parameters(), ADAMW).unwrap();
+            let mut curve = vec![];
+            for _ in 0..3 {
+                opt.step().unwrap();
+                opt.zero_grad();
+                let l = causal_lm_loss(&model.forward(ids, None).unwrap(), ids, None).unwrap();
+                l.backward().unwrap();
+                curve.push(l.to_dtype(DType::F64).unwrap().item::<f64>().unwrap());
+            }
+            (logits, grads, Tensor::from_vec(curve, &[3]).unwrap())
+        };
+        let (kl, kg, kc) = run(QuantizedLoad::Keep, DType::F32, dev);
+        let (dl, dg, dc) = run(QuantizedLoad::Dequantize { round_to: None }, DType::F32, dev);
+        let (xl, xg, xc) = run(QuantizedLoad::Dequantize { round_to: None }, DType::F64, Device::Cpu);
+        let what = format!("QLoRA {format} on {dev}");
+        worst = worst.max(within_f32_spread(&format!("{what} logits"), &kl, &dl, &xl));
+        assert_eq!((kg.len(), dg.len()), (2 * 4 * 2, 2 * 4 * 2), "A and B of four layers in two decoder layers");
+        for ((n, k), ((_, d), (_, x))) in kg.iter().zip(dg.iter().zip(&xg)) {
+            worst = worst.max(within_f32_spread(&format!("{what} grad {n}"), k, d, x));
+        }
+        within_f32_spread(&format!("{what} losses after AdamW steps"), &kc, &dc, &xc);
+    }
+    println!("QLoRA against LoRA on the dequantized base: worst abs diff from float64 {worst:.2e}");
+}

@@ -24,9 +24,9 @@ pub enum LoraInit {
 }
 
 /// A LoRA adapter on one [`crate::layers::Linear`]: the layer computes
-/// `W x + b + scaling * B(A(dropout(x)))` (PEFT's order: the scaling
-/// multiplies `B`'s output), or only `W x + b` while the adapter is merged
-/// into `W`.
+/// `W x + b + scaling * B(A(dropout(x)))` (PEFT's product; the scaling is
+/// applied to `A`'s rank-`r` output), or only `W x + b` while the adapter is
+/// merged into `W`.
 #[derive(Debug, Clone)]
 pub struct LoraAdapter {
     /// `lora_A.weight`, `[r, in_features]`.
@@ -136,7 +136,7 @@ impl LoraAdapter {
         b.matmul(&a)?.mul(self.scaling)?.to_dtype(dtype)
     }
 
-    /// `y + scaling * B(A(dropout(x)))`: the input is cast to the adapter's
+    /// `y + B(scaling * A(dropout(x)))`: the input is cast to the adapter's
     /// dtype and the sum taken in the wider of the two dtypes, then cast
     /// back to `y`'s (PEFT's `_cast_input_dtype` and its final cast), so a
     /// low-precision base keeps f32 adapters exact.
@@ -144,7 +144,10 @@ impl LoraAdapter {
         let _c = ConstantScope::enter();
         let x = self.dropout.forward(x)?;
         let x = if x.dtype() == self.lora_a.dtype() { x } else { x.to_dtype(self.lora_a.dtype())? };
-        let delta = x.linear(&self.lora_a, None)?.linear(&self.lora_b, None)?.mul(self.scaling)?;
+        // Scaling A's rank-r output rather than B's: the same product (bit-equal
+        // for a power-of-two scaling), with one full-width tensor fewer kept
+        // for backward.
+        let delta = x.linear(&self.lora_a, None)?.mul(self.scaling)?.linear(&self.lora_b, None)?;
         if delta.dtype() == y.dtype() {
             return y.add(&delta);
         }
