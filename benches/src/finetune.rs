@@ -99,3 +99,29 @@ pub fn fields(l: Line, model: &mut LlamaForCausalLM, how: &Finetune) -> Result<L
         Finetune::Qlora { r, scheme } => l.set("lora_r", *r).set("qlora_scheme", scheme.as_str()),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::tests::tiny;
+
+    fn line(how: Finetune) -> Line {
+        crate::llm::train(&crate::llm::LlmArgs { finetune: how, ..tiny() }).unwrap()
+    }
+
+    #[test]
+    fn lora_trains_rank_r_adapters_and_qlora_shrinks_the_base() {
+        let _g = crate::llm::tests::rng_lock();
+        let full = line(Finetune::Full);
+        let lora = line(Finetune::Lora { r: 16 });
+        let qlora = line(Finetune::Qlora { r: 16, scheme: "nvfp4".into() });
+        let n = |l: &Line, k: &str| l.get(k).and_then(|v| v.as_f64()).unwrap();
+        assert_eq!(n(&full, "trainable_params"), n(&full, "total_params"));
+        // llama-tiny: r * (in + out) for q, k, v, o (64 -> 64, 32, 32, 64) and gate, up, down (64 <-> 128), two layers.
+        let per_layer = 16 * (128 + 96 + 96 + 128 + 192 * 3);
+        assert_eq!(n(&lora, "trainable_params"), (2 * per_layer) as f64);
+        assert_eq!(n(&qlora, "trainable_params"), (2 * per_layer) as f64);
+        assert!(n(&lora, "optimizer_state_mb") < n(&full, "optimizer_state_mb"));
+        assert!(n(&qlora, "weights_mb") < n(&lora, "weights_mb"));
+    }
+}

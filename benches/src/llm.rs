@@ -728,6 +728,7 @@ pub(crate) mod tests {
             activations: Activations::Exact,
             precision: "f32".into(),
             compiled: false,
+            finetune: Finetune::Full,
             parallel: None,
         }
     }
