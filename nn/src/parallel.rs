@@ -151,13 +151,22 @@ pub fn parallelize_module<M: Module + ?Sized>(
     let mut used = vec![false; plan.len()];
     distribute_module(module, mesh, |name, p| {
         let (module_name, leaf) = name.rsplit_once('.').unwrap_or(("", name));
+        // A LoRA adapter's matrices split with their layer (Note [LoRA adapters]):
+        // B [out, r] along out under a colwise layer, A [r, in] along in under a
+        // rowwise one; the other factor (rank r) is replicated.
+        let (module_name, adapter) = match module_name.rsplit_once('.') {
+            Some((base, a @ ("lora_A" | "lora_B"))) if leaf == "weight" => (base, Some(a)),
+            _ => (module_name, None),
+        };
         let style = plan.iter().position(|(pat, _)| matches(pat, module_name)).map(|i| {
             used[i] = true;
             plan[i].1
         });
-        let placement = match (style, leaf, p.ndim()) {
-            (Some(ParallelStyle::ColwiseParallel), "weight" | "bias", _) => Placement::Shard(0),
-            (Some(ParallelStyle::RowwiseParallel), "weight", 2) => Placement::Shard(1),
+        let placement = match (style, adapter, leaf, p.ndim()) {
+            (Some(ParallelStyle::ColwiseParallel), None, "weight" | "bias", _) => Placement::Shard(0),
+            (Some(ParallelStyle::RowwiseParallel), None, "weight", 2) => Placement::Shard(1),
+            (Some(ParallelStyle::ColwiseParallel), Some("lora_B"), _, 2) => Placement::Shard(0),
+            (Some(ParallelStyle::RowwiseParallel), Some("lora_A"), _, 2) => Placement::Shard(1),
             _ => Placement::Replicate,
         };
         vec![placement]
