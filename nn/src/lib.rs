@@ -2,6 +2,8 @@
 //! from `config.json` + safetensors, generation, losses, optimizers, LR
 //! schedules, data loading and training checkpoints.
 
+#[cfg(feature = "chat")]
+pub mod chat;
 pub mod checkpoint;
 pub mod clip;
 pub mod data;

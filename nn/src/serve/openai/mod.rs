@@ -12,10 +12,9 @@
 //! JSON and bad values (`context_length_exceeded` when the prompt and
 //! `max_tokens` exceed the context), 404 `model_not_found`, 429 when the
 //! engine's queue is full, 500 when the model fails, 503 once it has shut down.
-mod chat;
 mod text;
 
-pub use chat::{ChatTemplate, Message};
+pub use crate::chat::{ChatTemplate, Message};
 pub use text::{Codec, IncrementalText, Visible};
 
 use super::{EngineHandle, Event, FinishReason, Request, SubmitError, TokenStream};

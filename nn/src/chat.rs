@@ -1,4 +1,4 @@
-//! Chat templates: the Jinja template of `tokenizer_config.json`, rendered
+//! Chat templates (feature `chat`): the Jinja template of `tokenizer_config.json`, rendered
 //! with minijinja the way transformers' `apply_chat_template` renders it
 //! with Jinja2 (`trim_blocks` and `lstrip_blocks`, loop controls,
 //! `raise_exception`, Python string methods, the special tokens as
