@@ -93,10 +93,18 @@ impl ChatTemplate {
 
     /// The prompt text of `messages`, ending where the assistant's answer starts.
     pub fn render(&self, messages: &[Message]) -> Result<String> {
+        self.render_conversation(messages, true)
+    }
+
+    /// The text of `messages` as the template renders them, with the
+    /// assistant's turn opened at the end when `add_generation_prompt`
+    /// (transformers' `apply_chat_template(messages, tokenize=False,
+    /// add_generation_prompt=...)`).
+    pub fn render_conversation(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
         let t = self.env.get_template("chat").map_err(|e| Error::invalid("serve", e.to_string()))?;
         t.render(context! {
             messages => messages,
-            add_generation_prompt => true,
+            add_generation_prompt => add_generation_prompt,
             bos_token => self.bos,
             eos_token => self.eos,
         })

@@ -18,6 +18,9 @@ use kiln_tensor::random::Xoshiro256;
 use kiln_tensor::{Error, Result, Tensor};
 use std::path::Path;
 
+#[cfg(feature = "chat")]
+pub mod sft;
+
 // ---- tokenizers ----------------------------------------------------------------------------------
 
 /// Text to token ids and back.

@@ -12,7 +12,7 @@ mod moe;
 mod norm;
 mod rotary;
 
-pub use attention::{causal_mask, Attention, AttentionConfig, AttentionMask, LayerKvCache};
+pub use attention::{causal_mask, mask_min, Attention, AttentionConfig, AttentionMask, LayerKvCache};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use linear::Linear;

@@ -95,6 +95,17 @@ impl LayerKvCache {
     }
 }
 
+/// The value an additive mask of `dtype` gives a hidden key: the dtype's lowest.
+pub fn mask_min(dtype: DType) -> Result<f64> {
+    match dtype {
+        DType::F32 => Ok(f32::MIN as f64),
+        DType::F64 => Ok(f64::MIN),
+        DType::BF16 => Ok(bf16::MIN.to_f64()),
+        DType::F16 => Ok(f16::MIN.to_f64()),
+        d => Err(Error::dtype("causal_mask", format!("expected a floating point dtype, got {d}"))),
+    }
+}
+
 /// The additive attention mask for `t` new queries at positions `past .. past + t`
 /// over `past + t` keys: 0 where a query may attend, the dtype's lowest value
 /// where it may not (as transformers builds it, so a fully masked row gives a
@@ -112,13 +123,7 @@ pub fn causal_mask(
     device: Device,
 ) -> Result<Option<Tensor>> {
     let s = past + t;
-    let min = match dtype {
-        DType::F32 => f32::MIN as f64,
-        DType::F64 => f64::MIN,
-        DType::BF16 => bf16::MIN.to_f64(),
-        DType::F16 => f16::MIN.to_f64(),
-        d => return Err(Error::dtype("causal_mask", format!("expected a floating point dtype, got {d}"))),
-    };
+    let min = mask_min(dtype)?;
     let causal = |i: usize, j: usize| j <= past + i;
     let (values, shape) = match padding {
         None if t <= 1 => return Ok(None),

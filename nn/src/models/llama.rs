@@ -266,7 +266,7 @@ impl LlamaModel {
         cache: Option<&mut KvCache>,
         acts: Option<&mut BTreeMap<String, Tensor>>,
     ) -> Result<Tensor> {
-        self.forward_taps(input_ids, attention_mask, cache, acts, None)
+        self.forward_taps(input_ids, attention_mask, cache, acts, None, None)
     }
 
     /// [`LlamaModel::forward`], also collecting the sparse layers' router
@@ -278,6 +278,7 @@ impl LlamaModel {
         cache: Option<&mut KvCache>,
         mut acts: Option<&mut BTreeMap<String, Tensor>>,
         mut router: Option<&mut Vec<Tensor>>,
+        packed: Option<&[usize]>,
     ) -> Result<Tensor> {
         let _c = ConstantScope::enter();
         if input_ids.ndim() != 2 || !input_ids.dtype().is_int() {
@@ -317,15 +318,23 @@ impl LlamaModel {
             Some(cp) => Some((cp, cp.positions(t)?, cp.order(t)?)),
             None => None,
         };
+        if packed.is_some() && (ring.is_some() || attention_mask.is_some() || cache.is_some()) {
+            return Err(Error::invalid(
+                "LlamaModel",
+                "packed sequences take no padding mask, KV cache or context parallelism",
+            ));
+        }
         // Built once per forward and shared by every layer.
-        let rope = match &ring {
-            Some((_, _, order)) => self.rotary.tables_at(order.iter().copied(), dt, dev)?,
-            None => self.rotary.tables(past, t, dt, dev)?,
+        let rope = match (&ring, packed) {
+            (Some((_, _, order)), _) => self.rotary.tables_at(order.iter().copied(), dt, dev)?,
+            (None, Some(p)) => self.rotary.tables_at(p.iter().copied(), dt, dev)?,
+            (None, None) => self.rotary.tables(past, t, dt, dev)?,
         };
-        // Padding needs an explicit mask; the plain causal mask is the fused kernel's own.
-        let padded = match attention_mask {
-            Some(_) => causal_mask(t, past, attention_mask, dt, dev)?,
-            None => None,
+        // Padding and packing need an explicit mask; the plain causal mask is the fused kernel's own.
+        let padded = match (attention_mask, packed) {
+            (_, Some(p)) => Some(packed_causal_mask(p, dt, dev)?),
+            (Some(_), None) => causal_mask(t, past, attention_mask, dt, dev)?,
+            (None, None) => None,
         };
         let mask = match (&padded, &ring) {
             (_, Some((cp, positions, _))) => AttentionMask::Ring(cp, positions),
@@ -343,6 +352,27 @@ impl LlamaModel {
         }
         Ok(x)
     }
+}
+
+/// The additive mask `[1, 1, T, T]` of sequences packed in one row, each
+/// starting where its position restarts (`positions[i] != positions[i - 1] + 1`):
+/// a query sees the keys at or before it in its own sequence.
+fn packed_causal_mask(positions: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+    let mut segment = Vec::with_capacity(positions.len());
+    for (i, &p) in positions.iter().enumerate() {
+        let s = match i {
+            0 => 0,
+            _ if p == positions[i - 1] + 1 => segment[i - 1],
+            _ => segment[i - 1] + 1,
+        };
+        segment.push(s);
+    }
+    let t = positions.len();
+    let min = crate::layers::mask_min(dtype)?;
+    let segment = &segment;
+    let v: Vec<f64> =
+        (0..t).flat_map(|i| (0..t).map(move |j| if j <= i && segment[j] == segment[i] { 0.0 } else { min })).collect();
+    Tensor::from_vec(v, &[1, 1, t, t])?.to_dtype(dtype)?.to_device(device)
 }
 
 /// The first items of a list of problems, then how many more there are.
@@ -618,6 +648,46 @@ impl LlamaForCausalLM {
         self.with_policy(|| {
             let h = self.model.forward(input_ids, attention_mask, None, None)?;
             self.logits(&h)
+        })
+    }
+
+    /// Logits `[B, T, vocab]` for rows that each pack several sequences one
+    /// after another (supervised fine-tuning's packing, [`crate::data::sft`]):
+    /// `position_ids` (`[B, T]`, integers) restart at each sequence, and a
+    /// position that does not follow the one before it starts a new sequence.
+    /// Each token attends only within its own sequence, at its own positions,
+    /// so each sequence gets the logits it has alone. The rows run one after
+    /// another (their layouts differ).
+    pub fn forward_packed(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        if input_ids.ndim() != 2 || position_ids.shape() != input_ids.shape() || !position_ids.dtype().is_int() {
+            return Err(Error::shape(
+                "forward_packed",
+                format!(
+                    "expected input_ids [B, T] and integer position_ids of the same shape, got {:?} and {:?} {}",
+                    input_ids.shape(),
+                    position_ids.shape(),
+                    position_ids.dtype()
+                ),
+            ));
+        }
+        let (b, t) = (input_ids.shape()[0], input_ids.shape()[1]);
+        let pos = position_ids.to_dtype(DType::I64)?.to_device(Device::Cpu)?.to_vec::<i64>()?;
+        if let Some(p) = pos.iter().find(|&&p| p < 0) {
+            return Err(Error::invalid("forward_packed", format!("position ids must be non-negative, got {p}")));
+        }
+        let pos: Vec<usize> = pos.into_iter().map(|p| p as usize).collect();
+        self.with_policy(|| {
+            let rows = (0..b)
+                .map(|r| {
+                    let ids = input_ids.narrow(0, r as isize, 1)?;
+                    let h = self.model.forward_taps(&ids, None, None, None, None, Some(&pos[r * t..(r + 1) * t]))?;
+                    self.logits(&h)
+                })
+                .collect::<Result<Vec<Tensor>>>()?;
+            match rows.as_slice() {
+                [one] => Ok(one.clone()),
+                _ => Tensor::cat(&rows.iter().collect::<Vec<_>>(), 0),
+            }
         })
     }
 

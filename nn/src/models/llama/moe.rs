@@ -58,7 +58,7 @@ impl LlamaForCausalLM {
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let mut router = vec![];
         let logits = self.with_policy(|| {
-            let h = self.model.forward_taps(input_ids, attention_mask, None, None, Some(&mut router))?;
+            let h = self.model.forward_taps(input_ids, attention_mask, None, None, Some(&mut router), None)?;
             self.logits(&h)
         })?;
         Ok((logits, router))
