@@ -54,9 +54,11 @@ use std::path::Path;
 
 mod adapter;
 mod config;
+pub(crate) mod serve;
 
 pub use adapter::{LoraAdapter, LoraInit};
 pub use config::{LoraConfig, TargetModules};
+pub use serve::{load_served_adapter, with_routing, AdapterRouting};
 
 /// PEFT's adapter configuration file.
 pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
@@ -89,25 +91,11 @@ fn module_names(model: &dyn Module) -> BTreeSet<String> {
     out
 }
 
-/// Puts a fresh adapter (drawn as `config.init_lora_weights` says, from the
-/// global generator) on every `Linear` of `model` that `config` selects
-/// (PEFT's rules: [`TargetModules`], `exclude_modules`, `rank_pattern`,
-/// `alpha_pattern`), and freezes every other parameter but those of
-/// `modules_to_save` (PEFT's `get_peft_model`). Returns the adapted layers'
-/// names, in the model's order.
-///
-/// Errors, with nothing changed: a selected module that is not a `Linear`
-/// kiln can adapt, a selection that matches nothing, a layer that already
-/// has an adapter, a `modules_to_save` entry that names no module.
-pub fn inject_adapter(model: &mut dyn Module, config: &LoraConfig) -> Result<Vec<String>> {
-    inject(model, config, Some(config.init_lora_weights))
-}
-
-/// [`inject_adapter`]; with `init` `None` the adapters are zero (about to
-/// be overwritten by a load).
-fn inject(model: &mut dyn Module, config: &LoraConfig, init: Option<LoraInit>) -> Result<Vec<String>> {
+/// The `Linear` layers of `model` that `config` selects (PEFT's rules), and
+/// the problems that make the selection impossible to honour: a selected
+/// module that is not a `Linear` kiln can adapt, or nothing selected.
+fn select(model: &mut dyn Module, config: &LoraConfig) -> Result<(Vec<String>, Vec<String>)> {
     config.validate()?;
-    let err = |m: String| Error::invalid("inject_adapter", m);
     let linears = linear_names(model)?;
     let linear_set: BTreeSet<&str> = linears.iter().map(String::as_str).collect();
     // "all-linear": the last name of every Linear but the output layer.
@@ -133,6 +121,28 @@ fn inject(model: &mut dyn Module, config: &LoraConfig, init: Option<LoraInit>) -
     if selected.is_empty() && problems.is_empty() {
         problems.push(format!("target_modules {:?} matched no module of the model", config.target_modules));
     }
+    Ok((selected, problems))
+}
+
+/// Puts a fresh adapter (drawn as `config.init_lora_weights` says, from the
+/// global generator) on every `Linear` of `model` that `config` selects
+/// (PEFT's rules: [`TargetModules`], `exclude_modules`, `rank_pattern`,
+/// `alpha_pattern`), and freezes every other parameter but those of
+/// `modules_to_save` (PEFT's `get_peft_model`). Returns the adapted layers'
+/// names, in the model's order.
+///
+/// Errors, with nothing changed: a selected module that is not a `Linear`
+/// kiln can adapt, a selection that matches nothing, a layer that already
+/// has an adapter, a `modules_to_save` entry that names no module.
+pub fn inject_adapter(model: &mut dyn Module, config: &LoraConfig) -> Result<Vec<String>> {
+    inject(model, config, Some(config.init_lora_weights))
+}
+
+/// [`inject_adapter`]; with `init` `None` the adapters are zero (about to
+/// be overwritten by a load).
+fn inject(model: &mut dyn Module, config: &LoraConfig, init: Option<LoraInit>) -> Result<Vec<String>> {
+    let err = |m: String| Error::invalid("inject_adapter", m);
+    let (selected, mut problems) = select(model, config)?;
     let saved: Vec<String> = module_names(model).into_iter().filter(|m| config.saves_module(m)).collect();
     for want in &config.modules_to_save {
         if !saved.iter().any(|m| m == want || m.ends_with(&format!(".{want}"))) {

@@ -31,6 +31,8 @@ pub struct Linear {
     quantized: Option<QuantizedParts>,
     /// A LoRA adapter on the layer (Note [LoRA adapters]).
     adapter: Option<Box<LoraAdapter>>,
+    /// Adapters served by slot (Note [Serving adapters]): data, not parameters.
+    served: Vec<(usize, LoraAdapter)>,
 }
 
 /// A kept-quantized weight on its device (Note [Quantized weights] in kiln-tensor).
@@ -50,7 +52,7 @@ impl Linear {
         let bound = if in_features > 0 { 1.0 / (in_features as f64).sqrt() } else { 0.0 };
         let weight = uniform_param(&[out_features, in_features], bound, opts)?;
         let bias = if bias { Some(uniform_param(&[out_features], bound, opts)?) } else { None };
-        Ok(Linear { weight, bias, quantized: None, adapter: None })
+        Ok(Linear { weight, bias, quantized: None, adapter: None, served: vec![] })
     }
 
     /// A layer with weights drawn from `N(0, std²)` and a zero bias (Hugging
@@ -65,7 +67,7 @@ impl Linear {
         let opts = opts.into();
         let weight = super::normal_param(&[out_features, in_features], std, opts)?;
         let bias = if bias { Some(parameter(Tensor::zeros(&[out_features], opts.dtype)?, opts)?) } else { None };
-        Ok(Linear { weight, bias, quantized: None, adapter: None })
+        Ok(Linear { weight, bias, quantized: None, adapter: None, served: vec![] })
     }
 
     /// A layer around existing tensors (checked: the weight 2-D, the bias `[out]`).
@@ -89,7 +91,7 @@ impl Linear {
                 ));
             }
         }
-        Ok(Linear { weight, bias, quantized: None, adapter: None })
+        Ok(Linear { weight, bias, quantized: None, adapter: None, served: vec![] })
     }
 
     /// `in_features`.
@@ -193,9 +195,39 @@ impl Linear {
         self.adapter.take().map(|a| *a)
     }
 
+    /// The adapters served by slot (Note [Serving adapters]).
+    pub fn served_adapters(&self) -> &[(usize, LoraAdapter)] {
+        &self.served
+    }
+
+    /// Serves `adapter` in slot `slot` of the layer (see
+    /// [`crate::lora::load_served_adapter`]); checked to fit the layer and be
+    /// on its device, the slot to be free.
+    pub fn add_served_adapter(&mut self, slot: usize, adapter: LoraAdapter) -> Result<()> {
+        let (a, b) = (adapter.lora_a.shape(), adapter.lora_b.shape());
+        if a[1] != self.in_features() || b[0] != self.out_features() || adapter.lora_a.device() != self.weight.device()
+        {
+            return Err(Error::shape(
+                "Linear::add_served_adapter",
+                format!(
+                    "an adapter with lora_A {a:?} and lora_B {b:?} on {:?} does not fit a layer {} -> {} on {:?}",
+                    adapter.lora_a.device(),
+                    self.in_features(),
+                    self.out_features(),
+                    self.weight.device()
+                ),
+            ));
+        }
+        if self.served.iter().any(|(s, _)| *s == slot) {
+            return Err(Error::invalid("Linear::add_served_adapter", format!("slot {slot} is taken")));
+        }
+        self.served.push((slot, adapter));
+        Ok(())
+    }
+
     /// `x @ W.T (+ b)` over the last dim of `x` (`[..., in]` to `[..., out]`),
     /// plus the adapter's `scaling * B(A(x))` when one is on the layer and
-    /// not merged.
+    /// not merged, and under a routing the served adapters on their rows.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _c = ConstantScope::enter();
         let y = match &self.quantized {
@@ -208,8 +240,12 @@ impl Linear {
                 }
             }
         };
-        match self.adapter.as_deref() {
-            Some(a) if !a.is_merged() => a.add_to(&y, x),
+        let y = match self.adapter.as_deref() {
+            Some(a) if !a.is_merged() => a.add_to(&y, x)?,
+            _ => y,
+        };
+        match crate::lora::serve::routing() {
+            Some(r) if !self.served.is_empty() => r.apply(&y, x, &self.served),
             _ => Ok(y),
         }
     }

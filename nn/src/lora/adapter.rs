@@ -142,16 +142,22 @@ impl LoraAdapter {
     /// low-precision base keeps f32 adapters exact.
     pub(crate) fn add_to(&self, y: &Tensor, x: &Tensor) -> Result<Tensor> {
         let _c = ConstantScope::enter();
-        let x = self.dropout.forward(x)?;
-        let x = if x.dtype() == self.lora_a.dtype() { x } else { x.to_dtype(self.lora_a.dtype())? };
-        // Scaling A's rank-r output rather than B's: the same product (bit-equal
-        // for a power-of-two scaling), with one full-width tensor fewer kept
-        // for backward.
-        let delta = x.linear(&self.lora_a, None)?.mul(self.scaling)?.linear(&self.lora_b, None)?;
+        let delta = self.delta(&self.dropout.forward(x)?)?;
         if delta.dtype() == y.dtype() {
             return y.add(&delta);
         }
         y.to_dtype(delta.dtype())?.add(&delta)?.to_dtype(y.dtype())
+    }
+
+    /// `B(scaling * A(x))` in the adapter's dtype (`x` cast to it), without
+    /// dropout.
+    pub(crate) fn delta(&self, x: &Tensor) -> Result<Tensor> {
+        let _c = ConstantScope::enter();
+        let x = if x.dtype() == self.lora_a.dtype() { x.clone() } else { x.to_dtype(self.lora_a.dtype())? };
+        // Scaling A's rank-r output rather than B's: the same product (bit-equal
+        // for a power-of-two scaling), with one full-width tensor fewer kept
+        // for backward.
+        x.linear(&self.lora_a, None)?.mul(self.scaling)?.linear(&self.lora_b, None)
     }
 
     /// Moves the adapter's matrices to `device`, keeping `requires_grad`.

@@ -121,11 +121,28 @@ struct Seq {
     generator: Option<Generator>,
     arrival: Instant,
     first_token: Option<Instant>,
+    /// The adapter slot it is served with (Note [Serving adapters]).
+    adapter: Option<usize>,
 }
 
 impl Seq {
     fn generated(&self) -> usize {
         self.tokens.len() - self.req.prompt.len()
+    }
+
+    /// The parent hash of the first block: blocks are shared between
+    /// sequences of one adapter only (their keys and values differ).
+    fn root_hash(&self) -> u64 {
+        self.adapter.map_or(0, |a| 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(a as u64 + 1) | 1)
+    }
+
+    /// The parent hash of block `j`.
+    fn parent_hash(&self, j: usize) -> u64 {
+        if j == 0 {
+            self.root_hash()
+        } else {
+            self.hashes[j - 1]
+        }
     }
 }
 
@@ -197,6 +214,8 @@ pub struct Engine {
     next_id: u64,
     stats: EngineStats,
     max_context: usize,
+    /// The names of the served adapters, by slot.
+    adapters: Vec<String>,
 }
 
 impl Engine {
@@ -241,7 +260,25 @@ impl Engine {
             next_id: 0,
             stats,
             max_context,
+            adapters: vec![],
         })
+    }
+
+    /// Loads the PEFT adapter in `dir` to serve requests that name it
+    /// (`Request::with_adapter(name)`), batched with the others (Note
+    /// [Serving adapters]). A name already loaded is an error.
+    pub fn load_adapter(&mut self, name: &str, dir: impl AsRef<std::path::Path>) -> Result<()> {
+        if self.adapters.iter().any(|a| a == name) {
+            return Err(Error::invalid("Engine::load_adapter", format!("an adapter named {name:?} is loaded already")));
+        }
+        crate::lora::load_served_adapter(&mut self.model, dir, self.adapters.len())?;
+        self.adapters.push(name.to_string());
+        Ok(())
+    }
+
+    /// The names of the adapters served, in the order they were loaded.
+    pub fn adapters(&self) -> &[String] {
+        &self.adapters
     }
 
     /// The model served.
@@ -275,6 +312,15 @@ impl Engine {
     /// Queues a request (checked first); returns its id.
     pub fn add_request(&mut self, req: Request) -> Result<u64> {
         req.check(self.model.config().vocab_size, self.max_context(), self.cfg.detokenizer.is_some())?;
+        let adapter = match &req.adapter {
+            None => None,
+            Some(name) => Some(self.adapters.iter().position(|a| a == name).ok_or_else(|| {
+                Error::invalid(
+                    "Engine::add_request",
+                    format!("no adapter named {name:?} is loaded (loaded: {:?})", self.adapters),
+                )
+            })?),
+        };
         let id = self.next_id;
         self.next_id += 1;
         let device = self.model.device();
@@ -299,6 +345,7 @@ impl Engine {
             generator,
             arrival: Instant::now(),
             first_token: None,
+            adapter,
         });
         Ok(id)
     }
@@ -365,7 +412,7 @@ impl Engine {
         let bs = self.cache.block_size();
         while (s.hashes.len() + 1) * bs < s.tokens.len() {
             let j = s.hashes.len();
-            let parent = s.hashes.last().copied().unwrap_or(0);
+            let parent = s.parent_hash(j);
             match self.blocks.lookup(parent, &s.tokens[j * bs..(j + 1) * bs]) {
                 Some((b, h)) => {
                     s.blocks.push(b);
@@ -475,7 +522,9 @@ impl Engine {
     fn logits(&mut self, plan: &[(usize, usize)]) -> Result<Vec<Option<Tensor>>> {
         let bs = self.cache.block_size();
         let mut logits: Vec<Option<Tensor>> = vec![None; plan.len()];
-        let decoding = |s: &Seq, chunk: usize| chunk == 1 && s.computed + 1 == s.tokens.len();
+        // The captured decode step serves the base model's rows; rows with an
+        // adapter run eagerly under a routing (Note [Serving adapters]).
+        let decoding = |s: &Seq, chunk: usize| chunk == 1 && s.computed + 1 == s.tokens.len() && s.adapter.is_none();
         let mut eager: Vec<usize> = (0..plan.len()).collect();
         if let Some(program) = &mut self.decode {
             let (dec, rest): (Vec<usize>, Vec<usize>) =
@@ -512,7 +561,13 @@ impl Engine {
             })
             .collect();
         let batch = PagedBatch::new(&chunks, bs, self.model.device())?;
-        let l = self.model.forward_paged(&batch, &self.cache)?;
+        let slots: Vec<Option<usize>> = eager
+            .iter()
+            .zip(&chunks)
+            .flat_map(|(&k, c)| std::iter::repeat_n(self.running[plan[k].0].adapter, c.tokens.len()))
+            .collect();
+        let routing = crate::lora::AdapterRouting::new(&slots, self.model.device())?;
+        let l = crate::lora::with_routing(routing, || self.model.forward_paged(&batch, &self.cache))?;
         let mut row = 0;
         for (c, &k) in chunks.iter().zip(&eager) {
             if c.logits && !c.tokens.is_empty() {
@@ -562,7 +617,7 @@ impl Engine {
             s.computed += chunk;
             while s.hashes.len() < s.computed / bs {
                 let j = s.hashes.len();
-                let parent = s.hashes.last().copied().unwrap_or(0);
+                let parent = s.parent_hash(j);
                 let h = self.blocks.register(s.blocks[j], parent, &s.tokens[j * bs..(j + 1) * bs]);
                 s.hashes.push(h);
             }

@@ -18,12 +18,22 @@ pub struct Request {
     /// Generation stops once the text of the new tokens contains one of these
     /// (needs the engine's detokenizer).
     pub stop_strings: Vec<String>,
+    /// The LoRA adapter to serve it with, by the name the engine loaded it
+    /// under (`Engine::load_adapter`); `None`: the base model.
+    pub adapter: Option<String>,
 }
 
 impl Request {
     /// Greedy decoding of up to `max_new_tokens` after `prompt`.
     pub fn new(prompt: Vec<i64>, max_new_tokens: usize) -> Request {
-        Request { prompt, sampling: Sampling::greedy(), max_new_tokens, stop_token_ids: vec![], stop_strings: vec![] }
+        Request {
+            prompt,
+            sampling: Sampling::greedy(),
+            max_new_tokens,
+            stop_token_ids: vec![],
+            stop_strings: vec![],
+            adapter: None,
+        }
     }
 
     /// With these sampling settings.
@@ -41,6 +51,12 @@ impl Request {
     /// Stopping at any of these strings.
     pub fn with_stop_strings(mut self, s: &[&str]) -> Request {
         self.stop_strings = s.iter().map(|x| x.to_string()).collect();
+        self
+    }
+
+    /// Served with the adapter loaded as `name`.
+    pub fn with_adapter(mut self, name: &str) -> Request {
+        self.adapter = Some(name.to_string());
         self
     }
 

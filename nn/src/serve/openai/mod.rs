@@ -41,6 +41,9 @@ pub struct ServerState {
     pub chat: ChatTemplate,
     /// The name clients ask for (`model`).
     pub model_name: String,
+    /// The LoRA adapters served beside the base model, by the names clients
+    /// ask for (Note [Serving adapters]).
+    pub adapters: Vec<String>,
     /// Tokens that end a generation (the config's `eos_token_id`).
     pub stop_token_ids: Vec<i64>,
     /// When the server started (seconds since the epoch).
@@ -56,8 +59,21 @@ impl ServerState {
     pub fn from_dir(
         dir: &std::path::Path,
         dtype: kiln_tensor::DType,
+        cfg: super::EngineConfig,
+        name: Option<String>,
+    ) -> std::result::Result<ServerState, Box<dyn std::error::Error + Send + Sync>> {
+        ServerState::from_dir_with_adapters(dir, dtype, cfg, name, &[])
+    }
+
+    /// [`ServerState::from_dir`], also serving each PEFT adapter directory
+    /// of `adapters` under its name (`model` in a request), batched with the
+    /// base model's requests (Note [Serving adapters]).
+    pub fn from_dir_with_adapters(
+        dir: &std::path::Path,
+        dtype: kiln_tensor::DType,
         mut cfg: super::EngineConfig,
         name: Option<String>,
+        adapters: &[(String, std::path::PathBuf)],
     ) -> std::result::Result<ServerState, Box<dyn std::error::Error + Send + Sync>> {
         let resolved = crate::io::hub::resolve_model(dir, "main")?;
         let name = match name {
@@ -75,8 +91,16 @@ impl ServerState {
             let canonical = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
             canonical.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned())
         });
-        let engine = EngineHandle::spawn(super::Engine::new(model, cfg)?)?;
-        Ok(ServerState { engine, codec, chat, model_name, stop_token_ids, created: now() })
+        let mut engine = super::Engine::new(model, cfg)?;
+        for (n, d) in adapters {
+            if *n == model_name {
+                return Err(format!("the adapter {n:?} has the base model's name").into());
+            }
+            engine.load_adapter(n, d)?;
+        }
+        let adapters = engine.adapters().to_vec();
+        let engine = EngineHandle::spawn(engine)?;
+        Ok(ServerState { engine, codec, chat, model_name, adapters, stop_token_ids, created: now() })
     }
 }
 
@@ -112,10 +136,11 @@ async fn metrics(State(st): State<Arc<ServerState>>) -> Response {
 }
 
 async fn models(State(st): State<Arc<ServerState>>) -> Response {
-    Json(json!({"object": "list", "data": [
-        {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "kiln"}
-    ]}))
-    .into_response()
+    let base = json!({"id": st.model_name, "object": "model", "created": st.created, "owned_by": "kiln"});
+    let adapters = st.adapters.iter().map(
+        |a| json!({"id": a, "object": "model", "created": st.created, "owned_by": "kiln", "parent": st.model_name}),
+    );
+    Json(json!({"object": "list", "data": std::iter::once(base).chain(adapters).collect::<Vec<_>>()})).into_response()
 }
 
 /// `stop`: one string or a list.
@@ -206,7 +231,8 @@ fn job(
     kind: Kind,
     default_max: Option<usize>,
 ) -> Result<Job, Box<Response>> {
-    if p.model != st.model_name {
+    let adapter = st.adapters.iter().find(|a| **a == p.model).cloned();
+    if p.model != st.model_name && adapter.is_none() {
         return Err(Box::new(error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -287,6 +313,7 @@ fn job(
         max_new_tokens: max as usize,
         stop_token_ids: st.stop_token_ids.clone(),
         stop_strings: stops,
+        adapter,
     };
     Ok(Job { request, stream: p.stream.unwrap_or(false), kind, prompt_tokens })
 }
@@ -377,6 +404,8 @@ fn id(kind: Kind) -> String {
 
 async fn run(st: Arc<ServerState>, job: Job) -> Response {
     let stops = job.request.stop_strings.clone();
+    // Answers name the model the request asked for: the base or an adapter.
+    let model = job.request.adapter.clone().unwrap_or_else(|| st.model_name.clone());
     let stream = match st.engine.submit(job.request) {
         Ok(s) => s,
         Err(SubmitError::Invalid(e)) => return bad_request(e.to_string(), None),
@@ -394,7 +423,7 @@ async fn run(st: Arc<ServerState>, job: Job) -> Response {
         }
     };
     if job.stream {
-        return sse(st, stream, job.kind, stops);
+        return sse(st, stream, job.kind, stops, model);
     }
     let mut stream = stream;
     let (mut tokens, mut end) = (vec![], FinishReason::Cancelled);
@@ -416,7 +445,7 @@ async fn run(st: Arc<ServerState>, job: Job) -> Response {
                              "finish_reason": finish_name(&end)}),
     };
     let object = if job.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
-    Json(json!({"id": id(job.kind), "object": object, "created": now(), "model": st.model_name,
+    Json(json!({"id": id(job.kind), "object": object, "created": now(), "model": model,
                 "choices": [choice], "usage": usage}))
     .into_response()
 }
@@ -428,9 +457,9 @@ fn now() -> u64 {
 /// The streaming answer: one chunk per piece of visible text, a last chunk
 /// with the finish reason, then `[DONE]`. Dropping the connection drops the
 /// token stream, which cancels the request.
-fn sse(st: Arc<ServerState>, stream: TokenStream, kind: Kind, stops: Vec<String>) -> Response {
+fn sse(st: Arc<ServerState>, stream: TokenStream, kind: Kind, stops: Vec<String>, model: String) -> Response {
     let (cid, created) = (id(kind), now());
-    let chunk = move |st: &ServerState, delta: Option<String>, finish: Option<&str>, first: bool| -> SseEvent {
+    let chunk = move |delta: Option<String>, finish: Option<&str>, first: bool| -> SseEvent {
         let choice = match kind {
             Kind::Completion => {
                 json!({"index": 0, "text": delta.unwrap_or_default(), "logprobs": null, "finish_reason": finish})
@@ -447,8 +476,7 @@ fn sse(st: Arc<ServerState>, stream: TokenStream, kind: Kind, stops: Vec<String>
             }
         };
         let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
-        let body =
-            json!({"id": cid, "object": object, "created": created, "model": st.model_name, "choices": [choice]});
+        let body = json!({"id": cid, "object": object, "created": created, "model": model, "choices": [choice]});
         SseEvent::default().data(body.to_string())
     };
     struct S {
@@ -475,7 +503,7 @@ fn sse(st: Arc<ServerState>, stream: TokenStream, kind: Kind, stops: Vec<String>
             }
             let mut out: Vec<SseEvent> = vec![];
             if s.first && kind == Kind::Chat {
-                out.push(chunk(&st, Some(String::new()), None, true));
+                out.push(chunk(Some(String::new()), None, true));
                 s.first = false;
             }
             loop {
@@ -489,7 +517,7 @@ fn sse(st: Arc<ServerState>, stream: TokenStream, kind: Kind, stops: Vec<String>
                         s.text.update(&st.codec, &s.tokens, false);
                         let d = s.visible.delta(s.text.text(), false);
                         if !d.is_empty() {
-                            out.push(chunk(&st, Some(d), None, false));
+                            out.push(chunk(Some(d), None, false));
                             return Some((out, (s, st)));
                         }
                     }
@@ -505,10 +533,10 @@ fn sse(st: Arc<ServerState>, stream: TokenStream, kind: Kind, stops: Vec<String>
                         s.text.update(&st.codec, &s.tokens, true);
                         let d = s.visible.delta(s.text.text(), true);
                         if !d.is_empty() {
-                            out.push(chunk(&st, Some(d), None, false));
+                            out.push(chunk(Some(d), None, false));
                         }
                         let empty = if kind == Kind::Chat { None } else { Some(String::new()) };
-                        out.push(chunk(&st, empty, Some(finish_name(&f)), false));
+                        out.push(chunk(empty, Some(finish_name(&f)), false));
                         out.push(SseEvent::default().data("[DONE]"));
                         s.done = true;
                         return Some((out, (s, st)));
