@@ -5,6 +5,8 @@
 //! cargo run --release --example train_llama            # writes runs/train_llama
 //! cargo run --release --example serve                  # serves it on 127.0.0.1:8000
 //! cargo run --release --example serve -- --model DIR --port 8080
+//! cargo run --release --example finetune               # writes a LoRA adapter into runs/finetune/adapter
+//! cargo run --release --example serve -- --lora chat=runs/finetune/adapter   # base and adapter, by `model`
 //! curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
 //!      -d '{"model": "train_llama", "prompt": "ROMEO:", "max_tokens": 32}'
 //! ```
@@ -37,6 +39,8 @@ USAGE: cargo run --release --example serve -- [OPTIONS]
   --max-batched-tokens N   tokens per model step [default: 2048]
   --max-queue N            waiting requests before 429s [default: 1024]
   --no-prefix-sharing      compute shared prompt prefixes again for every request
+  --lora NAME=DIR          also serve the PEFT LoRA adapter in DIR to requests whose model is NAME,
+                           batched with the others (repeatable)
   --batch-invariant        every request's tokens are what generate() gives it alone
                            (kiln::tensor::set_batch_invariant; slower single-sequence decode)
 ";
@@ -59,6 +63,7 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let (mut name, mut host, mut port, mut dtype) = (None, "127.0.0.1".to_string(), 8000u16, DType::F32);
     let mut cfg = EngineConfig::default();
     let mut kv_mb = 256usize;
+    let mut adapters: Vec<(String, PathBuf)> = vec![];
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         match flag.as_str() {
@@ -89,6 +94,10 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
             "--max-num-seqs" => cfg.max_num_seqs = num(&v),
             "--max-batched-tokens" => cfg.max_batched_tokens = num(&v),
             "--max-queue" => cfg.max_queue = num(&v),
+            "--lora" => {
+                let (n, d) = v.split_once('=').unwrap_or_else(|| fail(&format!("--lora {v}: expected NAME=DIR")));
+                adapters.push((n.to_string(), PathBuf::from(d)));
+            }
             other => fail(&format!("unknown option {other}")),
         }
     }
@@ -99,7 +108,7 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
         ));
     }
     cfg.kv_cache_bytes = kv_mb << 20;
-    let state = ServerState::from_dir(&dir, dtype, cfg, name).map_err(|e| e.to_string())?;
+    let state = ServerState::from_dir_with_adapters(&dir, dtype, cfg, name, &adapters).map_err(|e| e.to_string())?;
     let stats = state.engine.metrics().engine;
     eprintln!(
         "serve: {} from {}; KV cache {} blocks; context {} tokens; chat template {}",
@@ -109,6 +118,9 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
         state.engine.max_context(),
         if state.chat.from_model { "from the model" } else { "plain (the model has none)" }
     );
+    for (n, d) in &adapters {
+        eprintln!("serve: LoRA adapter {n} from {}", d.display());
+    }
     let state = Arc::new(state);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

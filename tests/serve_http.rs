@@ -3,7 +3,8 @@
 //! `openai` Python package (in a venv `scripts/setup-openai-venv` sets up)
 //! and `curl`. Completions, chat, streaming, concurrent requests, a cancelled
 //! stream, malformed and refused requests, and a bounded load test; every
-//! answer must equal what `generate()` gives the same request alone.
+//! answer must equal what `generate()` gives the same request alone. LoRA
+//! adapters served by name answer as their merged models do.
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
 use kiln::nn::serve::openai::{router, ChatTemplate, Message, ServerState};
@@ -180,6 +181,82 @@ fn openai_client_and_curl_against_the_server() {
     assert!(out.status.success(), "the openai client failed:\n{so}\n{se}");
     assert!(so.contains("\"ok\": true"), "{so}");
     eprintln!("{so}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Several LoRA adapters behind one server (`--lora name=DIR`): the
+/// `openai` client asks for each by name, concurrently with the base model,
+/// and each answer is the merged model's `generate()`; `/v1/models` lists
+/// them, and an unknown name is the API's 404.
+#[test]
+fn openai_client_gets_each_adapters_answers() {
+    use kiln::nn::lora::{inject_adapter, merge_and_unload, save_adapter, LoraConfig, LoraInit, TargetModules};
+    let _invariant = common::batch_invariance(true);
+    let python = common::python_from("setup-openai-venv");
+    let dir = std::env::temp_dir().join(format!("kiln-serve-lora-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = model_dir(&dir);
+    let prompts = ["Hello there", "The quick brown fox"];
+    let mut adapters = vec![];
+    let mut cases = vec![];
+    for (name, targets, seed) in [
+        ("alpha", TargetModules::AllLinear, 5u64),
+        ("beta", TargetModules::Names(vec!["q_proj".into(), "v_proj".into(), "down_proj".into()]), 6),
+    ] {
+        let mut m = model_dir(&dir.join(format!("{name}-base")));
+        let mut c = LoraConfig::new(4, targets);
+        c.init_lora_weights = LoraInit::Random;
+        kiln::manual_seed(seed);
+        inject_adapter(&mut m, &c).unwrap();
+        let adir = dir.join(name);
+        save_adapter(&adir, &m, &c).unwrap();
+        adapters.push((name.to_string(), adir));
+        merge_and_unload(&mut m).unwrap();
+        for p in prompts {
+            let e = expect(&m, &bytes(p), 16, &Sampling::greedy(), None);
+            cases.push(json!({"model": name, "prompt": p, "text": e["text"]}));
+        }
+    }
+    for p in prompts {
+        let e = expect(&base, &bytes(p), 16, &Sampling::greedy(), None);
+        cases.push(json!({"model": "tiny", "prompt": p, "text": e["text"]}));
+    }
+    let texts: Vec<&Value> = cases.iter().map(|c| &c["text"]).collect();
+    assert!(texts[0] != texts[2] && texts[0] != texts[4], "the adapters change the answers: {texts:?}");
+
+    let cfg = EngineConfig { block_size: 8, kv_cache_bytes: 4 << 20, max_batched_tokens: 64, ..Default::default() };
+    let state =
+        Arc::new(ServerState::from_dir_with_adapters(&dir, DType::F32, cfg, Some("tiny".into()), &adapters).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    rt.spawn(async move { axum::serve(listener, router(state)).await });
+    let client = r#"
+import concurrent.futures as cf, json, sys
+import openai
+url, cases = sys.argv[1], json.loads(sys.argv[2])
+client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+ids = sorted(m.id for m in client.models.list().data)
+assert ids == ["alpha", "beta", "tiny"], ids
+def ask(c):
+    r = client.completions.create(model=c["model"], prompt=c["prompt"], max_tokens=16, temperature=0)
+    assert r.model == c["model"], (r.model, c["model"])
+    return r.choices[0].text
+with cf.ThreadPoolExecutor(len(cases)) as ex:
+    got = list(ex.map(ask, cases))
+for c, g in zip(cases, got):
+    assert g == c["text"], (c, g)
+try:
+    client.completions.create(model="gamma", prompt="x", max_tokens=2)
+    raise SystemExit("an unknown adapter was served")
+except openai.NotFoundError as e:
+    assert e.body["code"] == "model_not_found", e.body
+print(json.dumps({"ok": True, "answers": len(got)}))
+"#;
+    let out =
+        Command::new(python).arg("-c").arg(client).arg(&url).arg(Value::from(cases).to_string()).output().unwrap();
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && so.contains("\"ok\": true"), "the openai client failed:\n{so}\n{se}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
