@@ -79,8 +79,10 @@ BENCHMARKS:
              64) of 16-512 prompt and 16-256 new tokens arriving as a Poisson stream (mean gap
              G ms, default 50), against the same requests through generate() one at a time;
              then a workload whose prompts share a 256-token system prompt, with and without
-             prefix sharing. Lines: tokens_per_s, ttft_p50_ms, ttft_p99_ms; --only engine,
-             sequential,shared; each system runs R times (default 3) in turns with the
+             prefix sharing; and (adapters) the plain workload with four rank-16 LoRA adapters
+             on every decoder Linear served beside the base model, each of the five taking every
+             fifth request (lora_adapters_vs_base). Lines: tokens_per_s, ttft_p50_ms,
+             ttft_p99_ms; --only engine,sequential,shared,adapters; each system runs R times (default 3) in turns with the
              others, and its run of median tokens/s is reported; --write-workload FILE
              saves the requests for benches/compare_serve_load.py (transformers'
              continuous batching on them)

@@ -98,8 +98,18 @@ fn sleep_until(t0: Instant, at: f64) {
 }
 
 /// The requests through the engine as they arrive.
-fn engine_run(model: &LlamaForCausalLM, reqs: &[Req], cfg: EngineConfig) -> Result<(Outcome, u64)> {
+/// With `adapters`, request `i` is served by adapter `i % (n + 1) - 1` (the
+/// base model for 0): each adapter and the base get an equal share.
+fn engine_run(
+    model: &LlamaForCausalLM,
+    reqs: &[Req],
+    cfg: EngineConfig,
+    adapters: &[std::path::PathBuf],
+) -> Result<(Outcome, u64)> {
     let mut engine = Engine::new(model.clone(), cfg)?;
+    for (i, d) in adapters.iter().enumerate() {
+        engine.load_adapter(&format!("lora{i}"), d)?;
+    }
     // Warm the allocator and kernels with one small request.
     engine.add_request(kiln::nn::serve::Request::new(vec![1; 32], 4))?;
     while engine.has_work() {
@@ -116,8 +126,11 @@ fn engine_run(model: &LlamaForCausalLM, reqs: &[Req], cfg: EngineConfig) -> Resu
         }
         let now = t0.elapsed().as_secs_f64();
         while next < reqs.len() && reqs[next].arrival <= now {
-            let id =
-                engine.add_request(kiln::nn::serve::Request::new(reqs[next].prompt.clone(), reqs[next].max_new))?;
+            let mut r = kiln::nn::serve::Request::new(reqs[next].prompt.clone(), reqs[next].max_new);
+            if let Some(a) = (next % (adapters.len() + 1)).checked_sub(1) {
+                r = r.with_adapter(&format!("lora{a}"));
+            }
+            let id = engine.add_request(r)?;
             idx.insert(id, next);
             next += 1;
         }
@@ -165,6 +178,25 @@ fn sequential_run(model: &LlamaForCausalLM, reqs: &[Req]) -> Result<Outcome> {
     Ok(Outcome { tokens, makespan: t0.elapsed().as_secs_f64(), ttft })
 }
 
+/// `n` random rank-`r` adapters on every decoder Linear of `model` (B drawn
+/// too, so they change the outputs), saved in PEFT's format under the temp dir.
+fn lora_adapters(model: &LlamaForCausalLM, n: usize, r: usize) -> Result<Vec<std::path::PathBuf>> {
+    use kiln::nn::lora::{inject_adapter, save_adapter, LoraConfig, LoraInit, TargetModules};
+    let root = std::env::temp_dir().join(format!("kiln-bench-lora-{}", std::process::id()));
+    (0..n)
+        .map(|i| {
+            let mut m = model.clone();
+            let mut c = LoraConfig::new(r, TargetModules::AllLinear);
+            c.init_lora_weights = LoraInit::Random;
+            kiln::manual_seed(100 + i as u64);
+            inject_adapter(&mut m, &c)?;
+            let dir = root.join(format!("lora{i}"));
+            save_adapter(&dir, &m, &c)?;
+            Ok(dir)
+        })
+        .collect()
+}
+
 /// Options of `serve-load`.
 pub struct ServeLoadArgs {
     pub preset: String,
@@ -203,17 +235,26 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
         Some((_, v)) => v.push((o, extra)),
         None => runs.push((name, vec![(o, extra)])),
     };
+    // `adapters`: four rank-16 LoRA adapters on every decoder Linear, served
+    // beside the base model (Note [Serving adapters]).
+    let adapter_dirs = if want("adapters") { lora_adapters(&model, 4, 16)? } else { vec![] };
     for _ in 0..a.repeat.max(1) {
         if want("engine") {
-            let (o, _) = engine_run(&model, &plain, ecfg(true))?;
+            let (o, _) = engine_run(&model, &plain, ecfg(true), &[])?;
             record("engine", o, vec![("workload", json!("plain"))]);
+        }
+        if want("adapters") {
+            let (o, _) = engine_run(&model, &plain, ecfg(true), &adapter_dirs)?;
+            let extra =
+                vec![("workload", json!("plain")), ("adapters", json!(adapter_dirs.len())), ("lora_r", json!(16))];
+            record("engine-lora", o, extra);
         }
         if want("sequential") {
             record("sequential", sequential_run(&model, &plain)?, vec![("workload", json!("plain"))]);
         }
         if want("shared") {
             for sharing in [true, false] {
-                let (o, hits) = engine_run(&model, &shared, ecfg(sharing))?;
+                let (o, hits) = engine_run(&model, &shared, ecfg(sharing), &[])?;
                 let name = if sharing { "engine-prefix-sharing" } else { "engine-no-prefix-sharing" };
                 record(name, o, vec![("workload", json!("shared-256")), ("prefix_hit_tokens", json!(hits))]);
             }
@@ -239,7 +280,10 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
     if let Some(r) = ratio("engine-prefix-sharing", "engine-no-prefix-sharing") {
         l = l.set("prefix_sharing_vs_none", r);
     }
-    if l.has("engine_vs_sequential") || l.has("prefix_sharing_vs_none") {
+    if let Some(r) = ratio("engine-lora", "engine") {
+        l = l.set("lora_adapters_vs_base", r);
+    }
+    if l.has("engine_vs_sequential") || l.has("prefix_sharing_vs_none") || l.has("lora_adapters_vs_base") {
         l.emit();
     }
     Ok(())
