@@ -66,6 +66,7 @@ USAGE: cargo run --release --example finetune -- [OPTIONS]
   --lora-dropout P     dropout on the adapters' input [default: 0]
   --target-modules T   all-linear, a comma-separated list (q_proj,v_proj), or a regex [default: all-linear]
   --rslora             scaling = A / sqrt(r)
+  --dora               DoRA: a trainable magnitude per output row beside each adapter
   --steps N            optimizer steps [default: 600]
   --batch B            conversations (or packed rows) per step [default: 16]
   --seq T              tokens per row (longer conversations are cut) [default: 64]
@@ -97,6 +98,7 @@ struct Args {
     lora_dropout: f64,
     target_modules: String,
     rslora: bool,
+    dora: bool,
     steps: u64,
     batch: usize,
     seq: usize,
@@ -133,6 +135,7 @@ fn parse_args() -> Result<Option<Args>> {
         lora_dropout: 0.0,
         target_modules: "all-linear".into(),
         rslora: false,
+        dora: false,
         steps: 600,
         batch: 16,
         seq: 64,
@@ -163,6 +166,7 @@ fn parse_args() -> Result<Option<Args>> {
             "--packing" => a.packing = true,
             "--all-tokens" => a.all_tokens = true,
             "--rslora" => a.rslora = true,
+            "--dora" => a.dora = true,
             "--merge" => a.merge = true,
             "--resume" => a.resume = true,
             _ => {
@@ -224,6 +228,7 @@ impl Args {
         c.lora_alpha = self.lora_alpha.unwrap_or(2.0 * self.lora_r as f64);
         c.lora_dropout = self.lora_dropout;
         c.use_rslora = self.rslora;
+        c.use_dora = self.dora;
         c.base_model_name_or_path = self.model.as_ref().map(|m| m.display().to_string());
         c
     }

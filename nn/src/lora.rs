@@ -56,7 +56,7 @@ mod adapter;
 mod config;
 pub(crate) mod serve;
 
-pub use adapter::{LoraAdapter, LoraInit};
+pub use adapter::{LoraAdapter, LoraInit, MAGNITUDE};
 pub use config::{LoraConfig, TargetModules};
 pub use serve::{load_served_adapter, with_routing, AdapterRouting};
 
@@ -153,6 +153,9 @@ fn inject(model: &mut dyn Module, config: &LoraConfig, init: Option<LoraInit>) -
         if selected.iter().any(|s| s == n) && l.adapter().is_some() {
             problems.push(format!("{n} already has an adapter"));
         }
+        if selected.iter().any(|s| s == n) && config.use_dora && l.is_quantized() {
+            problems.push(format!("{n}: DoRA needs the dense weight, which is kept quantized"));
+        }
         Ok(())
     })?;
     if !problems.is_empty() {
@@ -185,6 +188,14 @@ fn inject(model: &mut dyn Module, config: &LoraConfig, init: Option<LoraInit>) -
                 LoraAdapter::from_weights(a, b, scaling, config.lora_dropout)?
             }
         };
+        if config.use_dora {
+            // m starts at the row norms of the adapted weight (of W itself when B = 0).
+            let m = match init {
+                Some(_) => a.row_norms(&l.weight)?,
+                None => Tensor::zeros(&[l.out_features()], dtype)?.to_device(l.weight.device())?,
+            };
+            a = a.with_magnitude(crate::layers::parameter(m, opts.into())?)?;
+        }
         a.train(training);
         l.set_adapter(a)?;
         Ok(())
@@ -195,7 +206,7 @@ fn inject(model: &mut dyn Module, config: &LoraConfig, init: Option<LoraInit>) -
 
 /// Whether `name` is an adapter's parameter (`….lora_A.weight`, `….lora_B.weight`).
 pub fn is_adapter_parameter(name: &str) -> bool {
-    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight") || name.ends_with(&format!(".{MAGNITUDE}"))
 }
 
 /// Every adapter parameter, and every parameter of `modules_to_save`, under
@@ -334,6 +345,29 @@ fn for_each_adapted(
     Ok(n)
 }
 
+/// Writes `l`'s adapter into its weight: `W + delta`, or DoRA's
+/// `(m / n) (W + delta)` with `n` the row norms of `W + delta` (kept to unmerge).
+fn merge_one(l: &mut Linear) -> Result<()> {
+    let a = l.adapter().expect("adapted");
+    let delta = a.delta_weight(l.weight.dtype())?;
+    let norm = match a.magnitude() {
+        Some(m) => {
+            let norm = a.row_norms(&l.weight)?;
+            let factor = m.div(&norm)?.to_dtype(l.weight.dtype())?.unsqueeze(1)?;
+            l.weight.copy_(&l.weight.add(&delta)?.mul(&factor)?)?;
+            Some(norm)
+        }
+        None => {
+            l.weight.add_(&delta)?;
+            None
+        }
+    };
+    let a = l.adapter_mut().expect("adapted");
+    a.set_merged(true);
+    a.set_merged_norm(norm);
+    Ok(())
+}
+
 fn dense_check(l: &Linear) -> Option<String> {
     l.is_quantized().then(|| {
         "the weight is kept quantized: merging would requantize it (load the base dequantized to merge)".to_string()
@@ -348,12 +382,7 @@ pub fn merge_adapter(model: &mut dyn Module) -> Result<usize> {
     let check = |l: &Linear| {
         dense_check(l).or_else(|| l.adapter().filter(|a| a.is_merged()).map(|_| "already merged".to_string()))
     };
-    for_each_adapted(model, "merge_adapter", check, |l| {
-        let delta = l.adapter().expect("adapted").delta_weight(l.weight.dtype())?;
-        l.weight.add_(&delta)?;
-        l.adapter_mut().expect("adapted").set_merged(true);
-        Ok(())
-    })
+    for_each_adapted(model, "merge_adapter", check, merge_one)
 }
 
 /// Subtracts each merged adapter's product from its layer's weight again
@@ -362,9 +391,18 @@ pub fn merge_adapter(model: &mut dyn Module) -> Result<usize> {
 pub fn unmerge_adapter(model: &mut dyn Module) -> Result<usize> {
     let check = |l: &Linear| l.adapter().filter(|a| !a.is_merged()).map(|_| "not merged".to_string());
     for_each_adapted(model, "unmerge_adapter", check, |l| {
-        let delta = l.adapter().expect("adapted").delta_weight(l.weight.dtype())?;
-        l.weight.sub_(&delta)?;
-        l.adapter_mut().expect("adapted").set_merged(false);
+        let a = l.adapter().expect("adapted");
+        let delta = a.delta_weight(l.weight.dtype())?;
+        if let (Some(m), Some(norm)) = (a.magnitude(), a.merged_norm()) {
+            // DoRA: W' = (m / n) (W + delta), so W = W' / (m / n) - delta.
+            let factor = m.div(norm)?.to_dtype(l.weight.dtype())?.unsqueeze(1)?;
+            l.weight.copy_(&l.weight.div(&factor)?.sub(&delta)?)?;
+        } else {
+            l.weight.sub_(&delta)?;
+        }
+        let a = l.adapter_mut().expect("adapted");
+        a.set_merged(false);
+        a.set_merged_norm(None);
         Ok(())
     })
 }
@@ -379,8 +417,7 @@ pub fn merge_and_unload(model: &mut dyn Module) -> Result<usize> {
     };
     for_each_adapted(model, "merge_and_unload", check, |l| {
         if !l.adapter().expect("adapted").is_merged() {
-            let delta = l.adapter().expect("adapted").delta_weight(l.weight.dtype())?;
-            l.weight.add_(&delta)?;
+            merge_one(l)?;
         }
         l.take_adapter();
         Ok(())

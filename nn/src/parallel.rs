@@ -166,6 +166,8 @@ pub fn parallelize_module<M: Module + ?Sized>(
             (Some(ParallelStyle::ColwiseParallel), None, "weight" | "bias", _) => Placement::Shard(0),
             (Some(ParallelStyle::RowwiseParallel), None, "weight", 2) => Placement::Shard(1),
             (Some(ParallelStyle::ColwiseParallel), Some("lora_B"), _, 2) => Placement::Shard(0),
+            // DoRA's magnitude has one entry per output row.
+            (Some(ParallelStyle::ColwiseParallel), None, crate::lora::MAGNITUDE, 1) => Placement::Shard(0),
             (Some(ParallelStyle::RowwiseParallel), Some("lora_A"), _, 2) => Placement::Shard(1),
             _ => Placement::Replicate,
         };

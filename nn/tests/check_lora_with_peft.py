@@ -33,6 +33,13 @@ def base(d):
     return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
 
 
+def file_name(n):
+    """A parameter's name in adapter_model.safetensors: no adapter name, a saved
+    module under its own name, DoRA's magnitude without its `.weight`."""
+    n = n.replace(".default", "").replace(".modules_to_save", "")
+    return n[: -len(".weight")] if n.endswith("lora_magnitude_vector.weight") else n
+
+
 def make(d, cfg_path, ids_path, out):
     cfg = json.load(open(cfg_path))
     torch.manual_seed(cfg.pop("seed", 0))
@@ -45,8 +52,7 @@ def make(d, cfg_path, ids_path, out):
     model.save_pretrained(f"{out}/adapter")
     ids = load_file(ids_path)["input_ids"]
     model.train()
-    # The names of adapter_model.safetensors: no adapter name, a saved module under its own name.
-    named = [(n.replace(".default", "").replace(".modules_to_save", ""), p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(file_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     gold = {}
     o = model(input_ids=ids, labels=ids)
     gold["logits"] = o.logits.detach().clone()

@@ -263,7 +263,8 @@ fn adapter_configs_with_fields_kiln_would_ignore_are_refused() {
     assert_eq!((c.r, c.lora_alpha, c.init_lora_weights), (4, 8.0, LoraInit::Default));
     assert_eq!(LoraConfig::from_json(&c.to_json()).unwrap(), c, "to_json reads back as itself");
     for (field, value, want) in [
-        ("use_dora", serde_json::json!(true), "\"use_dora\": true is not supported"),
+        ("fan_in_fan_out", serde_json::json!(true), "\"fan_in_fan_out\": true is not supported"),
+        ("use_qalora", serde_json::json!(true), "\"use_qalora\": true is not supported"),
         ("layers_to_transform", serde_json::json!([0]), "\"layers_to_transform\" = [0] is not supported"),
         ("bias", serde_json::json!("all"), "bias \"all\""),
         ("init_lora_weights", serde_json::json!("pissa"), "init_lora_weights \"pissa\""),
@@ -458,4 +459,43 @@ fn peft_fixture_under_fsdp_and_tensor_parallelism() {
         opt.step().unwrap();
         check_params("llama", &peft_named(&model), &g, "adamw_step1");
     }
+}
+
+#[test]
+fn dora_matches_peft() {
+    let config = serde_json::json!({"seed": 4, "r": 4, "lora_alpha": 8, "use_dora": true,
+        "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj"], "init_lora_weights": false});
+    check_against_peft("dora", &fixture_dir("llama"), "llama", config);
+}
+
+#[test]
+fn dora_merges_and_unmerges() {
+    let _g = support::rng_lock();
+    kiln::manual_seed(2);
+    let ids = &golden("lora_llama")["input_ids"];
+    let mut model = fixture_model("llama");
+    let w = model.model.layers[0].self_attn.v_proj.weight.clone();
+    let w0 = Tensor::from_vec(w.to_vec::<f32>().unwrap(), w.shape()).unwrap();
+    let mut c = LoraConfig::new(4, names(&["v_proj", "down_proj"]));
+    c.use_dora = true;
+    c.init_lora_weights = LoraInit::Random;
+    inject_adapter(&mut model, &c).unwrap();
+    // m starts at the row norms of the adapted weight: the layer's output is unchanged until m or the adapter moves.
+    let adapted = model.forward(ids, None).unwrap();
+    {
+        let _ng = kiln::autograd::no_grad();
+        model.visit_params("", &mut |n, p| {
+            if n.ends_with("lora_magnitude_vector") {
+                p.mul_(1.5).unwrap();
+            }
+        });
+    }
+    let scaled = model.forward(ids, None).unwrap();
+    let (la, lr) = tolerance("llama", "logits");
+    assert!(support::compare(&scaled, &adapted, la, lr).0 > 100.0 * la, "the magnitude scales the layers");
+    merge_adapter(&mut model).unwrap();
+    assert_close("DoRA merged", &model.forward(ids, None).unwrap(), &scaled, la, lr);
+    unmerge_adapter(&mut model).unwrap();
+    assert_close("DoRA unmerged weight", &w, &w0, 1e-6, 0.0);
+    assert_close("DoRA unmerged", &model.forward(ids, None).unwrap(), &scaled, la, lr);
 }

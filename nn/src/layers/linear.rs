@@ -184,6 +184,9 @@ impl Linear {
                 format!("the adapter is on {:?}, the layer on {:?}", adapter.lora_a.device(), self.weight.device()),
             ));
         }
+        if adapter.magnitude().is_some() && self.quantized.is_some() {
+            return Err(Error::invalid("Linear::set_adapter", "DoRA needs the dense weight, which is kept quantized"));
+        }
         if self.adapter.as_ref().is_some_and(|a| a.is_merged()) {
             return Err(Error::invalid("Linear::set_adapter", "the layer's adapter is merged: unmerge it first"));
         }
@@ -241,7 +244,7 @@ impl Linear {
             }
         };
         let y = match self.adapter.as_deref() {
-            Some(a) if !a.is_merged() => a.add_to(&y, x)?,
+            Some(a) if !a.is_merged() => a.add_to(&y, x, &self.weight, self.bias.as_ref())?,
             _ => y,
         };
         match crate::lora::serve::routing() {

@@ -7,6 +7,20 @@ use crate::module::{join_name, Module};
 use kiln_tensor::trace::ConstantScope;
 use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
 
+/// The name of DoRA's magnitude vector, as PEFT's files hold it.
+pub const MAGNITUDE: &str = "lora_magnitude_vector";
+
+// Note [DoRA]
+// ~~~~~~~~~~~
+// DoRA (Liu et al. 2024) splits the adapted weight into a magnitude and a
+// direction: `W' = m * (W + s B A) / ||W + s B A||`, the norm taken over each
+// output row and treated as a constant (detached), `m` a trainable vector
+// started at the norms of the base weight (with B = 0). The layer computes it
+// without forming `W'`, as PEFT does: `y + (m / n - 1) * W x + (m / n) * s B A x`.
+// It needs the dense weight: a kept-quantized base is refused. PEFT's files
+// name `m` `….lora_magnitude_vector`; merging writes `W'` into the weight and
+// keeps `n` to unmerge.
+
 /// How a fresh adapter's matrices are drawn (PEFT's `init_lora_weights`),
 /// from the global generator (`kiln::manual_seed`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +50,12 @@ pub struct LoraAdapter {
     scaling: f64,
     dropout: Dropout,
     merged: bool,
+    /// DoRA's magnitude `m` (`lora_magnitude_vector`, `[out_features]`), when
+    /// the adapter is a DoRA one (Note [DoRA]).
+    magnitude: Option<Tensor>,
+    /// The row norms `||W + scaling * B A||` the weight was merged with
+    /// (DoRA), to unmerge it.
+    merged_norm: Option<Tensor>,
 }
 
 impl LoraAdapter {
@@ -99,7 +119,61 @@ impl LoraAdapter {
         if !scaling.is_finite() {
             return Err(Error::invalid("LoraAdapter", format!("the scaling must be finite, got {scaling}")));
         }
-        Ok(LoraAdapter { lora_a, lora_b, scaling, dropout: Dropout::new(dropout)?, merged: false })
+        Ok(LoraAdapter {
+            lora_a,
+            lora_b,
+            scaling,
+            dropout: Dropout::new(dropout)?,
+            merged: false,
+            magnitude: None,
+            merged_norm: None,
+        })
+    }
+
+    /// DoRA's magnitude vector, for a DoRA adapter.
+    pub fn magnitude(&self) -> Option<&Tensor> {
+        self.magnitude.as_ref()
+    }
+
+    /// Makes the adapter a DoRA one with magnitude `m` (`[out_features]`,
+    /// the adapter's dtype and device).
+    pub fn with_magnitude(mut self, m: Tensor) -> Result<LoraAdapter> {
+        if m.shape() != [self.lora_b.shape()[0]]
+            || m.dtype() != self.lora_a.dtype()
+            || m.device() != self.lora_a.device()
+        {
+            return Err(Error::shape(
+                "LoraAdapter::with_magnitude",
+                format!(
+                    "the magnitude must be [{}] in {} on {:?}, got {:?} {} on {:?}",
+                    self.lora_b.shape()[0],
+                    self.lora_a.dtype(),
+                    self.lora_a.device(),
+                    m.shape(),
+                    m.dtype(),
+                    m.device()
+                ),
+            ));
+        }
+        self.magnitude = Some(m);
+        Ok(self)
+    }
+
+    /// DoRA: the norm of each row of `W + scaling * B A` (in the adapter's
+    /// dtype, detached: the paper's section 4.3, as PEFT computes it).
+    pub(crate) fn row_norms(&self, weight: &Tensor) -> Result<Tensor> {
+        let _g = kiln_autograd::no_grad();
+        let _c = ConstantScope::enter();
+        let lora = self.lora_b.matmul(&self.lora_a)?.mul(self.scaling)?;
+        weight.to_dtype(self.lora_a.dtype())?.add(&lora)?.square()?.sum_dim(1, false)?.sqrt()
+    }
+
+    pub(crate) fn set_merged_norm(&mut self, norm: Option<Tensor>) {
+        self.merged_norm = norm;
+    }
+
+    pub(crate) fn merged_norm(&self) -> Option<&Tensor> {
+        self.merged_norm.as_ref()
     }
 
     /// The rank `r`.
@@ -140,9 +214,31 @@ impl LoraAdapter {
     /// dtype and the sum taken in the wider of the two dtypes, then cast
     /// back to `y`'s (PEFT's `_cast_input_dtype` and its final cast), so a
     /// low-precision base keeps f32 adapters exact.
-    pub(crate) fn add_to(&self, y: &Tensor, x: &Tensor) -> Result<Tensor> {
+    ///
+    /// A DoRA adapter needs the layer's dense `weight` and `bias`: it gives
+    /// `y + (m / n - 1) * W x + (m / n) * B(scaling * A(x))` with `n` the
+    /// detached row norms of `W + scaling * B A` (PEFT's DoRA forward; with
+    /// dropout active, `W x` is recomputed on the dropped input).
+    pub(crate) fn add_to(&self, y: &Tensor, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let _c = ConstantScope::enter();
-        let delta = self.delta(&self.dropout.forward(x)?)?;
+        let xd = self.dropout.forward(x)?;
+        let delta = self.delta(&xd)?;
+        let delta = match &self.magnitude {
+            None => delta,
+            Some(m) => {
+                let dt = self.lora_a.dtype();
+                let base = if self.dropout.is_active() {
+                    xd.to_dtype(dt)?.linear(&weight.to_dtype(dt)?, None)?
+                } else {
+                    match bias {
+                        Some(b) => y.sub(b)?.to_dtype(dt)?,
+                        None => y.to_dtype(dt)?,
+                    }
+                };
+                let scale = m.div(&self.row_norms(weight)?)?;
+                base.mul(&scale.sub(1.0)?)?.add(&delta.mul(&scale)?)?
+            }
+        };
         if delta.dtype() == y.dtype() {
             return y.add(&delta);
         }
@@ -170,11 +266,18 @@ impl Module for LoraAdapter {
     fn visit_params(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor)) {
         f(&join_name(prefix, "lora_A.weight"), &self.lora_a);
         f(&join_name(prefix, "lora_B.weight"), &self.lora_b);
+        if let Some(m) = &self.magnitude {
+            f(&join_name(prefix, MAGNITUDE), m);
+        }
     }
 
     fn visit_params_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor) -> Result<()>) -> Result<()> {
         f(&join_name(prefix, "lora_A.weight"), &mut self.lora_a)?;
-        f(&join_name(prefix, "lora_B.weight"), &mut self.lora_b)
+        f(&join_name(prefix, "lora_B.weight"), &mut self.lora_b)?;
+        match &mut self.magnitude {
+            Some(m) => f(&join_name(prefix, MAGNITUDE), m),
+            None => Ok(()),
+        }
     }
 
     fn train(&mut self, on: bool) {

@@ -39,6 +39,8 @@ pub struct LoraConfig {
     pub lora_dropout: f64,
     /// rsLoRA: the scaling is `lora_alpha / sqrt(r)`.
     pub use_rslora: bool,
+    /// DoRA: a trainable magnitude per output row beside the adapter (Note [DoRA]).
+    pub use_dora: bool,
     /// Modules trained whole next to the adapters (a new head, say), saved
     /// in the adapter file under their own names.
     pub modules_to_save: Vec<String>,
@@ -65,6 +67,7 @@ impl LoraConfig {
             exclude_modules: None,
             lora_dropout: 0.0,
             use_rslora: false,
+            use_dora: false,
             modules_to_save: vec![],
             init_lora_weights: LoraInit::Default,
             rank_pattern: BTreeMap::new(),
@@ -117,7 +120,7 @@ impl LoraConfig {
 
     /// Reads PEFT's `adapter_config.json`. Fields kiln does not implement
     /// are refused unless they hold their inert value (`null`, `false`,
-    /// `{}`, `[]`), and so are `bias` other than `"none"`, `use_dora`,
+    /// `{}`, `[]`), and so are `bias` other than `"none"`,
     /// `fan_in_fan_out`, `layers_to_transform` and initialisations other
     /// than `true`, `false` and `"gaussian"`.
     pub fn from_json(v: &Value) -> Result<LoraConfig> {
@@ -174,7 +177,7 @@ impl LoraConfig {
             None | Some("none") => {}
             Some(b) => return Err(err(format!("bias {b:?}: only \"none\" is supported"))),
         }
-        for k in ["use_dora", "fan_in_fan_out", "lora_bias", "use_qalora", "use_bdlora"] {
+        for k in ["fan_in_fan_out", "lora_bias", "use_qalora", "use_bdlora"] {
             if flag(k)? {
                 return Err(err(format!("\"{k}\": true is not supported")));
             }
@@ -226,6 +229,7 @@ impl LoraConfig {
             exclude_modules,
             lora_dropout,
             use_rslora: flag("use_rslora")?,
+            use_dora: flag("use_dora")?,
             modules_to_save,
             init_lora_weights,
             rank_pattern,
@@ -285,7 +289,7 @@ impl LoraConfig {
             "lora_dropout": self.lora_dropout,
             "bias": "none",
             "use_rslora": self.use_rslora,
-            "use_dora": false,
+            "use_dora": self.use_dora,
             "fan_in_fan_out": false,
             "modules_to_save": if self.modules_to_save.is_empty() { Value::Null } else { json!(self.modules_to_save) },
             "init_lora_weights": init,

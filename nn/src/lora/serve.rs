@@ -127,6 +127,9 @@ pub fn load_served_adapter(model: &mut dyn Module, dir: impl AsRef<Path>, slot: 
     let err = |m: String| Error::invalid("load_served_adapter", format!("{}: {m}", dir.display()));
     let config = super::load_adapter_config(dir)?;
     let mut state = load_safetensors(dir.join(ADAPTER_WEIGHTS_FILE))?;
+    if config.use_dora {
+        return Err(err("DoRA adapters rescale the whole weight: serve them merged (lora::merge_and_unload)".into()));
+    }
     if !config.modules_to_save.is_empty() {
         return Err(err("an adapter with modules_to_save replaces whole modules: serve it merged".into()));
     }
