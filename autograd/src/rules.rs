@@ -1,7 +1,7 @@
 //! One gradient rule per primitive, in one exhaustive `match`: given the
 //! gradients of a node's outputs, build the gradients of its inputs out of
 //! tensor ops (so backward is itself made of primitives).
-use kiln_tensor::quant::Activations;
+use kiln_tensor::quant::{Activations, QuantSpec};
 use kiln_tensor::{
     ArgReduceOp, BinaryOp, DType, Edge, Layout, Op, ReduceOp, Result, ScatterReduce, Shape, Tensor, UnaryOp, ViewOp,
 };
@@ -32,6 +32,33 @@ impl Ctx<'_> {
     fn dtype(&self, i: usize) -> DType {
         self.edges[i].value.dtype()
     }
+}
+
+/// Float32 elements of a quantized weight dequantized at once by a backward:
+/// 4 MiB, so that QLoRA's backward never holds a whole large weight in float32.
+const DEQUANT_CHUNK_ELEMS: usize = 1 << 20;
+
+/// `g @ W` (float32) for `W [out, in]` quantized as `codes` and `scales`:
+/// the rows of `W` dequantized in chunks of whole scale blocks of at most
+/// [`DEQUANT_CHUNK_ELEMS`] elements, each chunk's product summed.
+fn quant_input_grad(spec: &QuantSpec, g: &Tensor, codes: &Tensor, scales: &Tensor) -> Result<Tensor> {
+    let [out, inp] = spec.weight_shape(codes.shape());
+    let br = spec.block[0].max(1);
+    let rows = (DEQUANT_CHUNK_ELEMS / inp.max(1)).max(br) / br * br;
+    let g = g.to_dtype(DType::F32)?;
+    let mut dx: Option<Tensor> = None;
+    for start in (0..out).step_by(rows.max(1)) {
+        let n = rows.min(out - start);
+        let c = codes.narrow(0, start as isize, n)?;
+        let s = scales.narrow(0, (start / br) as isize, n.div_ceil(br))?;
+        let w = prim(Op::Dequantize(spec.clone()), &[&c, &s])?;
+        let part = g.narrow(-1, start as isize, n)?.matmul(&w)?;
+        dx = Some(match dx {
+            None => part,
+            Some(d) => d.add(&part)?,
+        });
+    }
+    dx.ok_or_else(|| kiln_tensor::Error::shape("quant_matmul", "a quantized weight with no rows"))
 }
 
 fn prim(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
@@ -322,7 +349,8 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
         }
         // Codes and scales are integer / float8 data, never differentiable: only
         // the input of a quantized product gets a gradient, `g @ W` with `W`
-        // dequantized (a frozen quantized layer under a trainable adapter).
+        // dequantized a block of rows at a time (a frozen quantized layer under
+        // a trainable adapter: QLoRA).
         Op::Dequantize(_) => {}
         Op::QuantMatMul(spec) => {
             if ctx.needs(0) {
@@ -337,8 +365,7 @@ pub(crate) fn backward(ctx: &Ctx<'_>, grads: &[Option<Tensor>]) -> Result<Vec<Op
                         ))
                     }
                 }
-                let w = prim(Op::Dequantize(spec.clone()), &[ctx.saved(1)?, ctx.saved(2)?])?;
-                let dx = g.to_dtype(DType::F32)?.matmul(&w)?;
+                let dx = quant_input_grad(spec, &g, ctx.saved(1)?, ctx.saved(2)?)?;
                 out[0] = Some(dx.to_dtype(ctx.dtype(0))?);
             }
         }

@@ -193,6 +193,49 @@ fn the_quantized_product_equals_the_dequantized_one_with_its_gradient() {
     assert!(e.contains("needs scales of shape [3, 3]"), "{e}");
 }
 
+/// A weight larger than one dequantized chunk of the backward (1M float32
+/// elements): the input's gradient, summed over row chunks of whole scale
+/// blocks (a partial last block included), is the dense one.
+#[test]
+fn the_gradient_through_a_large_quantized_weight_is_taken_by_row_chunks() {
+    support::register_tpu();
+    kiln::manual_seed(5);
+    let (out, inp) = (3000usize, 512usize);
+    let fp8 = QuantSpec::new(Codes::E4M3, [128, 128], None);
+    let nv = QuantSpec::new(Codes::E2M1, [1, 16], Some(Global::Div(3.0)));
+    let layouts = [
+        (
+            fp8.clone(),
+            Tensor::randn(&[out, inp], DType::F32).unwrap().mul(40.0).unwrap().to_dtype(DType::F8E4M3FN).unwrap(),
+            Tensor::rand(&fp8.scales_shape(out, inp), DType::F32).unwrap().add(0.25).unwrap(),
+        ),
+        (
+            nv.clone(),
+            Tensor::randint(0, 256, &[out, inp / 2], DType::U8).unwrap(),
+            Tensor::rand(&nv.scales_shape(out, inp), DType::F32)
+                .unwrap()
+                .mul(100.0)
+                .unwrap()
+                .to_dtype(DType::F8E4M3FN)
+                .unwrap(),
+        ),
+    ];
+    for dev in [Device::Cpu, Device::Tpu(0)] {
+        for (i, (spec, codes, scales)) in layouts.iter().enumerate() {
+            let (codes, scales) = (codes.to_device(dev).unwrap(), scales.to_device(dev).unwrap());
+            let w = Tensor::dequantize(&codes, &scales, spec).unwrap();
+            let x = Tensor::randn(&[3, inp], DType::F32).unwrap().to_device(dev).unwrap();
+            x.requires_grad_(true).unwrap();
+            let g = Tensor::randn(&[3, out], DType::F32).unwrap().to_device(dev).unwrap();
+            x.quant_matmul(&codes, &scales, spec).unwrap().mul(&g).unwrap().sum().unwrap().backward().unwrap();
+            let want = g.matmul(&w).unwrap();
+            // Float32 sums of 3000 products in another order: a few roundings of |g| |W| sqrt(out).
+            let scale = want.abs().unwrap().to_vec::<f32>().unwrap().iter().fold(0f32, |m, v| m.max(*v)) as f64;
+            assert_close(&format!("{dev} layout {i}"), &x.grad().unwrap(), &want, 1e-5 * scale, 1e-5);
+        }
+    }
+}
+
 /// Note [Int8 activations]: with `Activations::Int8`, the CPU (integer
 /// products for a few rows, float products of the rounded rows for more) and
 /// PJRT (the rounding lowered to StableHLO) both compute the rounded rows
