@@ -60,18 +60,6 @@ pub fn prepare(model: &mut LlamaForCausalLM, how: &Finetune) -> Result<()> {
     Ok(())
 }
 
-/// Current resident memory of this process in MiB (Linux `VmRSS`; NaN elsewhere).
-fn rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<f64>().ok()))
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0)
-}
-
 /// The fine-tuning fields of a train line: the method, trainable and total
 /// parameters, AdamW's state for the trainable ones (two float32 moments
 /// each), the bytes of the model's tensors (quantized codes and scales
@@ -92,7 +80,7 @@ pub fn fields(l: Line, model: &mut LlamaForCausalLM, how: &Finetune) -> Result<L
         .set("total_params", model.num_parameters())
         .set("optimizer_state_mb", sig4((trainable * 8) as f64 / 1048576.0))
         .set("weights_mb", sig4(weight_bytes as f64 / 1048576.0))
-        .set("rss_mb", sig4(rss_mb()));
+        .set("rss_mb", sig4(crate::llm::proc_status_mb("VmRSS:")));
     Ok(match how {
         Finetune::Full => l,
         Finetune::Lora { r } => l.set("lora_r", *r),

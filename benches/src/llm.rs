@@ -93,11 +93,17 @@ pub fn preset(name: &str) -> std::result::Result<LlamaConfig, String> {
 
 /// Peak resident memory of this process in MiB (Linux `VmHWM`; NaN elsewhere).
 pub fn peak_rss_mb() -> f64 {
+    proc_status_mb("VmHWM:")
+}
+
+/// A memory line of `/proc/self/status` (`VmHWM:`, `VmRSS:`) in MiB; NaN
+/// where there is none.
+pub fn proc_status_mb(field: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<f64>().ok()))
         })
         .map_or(f64::NAN, |kb| kb / 1024.0)

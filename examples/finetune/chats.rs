@@ -3,10 +3,8 @@
 //! model's greedy answers in that chat form.
 use kiln::nn::chat::{ChatTemplate, Message};
 use kiln::nn::data::{AdditionTask, Tokenizer};
-use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::models::LlamaForCausalLM;
 use kiln::prelude::*;
-use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The question of problem `(a, b)`.
@@ -45,31 +43,21 @@ pub fn chat_accuracy(
     task: &AdditionTask,
     problems: &[(u64, u64)],
 ) -> Result<(f64, Vec<String>)> {
-    let mut by_len: BTreeMap<usize, Vec<(usize, Vec<u32>)>> = BTreeMap::new();
-    for (i, &(a, b)) in problems.iter().enumerate() {
-        let prompt = template.render(&[Message { role: "user".into(), content: question(a, b) }])?;
-        let ids = tok.encode(&prompt)?;
-        by_len.entry(ids.len()).or_default().push((i, ids));
-    }
-    let newline = tok.encode("\n")?.first().copied().map(i64::from);
-    let sampling = Sampling::greedy().with_eos(&newline.into_iter().collect::<Vec<_>>());
-    let mut answers = vec![(String::new(), false); problems.len()];
-    for (len, group) in by_len {
-        for chunk in group.chunks(256) {
-            let ids: Vec<i64> = chunk.iter().flat_map(|(_, ids)| ids.iter().map(|&i| i as i64)).collect();
-            let prompt = Tensor::from_vec(ids, &[chunk.len(), len])?.to_device(model.device())?;
-            let out = generate(model, &prompt, task.digits as usize + 2, &sampling)?;
-            let width = out.shape()[1];
-            let out = out.to_vec::<i64>()?;
-            for (row, (i, _)) in chunk.iter().enumerate() {
-                let new: Vec<u32> = out[row * width + len..(row + 1) * width].iter().map(|&t| t as u32).collect();
-                let text = tok.decode(&new)?;
-                let (a, b) = problems[*i];
-                answers[*i] =
-                    (text.split('\n').next().unwrap_or("").to_string(), AdditionTask::is_correct(a, b, &text));
-            }
-        }
-    }
+    let prompts = problems
+        .iter()
+        .map(|&(a, b)| {
+            let prompt = template.render(&[Message { role: "user".into(), content: question(a, b) }])?;
+            tok.encode(&prompt)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let answers: Vec<(String, bool)> = crate::answers::greedy_answers(model, tok, &prompts, task.digits as usize + 2)?
+        .into_iter()
+        .zip(problems)
+        .map(|(text, &(a, b))| {
+            let ok = AdditionTask::is_correct(a, b, &text);
+            (text, ok)
+        })
+        .collect();
     let examples = problems
         .iter()
         .zip(&answers)

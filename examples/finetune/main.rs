@@ -21,6 +21,8 @@
 //! write the adapter in PEFT's format into `--out/adapter` (and with
 //! `--merge` the merged model into `--out/merged`). On the generated chats
 //! it reports the held-out accuracy of the greedy answers before and after.
+#[path = "../support/answers.rs"]
+mod answers;
 #[path = "../train_llama/log.rs"]
 mod log;
 #[path = "../support/logging.rs"]

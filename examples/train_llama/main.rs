@@ -23,11 +23,14 @@
 //! state) and the final model (`config.json` + `model.safetensors`) into `--out`.
 //! A resumed run continues bit for bit where the interrupted one stopped, on
 //! the same mesh or another one (its sharded checkpoint is resharded on load).
+#[path = "../support/answers.rs"]
+mod answers;
 mod args;
 mod log;
 #[path = "../support/logging.rs"]
 mod logging;
 
+use answers::greedy_answers;
 use args::{arg_err, Args, USAGE};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kiln::nn::checkpoint::{
@@ -182,31 +185,19 @@ fn addition_accuracy(
     task: &AdditionTask,
     problems: &[(u64, u64)],
 ) -> Result<AdditionReport> {
-    let mut by_len: BTreeMap<usize, Vec<(usize, Vec<u32>)>> = BTreeMap::new();
-    for (i, &(a, b)) in problems.iter().enumerate() {
-        let ids = tok.encode(&format!("\n{}", AdditionTask::prompt(a, b)))?;
-        by_len.entry(ids.len()).or_default().push((i, ids));
-    }
-    let newline = tok.encode("\n")?.first().copied().map(i64::from);
-    let sampling = Sampling::greedy().with_eos(&newline.into_iter().collect::<Vec<_>>());
+    let prompts = problems
+        .iter()
+        .map(|&(a, b)| tok.encode(&format!("\n{}", AdditionTask::prompt(a, b))))
+        .collect::<Result<Vec<_>>>()?;
     // Each problem's answer (up to its first newline) and whether it is right, in problem order.
-    let mut answers: Vec<(String, bool)> = vec![(String::new(), false); problems.len()];
-    for (len, group) in by_len {
-        for chunk in group.chunks(256) {
-            let ids: Vec<i64> = chunk.iter().flat_map(|(_, ids)| ids.iter().map(|&i| i as i64)).collect();
-            let prompt = Tensor::from_vec(ids, &[chunk.len(), len])?.to_device(model.device())?;
-            let out = generate(model, &prompt, task.digits as usize + 2, &sampling)?;
-            let width = out.shape()[1];
-            let out = out.to_vec::<i64>()?;
-            for (row, (i, _)) in chunk.iter().enumerate() {
-                let new: Vec<u32> = out[row * width + len..(row + 1) * width].iter().map(|&t| t as u32).collect();
-                let text = tok.decode(&new)?;
-                let (a, b) = problems[*i];
-                let ok = AdditionTask::is_correct(a, b, &text);
-                answers[*i] = (text.split('\n').next().unwrap_or("").to_string(), ok);
-            }
-        }
-    }
+    let answers: Vec<(String, bool)> = greedy_answers(model, tok, &prompts, task.digits as usize + 2)?
+        .into_iter()
+        .zip(problems)
+        .map(|(text, &(a, b))| {
+            let ok = AdditionTask::is_correct(a, b, &text);
+            (text, ok)
+        })
+        .collect();
     let digits = |n: u64| n.checked_ilog10().unwrap_or(0) + 1;
     let mut by_digits: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
     for (&(a, b), (_, ok)) in problems.iter().zip(&answers) {
