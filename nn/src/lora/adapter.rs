@@ -10,8 +10,8 @@ use kiln_tensor::{DType, Device, Error, Result, Tensor, TensorOptions};
 /// The name of DoRA's magnitude vector, as PEFT's files hold it.
 pub const MAGNITUDE: &str = "lora_magnitude_vector";
 
-// Note [DoRA]
-// ~~~~~~~~~~~
+// Note [DoRA magnitudes]
+// ~~~~~~~~~~~~~~~~~~~~~~
 // DoRA (Liu et al. 2024) splits the adapted weight into a magnitude and a
 // direction: `W' = m * (W + s B A) / ||W + s B A||`, the norm taken over each
 // output row and treated as a constant (detached), `m` a trainable vector
@@ -51,7 +51,7 @@ pub struct LoraAdapter {
     dropout: Dropout,
     merged: bool,
     /// DoRA's magnitude `m` (`lora_magnitude_vector`, `[out_features]`), when
-    /// the adapter is a DoRA one (Note [DoRA]).
+    /// the adapter is a DoRA one (Note [DoRA magnitudes]).
     magnitude: Option<Tensor>,
     /// The row norms `||W + scaling * B A||` the weight was merged with
     /// (DoRA), to unmerge it.

@@ -39,7 +39,7 @@ pub struct LoraConfig {
     pub lora_dropout: f64,
     /// rsLoRA: the scaling is `lora_alpha / sqrt(r)`.
     pub use_rslora: bool,
-    /// DoRA: a trainable magnitude per output row beside the adapter (Note [DoRA]).
+    /// DoRA: a trainable magnitude per output row beside the adapter (Note [DoRA magnitudes]).
     pub use_dora: bool,
     /// Modules trained whole next to the adapters (a new head, say), saved
     /// in the adapter file under their own names.

@@ -652,7 +652,7 @@ impl LlamaForCausalLM {
     }
 
     /// Logits `[B, T, vocab]` for rows that each pack several sequences one
-    /// after another (supervised fine-tuning's packing, [`crate::data::sft`]):
+    /// after another (supervised fine-tuning's packing, `data::sft`):
     /// `position_ids` (`[B, T]`, integers) restart at each sequence, and a
     /// position that does not follow the one before it starts a new sequence.
     /// Each token attends only within its own sequence, at its own positions,
