@@ -499,3 +499,44 @@ fn dora_merges_and_unmerges() {
     assert_close("DoRA unmerged weight", &w, &w0, 1e-6, 0.0);
     assert_close("DoRA unmerged", &model.forward(ids, None).unwrap(), &scaled, la, lr);
 }
+
+/// QLoRA under bf16 autocast (`bf16-mixed`: the forward's products in
+/// bfloat16, the adapters, their gradients and AdamW state in float32): the
+/// adapter gradients are float32, and as near the float64 computation as
+/// LoRA's over the dequantized base under the same autocast are (up to 2x,
+/// tensor by tensor: bfloat16's own spread).
+#[test]
+fn qlora_trains_under_bf16_autocast() {
+    use kiln::nn::models::{PretrainedOptions, QuantizedLoad};
+    use kiln::nn::precision::MixedPrecisionPolicy;
+    let _g = support::rng_lock();
+    let dir = fixture_dir("quant").join("ct_nvfp4");
+    let ids = &kiln::nn::io::load_safetensors(dir.join("golden.safetensors")).unwrap()["input_ids"];
+    let grads = |quantized: QuantizedLoad, dtype: DType, policy: Option<&str>| -> Vec<(String, Tensor)> {
+        let opts = PretrainedOptions::new(dtype, Device::Cpu).with_quantized(quantized);
+        let mut model = LlamaForCausalLM::from_pretrained_with(&dir, &opts).unwrap();
+        model.set_mixed_precision(policy.map(|p| MixedPrecisionPolicy::parse(p).unwrap()).flatten()).unwrap();
+        kiln::manual_seed(9);
+        let mut c = LoraConfig::new(8, TargetModules::AllLinear);
+        c.init_lora_weights = LoraInit::Random;
+        inject_adapter(&mut model, &c).unwrap();
+        causal_lm_loss(&model.forward(ids, None).unwrap(), ids, None).unwrap().backward().unwrap();
+        model.named_trainable_parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap())).collect()
+    };
+    let bf16 = grads(QuantizedLoad::Keep, DType::F32, Some("bf16-mixed"));
+    let dense_bf16 = grads(QuantizedLoad::Dequantize { round_to: None }, DType::F32, Some("bf16-mixed"));
+    let exact = grads(QuantizedLoad::Dequantize { round_to: None }, DType::F64, None);
+    let rel = |g: &Tensor, x: &Tensor| {
+        let (g, x) = (g.to_vec_f64().unwrap(), x.to_vec_f64().unwrap());
+        let num: f64 = g.iter().zip(&x).map(|(a, b)| (a - b) * (a - b)).sum::<f64>().sqrt();
+        num / x.iter().map(|b| b * b).sum::<f64>().sqrt()
+    };
+    let mut worst = 0f64;
+    for (((n, g), (_, d)), (_, x)) in bf16.iter().zip(&dense_bf16).zip(&exact) {
+        assert_eq!(g.dtype(), DType::F32, "{n}: the adapter's gradient is float32");
+        let (e, spread) = (rel(g, x), rel(d, x));
+        worst = worst.max(e);
+        assert!(e <= 2.0 * spread, "{n}: relative L2 error {e:.3e}; dense LoRA under bf16 autocast {spread:.3e}");
+    }
+    println!("QLoRA under bf16 autocast: worst relative L2 error of an adapter gradient {worst:.2e}");
+}
