@@ -515,7 +515,7 @@ fn qlora_trains_under_bf16_autocast() {
     let grads = |quantized: QuantizedLoad, dtype: DType, policy: Option<&str>| -> Vec<(String, Tensor)> {
         let opts = PretrainedOptions::new(dtype, Device::Cpu).with_quantized(quantized);
         let mut model = LlamaForCausalLM::from_pretrained_with(&dir, &opts).unwrap();
-        model.set_mixed_precision(policy.map(|p| MixedPrecisionPolicy::parse(p).unwrap()).flatten()).unwrap();
+        model.set_mixed_precision(policy.and_then(|p| MixedPrecisionPolicy::parse(p).unwrap())).unwrap();
         kiln::manual_seed(9);
         let mut c = LoraConfig::new(8, TargetModules::AllLinear);
         c.init_lora_weights = LoraInit::Random;
