@@ -124,7 +124,7 @@ struct Args {
 }
 
 fn arg_err(msg: impl Into<String>) -> Error {
-    Error::invalid("finetune", msg.into())
+    Error::invalid("options", msg.into())
 }
 
 fn parse_args() -> Result<Option<Args>> {
@@ -207,6 +207,9 @@ fn parse_args() -> Result<Option<Args>> {
                 }
             }
         }
+    }
+    if a.compiled && a.device == Device::Cpu && a.mesh.is_none() {
+        return Err(arg_err("--mode compiled needs a PJRT device (--device tpu)"));
     }
     if a.compiled && a.packing {
         return Err(arg_err("--packing runs eagerly: each packed row's layout is read on the host"));

@@ -143,6 +143,7 @@ pub fn inject_adapter(model: &mut dyn Module, config: &LoraConfig) -> Result<Vec
 fn inject(model: &mut dyn Module, config: &LoraConfig, init: Option<LoraInit>) -> Result<Vec<String>> {
     let err = |m: String| Error::invalid("inject_adapter", m);
     let (selected, mut problems) = select(model, config)?;
+    problems.extend(selected.iter().filter_map(|n| config.rank_and_scaling(n).err().map(|e| e.to_string())));
     let saved: Vec<String> = module_names(model).into_iter().filter(|m| config.saves_module(m)).collect();
     for want in &config.modules_to_save {
         if !saved.iter().any(|m| m == want || m.ends_with(&format!(".{want}"))) {
@@ -296,10 +297,19 @@ pub fn load_adapter(model: &mut dyn Module, dir: impl AsRef<Path>, is_trainable:
     let dir = dir.as_ref();
     let config = load_adapter_config(dir)?;
     let state = load_safetensors(dir.join(ADAPTER_WEIGHTS_FILE))?;
-    // Check the file against the selection before touching the model.
+    // A file that does not fit the selection leaves the model as it was:
+    // the adapters taken off again, the parameters that trained train again.
+    let trained: BTreeSet<String> = model.named_trainable_parameters().into_iter().map(|(n, _)| n).collect();
     inject(model, &config, None)?;
     if let Err(e) = load_adapter_state_dict(model, &config, &state) {
         remove_adapters(model)?;
+        let mut restore = Ok(());
+        model.visit_params("", &mut |n, p| {
+            if restore.is_ok() && trained.contains(n) {
+                restore = p.requires_grad_(true).map(|_| ());
+            }
+        });
+        restore?;
         return Err(e);
     }
     if !is_trainable {

@@ -248,11 +248,29 @@ fn a_selection_kiln_cannot_honour_is_refused_and_changes_nothing() {
     let mut c = LoraConfig::new(4, names(&["q_proj"]));
     c.modules_to_save = vec!["score".into()];
     refuse(&mut model, c, "modules_to_save names \"score\"");
+    let mut c = LoraConfig::new(4, names(&["q_proj"]));
+    c.rank_pattern = [("q_proj".to_string(), 2), ("self_attn.q_proj".to_string(), 3)].into_iter().collect();
+    refuse(&mut model, c, "both match model.layers.0.self_attn.q_proj with different values");
     inject_adapter(&mut model, &LoraConfig::new(4, names(&["q_proj"]))).unwrap();
     let e = inject_adapter(&mut model, &LoraConfig::new(4, names(&["q_proj"]))).unwrap_err().to_string();
     assert!(e.contains("model.layers.0.self_attn.q_proj already has an adapter"), "{e}");
     let e = model.save_pretrained(support::temp_dir("lora-save-refused")).unwrap_err().to_string();
     assert!(e.contains("lora::save_adapter"), "{e}");
+    // An adapter file short of a tensor is refused, and the model is left as it was.
+    let mut model = fixture_model("llama");
+    let dir = support::temp_dir("lora-short-file");
+    let src = fixture_dir("lora_llama").join("adapter");
+    std::fs::copy(src.join("adapter_config.json"), dir.join("adapter_config.json")).unwrap();
+    let mut weights = kiln::nn::io::load_safetensors(src.join("adapter_model.safetensors")).unwrap();
+    let gone = "base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight";
+    weights.remove(gone).unwrap();
+    kiln::nn::io::save_safetensors(dir.join("adapter_model.safetensors"), &weights, None).unwrap();
+    let before = model.named_trainable_parameters().len();
+    let e = load_adapter(&mut model, &dir, true).unwrap_err().to_string();
+    assert!(e.contains(&format!("missing {gone}")), "{e}");
+    assert_eq!(model.named_trainable_parameters().len(), before, "the parameters that trained still train");
+    assert!(model.state_dict().keys().all(|k| !k.contains("lora_")), "no adapter is left");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

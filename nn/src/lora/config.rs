@@ -46,7 +46,8 @@ pub struct LoraConfig {
     pub modules_to_save: Vec<String>,
     /// How fresh adapters are drawn.
     pub init_lora_weights: LoraInit,
-    /// Per-module ranks, by a pattern matched at the end of the module's name.
+    /// Per-module ranks, by a pattern matched at the end of the module's name
+    /// (two patterns giving one module different ranks are an error).
     pub rank_pattern: BTreeMap<String, usize>,
     /// Per-module `lora_alpha`, matched as `rank_pattern`.
     pub alpha_pattern: BTreeMap<String, f64>,
@@ -348,12 +349,24 @@ fn suffix_regex(key: &str) -> Result<regex::Regex> {
         .map_err(|e| Error::invalid("LoraConfig", format!("pattern {key:?} does not compile: {e}")))
 }
 
-/// The value of the first pattern (in key order) that matches `name`.
-fn pattern_value<'a, T>(patterns: &'a BTreeMap<String, T>, name: &str) -> Result<Option<&'a T>> {
+/// The value of the pattern that matches `name`. PEFT takes the first match
+/// in its file's order, which a JSON object does not keep: two patterns that
+/// match one module with different values are an error rather than a guess.
+fn pattern_value<'a, T: PartialEq>(patterns: &'a BTreeMap<String, T>, name: &str) -> Result<Option<&'a T>> {
+    let mut found: Option<(&String, &T)> = None;
     for (k, v) in patterns {
         if suffix_regex(k)?.is_match(name) {
-            return Ok(Some(v));
+            match found {
+                Some((k0, v0)) if v0 != v => {
+                    return Err(Error::invalid(
+                        "LoraConfig",
+                        format!("the patterns {k0:?} and {k:?} both match {name} with different values"),
+                    ))
+                }
+                Some(_) => {}
+                None => found = Some((k, v)),
+            }
         }
     }
-    Ok(None)
+    Ok(found.map(|(_, v)| v))
 }
