@@ -244,6 +244,12 @@ pub fn quantize_model(model: &mut LlamaForCausalLM, scheme: QuantScheme) -> Resu
         if lin.is_quantized() {
             return Err(Error::invalid("quantize_model", format!("{name} is already quantized")));
         }
+        if lin.adapter().is_some_and(|a| a.magnitude().is_some() || a.is_merged()) {
+            return Err(Error::invalid(
+                "quantize_model",
+                format!("{name} has a DoRA adapter or a merged one: its weight cannot be quantized"),
+            ));
+        }
         q.insert(name, quantize_weight(&lin.weight, scheme)?);
     }
     model.keep_quantized(&q, device)

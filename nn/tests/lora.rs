@@ -511,6 +511,10 @@ fn dora_merges_and_unmerges() {
     let scaled = model.forward(ids, None).unwrap();
     let (la, lr) = tolerance("llama", "logits");
     assert!(support::compare(&scaled, &adapted, la, lr).0 > 100.0 * la, "the magnitude scales the layers");
+    // A DoRA layer's weight cannot be quantized under it (DoRA reads the dense weight).
+    let mut q = model.clone();
+    let e = kiln::nn::quantize::quantize_model(&mut q, kiln::nn::quantize::QuantScheme::Fp8Channel).unwrap_err();
+    assert!(e.to_string().contains("has a DoRA adapter or a merged one"), "{e}");
     merge_adapter(&mut model).unwrap();
     assert_close("DoRA merged", &model.forward(ids, None).unwrap(), &scaled, la, lr);
     unmerge_adapter(&mut model).unwrap();

@@ -111,6 +111,11 @@ impl Linear {
     /// parameter (the input still gets its gradient, so adapters on top of
     /// the layer train). The bias stays as it is.
     pub fn quantize_weight(&mut self, spec: QuantSpec, codes: Tensor, scales: Tensor, device: Device) -> Result<()> {
+        // A DoRA adapter reads the dense weight, and a merged adapter is in it.
+        if let Some(a) = self.adapter.as_deref().filter(|a| a.magnitude().is_some() || a.is_merged()) {
+            let what = if a.is_merged() { "a merged adapter" } else { "a DoRA adapter" };
+            return Err(Error::invalid("Linear", format!("the layer has {what}: its weight cannot be quantized")));
+        }
         let shape = spec.check("Linear", (codes.dtype(), codes.shape()), (scales.dtype(), scales.shape()))?;
         if shape != [self.out_features(), self.in_features()] {
             return Err(Error::shape(
