@@ -252,9 +252,13 @@ impl Linear {
             Some(a) if !a.is_merged() => a.add_to(&y, x, &self.weight, self.bias.as_ref())?,
             _ => y,
         };
+        // Layers without served adapters never look at the routing.
+        if self.served.is_empty() {
+            return Ok(y);
+        }
         match crate::lora::serve::routing() {
-            Some(r) if !self.served.is_empty() => r.apply(&y, x, &self.served),
-            _ => Ok(y),
+            Some(r) => r.apply(&y, x, &self.served),
+            None => Ok(y),
         }
     }
 }

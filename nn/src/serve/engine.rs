@@ -561,12 +561,16 @@ impl Engine {
             })
             .collect();
         let batch = PagedBatch::new(&chunks, bs, self.model.device())?;
-        let slots: Vec<Option<usize>> = eager
-            .iter()
-            .zip(&chunks)
-            .flat_map(|(&k, c)| std::iter::repeat_n(self.running[plan[k].0].adapter, c.tokens.len()))
-            .collect();
-        let routing = crate::lora::AdapterRouting::new(&slots, self.model.device())?;
+        let routing = if self.adapters.is_empty() {
+            None
+        } else {
+            let slots: Vec<Option<usize>> = eager
+                .iter()
+                .zip(&chunks)
+                .flat_map(|(&k, c)| std::iter::repeat_n(self.running[plan[k].0].adapter, c.tokens.len()))
+                .collect();
+            crate::lora::AdapterRouting::new(&slots, self.model.device())?
+        };
         let l = crate::lora::with_routing(routing, || self.model.forward_paged(&batch, &self.cache))?;
         let mut row = 0;
         for (c, &k) in chunks.iter().zip(&eager) {
