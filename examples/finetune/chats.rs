@@ -50,14 +50,7 @@ pub fn chat_accuracy(
             tok.encode(&prompt)
         })
         .collect::<Result<Vec<_>>>()?;
-    let answers: Vec<(String, bool)> = crate::answers::greedy_answers(model, tok, &prompts, task.digits as usize + 2)?
-        .into_iter()
-        .zip(problems)
-        .map(|(text, &(a, b))| {
-            let ok = AdditionTask::is_correct(a, b, &text);
-            (text, ok)
-        })
-        .collect();
+    let answers = crate::answers::graded_answers(model, tok, task, problems, &prompts)?;
     let examples = problems
         .iter()
         .zip(&answers)

@@ -1,7 +1,7 @@
 //! Greedy answers to many prompts at once: prompts of one length batched
 //! together (256 at a time), each answer's text up to its first newline.
 //! Shared by the train_llama and finetune examples' accuracy reports.
-use kiln::nn::data::Tokenizer;
+use kiln::nn::data::{AdditionTask, Tokenizer};
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::models::LlamaForCausalLM;
 use kiln::prelude::*;
@@ -36,4 +36,24 @@ pub fn greedy_answers(
         }
     }
     Ok(answers)
+}
+
+/// The greedy answer to each addition problem (its prompt in `prompts`) and
+/// whether it is the sum: [`greedy_answers`] graded, in problem order.
+pub fn graded_answers(
+    model: &LlamaForCausalLM,
+    tok: &dyn Tokenizer,
+    task: &AdditionTask,
+    problems: &[(u64, u64)],
+    prompts: &[Vec<u32>],
+) -> Result<Vec<(String, bool)>> {
+    let answers = greedy_answers(model, tok, prompts, task.digits as usize + 2)?;
+    Ok(answers
+        .into_iter()
+        .zip(problems)
+        .map(|(text, &(a, b))| {
+            let ok = AdditionTask::is_correct(a, b, &text);
+            (text, ok)
+        })
+        .collect())
 }

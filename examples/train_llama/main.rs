@@ -30,7 +30,7 @@ mod log;
 #[path = "../support/logging.rs"]
 mod logging;
 
-use answers::greedy_answers;
+use answers::graded_answers;
 use args::{arg_err, Args, USAGE};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kiln::nn::checkpoint::{
@@ -190,14 +190,7 @@ fn addition_accuracy(
         .map(|&(a, b)| tok.encode(&format!("\n{}", AdditionTask::prompt(a, b))))
         .collect::<Result<Vec<_>>>()?;
     // Each problem's answer (up to its first newline) and whether it is right, in problem order.
-    let answers: Vec<(String, bool)> = greedy_answers(model, tok, &prompts, task.digits as usize + 2)?
-        .into_iter()
-        .zip(problems)
-        .map(|(text, &(a, b))| {
-            let ok = AdditionTask::is_correct(a, b, &text);
-            (text, ok)
-        })
-        .collect();
+    let answers = graded_answers(model, tok, task, problems, &prompts)?;
     let digits = |n: u64| n.checked_ilog10().unwrap_or(0) + 1;
     let mut by_digits: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
     for (&(a, b), (_, ok)) in problems.iter().zip(&answers) {
