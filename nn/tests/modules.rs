@@ -187,6 +187,8 @@ fn checkpoint_files_refuse_a_name_twice_and_an_empty_file() {
     assert!(e.contains("\"b\" is in two files"), "{e}");
     let e = save_checkpoint_files(&dir, &[group(&["a"]), group(&[])], None).unwrap_err().to_string();
     assert!(e.contains("file 2 of 2 would hold no tensor"), "{e}");
+    let e = save_checkpoint_files(&dir, &[], None).unwrap_err().to_string();
+    assert!(e.contains("a checkpoint of no files"), "{e}");
     assert!(!dir.join("model.safetensors.index.json").exists(), "nothing is written when refused");
     save_checkpoint_files(&dir, &[group(&["a"]), group(&["b"])], None).unwrap();
     let back = kiln::nn::io::load_checkpoint_dir(&dir, None, Device::Cpu).unwrap();

@@ -132,6 +132,9 @@ fn packed_batches_restart_positions_and_resume_where_they_stopped() {
             }
         }
     }
+    // A batch too large to address is refused, not overflowed.
+    let e = SftLoader::new(ex.clone(), usize::MAX / 2, 4, true).unwrap_err().to_string();
+    assert!(e.contains("cannot be addressed"), "{e}");
     // A resumed loader gives the batches the uninterrupted one gives.
     let state = l.state();
     let next: Vec<Vec<i64>> = (0..4).map(|_| l.next_batch().unwrap().input_ids.to_vec::<i64>().unwrap()).collect();

@@ -151,6 +151,9 @@ impl SftLoader {
                 format!("batch must be positive and seq at least 2, got {batch} and {seq}"),
             ));
         }
+        if batch.checked_mul(seq).is_none_or(|n| n > isize::MAX as usize / 8) {
+            return Err(Error::invalid("SftLoader", format!("a batch of {batch} x {seq} tokens cannot be addressed")));
+        }
         if let Some(i) = examples.iter().position(|e| e.input_ids.is_empty() || e.input_ids.len() != e.labels.len()) {
             return Err(Error::invalid(
                 "SftLoader",

@@ -128,6 +128,9 @@ pub fn save_checkpoint_files(
     extra: Option<serde_json::Map<String, serde_json::Value>>,
 ) -> Result<()> {
     let dir = dir.as_ref();
+    if files.is_empty() {
+        return Err(dir_err(dir, "a checkpoint of no files: give at least one group of tensors"));
+    }
     if let Some(i) = files.iter().position(BTreeMap::is_empty) {
         return Err(dir_err(dir, format!("file {} of {} would hold no tensor", i + 1, files.len())));
     }
