@@ -15,6 +15,12 @@ use kiln::prelude::*;
 use std::collections::BTreeMap;
 use support::{assert_close, check_logits_and_loss, check_params, fixture_dir, tolerance};
 
+/// The PJRT backend with four XLA:CPU devices, for every test of this binary:
+/// the first registration fixes the count, and the FSDP / TP test needs four.
+fn register_pjrt() {
+    support::register_tpu_with_devices(4);
+}
+
 const ADAMW: AdamWConfig = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
 
 fn golden(fixture: &str) -> BTreeMap<String, Tensor> {
@@ -77,7 +83,7 @@ fn peft_fixtures_on_the_cpu() {
 
 #[test]
 fn peft_fixtures_on_pjrt_strict_and_compiled() {
-    support::register_tpu();
+    register_pjrt();
     let dev = Device::Tpu(0);
     kiln::tpu::with_mode(kiln::tpu::Mode::Strict, || {
         check_fixture("lora_llama", "llama", dev, false);
@@ -379,7 +385,7 @@ fn within_f32_spread(what: &str, got: &Tensor, f32_ref: &Tensor, exact: &Tensor)
 fn qlora_over_kept_quantized_weights_equals_lora_over_the_dequantized_base() {
     use kiln::nn::models::{PretrainedOptions, QuantizedLoad};
     let _g = support::rng_lock();
-    support::register_tpu();
+    register_pjrt();
     let mut worst = 0f64;
     for (format, dev) in
         [("fp8_block", Device::Cpu), ("ct_mxfp4", Device::Cpu), ("ct_nvfp4", Device::Cpu), ("ct_nvfp4", Device::Tpu(0))]
@@ -431,7 +437,7 @@ fn qlora_over_kept_quantized_weights_equals_lora_over_the_dequantized_base() {
 fn peft_fixture_under_fsdp_and_tensor_parallelism() {
     use kiln::nn::parallel::{fully_shard, llama_tp_plan, parallelize_module, shard_batch};
     use kiln::{init_device_mesh, DeviceKind, Placement};
-    support::register_tpu_with_devices(4);
+    register_pjrt();
     let g = golden("lora_llama");
     let root = |t: &Tensor, ndim: usize| {
         let (m, p) = (t.device_mesh().unwrap(), t.placements().unwrap());
