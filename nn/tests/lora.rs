@@ -15,12 +15,6 @@ use kiln::prelude::*;
 use std::collections::BTreeMap;
 use support::{assert_close, check_logits_and_loss, check_params, fixture_dir, tolerance};
 
-/// The PJRT backend with four XLA:CPU devices, for every test of this binary:
-/// the first registration fixes the count, and the FSDP / TP test needs four.
-fn register_pjrt() {
-    support::register_tpu_with_devices(4);
-}
-
 const ADAMW: AdamWConfig = AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
 
 fn golden(fixture: &str) -> BTreeMap<String, Tensor> {
@@ -83,7 +77,7 @@ fn peft_fixtures_on_the_cpu() {
 
 #[test]
 fn peft_fixtures_on_pjrt_strict_and_compiled() {
-    register_pjrt();
+    support::register_tpu();
     let dev = Device::Tpu(0);
     kiln::tpu::with_mode(kiln::tpu::Mode::Strict, || {
         check_fixture("lora_llama", "llama", dev, false);
@@ -385,7 +379,7 @@ fn within_f32_spread(what: &str, got: &Tensor, f32_ref: &Tensor, exact: &Tensor)
 fn qlora_over_kept_quantized_weights_equals_lora_over_the_dequantized_base() {
     use kiln::nn::models::{PretrainedOptions, QuantizedLoad};
     let _g = support::rng_lock();
-    register_pjrt();
+    support::register_tpu();
     let mut worst = 0f64;
     for (format, dev) in
         [("fp8_block", Device::Cpu), ("ct_mxfp4", Device::Cpu), ("ct_nvfp4", Device::Cpu), ("ct_nvfp4", Device::Tpu(0))]
@@ -427,62 +421,6 @@ fn qlora_over_kept_quantized_weights_equals_lora_over_the_dequantized_base() {
         within_f32_spread(&format!("{what} losses after AdamW steps"), &kc, &dc, &xc);
     }
     println!("QLoRA against LoRA on the dequantized base: worst abs diff from float64 {worst:.2e}");
-}
-
-/// PEFT's adapter trained under FSDP, TP and FSDP x TP on four XLA:CPU
-/// devices: the fixture's logits, adapter gradients and first AdamW step,
-/// with the adapters split like their layers under TP (B along out under a
-/// colwise layer, A along in under a rowwise one).
-#[test]
-fn peft_fixture_under_fsdp_and_tensor_parallelism() {
-    use kiln::nn::parallel::{fully_shard, llama_tp_plan, parallelize_module, shard_batch};
-    use kiln::{init_device_mesh, DeviceKind, Placement};
-    register_pjrt();
-    let g = golden("lora_llama");
-    let root = |t: &Tensor, ndim: usize| {
-        let (m, p) = (t.device_mesh().unwrap(), t.placements().unwrap());
-        let mut r = vec![Placement::Replicate; ndim];
-        for (i, x) in p.iter().enumerate() {
-            r[m.root_axis_of(i)] = *x;
-        }
-        r
-    };
-    for (shape, axes) in [(&[4usize][..], &["dp"][..]), (&[4], &["tp"]), (&[2, 2], &["dp", "tp"])] {
-        let mesh = init_device_mesh(DeviceKind::Tpu, shape, axes).unwrap();
-        let mut model = LlamaForCausalLM::from_pretrained(fixture_dir("llama"), DType::F32, mesh.device()).unwrap();
-        load_adapter(&mut model, fixture_dir("lora_llama").join("adapter"), true).unwrap();
-        let tp = axes.contains(&"tp");
-        if tp {
-            let m = if axes.len() == 2 { mesh.sub(&["tp"]).unwrap() } else { mesh.clone() };
-            parallelize_module(&mut model, &m, &llama_tp_plan()).unwrap();
-        }
-        let ids = if axes.contains(&"dp") {
-            let dp = if axes.len() == 2 { mesh.sub(&["dp"]).unwrap() } else { mesh.clone() };
-            fully_shard(&mut model, &dp).unwrap();
-            shard_batch(&g["input_ids"], &dp).unwrap()
-        } else {
-            g["input_ids"].to_device(mesh.device()).unwrap()
-        };
-        let what = format!("lora_llama on {axes:?} {shape:?}");
-        if tp {
-            let p: BTreeMap<String, Tensor> = model.named_parameters().into_iter().collect();
-            let t = axes.iter().position(|a| *a == "tp").unwrap();
-            let on_tp = |n: &str| root(&p[n], axes.len())[t];
-            assert_eq!(on_tp("model.layers.0.self_attn.q_proj.lora_B.weight"), Placement::Shard(0), "{what}");
-            assert_eq!(on_tp("model.layers.0.self_attn.q_proj.lora_A.weight"), Placement::Replicate, "{what}");
-            assert_eq!(on_tp("model.layers.0.self_attn.o_proj.lora_A.weight"), Placement::Shard(1), "{what}");
-            assert_eq!(on_tp("model.layers.0.self_attn.o_proj.lora_B.weight"), Placement::Replicate, "{what}");
-        }
-        let loss = check_logits_and_loss(&what, "llama", &model, &ids, &g);
-        loss.backward().unwrap();
-        let (ga, gr) = tolerance("llama", "grad");
-        for (n, p) in peft_named(&model) {
-            assert_close(&format!("{what} grad.{n}"), &p.grad().expect("a gradient"), &g[&format!("grad.{n}")], ga, gr);
-        }
-        let mut opt = AdamW::new(model.named_trainable_parameters(), ADAMW).unwrap();
-        opt.step().unwrap();
-        check_params("llama", &peft_named(&model), &g, "adamw_step1");
-    }
 }
 
 #[test]

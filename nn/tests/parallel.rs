@@ -345,3 +345,70 @@ fn distributed_tensors_save_shard_by_shard_as_whole_tensors() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+const LORA_ADAMW: AdamWConfig =
+    AdamWConfig { lr: 1e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, amsgrad: false };
+
+/// The adapter's trainable parameters under PEFT's names.
+fn lora_named(model: &LlamaForCausalLM) -> Vec<(String, Tensor)> {
+    model
+        .named_trainable_parameters()
+        .into_iter()
+        .map(|(n, t)| (format!("{}{n}", kiln::nn::lora::PEFT_PREFIX), t))
+        .collect()
+}
+
+/// PEFT's adapter trained under FSDP, TP and FSDP x TP on four XLA:CPU
+/// devices: the fixture's logits, adapter gradients and first AdamW step,
+/// with the adapters split like their layers under TP (B along out under a
+/// colwise layer, A along in under a rowwise one).
+#[test]
+fn peft_fixture_under_fsdp_and_tensor_parallelism() {
+    use kiln::nn::lora::load_adapter;
+    eight_devices();
+    let g = load_safetensors(fixture_dir("lora_llama").join("golden.safetensors")).unwrap();
+    let root = |t: &Tensor, ndim: usize| {
+        let (m, p) = (t.device_mesh().unwrap(), t.placements().unwrap());
+        let mut r = vec![Placement::Replicate; ndim];
+        for (i, x) in p.iter().enumerate() {
+            r[m.root_axis_of(i)] = *x;
+        }
+        r
+    };
+    for (shape, axes) in [(&[4usize][..], &["dp"][..]), (&[4], &["tp"]), (&[2, 2], &["dp", "tp"])] {
+        let mesh = init_device_mesh(DeviceKind::Tpu, shape, axes).unwrap();
+        let mut model = LlamaForCausalLM::from_pretrained(fixture_dir("llama"), DType::F32, mesh.device()).unwrap();
+        load_adapter(&mut model, fixture_dir("lora_llama").join("adapter"), true).unwrap();
+        let tp = axes.contains(&"tp");
+        if tp {
+            let m = if axes.len() == 2 { mesh.sub(&["tp"]).unwrap() } else { mesh.clone() };
+            parallelize_module(&mut model, &m, &llama_tp_plan()).unwrap();
+        }
+        let ids = if axes.contains(&"dp") {
+            let dp = if axes.len() == 2 { mesh.sub(&["dp"]).unwrap() } else { mesh.clone() };
+            fully_shard(&mut model, &dp).unwrap();
+            shard_batch(&g["input_ids"], &dp).unwrap()
+        } else {
+            g["input_ids"].to_device(mesh.device()).unwrap()
+        };
+        let what = format!("lora_llama on {axes:?} {shape:?}");
+        if tp {
+            let p: BTreeMap<String, Tensor> = model.named_parameters().into_iter().collect();
+            let t = axes.iter().position(|a| *a == "tp").unwrap();
+            let on_tp = |n: &str| root(&p[n], axes.len())[t];
+            assert_eq!(on_tp("model.layers.0.self_attn.q_proj.lora_B.weight"), Placement::Shard(0), "{what}");
+            assert_eq!(on_tp("model.layers.0.self_attn.q_proj.lora_A.weight"), Placement::Replicate, "{what}");
+            assert_eq!(on_tp("model.layers.0.self_attn.o_proj.lora_A.weight"), Placement::Shard(1), "{what}");
+            assert_eq!(on_tp("model.layers.0.self_attn.o_proj.lora_B.weight"), Placement::Replicate, "{what}");
+        }
+        let loss = check_logits_and_loss(&what, "llama", &model, &ids, &g);
+        loss.backward().unwrap();
+        let (ga, gr) = tolerance("llama", "grad");
+        for (n, p) in lora_named(&model) {
+            assert_close(&format!("{what} grad.{n}"), &p.grad().expect("a gradient"), &g[&format!("grad.{n}")], ga, gr);
+        }
+        let mut opt = AdamW::new(model.named_trainable_parameters(), LORA_ADAMW).unwrap();
+        opt.step().unwrap();
+        check_params("llama", &lora_named(&model), &g, "adamw_step1");
+    }
+}
