@@ -103,18 +103,14 @@ fn select(model: &mut dyn Module, config: &LoraConfig) -> Result<(Vec<String>, V
         linears.iter().map(|n| n.rsplit('.').next().unwrap_or(n).to_string()).filter(|n| n != "lm_head").collect();
     all_linear.sort();
     all_linear.dedup();
-    let mut selected = vec![];
+    let selector = config.selector(&all_linear)?;
+    let selected: Vec<String> = linears.iter().filter(|n| selector.selects(n)).cloned().collect();
     let mut problems = vec![];
-    for name in &linears {
-        if config.selects(name, &all_linear)? {
-            selected.push(name.clone());
-        }
-    }
     // A selected module that is not a Linear reached by the walk (a norm, a
     // block, an expert of a stacked layer, a hand-written module's layer).
     for m in module_names(model) {
         let inside_linear = linears.iter().any(|l| m.starts_with(&format!("{l}.")));
-        if !inside_linear && !linear_set.contains(m.as_str()) && config.selects(&m, &all_linear)? {
+        if !inside_linear && !linear_set.contains(m.as_str()) && selector.selects(&m) {
             problems.push(format!("{m} matches target_modules but is not a Linear layer kiln can adapt"));
         }
     }

@@ -95,22 +95,22 @@ impl LoraConfig {
         Ok((r, scaling))
     }
 
-    /// Whether module `name` gets an adapter, given the names of the
-    /// `Linear` layers' last components for `"all-linear"`
+    /// The selection rule with its regexes compiled once, given the names of
+    /// the `Linear` layers' last components for `"all-linear"`
     /// (`all_linear_names`).
-    pub(crate) fn selects(&self, name: &str, all_linear_names: &[String]) -> Result<bool> {
-        let selected = match &self.target_modules {
-            TargetModules::AllLinear => matches_names(all_linear_names, name),
-            t => matches(t, name)?,
+    pub(crate) fn selector(&self, all_linear_names: &[String]) -> Result<Selector> {
+        let target = match &self.target_modules {
+            TargetModules::AllLinear => Pattern::Names(all_linear_names.to_vec()),
+            t => Pattern::new(t)?,
         };
-        let excluded = match &self.exclude_modules {
+        let exclude = match &self.exclude_modules {
             Some(TargetModules::AllLinear) => {
                 return Err(Error::invalid("LoraConfig", "exclude_modules cannot be \"all-linear\""))
             }
-            Some(e) => matches(e, name)?,
-            None => false,
+            Some(e) => Some(Pattern::new(e)?),
+            None => None,
         };
-        Ok(selected && !excluded)
+        Ok(Selector { target, exclude })
     }
 
     /// Whether module `name` is one of `modules_to_save` (PEFT's rule: the
@@ -329,11 +329,39 @@ fn matches_names(names: &[String], key: &str) -> bool {
     names.iter().any(|t| key == t || key.ends_with(&format!(".{t}")))
 }
 
-fn matches(t: &TargetModules, key: &str) -> Result<bool> {
-    match t {
-        TargetModules::Names(n) => Ok(matches_names(n, key)),
-        TargetModules::Regex(re) => Ok(full_match_regex(re)?.is_match(key)),
-        TargetModules::AllLinear => Err(Error::invalid("LoraConfig", "\"all-linear\" is not a pattern")),
+/// `target_modules` or `exclude_modules` ready to match module names.
+enum Pattern {
+    Names(Vec<String>),
+    Regex(regex::Regex),
+}
+
+impl Pattern {
+    fn new(t: &TargetModules) -> Result<Pattern> {
+        match t {
+            TargetModules::Names(n) => Ok(Pattern::Names(n.clone())),
+            TargetModules::Regex(re) => Ok(Pattern::Regex(full_match_regex(re)?)),
+            TargetModules::AllLinear => Err(Error::invalid("LoraConfig", "\"all-linear\" is not a pattern")),
+        }
+    }
+
+    fn matches(&self, key: &str) -> bool {
+        match self {
+            Pattern::Names(n) => matches_names(n, key),
+            Pattern::Regex(re) => re.is_match(key),
+        }
+    }
+}
+
+/// Which modules a configuration selects ([`LoraConfig::selector`]).
+pub(crate) struct Selector {
+    target: Pattern,
+    exclude: Option<Pattern>,
+}
+
+impl Selector {
+    /// Whether module `name` gets an adapter: targeted and not excluded.
+    pub(crate) fn selects(&self, name: &str) -> bool {
+        self.target.matches(name) && !self.exclude.as_ref().is_some_and(|e| e.matches(name))
     }
 }
 
