@@ -137,7 +137,7 @@ fn engine_run(
         for o in engine.step() {
             let t = t0.elapsed().as_secs_f64();
             match o.event {
-                Event::Token(_) => {
+                Event::Token(..) => {
                     tokens += 1;
                     first.entry(o.id).or_insert(t);
                     last = t;

@@ -70,7 +70,7 @@ fn serve(engine: &mut Engine, arrivals: Vec<(u64, Request)>) -> Vec<(Vec<i64>, F
             let e = got.get_mut(&o.id).unwrap();
             assert!(e.1.is_none(), "request {} got an event after its end", o.id);
             match o.event {
-                Event::Token(t) => e.0.push(t),
+                Event::Token(t, _) => e.0.push(t),
                 Event::Finished(f) => e.1 = Some(f),
             }
         }
@@ -458,7 +458,7 @@ fn tokens_of(events: impl IntoIterator<Item = Event>) -> (Vec<i64>, Option<Finis
     for e in events {
         assert!(end.is_none(), "an event after the end");
         match e {
-            Event::Token(x) => t.push(x),
+            Event::Token(x, _) => t.push(x),
             Event::Finished(f) => end = Some(f),
         }
     }
@@ -521,7 +521,7 @@ fn cancellation_backpressure_and_refusals() {
     let cfg = EngineConfig { max_num_seqs: 1, max_queue: 1, ..Default::default() };
     let handle = EngineHandle::spawn(Engine::new(m, cfg).unwrap()).unwrap();
     let mut long = handle.submit(Request::new(prompt(10, 61), 400)).unwrap();
-    assert!(matches!(long.next(), Some(Event::Token(_))));
+    assert!(matches!(long.next(), Some(Event::Token(..))));
     wait_for(&handle, "a running sequence", |x| x.engine.running == 1);
     let queued = handle.submit(Request::new(prompt(4, 62), 3)).unwrap();
     wait_for(&handle, "a waiting request", |x| x.engine.waiting == 1);

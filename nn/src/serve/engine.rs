@@ -4,6 +4,7 @@
 use super::blocks::Blocks;
 use super::decode::{DecodeProgram, DecodeRow};
 use super::kv::{PagedBatch, PagedKvCache, SeqChunk};
+use super::logits;
 use super::request::{Event, FinishReason, Request};
 use crate::generate::choose;
 use crate::models::LlamaForCausalLM;
@@ -31,6 +32,18 @@ use std::time::{Duration, Instant};
 // longer prompt when blocks free up (vLLM's recompute preemption). Its
 // sampler's state travels with it, so what it generates next is unchanged.
 // A request that could never fit is refused when it is submitted.
+
+// Note [Shared prompts wait]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Requests that arrive together with the same prompt prefix (the `n`
+// choices of one OpenAI request, or many users of one system prompt) would
+// each compute the prefix if admitted in the same step, since blocks are
+// registered for sharing only once computed. So a waiting request whose
+// prompt shares at least one full block with a running sequence that has
+// not yet computed those blocks waits (later requests may go ahead of it)
+// until that sequence has; it then takes the blocks (Note [Prefix sharing])
+// and computes only the rest. The wait is bounded by the other's prefill,
+// which would otherwise have been done twice.
 
 /// A function from token ids to text, for stop strings.
 pub type Detokenizer = Arc<dyn Fn(&[i64]) -> String + Send + Sync>;
@@ -425,6 +438,23 @@ impl Engine {
         self.stats.prefix_hit_tokens += s.computed as u64;
     }
 
+    /// Whether the waiting `s` should wait for a running sequence that is
+    /// computing blocks `s` could share (Note [Shared prompts wait]).
+    fn awaits_shared_prefix(&self, s: &Seq) -> bool {
+        let bs = self.cache.block_size();
+        if !self.cfg.prefix_sharing || s.computed > 0 || !s.blocks.is_empty() || s.tokens.len() <= bs {
+            return false;
+        }
+        self.running.iter().any(|r| {
+            if r.tokens.len() < bs || r.root_hash() != s.root_hash() || r.tokens[..bs] != s.tokens[..bs] {
+                return false;
+            }
+            // The full blocks `s` could take from `r` (never its own last token).
+            let common = r.tokens.iter().zip(&s.tokens[..s.tokens.len() - 1]).take_while(|(a, b)| a == b).count();
+            r.computed < common / bs * bs
+        })
+    }
+
     /// Plans a step: `(index in running, tokens to run)`, admitting waiting
     /// requests and preempting where the pool runs out.
     fn schedule(&mut self, out: &mut Vec<StepOutput>) -> Vec<(usize, usize)> {
@@ -454,8 +484,13 @@ impl Engine {
                 break;
             }
         }
-        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-            let Some(mut s) = self.waiting.pop_front() else { break };
+        let mut j = 0;
+        while budget > 0 && self.running.len() < self.cfg.max_num_seqs && j < self.waiting.len() {
+            if self.awaits_shared_prefix(&self.waiting[j]) {
+                j += 1;
+                continue;
+            }
+            let mut s = self.waiting.remove(j).expect("index checked");
             if s.computed == 0 && s.blocks.is_empty() {
                 self.match_prefix(&mut s);
             }
@@ -470,7 +505,7 @@ impl Engine {
                 s.blocks.clear();
                 s.hashes.clear();
                 s.computed = 0;
-                self.waiting.push_front(s);
+                self.waiting.insert(j, s);
                 break;
             }
             plan.push((self.running.len(), chunk));
@@ -611,10 +646,21 @@ impl Engine {
                 self.blocks.check_writable(s.blocks[p / bs])?;
             }
         }
-        let logits = self.logits(plan)?;
+        let mut logits = self.logits(plan)?;
+        // Note [Logit processing]: the raw logits stay for the logprobs.
+        let mut raw: Vec<Option<Tensor>> = vec![None; plan.len()];
+        for (k, &(i, _)) in plan.iter().enumerate() {
+            let (s, Some(l)) = (&self.running[i], &logits[k]) else { continue };
+            if s.req.logprobs.is_some() {
+                raw[k] = Some(l.clone());
+            }
+            if logits::processes(&s.req) {
+                logits[k] = Some(logits::process(l, &s.req, &s.tokens, None)?);
+            }
+        }
         let greedy = self.greedy_tokens(plan, &logits)?;
         let mut done = vec![];
-        for ((&(i, chunk), l), greedy) in plan.iter().zip(logits).zip(greedy) {
+        for (((&(i, chunk), l), greedy), raw) in plan.iter().zip(logits).zip(greedy).zip(raw) {
             let s = &mut self.running[i];
             let prefill = chunk.min(s.req.prompt.len().saturating_sub(s.computed));
             self.stats.prefill_tokens += prefill as u64;
@@ -636,6 +682,10 @@ impl Engine {
                     choose(&l, &s.req.sampling, &gen)?.to_vec::<i64>()?[0]
                 }
             };
+            let lp = match (raw, s.req.logprobs) {
+                (Some(r), Some(top)) => Some(logits::logprobs(&r, tok, top)?),
+                _ => None,
+            };
             s.tokens.push(tok);
             self.stats.generated_tokens += 1;
             if s.first_token.is_none() {
@@ -649,7 +699,7 @@ impl Engine {
                 }
                 self.stats.ttft_recent.push_back(t);
             }
-            out.push(StepOutput { id: s.id, event: Event::Token(tok) });
+            out.push(StepOutput { id: s.id, event: Event::Token(tok, lp) });
             let stop = s.req.stop_token_ids.contains(&tok)
                 || (!s.req.stop_strings.is_empty()
                     && self

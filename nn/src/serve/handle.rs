@@ -210,6 +210,11 @@ impl EngineHandle {
     pub fn max_context(&self) -> usize {
         self.shared.limits.1
     }
+
+    /// The model's vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.shared.limits.0
+    }
 }
 
 /// The engine thread's loop (Note [Engine thread]).

@@ -39,6 +39,7 @@ mod decode;
 pub mod engine;
 pub mod handle;
 pub mod kv;
+mod logits;
 #[cfg(feature = "server")]
 pub mod openai;
 pub mod request;
@@ -46,4 +47,5 @@ pub mod request;
 pub use engine::{Detokenizer, Engine, EngineConfig, EngineStats, StepOutput};
 pub use handle::{EngineHandle, Metrics, SubmitError, TokenStream};
 pub use kv::{DecodeBatch, PagedBatch, PagedKvCache, SeqChunk};
-pub use request::{Event, FinishReason, Request};
+pub use logits::process_logits;
+pub use request::{Event, FinishReason, Penalties, Request, TokenLogprobs};

@@ -1,0 +1,359 @@
+//! A job's answer: every choice's tokens turned into OpenAI's response body,
+//! or into its stream of server-sent events.
+use super::params::{Job, Kind};
+use super::text::{Codec, IncrementalText, Visible};
+use super::{error, now, ServerState};
+use crate::serve::{Event, FinishReason, SubmitError, TokenLogprobs, TokenStream};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// A log-probability as JSON: vLLM's floor for one too small for a float.
+fn lp_value(x: f32) -> f32 {
+    if x.is_finite() {
+        x
+    } else {
+        -9999.0
+    }
+}
+
+/// The `logprobs` object of a choice for `items` (token, its log-probabilities),
+/// whose text starts at character `offset` of the choice's text.
+fn logprobs_json(kind: Kind, codec: &Codec, items: &[(i64, TokenLogprobs)], tokens_before: &[i64]) -> Value {
+    match kind {
+        Kind::Chat => {
+            let entry = |t: i64, lp: f32| {
+                let piece = codec.piece(t);
+                json!({"token": piece, "logprob": lp_value(lp), "bytes": piece.as_bytes()})
+            };
+            let content: Vec<Value> = items
+                .iter()
+                .map(|(t, l)| {
+                    let mut e = entry(*t, l.logprob);
+                    e["top_logprobs"] = l.top.iter().map(|&(u, x)| entry(u, x)).collect();
+                    e
+                })
+                .collect();
+            json!({"content": content})
+        }
+        Kind::Completion => {
+            let mut seen = tokens_before.to_vec();
+            let (mut tokens, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+            for (t, l) in items {
+                offsets.push(codec.decode(&seen).chars().count());
+                seen.push(*t);
+                tokens.push(codec.piece(*t));
+                lps.push(lp_value(l.logprob));
+                let top: serde_json::Map<String, Value> =
+                    l.top.iter().map(|&(u, x)| (codec.piece(u), json!(lp_value(x)))).collect();
+                tops.push(top);
+            }
+            json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+        }
+    }
+}
+
+fn finish_name(r: &FinishReason) -> &'static str {
+    match r {
+        FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+fn id(kind: Kind) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    match kind {
+        Kind::Completion => format!("cmpl-{t:x}{n:x}"),
+        Kind::Chat => format!("chatcmpl-{t:x}{n:x}"),
+    }
+}
+
+fn object(kind: Kind, stream: bool) -> &'static str {
+    match (kind, stream) {
+        (Kind::Chat, false) => "chat.completion",
+        (Kind::Chat, true) => "chat.completion.chunk",
+        (Kind::Completion, _) => "text_completion",
+    }
+}
+
+fn submit_error(e: SubmitError) -> Response {
+    match e {
+        SubmitError::Invalid(e) => super::bad_request(e.to_string(), None),
+        e @ SubmitError::QueueFull(_) => {
+            error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", e.to_string(), None, Some("rate_limit_exceeded"))
+        }
+        e @ SubmitError::ShutDown => error(StatusCode::SERVICE_UNAVAILABLE, "server_error", e.to_string(), None, None),
+    }
+}
+
+/// One choice's tokens (a final stop token left out: it shows no text) and end.
+struct Choice {
+    tokens: Vec<i64>,
+    logprobs: Vec<(i64, TokenLogprobs)>,
+    generated: usize,
+    end: FinishReason,
+}
+
+async fn collect(st: &ServerState, mut stream: TokenStream) -> Choice {
+    let mut c = Choice { tokens: vec![], logprobs: vec![], generated: 0, end: FinishReason::Cancelled };
+    while let Some(e) = stream.next_event().await {
+        match e {
+            Event::Token(t, lp) => {
+                c.generated += 1;
+                if st.stop_token_ids.contains(&t) {
+                    continue;
+                }
+                c.tokens.push(t);
+                if let Some(lp) = lp {
+                    c.logprobs.push((t, lp));
+                }
+            }
+            Event::Finished(f) => c.end = f,
+        }
+    }
+    c
+}
+
+/// Submits the job's choices and answers with them, whole or streamed.
+pub(super) async fn answer(st: Arc<ServerState>, mut job: Job) -> Response {
+    let mut streams = Vec::with_capacity(job.choices.len());
+    for r in std::mem::take(&mut job.choices) {
+        match st.engine.submit(r) {
+            Ok(s) => streams.push(s),
+            // Dropping the streams submitted so far cancels them.
+            Err(e) => return submit_error(e),
+        }
+    }
+    let stops = job.stop_strings.clone();
+    if job.stream {
+        return sse(st, streams, job, stops);
+    }
+    let choices = futures_util::future::join_all(streams.into_iter().map(|s| collect(&st, s))).await;
+    if let Some(FinishReason::Error(m)) = choices.iter().map(|c| &c.end).find(|e| matches!(e, FinishReason::Error(_))) {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m.clone(), None, None);
+    }
+    let mut body = vec![];
+    let mut generated = 0;
+    for (i, c) in choices.iter().enumerate() {
+        generated += c.generated;
+        let mut text = Visible::new(&stops).delta(&st.codec.decode(&c.tokens), true);
+        if let Some(p) = &job.echo {
+            text = format!("{p}{text}");
+        }
+        let lp = match job.logprobs {
+            false => Value::Null,
+            true => logprobs_json(job.kind, &st.codec, &c.logprobs, &[]),
+        };
+        body.push(match job.kind {
+            Kind::Completion => {
+                json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_name(&c.end)})
+            }
+            Kind::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                                 "finish_reason": finish_name(&c.end)}),
+        });
+    }
+    let usage = json!({"prompt_tokens": job.prompt_tokens, "completion_tokens": generated,
+                       "total_tokens": job.prompt_tokens + generated});
+    Json(json!({"id": id(job.kind), "object": object(job.kind, false), "created": now(), "model": job.model,
+                "choices": body, "usage": usage}))
+    .into_response()
+}
+
+/// What one choice's stream produces.
+enum Out {
+    /// A choice object of a chunk.
+    Chunk(Value),
+    /// The choice ended after generating this many tokens.
+    Done(usize),
+    /// The engine failed.
+    Error(String),
+}
+
+/// One choice's stream state.
+struct ChoiceStream {
+    index: usize,
+    stream: TokenStream,
+    tokens: Vec<i64>,
+    pending: Vec<(i64, TokenLogprobs)>,
+    /// The tokens whose logprobs were sent (for completions' text offsets).
+    scored: Vec<i64>,
+    generated: usize,
+    text: IncrementalText,
+    visible: Visible,
+    first: Option<String>,
+    done: bool,
+}
+
+impl ChoiceStream {
+    fn chunk(&mut self, st: &ServerState, kind: Kind, text: Option<String>, finish: Option<&str>) -> Value {
+        let lp = if self.pending.is_empty() {
+            Value::Null
+        } else {
+            let items = std::mem::take(&mut self.pending);
+            let v = logprobs_json(kind, &st.codec, &items, &self.scored);
+            self.scored.extend(items.iter().map(|(t, _)| *t));
+            v
+        };
+        match kind {
+            Kind::Completion => {
+                json!({"index": self.index, "text": text.unwrap_or_default(), "logprobs": lp, "finish_reason": finish})
+            }
+            Kind::Chat => {
+                let mut d = serde_json::Map::new();
+                if let Some(t) = text {
+                    d.insert("content".into(), json!(t));
+                }
+                json!({"index": self.index, "delta": d, "logprobs": lp, "finish_reason": finish})
+            }
+        }
+    }
+
+    /// The next pieces of this choice: at least one unless it has ended.
+    async fn next(&mut self, st: &ServerState, kind: Kind) -> Vec<Out> {
+        let mut out = vec![];
+        if let Some(first) = self.first.take() {
+            out.push(Out::Chunk(match kind {
+                Kind::Chat => json!({"index": self.index, "delta": {"role": "assistant", "content": first},
+                                     "logprobs": null, "finish_reason": null}),
+                Kind::Completion => self.chunk(st, kind, Some(first), None),
+            }));
+            return out;
+        }
+        if self.done {
+            return out;
+        }
+        loop {
+            match self.stream.next_event().await {
+                Some(Event::Token(t, lp)) => {
+                    self.generated += 1;
+                    // A stop token ends the stream and shows no text.
+                    if st.stop_token_ids.contains(&t) {
+                        continue;
+                    }
+                    self.tokens.push(t);
+                    self.pending.extend(lp.map(|l| (t, l)));
+                    self.text.update(&st.codec, &self.tokens, false);
+                    let d = self.visible.delta(self.text.text(), false);
+                    if !d.is_empty() {
+                        out.push(Out::Chunk(self.chunk(st, kind, Some(d), None)));
+                        return out;
+                    }
+                }
+                Some(Event::Finished(FinishReason::Error(m))) => {
+                    self.done = true;
+                    out.push(Out::Error(m));
+                    return out;
+                }
+                Some(Event::Finished(f)) => {
+                    self.text.update(&st.codec, &self.tokens, true);
+                    let d = self.visible.delta(self.text.text(), true);
+                    if !d.is_empty() {
+                        out.push(Out::Chunk(self.chunk(st, kind, Some(d), None)));
+                    }
+                    let empty = if kind == Kind::Chat { None } else { Some(String::new()) };
+                    out.push(Out::Chunk(self.chunk(st, kind, empty, Some(finish_name(&f)))));
+                    out.push(Out::Done(self.generated));
+                    self.done = true;
+                    return out;
+                }
+                None => {
+                    self.done = true;
+                    out.push(Out::Done(self.generated));
+                    return out;
+                }
+            }
+        }
+    }
+}
+
+/// The streaming answer: chunks of each choice as their text grows (their
+/// `index` tells them apart), each choice's last chunk with its finish
+/// reason, a usage chunk if `stream_options.include_usage`, then `[DONE]`.
+/// Dropping the connection drops the token streams, which cancels the choices.
+fn sse(st: Arc<ServerState>, streams: Vec<TokenStream>, job: Job, stops: Vec<String>) -> Response {
+    let (cid, created, kind, model) = (id(job.kind), now(), job.kind, job.model.clone());
+    let first = match kind {
+        Kind::Chat => Some(String::new()),
+        Kind::Completion => job.echo.clone(),
+    };
+    let choices = streams.into_iter().enumerate().map(|(index, stream)| {
+        let c = ChoiceStream {
+            index,
+            stream,
+            tokens: vec![],
+            pending: vec![],
+            scored: vec![],
+            generated: 0,
+            text: IncrementalText::new(),
+            visible: Visible::new(&stops),
+            first: first.clone(),
+            done: false,
+        };
+        let st = st.clone();
+        futures_util::stream::unfold(c, move |mut c| {
+            let st = st.clone();
+            async move {
+                let out = c.next(&st, kind).await;
+                (!out.is_empty()).then_some((futures_util::stream::iter(out), c))
+            }
+        })
+        .flatten()
+        .boxed()
+    });
+    let n = job.n;
+    let all = futures_util::stream::select_all(choices);
+    let wrap = move |choices: Value, usage: Option<Value>| -> SseEvent {
+        let mut body =
+            json!({"id": cid, "object": object(kind, true), "created": created, "model": model, "choices": choices});
+        if let Some(u) = usage {
+            body["usage"] = u;
+        }
+        SseEvent::default().data(body.to_string())
+    };
+    let (prompt_tokens, include_usage) = (job.prompt_tokens, job.include_usage);
+    struct Tail {
+        done: usize,
+        generated: usize,
+        over: bool,
+    }
+    let events = all
+        .scan(Tail { done: 0, generated: 0, over: false }, move |t, o| {
+            if t.over {
+                return futures_util::future::ready(None);
+            }
+            let mut ev = vec![];
+            match o {
+                Out::Chunk(c) => ev.push(wrap(json!([c]), None)),
+                Out::Error(m) => {
+                    let body = json!({"error": {"message": m, "type": "server_error", "param": null, "code": null}});
+                    ev.push(SseEvent::default().data(body.to_string()));
+                    ev.push(SseEvent::default().data("[DONE]"));
+                    t.over = true;
+                }
+                Out::Done(g) => {
+                    t.done += 1;
+                    t.generated += g;
+                    if t.done == n {
+                        if include_usage {
+                            let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": t.generated,
+                                               "total_tokens": prompt_tokens + t.generated});
+                            ev.push(wrap(json!([]), Some(usage)));
+                        }
+                        ev.push(SseEvent::default().data("[DONE]"));
+                        t.over = true;
+                    }
+                }
+            }
+            futures_util::future::ready(Some(futures_util::stream::iter(
+                ev.into_iter().map(Ok::<_, std::convert::Infallible>),
+            )))
+        })
+        .flatten();
+    Sse::new(events).into_response()
+}
