@@ -8,7 +8,7 @@
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
 use kiln::nn::serve::openai::{router, ChatTemplate, Message, ServerState};
-use kiln::nn::serve::EngineConfig;
+use kiln::nn::serve::{Engine, EngineConfig, Event, Penalties, Request, TokenLogprobs};
 use kiln::prelude::*;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -325,5 +325,76 @@ fn chat_templates_render_as_transformers_does() {
     let bad = vec![Message { role: "tool".into(), content: "x".into() }];
     let e = ChatTemplate::new(&templates[1], true).unwrap().render(&bad).unwrap_err().to_string();
     assert!(e.contains("unknown role tool"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The engine's own answer to each request (tokens up to and without the end
+/// token, and their log-probabilities): what the server must send back.
+fn engine_answers(m: &LlamaForCausalLM, reqs: &[Request]) -> Vec<(Vec<i64>, Vec<TokenLogprobs>, usize)> {
+    let cfg = EngineConfig { block_size: 8, ..Default::default() };
+    let mut engine = Engine::new(m.clone(), cfg).unwrap();
+    let ids: Vec<u64> = reqs.iter().map(|r| engine.add_request(r.clone().with_stop_tokens(&[10])).unwrap()).collect();
+    let mut got: std::collections::BTreeMap<u64, (Vec<i64>, Vec<TokenLogprobs>, usize)> = Default::default();
+    while engine.has_work() {
+        for o in engine.step() {
+            if let Event::Token(t, lp) = o.event {
+                let e = got.entry(o.id).or_default();
+                e.2 += 1;
+                if t != 10 {
+                    e.0.push(t);
+                    e.1.extend(lp);
+                }
+            }
+        }
+    }
+    ids.iter().map(|id| got.remove(id).unwrap()).collect()
+}
+
+/// The OpenAI sampling surface through the `openai` client, plain and
+/// streamed: logprobs (completions and chat), `n` choices, penalties and
+/// `logit_bias`, `echo`, `stream_options.include_usage`; every answer equals
+/// the engine's own for the same request, and fields the server does not
+/// honour or values out of range get OpenAI's 400 naming them.
+#[test]
+fn openai_client_sampling_surface() {
+    let _invariant = common::batch_invariance(true);
+    let python = common::python_from("setup-openai-venv");
+    let dir = std::env::temp_dir().join(format!("kiln-serve-sampling-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = model_dir(&dir);
+    let template = ChatTemplate::for_model(&dir).unwrap();
+    let chat_prompt = template.render(&[Message { role: "user".into(), content: "Name a colour".into() }]).unwrap();
+    let sampled = |seed: u64| Sampling::sample(0.9).with_seed(seed);
+    let pens = Penalties { repetition: 1.3, presence: 0.6, frequency: 0.5 };
+    let reqs = vec![
+        Request::new(bytes("Hello"), 8).with_logprobs(3),
+        Request::new(bytes(&chat_prompt), 8).with_logprobs(2),
+        Request::new(bytes("Once upon"), 10).with_sampling(sampled(5)),
+        Request::new(bytes("Once upon"), 10).with_sampling(sampled(6)),
+        Request::new(bytes("Once upon"), 10).with_sampling(sampled(7)),
+        Request::new(bytes("abcabc"), 12).with_penalties(pens).with_logit_bias(&[(b'x' as i64, 4.0)]),
+        Request::new(bytes("abcabc"), 12),
+    ];
+    let answers = engine_answers(&m, &reqs);
+    let text = |t: &[i64]| String::from_utf8_lossy(&t.iter().map(|&x| x as u8).collect::<Vec<_>>()).into_owned();
+    let exp: Vec<Value> = answers
+        .iter()
+        .map(|(t, lp, n)| {
+            json!({"text": text(t), "generated": n, "logprobs": lp.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                   "top": lp.iter().map(|l| l.top.iter().map(|x| x.1).collect::<Vec<_>>()).collect::<Vec<_>>()})
+        })
+        .collect();
+    assert_ne!(exp[5]["text"], exp[6]["text"], "the penalties change the answer");
+
+    let cfg = EngineConfig { block_size: 8, kv_cache_bytes: 4 << 20, max_batched_tokens: 64, ..Default::default() };
+    let state = Arc::new(ServerState::from_dir(&dir, DType::F32, cfg, Some("tiny".into())).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    rt.spawn(async move { axum::serve(listener, router(state)).await });
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve_openai_sampling.py");
+    let out = Command::new(python).arg(&script).arg(&url).arg(Value::from(exp).to_string()).output().unwrap();
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && so.contains("\"ok\": true"), "the openai client failed:\n{so}\n{se}");
     std::fs::remove_dir_all(&dir).ok();
 }
