@@ -6,7 +6,8 @@ EXPECTATIONS_JSON lists what kiln's engine answered to each request alone
 (text, tokens generated, log-probabilities, top log-probabilities):
 0 completion logprobs=3, 1 chat logprobs top_logprobs=2, 2-4 the n=3
 choices of one seeded sampled completion, 5 penalties and logit_bias,
-6 the same prompt without them.
+6 the same prompt without them. Structured outputs are checked by parsing
+and validating them (pydantic).
 """
 import json
 import sys
@@ -118,6 +119,56 @@ except openai.BadRequestError as e:
     check(e.body["param"] == "top_logprobs", f"{e.body}")
 r = httpx.post(URL + "/chat/completions", json={"model": "tiny", "messages": msgs, "echo": True})
 check(r.status_code == 400 and r.json()["error"]["param"] == "echo", f"chat echo: {r.text}")
+# Structured output: a pydantic model through `parse` (json_schema, strict),
+# greedy and sampled, and streamed; vLLM's structured_outputs regex and choice.
+from typing import Literal
+
+import pydantic
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=3)
+    age: int = pydantic.Field(ge=0, le=120)
+    colour: Literal["red", "green", "blue"]
+    tags: list[bool] = pydantic.Field(max_length=2)
+
+
+# A short prompt: the model's context is 192 tokens.
+smsgs = [{"role": "system", "content": "JSON"}, {"role": "user", "content": "Who?"}]
+for kw in [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=1.0, seed=4)]:
+    r = client.chat.completions.parse(model="tiny", messages=smsgs, max_tokens=100, response_format=Person, **kw)
+    p = r.choices[0].message.parsed
+    check(isinstance(p, Person) and r.choices[0].finish_reason == "stop", f"parsed {kw}: {r.choices[0].message}")
+# Without additionalProperties false, any further (unbounded) property is valid.
+strict = dict(Person.model_json_schema(), additionalProperties=False)
+schema = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": strict}}
+text, finish = "", None
+for ch in client.chat.completions.create(model="tiny", messages=smsgs, max_tokens=100, temperature=1.0, seed=9,
+                                         response_format=schema, stream=True):
+    if ch.choices:
+        text += ch.choices[0].delta.content or ""
+        finish = ch.choices[0].finish_reason or finish
+check(finish == "stop", f"the streamed structured output ended by {finish}")
+Person.model_validate_json(text)
+for so, ok in [({"regex": "[a-z]{3}-[0-9]{2,4}"}, lambda t: len(t) >= 6 and t[3] == "-" and t[4:].isdigit()),
+               ({"choice": ["yes", "no", "(maybe)"]}, lambda t: t in ["yes", "no", "(maybe)"])]:
+    for seed in (1, 2):
+        r = client.completions.create(model="tiny", prompt="Q: ", max_tokens=20, temperature=1.0, seed=seed,
+                                      extra_body={"structured_outputs": so})
+        check(ok(r.choices[0].text), f"{so}: {r.choices[0].text!r}")
+for bad, param in [({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, "response_format"),
+                   ({"type": "xml"}, "response_format")]:
+    try:
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, response_format=bad)
+        check(False, f"{bad} was accepted")
+    except openai.BadRequestError as e:
+        check(e.body["param"] == param, f"{bad}: {e.body}")
+try:
+    client.completions.create(model="tiny", prompt="a", max_tokens=5, extra_body={"structured_outputs": {"regex": "[a-"}})
+    check(False, "a bad regex was accepted")
+except openai.BadRequestError as e:
+    check(e.body["param"] == "structured_outputs", f"bad regex: {e.body}")
+
 # The server keeps serving.
 r = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
 check(r.choices[0].text == E[0]["text"], "served after the refusals")

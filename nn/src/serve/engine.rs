@@ -3,6 +3,7 @@
 //! scheduling]). Single-threaded; `handle.rs` runs it on its own thread.
 use super::blocks::Blocks;
 use super::decode::{DecodeProgram, DecodeRow};
+use super::grammar::{self, Constraint, GrammarCompiler};
 use super::kv::{PagedBatch, PagedKvCache, SeqChunk};
 use super::logits;
 use super::request::{Event, FinishReason, Request};
@@ -90,6 +91,9 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Turns text back into tokens' text for stop strings.
     pub detokenizer: Option<Detokenizer>,
+    /// Compiles requests' grammars (Note [Constrained decoding]); without
+    /// one, a request with a grammar is refused.
+    pub grammars: Option<Arc<dyn GrammarCompiler>>,
 }
 
 impl Default for EngineConfig {
@@ -102,6 +106,7 @@ impl Default for EngineConfig {
             prefix_sharing: true,
             max_queue: 1024,
             detokenizer: None,
+            grammars: None,
         }
     }
 }
@@ -116,6 +121,7 @@ impl std::fmt::Debug for EngineConfig {
             .field("prefix_sharing", &self.prefix_sharing)
             .field("max_queue", &self.max_queue)
             .field("detokenizer", &self.detokenizer.is_some())
+            .field("grammars", &self.grammars.is_some())
             .finish()
     }
 }
@@ -136,6 +142,8 @@ struct Seq {
     first_token: Option<Instant>,
     /// The adapter slot it is served with (Note [Serving adapters]).
     adapter: Option<usize>,
+    /// Its grammar's state (Note [Constrained decoding]).
+    constraint: Option<Box<dyn Constraint>>,
 }
 
 impl Seq {
@@ -324,7 +332,13 @@ impl Engine {
 
     /// Queues a request (checked first); returns its id.
     pub fn add_request(&mut self, req: Request) -> Result<u64> {
-        req.check(self.model.config().vocab_size, self.max_context(), self.cfg.detokenizer.is_some())?;
+        let cfg = &self.cfg;
+        req.check(
+            self.model.config().vocab_size,
+            self.max_context(),
+            cfg.detokenizer.is_some(),
+            cfg.grammars.is_some(),
+        )?;
         let adapter = match &req.adapter {
             None => None,
             Some(name) => Some(self.adapters.iter().position(|a| a == name).ok_or_else(|| {
@@ -333,6 +347,13 @@ impl Engine {
                     format!("no adapter named {name:?} is loaded (loaded: {:?})", self.adapters),
                 )
             })?),
+        };
+        let constraint = match (&req.grammar, &self.cfg.grammars) {
+            (None, _) => None,
+            (Some(g), Some(c)) => Some(c.compile(g)?),
+            (Some(_), None) => {
+                return Err(Error::invalid("Engine::add_request", "a grammar needs an engine with a grammar compiler"))
+            }
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -359,6 +380,7 @@ impl Engine {
             arrival: Instant::now(),
             first_token: None,
             adapter,
+            constraint,
         });
         Ok(id)
     }
@@ -617,6 +639,46 @@ impl Engine {
         Ok(logits)
     }
 
+    /// [`Engine::logits`], and beside it on a thread of its own, the allowed
+    /// tokens of every constrained sequence due a token (Note [Constrained
+    /// decoding]), by position in the plan.
+    #[allow(clippy::type_complexity)]
+    fn logits_and_masks(&mut self, plan: &[(usize, usize)]) -> Result<(Vec<Option<Tensor>>, Vec<Option<Vec<u32>>>)> {
+        let mut due: Vec<(usize, usize, Box<dyn Constraint>)> = vec![];
+        for (k, &(i, chunk)) in plan.iter().enumerate() {
+            let s = &mut self.running[i];
+            if s.computed + chunk == s.tokens.len() {
+                if let Some(c) = s.constraint.take() {
+                    due.push((k, i, c));
+                }
+            }
+        }
+        if due.is_empty() {
+            return Ok((self.logits(plan)?, vec![None; plan.len()]));
+        }
+        let (logits, computed) = std::thread::scope(|scope| {
+            let masks =
+                scope.spawn(move || due.into_iter().map(|(k, i, mut c)| (k, i, c.allowed(), c)).collect::<Vec<_>>());
+            let logits = self.logits(plan);
+            (logits, masks.join())
+        });
+        let computed = computed.map_err(|_| Error::invalid("serve", "computing a grammar's mask panicked"))?;
+        let mut masks = vec![None; plan.len()];
+        let mut failed = None;
+        for (k, i, m, c) in computed {
+            // Every constraint goes back before any error is returned.
+            self.running[i].constraint = Some(c);
+            match m {
+                Ok(m) => masks[k] = Some(m),
+                Err(e) => failed = Some(e),
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok((logits?, masks)),
+        }
+    }
+
     /// The next token of every greedy row with logits, by position in the
     /// plan: one argmax over all of them (per row, as `choose` computes it)
     /// instead of one op and one read back per row.
@@ -646,21 +708,27 @@ impl Engine {
                 self.blocks.check_writable(s.blocks[p / bs])?;
             }
         }
-        let mut logits = self.logits(plan)?;
+        let (mut logits, masks) = self.logits_and_masks(plan)?;
         // Note [Logit processing]: the raw logits stay for the logprobs.
         let mut raw: Vec<Option<Tensor>> = vec![None; plan.len()];
+        let mut dead: Vec<Option<String>> = vec![None; plan.len()];
+        let vocab = self.model.config().vocab_size;
         for (k, &(i, _)) in plan.iter().enumerate() {
             let (s, Some(l)) = (&self.running[i], &logits[k]) else { continue };
             if s.req.logprobs.is_some() {
                 raw[k] = Some(l.clone());
             }
-            if logits::processes(&s.req) {
-                logits[k] = Some(logits::process(l, &s.req, &s.tokens, None)?);
+            let mask = masks[k].as_deref();
+            if mask.is_some_and(|m| !(0..vocab).any(|t| grammar::allows(m, t))) {
+                dead[k] = Some("the grammar allows no token of the model's vocabulary here".into());
+                logits[k] = None;
+            } else if logits::processes(&s.req) {
+                logits[k] = Some(logits::process(l, &s.req, &s.tokens, mask)?);
             }
         }
         let greedy = self.greedy_tokens(plan, &logits)?;
         let mut done = vec![];
-        for (((&(i, chunk), l), greedy), raw) in plan.iter().zip(logits).zip(greedy).zip(raw) {
+        for ((((&(i, chunk), l), greedy), raw), dead) in plan.iter().zip(logits).zip(greedy).zip(raw).zip(dead) {
             let s = &mut self.running[i];
             let prefill = chunk.min(s.req.prompt.len().saturating_sub(s.computed));
             self.stats.prefill_tokens += prefill as u64;
@@ -670,6 +738,10 @@ impl Engine {
                 let parent = s.parent_hash(j);
                 let h = self.blocks.register(s.blocks[j], parent, &s.tokens[j * bs..(j + 1) * bs]);
                 s.hashes.push(h);
+            }
+            if let Some(msg) = dead {
+                done.push((i, FinishReason::Error(msg)));
+                continue;
             }
             let Some(l) = l.filter(|_| s.computed == s.tokens.len()) else { continue };
             let tok = match greedy {
@@ -707,7 +779,10 @@ impl Engine {
                         .detokenizer
                         .as_ref()
                         .is_some_and(|d| ends_in_stop(d, &s.tokens[s.req.prompt.len()..], &s.req.stop_strings)));
-            if stop {
+            if let Some(c) = s.constraint.as_mut().filter(|_| !stop) {
+                c.advance(tok)?;
+            }
+            if stop || s.constraint.as_ref().is_some_and(|c| c.is_finished()) {
                 done.push((i, FinishReason::Stop));
             } else if s.generated() >= s.req.max_new_tokens {
                 done.push((i, FinishReason::Length));

@@ -129,7 +129,7 @@ struct Shared {
     metrics: Mutex<Metrics>,
     max_queue: usize,
     /// Checks a request as the engine would (vocabulary, context, detokenizer).
-    limits: (usize, usize, bool),
+    limits: (usize, usize, bool, bool),
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -164,7 +164,9 @@ impl Drop for Owner {
 impl EngineHandle {
     /// Starts `engine` on a new thread.
     pub fn spawn(engine: Engine) -> std::io::Result<EngineHandle> {
-        let limits = (engine.model().config().vocab_size, engine.max_context(), engine.config().detokenizer.is_some());
+        let c = engine.config();
+        let limits =
+            (engine.model().config().vocab_size, engine.max_context(), c.detokenizer.is_some(), c.grammars.is_some());
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox { new: VecDeque::new(), engine_waiting: 0, shutdown: false, dead: false }),
             wake: Condvar::new(),
@@ -181,8 +183,8 @@ impl EngineHandle {
     /// Queues `req` and returns the stream of its tokens. Refused at once when
     /// the request is bad or the queue is full.
     pub fn submit(&self, req: Request) -> Result<TokenStream, SubmitError> {
-        let (vocab, ctx, detok) = self.shared.limits;
-        req.check(vocab, ctx, detok).map_err(SubmitError::Invalid)?;
+        let (vocab, ctx, detok, constrain) = self.shared.limits;
+        req.check(vocab, ctx, detok, constrain).map_err(SubmitError::Invalid)?;
         let (tx, rx) = unbounded_channel();
         {
             let mut inbox = lock(&self.shared.inbox);

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 
 /// Whether `req` changes its logits before choosing.
 pub(crate) fn processes(req: &Request) -> bool {
-    !req.penalties.is_off() || !req.logit_bias.is_empty()
+    !req.penalties.is_off() || !req.logit_bias.is_empty() || req.grammar.is_some()
 }
 
 /// `logits` (`[1, vocab]`) after `req`'s bias and penalties (Note [Logit
@@ -65,7 +65,7 @@ pub(crate) fn process(logits: &Tensor, req: &Request, tokens: &[i64], allowed: O
     }
     if let Some(mask) = allowed {
         for (i, l) in x.iter_mut().enumerate() {
-            if mask.get(i / 32).is_none_or(|w| w >> (i % 32) & 1 == 0) {
+            if !super::grammar::allows(mask, i) {
                 *l = f32::NEG_INFINITY;
             }
         }

@@ -37,14 +37,18 @@
 pub mod blocks;
 mod decode;
 pub mod engine;
+pub mod grammar;
 pub mod handle;
 pub mod kv;
 mod logits;
 #[cfg(feature = "server")]
 pub mod openai;
 pub mod request;
+#[cfg(feature = "server")]
+pub mod structured;
 
 pub use engine::{Detokenizer, Engine, EngineConfig, EngineStats, StepOutput};
+pub use grammar::{Constraint, Grammar, GrammarCompiler};
 pub use handle::{EngineHandle, Metrics, SubmitError, TokenStream};
 pub use kv::{DecodeBatch, PagedBatch, PagedKvCache, SeqChunk};
 pub use logits::process_logits;

@@ -1,4 +1,5 @@
 //! What a request asks for and what comes back.
+use super::grammar::Grammar;
 use crate::generate::Sampling;
 use kiln_tensor::{Error, Result};
 
@@ -68,6 +69,9 @@ pub struct Request {
     /// `Some(k)`: every token comes with its log-probability and the `k`
     /// most likely tokens' ([`Event::Token`]).
     pub logprobs: Option<usize>,
+    /// What the output must match (Note [Constrained decoding]); needs an
+    /// engine with a grammar compiler (`EngineConfig::grammars`).
+    pub grammar: Option<Grammar>,
 }
 
 impl Request {
@@ -83,6 +87,7 @@ impl Request {
             penalties: Penalties::default(),
             logit_bias: vec![],
             logprobs: None,
+            grammar: None,
         }
     }
 
@@ -128,8 +133,20 @@ impl Request {
         self
     }
 
+    /// Constrained to `grammar`.
+    pub fn with_grammar(mut self, grammar: Grammar) -> Request {
+        self.grammar = Some(grammar);
+        self
+    }
+
     /// Checks the request against a vocabulary and a context length.
-    pub(crate) fn check(&self, vocab: usize, max_context: usize, can_detokenize: bool) -> Result<()> {
+    pub(crate) fn check(
+        &self,
+        vocab: usize,
+        max_context: usize,
+        can_detokenize: bool,
+        can_constrain: bool,
+    ) -> Result<()> {
         let bad = |m: String| Err(Error::invalid("serve", m));
         if self.prompt.is_empty() {
             return bad("the prompt is empty".into());
@@ -153,6 +170,9 @@ impl Request {
         }
         if self.stop_strings.iter().any(|s| s.is_empty()) {
             return bad("stop strings must not be empty".into());
+        }
+        if self.grammar.is_some() && !can_constrain {
+            return bad("a grammar needs an engine with a grammar compiler (EngineConfig::grammars)".into());
         }
         let p = &self.penalties;
         if !(p.repetition.is_finite() && p.repetition > 0.0) {

@@ -11,7 +11,10 @@
 //! `frequency_penalty`, `logit_bias`, `logprobs` (a count for completions;
 //! `logprobs` and `top_logprobs` for chat), `echo` (completions), `stream`
 //! with `stream_options.include_usage`, and vLLM's `top_k`, `min_p` and
-//! `repetition_penalty` extensions (Note [Logit processing]). Any other field
+//! `repetition_penalty` extensions (Note [Logit processing]), and structured
+//! output (Note [Constrained decoding]): `response_format` (`json_object`,
+//! `json_schema`) or vLLM's `structured_outputs` (`json`, `regex`, `grammar`
+//! in Lark, `choice`). Any other field
 //! is refused, never ignored (Note [Every field honoured or refused]).
 //! Errors come back with OpenAI's status codes and
 //! `{"error": {"message", "type", "param", "code"}}` body: 400 for malformed
@@ -54,6 +57,8 @@ pub struct ServerState {
     pub stop_token_ids: Vec<i64>,
     /// When the server started (seconds since the epoch).
     pub created: u64,
+    /// Compiles the grammars of structured output (the engine's, shared).
+    pub grammars: Arc<crate::serve::structured::LlgCompiler>,
 }
 
 impl ServerState {
@@ -93,6 +98,9 @@ impl ServerState {
         let c = codec.clone();
         cfg.detokenizer = Some(Arc::new(move |ids: &[i64]| c.decode(ids)));
         let stop_token_ids = model.config().eos_token_ids.clone();
+        let vocab = model.config().vocab_size;
+        let grammars = Arc::new(crate::serve::structured::LlgCompiler::new(codec.clone(), vocab, &stop_token_ids)?);
+        cfg.grammars = Some(grammars.clone());
         let model_name = name.unwrap_or_else(|| {
             let canonical = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
             canonical.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned())
@@ -106,7 +114,7 @@ impl ServerState {
         }
         let adapters = engine.adapters().to_vec();
         let engine = EngineHandle::spawn(engine)?;
-        Ok(ServerState { engine, codec, chat, model_name, adapters, stop_token_ids, created: now() })
+        Ok(ServerState { engine, codec, chat, model_name, adapters, stop_token_ids, created: now(), grammars })
     }
 }
 

@@ -2,7 +2,7 @@
 //! for (Note [Every field honoured or refused]).
 use super::{bad_request, error, ServerState};
 use crate::generate::Sampling;
-use crate::serve::{Penalties, Request};
+use crate::serve::{Grammar, GrammarCompiler, Penalties, Request};
 use axum::http::StatusCode;
 use axum::response::Response;
 use serde::Deserialize;
@@ -38,6 +38,8 @@ const COMMON: &[&str] = &[
     "repetition_penalty",
     "logit_bias",
     "logprobs",
+    "response_format",
+    "structured_outputs",
     "user",
 ];
 
@@ -89,6 +91,8 @@ pub(super) struct Params {
     logprobs: Option<Value>,
     top_logprobs: Option<i64>,
     echo: Option<bool>,
+    response_format: Option<Value>,
+    structured_outputs: Option<Value>,
     #[allow(dead_code)]
     user: Option<String>,
 }
@@ -183,6 +187,7 @@ pub(super) fn job(
     let penalties = penalties(p)?;
     let logit_bias = logit_bias(p, st.engine.vocab_size())?;
     let logprobs = logprobs(p, kind)?;
+    let grammar = grammar(st, p)?;
     let stream = p.stream.unwrap_or(false);
     let include_usage = match &p.stream_options {
         Some(_) if !stream => {
@@ -215,6 +220,7 @@ pub(super) fn job(
         penalties,
         logit_bias,
         logprobs,
+        grammar,
     };
     // Choice i draws from seed + i (vLLM's rule), so a seeded request with
     // n choices is as reproducible as n requests.
@@ -356,5 +362,74 @@ fn logprobs(p: &Params, kind: Kind) -> Result<Option<usize>, Refusal> {
                 (true, k) => range(k.unwrap_or(0), "top_logprobs").map(Some),
             }
         }
+    }
+}
+
+/// The grammar `response_format` (OpenAI's `json_object` and `json_schema`)
+/// or `structured_outputs` (vLLM's `json`, `regex`, `grammar` or `choice`)
+/// asks for, compiled once here so that a bad one is refused naming its field.
+fn grammar(st: &ServerState, p: &Params) -> Result<Option<Grammar>, Refusal> {
+    let (g, param) = match (&p.response_format, &p.structured_outputs) {
+        (Some(_), Some(_)) => {
+            return Err(refuse("give response_format or structured_outputs, not both".into(), "response_format"))
+        }
+        (Some(rf), None) => (response_format(rf)?, "response_format"),
+        (None, Some(so)) => (structured_outputs(so)?, "structured_outputs"),
+        (None, None) => return Ok(None),
+    };
+    if let Some(g) = &g {
+        st.grammars.compile(g).map_err(|e| refuse(format!("{param}: {e}"), param))?;
+    }
+    Ok(g)
+}
+
+fn response_format(rf: &Value) -> Result<Option<Grammar>, Refusal> {
+    let bad = |m: String| refuse(format!("response_format: {m}"), "response_format");
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::JsonObject)),
+        Some("json_schema") => {
+            let js = rf.get("json_schema").ok_or_else(|| bad("json_schema is missing".into()))?;
+            match js.get("schema") {
+                Some(s) if s.is_object() => Ok(Some(Grammar::JsonSchema(s.clone()))),
+                Some(s) => Err(bad(format!("json_schema.schema must be an object, got {s}"))),
+                None => Err(bad("json_schema.schema is missing".into())),
+            }
+        }
+        Some(t) => Err(bad(format!("unknown type {t:?} (text, json_object or json_schema)"))),
+        None => Err(bad("an object with a type is expected".into())),
+    }
+}
+
+fn structured_outputs(so: &Value) -> Result<Option<Grammar>, Refusal> {
+    let bad = |m: String| refuse(format!("structured_outputs: {m}"), "structured_outputs");
+    let obj = so.as_object().ok_or_else(|| bad("an object is expected".into()))?;
+    if obj.len() != 1 {
+        return Err(bad("exactly one of json, regex, grammar or choice is expected".into()));
+    }
+    let (k, v) = obj.iter().next().ok_or_else(|| bad("empty".into()))?;
+    let text = |v: &Value| v.as_str().map(str::to_string).ok_or_else(|| bad(format!("{k} must be a string")));
+    match k.as_str() {
+        "json" => match v {
+            Value::Object(_) => Ok(Some(Grammar::JsonSchema(v.clone()))),
+            Value::String(s) => match serde_json::from_str::<Value>(s) {
+                Ok(schema @ Value::Object(_)) => Ok(Some(Grammar::JsonSchema(schema))),
+                _ => Err(bad("json must be a JSON schema (an object, or its text)".into())),
+            },
+            _ => Err(bad("json must be a JSON schema".into())),
+        },
+        "regex" => Ok(Some(Grammar::Regex(text(v)?))),
+        "grammar" => Ok(Some(Grammar::Lark(text(v)?))),
+        "choice" => {
+            let choices: Option<Vec<&str>> =
+                v.as_array().map(|a| a.iter().map(Value::as_str).collect()).unwrap_or(None);
+            match choices {
+                Some(c) if !c.is_empty() => {
+                    Ok(Some(Grammar::Regex(c.iter().map(|x| regex::escape(x)).collect::<Vec<_>>().join("|"))))
+                }
+                _ => Err(bad("choice must be a non-empty list of strings".into())),
+            }
+        }
+        other => Err(bad(format!("unknown key {other:?} (json, regex, grammar or choice)"))),
     }
 }
