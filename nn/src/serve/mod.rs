@@ -44,6 +44,7 @@ mod logits;
 #[cfg(feature = "server")]
 pub mod openai;
 pub mod request;
+mod stats;
 #[cfg(feature = "server")]
 pub mod structured;
 
