@@ -35,7 +35,10 @@ r = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temper
 c = r.choices[0]
 check(c.text == E[0]["text"], f"logprobs completion text {c.text!r}")
 close(c.logprobs.token_logprobs, E[0]["logprobs"], "completion token_logprobs")
-close([sorted(d.values(), reverse=True) for d in c.logprobs.top_logprobs][0], E[0]["top"][0], "top_logprobs[0]")
+# Every top-3 dict has 3 keys: tokens that are not text alone are OpenAI's
+# "bytes:\xNN" strings, which never collide.
+for d, top in zip(c.logprobs.top_logprobs, E[0]["top"]):
+    close(sorted(d.values(), reverse=True), top, "top_logprobs")
 check(len(c.logprobs.tokens) == len(E[0]["logprobs"]) and c.logprobs.text_offset[0] == 0, "tokens / offsets")
 text, lps = "", []
 for ch in client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0, logprobs=3, stream=True):
@@ -53,6 +56,12 @@ check(c.message.content == E[1]["text"], f"chat text {c.message.content!r}")
 close([t.logprob for t in c.logprobs.content], E[1]["logprobs"], "chat logprobs")
 for t, top in zip(c.logprobs.content, E[1]["top"]):
     close([x.logprob for x in t.top_logprobs], top, "chat top_logprobs")
+    for x in [t] + t.top_logprobs:
+        b = bytes(x.bytes)
+        try:
+            check(x.token == b.decode("utf-8"), f"token {x.token!r} vs its bytes {b!r}")
+        except UnicodeDecodeError:
+            check(x.token == "bytes:" + "".join(f"\\x{y:02x}" for y in b), f"{x.token!r} for {b!r}")
 lps = []
 for ch in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, logprobs=True,
                                          top_logprobs=2, stream=True):

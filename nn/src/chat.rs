@@ -27,6 +27,7 @@ pub struct ChatTemplate {
     eos: String,
     /// Whether it came from the model (otherwise kiln's plain fallback).
     pub from_model: bool,
+    source: String,
 }
 
 /// The template for models that bring none (`train_llama`'s byte-level
@@ -81,7 +82,7 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| Error::invalid("serve", format!("the chat template does not parse: {e}")))?;
-        Ok(ChatTemplate { env, bos: String::new(), eos: String::new(), from_model })
+        Ok(ChatTemplate { env, bos: String::new(), eos: String::new(), from_model, source: source.to_string() })
     }
 
     /// With these special tokens as `bos_token` and `eos_token`.
@@ -101,14 +102,33 @@ impl ChatTemplate {
     /// (transformers' `apply_chat_template(messages, tokenize=False,
     /// add_generation_prompt=...)`).
     pub fn render_conversation(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render_conversation`] for messages of any shape
+    /// (OpenAI's, with `tool_calls` and `tool` messages) and, when given, the
+    /// tools' definitions as the template's `tools` (transformers'
+    /// `apply_chat_template(messages, tools=tools, ...)`).
+    pub fn render_with_tools<M: Serialize>(
+        &self,
+        messages: &[M],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let t = self.env.get_template("chat").map_err(|e| Error::invalid("serve", e.to_string()))?;
         t.render(context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos,
             eos_token => self.eos,
         })
         .map_err(|e| Error::invalid("serve", format!("cannot render the chat template: {e}")))
+    }
+
+    /// The template's source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 }
 

@@ -727,14 +727,17 @@ impl Engine {
                 self.stats.ttft_recent.push_back(t);
             }
             out.push(StepOutput { id: s.id, event: Event::Token(tok, lp) });
-            let stop = s.req.stop_token_ids.contains(&tok)
+            // A stop token the grammar takes as text (a byte-level model whose
+            // end token is a byte) extends the output (Note [Constrained decoding]).
+            let stop_token = s.req.stop_token_ids.contains(&tok) && s.constraint.as_ref().is_none_or(|c| c.is_end(tok));
+            let stop = stop_token
                 || (!s.req.stop_strings.is_empty()
                     && self
                         .cfg
                         .detokenizer
                         .as_ref()
                         .is_some_and(|d| ends_in_stop(d, &s.tokens[s.req.prompt.len()..], &s.req.stop_strings)));
-            if let Some(c) = s.constraint.as_mut().filter(|_| !stop) {
+            if let Some(c) = s.constraint.as_mut().filter(|_| !stop_token) {
                 c.advance(tok)?;
             }
             if stop || s.constraint.as_ref().is_some_and(|c| c.is_finished()) {

@@ -16,7 +16,9 @@ use kiln_tensor::Result;
 // sampled decoding alike can only choose an allowed one. The chosen token
 // advances the constraint. A sequence ends when its grammar is complete
 // and allows nothing more (the constraint is finished: `Stop`, no end token
-// is produced), when it produces a stop token its grammar allows there, or
+// is produced), when it produces a stop token that is one of its grammar's
+// end tokens (a stop token the grammar takes as text, such as the "\n" that
+// ends a byte-level model's outputs, is text here), or
 // at `max_new_tokens` (`Length`: the output is then a prefix of a valid one,
 // as with every peer). Preemption keeps the constraint: it has seen exactly
 // the tokens the sequence keeps.
@@ -43,6 +45,9 @@ pub trait Constraint: Send {
     fn advance(&mut self, token: i64) -> Result<()>;
     /// True once the grammar is complete and allows no further token.
     fn is_finished(&self) -> bool;
+    /// Whether `token` is one of the grammar's end tokens (allowed only where
+    /// the output may end) rather than text it may contain.
+    fn is_end(&self, token: i64) -> bool;
 }
 
 /// Turns grammars into constraints over one tokenizer's vocabulary.

@@ -45,6 +45,8 @@ impl TokenizerEnv for Env {
 /// Compiles grammars with llguidance over one model's tokenizer.
 pub struct LlgCompiler {
     factory: ParserFactory,
+    /// The grammar's end tokens.
+    eos: Vec<i64>,
 }
 
 impl LlgCompiler {
@@ -96,7 +98,21 @@ impl LlgCompiler {
         let env: TokEnv = Arc::new(Env { trie, codec });
         let mut factory = ParserFactory::new_simple(&env).map_err(err)?;
         factory.quiet();
-        Ok(LlgCompiler { factory })
+        Ok(LlgCompiler { factory, eos: eos_ids.iter().map(|&e| e as i64).collect() })
+    }
+}
+
+impl LlgCompiler {
+    /// The bytes of token `id` (a special token's text; empty for an id the
+    /// tokenizer does not use or one past the vocabulary).
+    pub fn token_bytes(&self, id: i64) -> Vec<u8> {
+        let trie = self.factory.tok_env().tok_trie();
+        let b = u32::try_from(id).map_or(&[][..], |i| trie.token(i));
+        match b.split_first() {
+            Some((&TokTrie::SPECIAL_TOKEN_MARKER, rest)) if rest != b"?" => rest.to_vec(),
+            Some((&TokTrie::SPECIAL_TOKEN_MARKER, _)) => vec![],
+            _ => b.to_vec(),
+        }
     }
 }
 
@@ -128,12 +144,13 @@ impl GrammarCompiler for LlgCompiler {
             Grammar::Lark(l) => TopLevelGrammar::from_lark(l.clone()),
         };
         let parser = self.factory.create_parser(top).map_err(err)?;
-        Ok(Box::new(LlgConstraint { matcher: Matcher::new(Ok(parser)) }))
+        Ok(Box::new(LlgConstraint { matcher: Matcher::new(Ok(parser)), eos: self.eos.clone() }))
     }
 }
 
 struct LlgConstraint {
     matcher: Matcher,
+    eos: Vec<i64>,
 }
 
 impl Constraint for LlgConstraint {
@@ -148,5 +165,9 @@ impl Constraint for LlgConstraint {
 
     fn is_finished(&self) -> bool {
         self.matcher.is_stopped()
+    }
+
+    fn is_end(&self, token: i64) -> bool {
+        self.eos.contains(&token)
     }
 }

@@ -1,7 +1,8 @@
 //! A job's answer: every choice's tokens turned into OpenAI's response body,
 //! or into its stream of server-sent events.
 use super::params::{Job, Kind};
-use super::text::{Codec, IncrementalText, Visible};
+use super::text::{IncrementalText, Visible};
+use super::tools::ToolStream;
 use super::{error, now, ServerState};
 use crate::serve::{Event, FinishReason, SubmitError, TokenLogprobs, TokenStream};
 use axum::http::StatusCode;
@@ -21,14 +22,27 @@ fn lp_value(x: f32) -> f32 {
     }
 }
 
+/// A token as logprobs show it: its text, or OpenAI's `bytes:\xNN..` for
+/// bytes that are not text on their own; and its bytes.
+fn token_text(st: &ServerState, t: i64) -> (String, Vec<u8>) {
+    let b = st.grammars.token_bytes(t);
+    let text = match std::str::from_utf8(&b) {
+        Ok(s) => s.to_string(),
+        Err(_) => b.iter().fold("bytes:".to_string(), |acc, x| acc + &format!("\\x{x:02x}")),
+    };
+    (text, b)
+}
+
 /// The `logprobs` object of a choice for `items` (token, its log-probabilities),
-/// whose text starts at character `offset` of the choice's text.
-fn logprobs_json(kind: Kind, codec: &Codec, items: &[(i64, TokenLogprobs)], tokens_before: &[i64]) -> Value {
+/// which follow `tokens_before` of the choice's tokens.
+fn logprobs_json(kind: Kind, st: &ServerState, items: &[(i64, TokenLogprobs)], tokens_before: &[i64]) -> Value {
+    let codec = &st.codec;
+    let piece = |t: i64| token_text(st, t).0;
     match kind {
         Kind::Chat => {
             let entry = |t: i64, lp: f32| {
-                let piece = codec.piece(t);
-                json!({"token": piece, "logprob": lp_value(lp), "bytes": piece.as_bytes()})
+                let (text, bytes) = token_text(st, t);
+                json!({"token": text, "logprob": lp_value(lp), "bytes": bytes})
             };
             let content: Vec<Value> = items
                 .iter()
@@ -46,10 +60,10 @@ fn logprobs_json(kind: Kind, codec: &Codec, items: &[(i64, TokenLogprobs)], toke
             for (t, l) in items {
                 offsets.push(codec.decode(&seen).chars().count());
                 seen.push(*t);
-                tokens.push(codec.piece(*t));
+                tokens.push(piece(*t));
                 lps.push(lp_value(l.logprob));
                 let top: serde_json::Map<String, Value> =
-                    l.top.iter().map(|&(u, x)| (codec.piece(u), json!(lp_value(x)))).collect();
+                    l.top.iter().map(|&(u, x)| (piece(u), json!(lp_value(x)))).collect();
                 tops.push(top);
             }
             json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
@@ -57,9 +71,11 @@ fn logprobs_json(kind: Kind, codec: &Codec, items: &[(i64, TokenLogprobs)], toke
     }
 }
 
-fn finish_name(r: &FinishReason) -> &'static str {
+/// The `finish_reason` of an end; `called`: the answer holds tool calls.
+fn finish_name(r: &FinishReason, called: bool) -> &'static str {
     match r {
         FinishReason::Length => "length",
+        _ if called => "tool_calls",
         _ => "stop",
     }
 }
@@ -100,21 +116,42 @@ struct Choice {
     end: FinishReason,
 }
 
+/// Holds back a stop token until the next event says whether it ended the
+/// output (then it shows no text) or was text after all (a grammar took it
+/// as text: Note [Constrained decoding]).
+#[derive(Default)]
+struct StopHold(Option<(i64, Option<TokenLogprobs>)>);
+
+impl StopHold {
+    /// The tokens that are text now that `t` arrived (`None`: the end).
+    fn next(&mut self, st: &ServerState, t: Option<(i64, Option<TokenLogprobs>)>) -> Vec<(i64, Option<TokenLogprobs>)> {
+        let mut out: Vec<_> = if t.is_some() { self.0.take().into_iter().collect() } else { vec![] };
+        match t {
+            Some(x) if st.stop_token_ids.contains(&x.0) => self.0 = Some(x),
+            Some(x) => out.push(x),
+            None => self.0 = None,
+        }
+        out
+    }
+}
+
 async fn collect(st: &ServerState, mut stream: TokenStream) -> Choice {
     let mut c = Choice { tokens: vec![], logprobs: vec![], generated: 0, end: FinishReason::Cancelled };
+    let mut hold = StopHold::default();
     while let Some(e) = stream.next_event().await {
-        match e {
+        let text = match e {
             Event::Token(t, lp) => {
                 c.generated += 1;
-                if st.stop_token_ids.contains(&t) {
-                    continue;
-                }
-                c.tokens.push(t);
-                if let Some(lp) = lp {
-                    c.logprobs.push((t, lp));
-                }
+                hold.next(st, Some((t, lp)))
             }
-            Event::Finished(f) => c.end = f,
+            Event::Finished(f) => {
+                c.end = f;
+                hold.next(st, None)
+            }
+        };
+        for (t, lp) in text {
+            c.tokens.push(t);
+            c.logprobs.extend(lp.map(|l| (t, l)));
         }
     }
     c
@@ -148,14 +185,24 @@ pub(super) async fn answer(st: Arc<ServerState>, mut job: Job) -> Response {
         }
         let lp = match job.logprobs {
             false => Value::Null,
-            true => logprobs_json(job.kind, &st.codec, &c.logprobs, &[]),
+            true => logprobs_json(job.kind, &st, &c.logprobs, &[]),
         };
         body.push(match job.kind {
             Kind::Completion => {
-                json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_name(&c.end)})
+                json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_name(&c.end, false)})
             }
-            Kind::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                                 "finish_reason": finish_name(&c.end)}),
+            Kind::Chat => {
+                let (content, calls) = match job.tools.as_ref().filter(|t| t.parses()) {
+                    Some(t) => t.parse(&text),
+                    None => (Some(text), vec![]),
+                };
+                let mut message = json!({"role": "assistant", "content": content});
+                if !calls.is_empty() {
+                    message["tool_calls"] = calls.iter().map(|c| c.to_json(None)).collect();
+                }
+                json!({"index": i, "message": message, "logprobs": lp,
+                       "finish_reason": finish_name(&c.end, !calls.is_empty())})
+            }
         });
     }
     let usage = json!({"prompt_tokens": job.prompt_tokens, "completion_tokens": generated,
@@ -188,6 +235,8 @@ struct ChoiceStream {
     visible: Visible,
     first: Option<String>,
     done: bool,
+    tools: Option<ToolStream>,
+    hold: StopHold,
 }
 
 impl ChoiceStream {
@@ -196,7 +245,7 @@ impl ChoiceStream {
             Value::Null
         } else {
             let items = std::mem::take(&mut self.pending);
-            let v = logprobs_json(kind, &st.codec, &items, &self.scored);
+            let v = logprobs_json(kind, st, &items, &self.scored);
             self.scored.extend(items.iter().map(|(t, _)| *t));
             v
         };
@@ -212,6 +261,24 @@ impl ChoiceStream {
                 json!({"index": self.index, "delta": d, "logprobs": lp, "finish_reason": finish})
             }
         }
+    }
+
+    /// The chunks that show newly visible text `d`: as content, or through
+    /// the tool-call splitter (Note [Tool calls]). `done`: nothing follows.
+    fn pieces(&mut self, st: &ServerState, kind: Kind, d: String, done: bool) -> Vec<Value> {
+        let Some(ts) = &mut self.tools else {
+            return if d.is_empty() { vec![] } else { vec![self.chunk(st, kind, Some(d), None)] };
+        };
+        let before = ts.calls;
+        let (text, calls) = ts.push(&d, done);
+        if text.is_empty() && calls.is_empty() {
+            return vec![];
+        }
+        let mut c = self.chunk(st, kind, (!text.is_empty()).then_some(text), None);
+        if !calls.is_empty() {
+            c["delta"]["tool_calls"] = calls.iter().enumerate().map(|(j, x)| x.to_json(Some(before + j))).collect();
+        }
+        vec![c]
     }
 
     /// The next pieces of this choice: at least one unless it has ended.
@@ -232,16 +299,19 @@ impl ChoiceStream {
             match self.stream.next_event().await {
                 Some(Event::Token(t, lp)) => {
                     self.generated += 1;
-                    // A stop token ends the stream and shows no text.
-                    if st.stop_token_ids.contains(&t) {
+                    let text = self.hold.next(st, Some((t, lp)));
+                    if text.is_empty() {
                         continue;
                     }
-                    self.tokens.push(t);
-                    self.pending.extend(lp.map(|l| (t, l)));
+                    for (t, lp) in text {
+                        self.tokens.push(t);
+                        self.pending.extend(lp.map(|l| (t, l)));
+                    }
                     self.text.update(&st.codec, &self.tokens, false);
                     let d = self.visible.delta(self.text.text(), false);
-                    if !d.is_empty() {
-                        out.push(Out::Chunk(self.chunk(st, kind, Some(d), None)));
+                    let pieces = self.pieces(st, kind, d, false);
+                    if !pieces.is_empty() {
+                        out.extend(pieces.into_iter().map(Out::Chunk));
                         return out;
                     }
                 }
@@ -253,11 +323,11 @@ impl ChoiceStream {
                 Some(Event::Finished(f)) => {
                     self.text.update(&st.codec, &self.tokens, true);
                     let d = self.visible.delta(self.text.text(), true);
-                    if !d.is_empty() {
-                        out.push(Out::Chunk(self.chunk(st, kind, Some(d), None)));
-                    }
+                    let pieces = self.pieces(st, kind, d, true);
+                    out.extend(pieces.into_iter().map(Out::Chunk));
                     let empty = if kind == Kind::Chat { None } else { Some(String::new()) };
-                    out.push(Out::Chunk(self.chunk(st, kind, empty, Some(finish_name(&f)))));
+                    let called = self.tools.as_ref().is_some_and(|t| t.calls > 0);
+                    out.push(Out::Chunk(self.chunk(st, kind, empty, Some(finish_name(&f, called)))));
                     out.push(Out::Done(self.generated));
                     self.done = true;
                     return out;
@@ -294,6 +364,8 @@ fn sse(st: Arc<ServerState>, streams: Vec<TokenStream>, job: Job, stops: Vec<Str
             visible: Visible::new(&stops),
             first: first.clone(),
             done: false,
+            tools: job.tools.clone().filter(|t| t.parses()).map(ToolStream::new),
+            hold: StopHold::default(),
         };
         let st = st.clone();
         futures_util::stream::unfold(c, move |mut c| {

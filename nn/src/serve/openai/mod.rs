@@ -24,6 +24,7 @@
 mod answer;
 mod params;
 mod text;
+mod tools;
 
 pub use crate::chat::{ChatTemplate, Message};
 pub use text::{Codec, IncrementalText, Visible};
@@ -186,11 +187,42 @@ enum Content {
 struct ChatMessageBody {
     role: String,
     content: Option<Content>,
+    tool_calls: Option<Vec<Value>>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
+}
+
+impl ChatMessageBody {
+    /// The message as the chat template sees it (Note [Tool calls]).
+    fn into_template_value(self) -> Value {
+        let content = match self.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                parts.iter().filter_map(|p| p.get("text").and_then(|t| t.as_str())).collect::<Vec<_>>().join("")
+            }
+        };
+        let mut m = json!({"role": self.role, "content": content});
+        if let Some(mut calls) = self.tool_calls {
+            tools::arguments_as_objects(&mut calls);
+            m["tool_calls"] = Value::from(calls);
+        }
+        if let Some(id) = self.tool_call_id {
+            m["tool_call_id"] = json!(id);
+        }
+        if let Some(n) = self.name {
+            m["name"] = json!(n);
+        }
+        m
+    }
 }
 
 #[derive(Debug, Deserialize)]
 struct ChatBody {
     messages: Vec<ChatMessageBody>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     params: Params,
 }
@@ -239,26 +271,31 @@ async fn chat_completions(State(st): State<Arc<ServerState>>, b: Result<Json<Val
     if body.messages.is_empty() {
         return bad_request("messages must not be empty", Some("messages"));
     }
-    let messages: Vec<Message> = body
-        .messages
-        .into_iter()
-        .map(|m| Message {
-            role: m.role,
-            content: match m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t,
-                Some(Content::Parts(parts)) => {
-                    parts.iter().filter_map(|p| p.get("text").and_then(|t| t.as_str())).collect::<Vec<_>>().join("")
-                }
-            },
-        })
-        .collect();
-    let ids = st.chat.render(&messages).and_then(|text| st.codec.encode(&text, false));
+    let tools = tools::Tools::from_request(
+        body.tools.as_ref(),
+        body.tool_choice.as_ref(),
+        body.parallel_tool_calls,
+        &st.chat,
+        &st.grammars,
+    );
+    let tools = match tools {
+        Ok(t) => t,
+        Err(r) => return *r,
+    };
+    let messages: Vec<Value> = body.messages.into_iter().map(ChatMessageBody::into_template_value).collect();
+    let defs = tools.as_ref().map(|t| t.defs.as_slice());
+    let ids = st.chat.render_with_tools(&messages, defs, true).and_then(|text| st.codec.encode(&text, false));
     let ids = match ids {
         Ok(ids) => ids,
         Err(e) => return bad_request(e.to_string(), Some("messages")),
     };
-    match params::job(&st, &body.params, ids, Kind::Chat, None) {
+    let job = params::job(&st, &body.params, ids, Kind::Chat, None);
+    let job = match (job, tools) {
+        (Ok(j), Some(t)) => j.with_tools(&st, t),
+        (j, None) => j,
+        (Err(r), _) => Err(r),
+    };
+    match job {
         Ok(j) => answer::answer(st, j).await,
         Err(r) => *r,
     }

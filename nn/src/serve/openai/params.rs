@@ -47,7 +47,7 @@ const COMMON: &[&str] = &[
 pub(super) const COMPLETION: &[&str] = &["prompt", "echo"];
 
 /// The fields only chat completions honour.
-pub(super) const CHAT: &[&str] = &["messages", "top_logprobs"];
+pub(super) const CHAT: &[&str] = &["messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"];
 
 /// At most this many choices per request (OpenAI's limit).
 const MAX_N: i64 = 128;
@@ -131,9 +131,11 @@ pub(super) struct Job {
     pub stop_strings: Vec<String>,
     /// Whether the answers carry log-probabilities.
     pub logprobs: bool,
+    /// Chat: the tools and what the model may do with them (Note [Tool calls]).
+    pub tools: Option<std::sync::Arc<super::tools::Tools>>,
 }
 
-type Refusal = Box<Response>;
+pub(super) type Refusal = Box<Response>;
 
 fn refuse(message: String, param: &str) -> Refusal {
     Box::new(bad_request(message, Some(param)))
@@ -234,7 +236,19 @@ pub(super) fn job(
     let model = adapter.unwrap_or_else(|| st.model_name.clone());
     let n = n as usize;
     let logprobs = logprobs.is_some();
-    Ok(Job { choices, stream, include_usage, kind, prompt_tokens, echo, model, n, stop_strings: stops, logprobs })
+    Ok(Job {
+        choices,
+        stream,
+        include_usage,
+        kind,
+        prompt_tokens,
+        echo,
+        model,
+        n,
+        stop_strings: stops,
+        logprobs,
+        tools: None,
+    })
 }
 
 fn max_new_tokens(
@@ -431,5 +445,26 @@ fn structured_outputs(so: &Value) -> Result<Option<Grammar>, Refusal> {
             }
         }
         other => Err(bad(format!("unknown key {other:?} (json, regex, grammar or choice)"))),
+    }
+}
+
+impl Job {
+    /// With `tools`: a required or named call constrains every choice (a
+    /// grammar of its own is then refused, as the two cannot both hold).
+    pub(super) fn with_tools(mut self, st: &ServerState, tools: super::tools::Tools) -> Result<Job, Refusal> {
+        if let Some(g) = tools.grammar() {
+            if self.choices.iter().any(|r| r.grammar.is_some()) {
+                return Err(refuse(
+                    "a required tool call and a response_format cannot both apply".into(),
+                    "tool_choice",
+                ));
+            }
+            st.grammars.compile(&g).map_err(|e| refuse(format!("the tools' call grammar: {e}"), "tools"))?;
+            for r in &mut self.choices {
+                r.grammar = Some(g.clone());
+            }
+        }
+        self.tools = Some(std::sync::Arc::new(tools));
+        Ok(self)
     }
 }

@@ -52,15 +52,6 @@ impl Codec {
         }
     }
 
-    /// The text of one token, special tokens included (an incomplete
-    /// character shows as U+FFFD).
-    pub fn piece(&self, id: i64) -> String {
-        match self {
-            Codec::Bytes => self.decode(&[id]),
-            Codec::Hf(t) => u32::try_from(id).ok().and_then(|i| t.decode(&[i], false).ok()).unwrap_or_default(),
-        }
-    }
-
     /// The text of a special token id (`None` for bytes or an unknown id).
     pub fn token_text(&self, id: i64) -> Option<String> {
         match self {
