@@ -17,7 +17,7 @@
 //! accepts connections (`--port 0` picks a free port).
 #[path = "support/logging.rs"]
 mod logging;
-use kiln::nn::serve::openai::{router, ServerState};
+use kiln::nn::serve::openai::{router, serve, ServerLimits, ServerState};
 use kiln::nn::serve::EngineConfig;
 use kiln::prelude::*;
 use std::path::PathBuf;
@@ -43,6 +43,13 @@ USAGE: cargo run --release --example serve -- [OPTIONS]
                            batched with the others (repeatable)
   --batch-invariant        every request's tokens are what generate() gives it alone
                            (kiln::tensor::set_batch_invariant; slower single-sequence decode)
+  --api-key KEY            /v1 routes want `Authorization: Bearer KEY` [default: $KILN_API_KEY, else none]
+  --request-timeout-s N    a request's generation may take this long [default: 600]
+  --idle-timeout-s N       close a connection idle (no request header) this long [default: 60]
+  --max-connections N      open connections at once; more wait [default: 512]
+  --max-prompt-tokens N    longest prompt accepted [default: the context]
+  --max-output-tokens N    most tokens generated per choice [default: the context]
+  --max-body-kb N          largest request body [default: 8192]
 ";
 
 fn fail(msg: &str) -> ! {
@@ -64,6 +71,7 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mut cfg = EngineConfig::default();
     let mut kv_mb = 256usize;
     let mut adapters: Vec<(String, PathBuf)> = vec![];
+    let mut limits = ServerLimits { api_key: std::env::var("KILN_API_KEY").ok(), ..Default::default() };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         match flag.as_str() {
@@ -94,6 +102,13 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
             "--max-num-seqs" => cfg.max_num_seqs = num(&v),
             "--max-batched-tokens" => cfg.max_batched_tokens = num(&v),
             "--max-queue" => cfg.max_queue = num(&v),
+            "--api-key" => limits.api_key = Some(v),
+            "--request-timeout-s" => limits.request_timeout = std::time::Duration::from_secs(num(&v) as u64),
+            "--idle-timeout-s" => limits.idle_timeout = std::time::Duration::from_secs(num(&v) as u64),
+            "--max-connections" => limits.max_connections = num(&v),
+            "--max-prompt-tokens" => limits.max_prompt_tokens = Some(num(&v)),
+            "--max-output-tokens" => limits.max_output_tokens = Some(num(&v)),
+            "--max-body-kb" => limits.max_body_bytes = num(&v) << 10,
             "--lora" => {
                 let (n, d) = v.split_once('=').unwrap_or_else(|| fail(&format!("--lora {v}: expected NAME=DIR")));
                 adapters.push((n.to_string(), PathBuf::from(d)));
@@ -121,6 +136,12 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
     for (n, d) in &adapters {
         eprintln!("serve: LoRA adapter {n} from {}", d.display());
     }
+    let loopback = host.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback()) || host == "localhost";
+    if !loopback && limits.api_key.is_none() {
+        eprintln!("serve: warning: listening on {host} without --api-key: anyone who reaches it can use it");
+    }
+    let mut state = state;
+    state.limits = limits.clone();
     let state = Arc::new(state);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -128,7 +149,7 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
         println!("listening on http://{}", listener.local_addr()?);
         use std::io::Write;
         std::io::stdout().flush()?;
-        axum::serve(listener, router(state)).await
+        serve(listener, router(state), &limits).await
     })?;
     Ok(())
 }

@@ -7,7 +7,7 @@
 //! adapters served by name answer as their merged models do.
 use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
-use kiln::nn::serve::openai::{router, ChatTemplate, Message, ServerState};
+use kiln::nn::serve::openai::{router, serve, ChatTemplate, Message, ServerLimits, ServerState};
 use kiln::nn::serve::{Engine, EngineConfig, Event, Penalties, Request, TokenLogprobs};
 use kiln::prelude::*;
 use serde_json::{json, Value};
@@ -497,5 +497,112 @@ fn openai_client_tool_calls() {
     let out = Command::new(python).arg(&script).arg(&url).arg(tools_json().to_string()).output().unwrap();
     let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success() && so.contains("\"ok\": true"), "the openai client failed:\n{so}\n{se}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Starts `state` behind `serve` (Note [Facing a network]) on a port of its
+/// own; returns its base URL.
+fn start_limited(rt: &tokio::runtime::Runtime, state: ServerState) -> String {
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let limits = state.limits.clone();
+    let app = router(Arc::new(state));
+    rt.spawn(async move { serve(listener, app, &limits).await });
+    base
+}
+
+/// A server that faces a network: the `openai` client with the right key is
+/// served and without it gets OpenAI's 401; prompts, outputs and bodies past
+/// their bounds are refused; a request past its time gets a 504 (or an error
+/// event when streamed); idle connections are closed and connections past the
+/// bound wait for one to close.
+#[test]
+fn a_server_facing_the_network() {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    let python = common::python_from("setup-openai-venv");
+    let dir = std::env::temp_dir().join(format!("kiln-serve-net-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    model_dir(&dir);
+    let cfg = || EngineConfig { block_size: 8, kv_cache_bytes: 4 << 20, ..Default::default() };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let mut state = ServerState::from_dir(&dir, DType::F32, cfg(), Some("tiny".into())).unwrap();
+    state.limits = ServerLimits {
+        api_key: Some("sk-kiln-test".into()),
+        max_prompt_tokens: Some(128),
+        max_output_tokens: Some(24),
+        max_body_bytes: 4096,
+        max_connections: 2,
+        idle_timeout: Duration::from_millis(1500),
+        ..Default::default()
+    };
+    let base = start_limited(&rt, state);
+    let mut slow = ServerState::from_dir(&dir, DType::F32, cfg(), Some("tiny".into())).unwrap();
+    slow.limits.request_timeout = Duration::from_millis(1);
+    let slow_base = start_limited(&rt, slow);
+
+    let client = r#"
+import json, sys, httpx, openai
+base, slow = sys.argv[1], sys.argv[2]
+ok = openai.OpenAI(base_url=base + "/v1", api_key="sk-kiln-test", max_retries=0, timeout=60)
+r = ok.completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0)
+assert r.choices[0].finish_reason in ("stop", "length"), r
+# No max_tokens: at most the server's bound.
+r = ok.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=0)
+assert r.usage.completion_tokens <= 24, r.usage
+for key in ["sk-wrong", "sk-kiln-tes", "sk-kiln-test2"]:
+    try:
+        openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0).models.list()
+        raise SystemExit(f"key {key} was accepted")
+    except openai.AuthenticationError as e:
+        assert e.status_code == 401 and e.body["code"] == "invalid_api_key", e.body
+r = httpx.get(base + "/v1/models")
+assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error", r.text
+assert httpx.get(base + "/health").status_code == 200
+for kw, param in [(dict(prompt="p" * 200, max_tokens=2), "prompt"), (dict(prompt="p", max_tokens=25), "max_tokens")]:
+    try:
+        ok.completions.create(model="tiny", **kw)
+        raise SystemExit(f"{param} past its bound was accepted")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == param, e.body
+r = httpx.post(base + "/v1/completions", headers={"authorization": "Bearer sk-kiln-test"},
+               json={"model": "tiny", "prompt": "x" * 5000, "max_tokens": 1})
+assert r.status_code == 413, (r.status_code, r.text)
+s = openai.OpenAI(base_url=slow + "/v1", api_key="none", max_retries=0)
+try:
+    s.completions.create(model="tiny", prompt="Hi", max_tokens=20)
+    raise SystemExit("a request past its time was answered")
+except openai.APIStatusError as e:
+    assert e.status_code == 504 and e.body["code"] == "timeout", e.body
+events = [l for l in httpx.post(slow + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 20,
+          "stream": True}).text.splitlines() if l.startswith("data: ")]
+assert "did not finish within" in events[-2] and events[-1] == "data: [DONE]", events
+ok.completions.create(model="tiny", prompt="Hi", max_tokens=5)
+print(json.dumps({"ok": True}))
+"#;
+    let slow_url = slow_base.clone();
+    let out = Command::new(&python).arg("-c").arg(client).arg(&base).arg(&slow_url).output().unwrap();
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && so.contains("\"ok\": true"), "the openai client failed:\n{so}\n{se}");
+
+    // Idle connections are closed; past the bound, a connection waits.
+    let addr = base.trim_start_matches("http://").to_string();
+    let t0 = Instant::now();
+    let idle: Vec<std::net::TcpStream> = (0..2).map(|_| std::net::TcpStream::connect(&addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut third = std::net::TcpStream::connect(&addr).unwrap();
+    third.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").unwrap();
+    third.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut answer = String::new();
+    third.read_to_string(&mut answer).unwrap();
+    let waited = t0.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // Served once an idle connection was closed at its timeout (1.5 s), not before.
+    assert!(waited >= Duration::from_millis(1400), "served after {waited:?} with both slots taken");
+    for mut c in idle {
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = [0u8; 64];
+        assert_eq!(c.read(&mut buf).unwrap_or(0), 0, "an idle connection was left open");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

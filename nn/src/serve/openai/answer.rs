@@ -171,7 +171,13 @@ pub(super) async fn answer(st: Arc<ServerState>, mut job: Job) -> Response {
     if job.stream {
         return sse(st, streams, job, stops);
     }
-    let choices = futures_util::future::join_all(streams.into_iter().map(|s| collect(&st, s))).await;
+    let limit = st.limits.request_timeout;
+    let all = futures_util::future::join_all(streams.into_iter().map(|s| collect(&st, s)));
+    // Past the limit the streams are dropped, which cancels the choices.
+    let Ok(choices) = tokio::time::timeout(limit, all).await else {
+        let msg = format!("the request did not finish within {} s", limit.as_secs_f64());
+        return error(StatusCode::GATEWAY_TIMEOUT, "server_error", msg, None, Some("timeout"));
+    };
     if let Some(FinishReason::Error(m)) = choices.iter().map(|c| &c.end).find(|e| matches!(e, FinishReason::Error(_))) {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m.clone(), None, None);
     }
@@ -348,6 +354,7 @@ impl ChoiceStream {
 /// Dropping the connection drops the token streams, which cancels the choices.
 fn sse(st: Arc<ServerState>, streams: Vec<TokenStream>, job: Job, stops: Vec<String>) -> Response {
     let (cid, created, kind, model) = (id(job.kind), now(), job.kind, job.model.clone());
+    let deadline = tokio::time::Instant::now() + st.limits.request_timeout;
     let first = match kind {
         Kind::Chat => Some(String::new()),
         Kind::Completion => job.echo.clone(),
@@ -371,7 +378,15 @@ fn sse(st: Arc<ServerState>, streams: Vec<TokenStream>, job: Job, stops: Vec<Str
         futures_util::stream::unfold(c, move |mut c| {
             let st = st.clone();
             async move {
-                let out = c.next(&st, kind).await;
+                let out = match tokio::time::timeout_at(deadline, c.next(&st, kind)).await {
+                    Ok(out) => out,
+                    Err(_) if c.done => vec![],
+                    Err(_) => {
+                        c.done = true;
+                        let s = st.limits.request_timeout.as_secs_f64();
+                        vec![Out::Error(format!("the request did not finish within {s} s"))]
+                    }
+                };
                 (!out.is_empty()).then_some((futures_util::stream::iter(out), c))
             }
         })

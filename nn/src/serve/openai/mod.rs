@@ -22,11 +22,13 @@
 //! `max_tokens` exceed the context), 404 `model_not_found`, 429 when the
 //! engine's queue is full, 500 when the model fails, 503 once it has shut down.
 mod answer;
+mod net;
 mod params;
 mod text;
 mod tools;
 
 pub use crate::chat::{ChatTemplate, Message};
+pub use net::{serve, ServerLimits};
 pub use text::{Codec, IncrementalText, Visible};
 
 use super::EngineHandle;
@@ -60,6 +62,8 @@ pub struct ServerState {
     pub created: u64,
     /// Compiles the grammars of structured output (the engine's, shared).
     pub grammars: Arc<crate::serve::structured::LlgCompiler>,
+    /// API key, timeouts and bounds (Note [Facing a network]).
+    pub limits: ServerLimits,
 }
 
 impl ServerState {
@@ -115,19 +119,29 @@ impl ServerState {
         }
         let adapters = engine.adapters().to_vec();
         let engine = EngineHandle::spawn(engine)?;
-        Ok(ServerState { engine, codec, chat, model_name, adapters, stop_token_ids, created: now(), grammars })
+        Ok(ServerState {
+            engine,
+            codec,
+            chat,
+            model_name,
+            adapters,
+            stop_token_ids,
+            created: now(),
+            grammars,
+            limits: ServerLimits::default(),
+        })
     }
 }
 
 /// The routes, for `axum::serve` or to nest in a service's router.
 pub fn router(state: Arc<ServerState>) -> Router {
-    Router::new()
-        .route("/health", get(|| async { "ok" }))
-        .route("/metrics", get(metrics))
+    let v1 = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), net::auth))
+        .layer(axum::extract::DefaultBodyLimit::max(state.limits.max_body_bytes));
+    Router::new().route("/health", get(|| async { "ok" })).route("/metrics", get(metrics)).merge(v1).with_state(state)
 }
 
 /// An OpenAI error response.
@@ -228,7 +242,11 @@ struct ChatBody {
 }
 
 fn json_error(e: JsonRejection) -> Response {
-    bad_request(format!("invalid JSON body: {}", e.body_text()), None)
+    let status = match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    error(status, "invalid_request_error", format!("invalid JSON body: {}", e.body_text()), None, None)
 }
 
 /// The body as `T` once its fields are checked (Note [Every field honoured or refused]).

@@ -184,6 +184,10 @@ pub(super) fn job(
     if prompt.is_empty() {
         return Err(refuse("the prompt is empty".into(), kind.prompt_name()));
     }
+    if let Some(m) = st.limits.max_prompt_tokens.filter(|&m| prompt.len() > m) {
+        let what = kind.prompt_name();
+        return Err(refuse(format!("{} tokens of {what}; this server takes at most {m}", prompt.len()), what));
+    }
     let max = max_new_tokens(st, p, prompt.len(), kind, default_max)?;
     let sampling = sampling(p)?;
     let penalties = penalties(p)?;
@@ -263,10 +267,14 @@ fn max_new_tokens(
         (Some(m), _) => (Some(m), "max_completion_tokens"),
         (None, m) => (m, "max_tokens"),
     };
+    let cap = st.limits.max_output_tokens.unwrap_or(usize::MAX) as u64;
     let max = match max {
         Some(m) if m < 1 => return Err(refuse(format!("{name} must be at least 1, got {m}"), name)),
+        Some(m) if m as u64 > cap => {
+            return Err(refuse(format!("{name} is {m}; this server generates at most {cap} tokens"), name))
+        }
         Some(m) => m as u64,
-        None => default_max.unwrap_or(ctx.saturating_sub(prompt)).max(1) as u64,
+        None => (default_max.unwrap_or(ctx.saturating_sub(prompt)).max(1) as u64).min(cap),
     };
     if prompt as u64 + max > ctx as u64 {
         let what = kind.prompt_name();
