@@ -82,7 +82,7 @@ BENCHMARKS:
              prefix sharing; and (adapters) the plain workload with four rank-16 LoRA adapters
              on every decoder Linear served beside the base model, each of the five taking every
              fifth request (lora_adapters_vs_base). Lines: tokens_per_s, ttft_p50_ms,
-             ttft_p99_ms; --only engine,sequential,shared,adapters; each system runs R times (default 3) in turns with the
+             ttft_p99_ms; --only engine,sequential,shared,adapters,structured; each system runs R times (default 3) in turns with the
              others, and its run of median tokens/s is reported; --write-workload FILE
              saves the requests for benches/compare_serve_load.py (transformers'
              continuous batching on them)

@@ -105,6 +105,7 @@ fn engine_run(
     reqs: &[Req],
     cfg: EngineConfig,
     adapters: &[std::path::PathBuf],
+    grammar: Option<&kiln::nn::serve::Grammar>,
 ) -> Result<(Outcome, u64)> {
     let mut engine = Engine::new(model.clone(), cfg)?;
     for (i, d) in adapters.iter().enumerate() {
@@ -129,6 +130,9 @@ fn engine_run(
             let mut r = kiln::nn::serve::Request::new(reqs[next].prompt.clone(), reqs[next].max_new);
             if let Some(a) = (next % (adapters.len() + 1)).checked_sub(1) {
                 r = r.with_adapter(&format!("lora{a}"));
+            }
+            if let Some(g) = grammar {
+                r = r.with_grammar(g.clone());
             }
             let id = engine.add_request(r)?;
             idx.insert(id, next);
@@ -240,11 +244,22 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
     let adapter_dirs = if want("adapters") { lora_adapters(&model, 4, 16)? } else { vec![] };
     for _ in 0..a.repeat.max(1) {
         if want("engine") {
-            let (o, _) = engine_run(&model, &plain, ecfg(true), &[])?;
+            let (o, _) = engine_run(&model, &plain, ecfg(true), &[], None)?;
             record("engine", o, vec![("workload", json!("plain"))]);
         }
+        if want("structured") {
+            // Every request constrained by a grammar that never completes
+            // (so each runs to its length, as the plain ones do): the cost of
+            // computing and applying a mask per token (Note [Constrained decoding]).
+            let codec = std::sync::Arc::new(kiln::nn::serve::openai::Codec::Bytes);
+            let compiler = kiln::nn::serve::structured::LlgCompiler::new(codec, cfg.vocab_size, &[])?;
+            let c = EngineConfig { grammars: Some(std::sync::Arc::new(compiler)), ..ecfg(true) };
+            let g = kiln::nn::serve::Grammar::Regex("[a-z ,.]+".into());
+            let (o, _) = engine_run(&model, &plain, c, &[], Some(&g))?;
+            record("engine-structured", o, vec![("workload", json!("plain")), ("grammar", json!("regex [a-z ,.]+"))]);
+        }
         if want("adapters") {
-            let (o, _) = engine_run(&model, &plain, ecfg(true), &adapter_dirs)?;
+            let (o, _) = engine_run(&model, &plain, ecfg(true), &adapter_dirs, None)?;
             let extra =
                 vec![("workload", json!("plain")), ("adapters", json!(adapter_dirs.len())), ("lora_r", json!(16))];
             record("engine-lora", o, extra);
@@ -254,7 +269,7 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
         }
         if want("shared") {
             for sharing in [true, false] {
-                let (o, hits) = engine_run(&model, &shared, ecfg(sharing), &[])?;
+                let (o, hits) = engine_run(&model, &shared, ecfg(sharing), &[], None)?;
                 let name = if sharing { "engine-prefix-sharing" } else { "engine-no-prefix-sharing" };
                 record(name, o, vec![("workload", json!("shared-256")), ("prefix_hit_tokens", json!(hits))]);
             }
@@ -283,7 +298,13 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
     if let Some(r) = ratio("engine-lora", "engine") {
         l = l.set("lora_adapters_vs_base", r);
     }
-    if l.has("engine_vs_sequential") || l.has("prefix_sharing_vs_none") || l.has("lora_adapters_vs_base") {
+    if let Some(r) = ratio("engine-structured", "engine") {
+        l = l.set("structured_vs_plain", r);
+    }
+    if ["engine_vs_sequential", "prefix_sharing_vs_none", "lora_adapters_vs_base", "structured_vs_plain"]
+        .iter()
+        .any(|k| l.has(k))
+    {
         l.emit();
     }
     Ok(())
