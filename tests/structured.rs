@@ -237,3 +237,33 @@ fn json_objects_are_objects_and_bad_grammars_are_refused() {
     let e = plain.add_request(Request::new(vec![1], 4).with_grammar(Grammar::JsonObject)).unwrap_err();
     assert!(e.to_string().contains("grammar compiler"), "{e}");
 }
+
+/// A tokenizer llguidance cannot read (a word-level vocabulary with a
+/// Metaspace decoder) is an error from the compiler, not a panic, and the
+/// server still starts: without structured output, which it then refuses.
+#[test]
+fn tokenizers_llguidance_cannot_read_leave_the_server_without_grammars() {
+    let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": true},
+        "model": {"type": "WordLevel", "unk_token": "<unk>",
+                  "vocab": {"hello": 0, "world": 1, "<unk>": 2, "!": 3}}}"#;
+    let dir = std::env::temp_dir().join(format!("kiln-structured-wordlevel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), json).unwrap();
+    let cfg = LlamaConfig::from_json_str(
+        r#"{"model_type": "llama", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "eos_token_id": 3}"#,
+    )
+    .unwrap();
+    LlamaForCausalLM::new(&cfg, DType::F32).unwrap().save_pretrained(&dir).unwrap();
+    let codec = Arc::new(Codec::for_model(&dir).unwrap());
+    let e = LlgCompiler::new(codec, 8, &[3]).err().expect("llguidance reads no Metaspace word-level vocabulary");
+    assert!(e.to_string().contains("grammar"), "{e}");
+    let state =
+        kiln::nn::serve::openai::ServerState::from_dir(&dir, DType::F32, EngineConfig::default(), None).unwrap();
+    assert!(state.grammars.is_err());
+    let e = state.engine.submit(Request::new(vec![0, 1], 2).with_grammar(Grammar::JsonObject)).unwrap_err();
+    assert!(e.to_string().contains("grammar compiler"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}

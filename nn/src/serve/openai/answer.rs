@@ -25,7 +25,10 @@ fn lp_value(x: f32) -> f32 {
 /// A token as logprobs show it: its text, or OpenAI's `bytes:\xNN..` for
 /// bytes that are not text on their own; and its bytes.
 fn token_text(st: &ServerState, t: i64) -> (String, Vec<u8>) {
-    let b = st.grammars.token_bytes(t);
+    let b = match &st.grammars {
+        Ok(g) => g.token_bytes(t),
+        Err(_) => st.codec.decode(&[t]).into_bytes(),
+    };
     let text = match std::str::from_utf8(&b) {
         Ok(s) => s.to_string(),
         Err(_) => b.iter().fold("bytes:".to_string(), |acc, x| acc + &format!("\\x{x:02x}")),

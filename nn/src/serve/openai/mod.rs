@@ -60,8 +60,10 @@ pub struct ServerState {
     pub stop_token_ids: Vec<i64>,
     /// When the server started (seconds since the epoch).
     pub created: u64,
-    /// Compiles the grammars of structured output (the engine's, shared).
-    pub grammars: Arc<crate::serve::structured::LlgCompiler>,
+    /// Compiles the grammars of structured output (the engine's, shared),
+    /// or why this model's tokenizer cannot have them (the server then
+    /// refuses structured output and required tool calls, and serves the rest).
+    pub grammars: std::result::Result<Arc<crate::serve::structured::LlgCompiler>, String>,
     /// API key, timeouts and bounds (Note [Facing a network]).
     pub limits: ServerLimits,
 }
@@ -104,8 +106,13 @@ impl ServerState {
         cfg.detokenizer = Some(Arc::new(move |ids: &[i64]| c.decode(ids)));
         let stop_token_ids = model.config().eos_token_ids.clone();
         let vocab = model.config().vocab_size;
-        let grammars = Arc::new(crate::serve::structured::LlgCompiler::new(codec.clone(), vocab, &stop_token_ids)?);
-        cfg.grammars = Some(grammars.clone());
+        let grammars = crate::serve::structured::LlgCompiler::new(codec.clone(), vocab, &stop_token_ids)
+            .map(Arc::new)
+            .map_err(|e| e.to_string());
+        match &grammars {
+            Ok(g) => cfg.grammars = Some(g.clone()),
+            Err(e) => tracing::warn!(error = %e, "structured output is off for this model"),
+        }
         let model_name = name.unwrap_or_else(|| {
             let canonical = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
             canonical.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned())
@@ -294,7 +301,7 @@ async fn chat_completions(State(st): State<Arc<ServerState>>, b: Result<Json<Val
         body.tool_choice.as_ref(),
         body.parallel_tool_calls,
         &st.chat,
-        &st.grammars,
+        st.grammars.as_deref().ok(),
     );
     let tools = match tools {
         Ok(t) => t,

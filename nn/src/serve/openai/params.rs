@@ -400,9 +400,14 @@ fn grammar(st: &ServerState, p: &Params) -> Result<Option<Grammar>, Refusal> {
         (None, None) => return Ok(None),
     };
     if let Some(g) = &g {
-        st.grammars.compile(g).map_err(|e| refuse(format!("{param}: {e}"), param))?;
+        compiler(st, param)?.compile(g).map_err(|e| refuse(format!("{param}: {e}"), param))?;
     }
     Ok(g)
+}
+
+/// The server's grammar compiler, or the 400 that says why it has none.
+fn compiler<'a>(st: &'a ServerState, param: &str) -> Result<&'a crate::serve::structured::LlgCompiler, Refusal> {
+    st.grammars.as_deref().map_err(|e| refuse(format!("{param}: this model cannot constrain its output: {e}"), param))
 }
 
 fn response_format(rf: &Value) -> Result<Option<Grammar>, Refusal> {
@@ -467,7 +472,8 @@ impl Job {
                     "tool_choice",
                 ));
             }
-            st.grammars.compile(&g).map_err(|e| refuse(format!("the tools' call grammar: {e}"), "tools"))?;
+            let c = compiler(st, "tool_choice")?;
+            c.compile(&g).map_err(|e| refuse(format!("the tools' call grammar: {e}"), "tools"))?;
             for r in &mut self.choices {
                 r.grammar = Some(g.clone());
             }

@@ -105,7 +105,7 @@ impl Tools {
         choice: Option<&Value>,
         parallel: Option<bool>,
         template: &ChatTemplate,
-        grammars: &LlgCompiler,
+        grammars: Option<&LlgCompiler>,
     ) -> Result<Option<Tools>, Refusal> {
         let Some(tools) = tools else {
             return match choice {
@@ -131,7 +131,7 @@ impl Tools {
             if names.iter().any(|n| n == name) {
                 return Err(refuse(format!("two tools are named {name:?}"), "tools"));
             }
-            if let Some(p) = f.get("parameters") {
+            if let (Some(p), Some(grammars)) = (f.get("parameters"), grammars) {
                 grammars
                     .compile(&Grammar::JsonSchema(p.clone()))
                     .map_err(|e| refuse(format!("tools[{i}] ({name}): its parameters schema: {e}"), "tools"))?;
