@@ -26,17 +26,9 @@ fn model(seed: u64) -> LlamaForCausalLM {
     LlamaForCausalLM::new(&cfg, DType::F32).unwrap()
 }
 
-/// A prompt of `len` tokens drawn from `seed`.
+/// A prompt of `len` tokens of the test models' vocabulary, drawn from `seed`.
 fn prompt(len: usize, seed: u64) -> Vec<i64> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 96) as i64
-        })
-        .collect()
+    support::random_tokens(len, seed, 96)
 }
 
 /// The new tokens `generate()` gives the request alone.

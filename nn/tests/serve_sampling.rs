@@ -24,15 +24,7 @@ fn model() -> LlamaForCausalLM {
 }
 
 fn prompt(len: usize, seed: u64) -> Vec<i64> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 96) as i64
-        })
-        .collect()
+    support::random_tokens(len, seed, 96)
 }
 
 /// Each request's tokens and log-probabilities, all submitted at once.

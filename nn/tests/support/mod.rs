@@ -267,3 +267,17 @@ pub fn assert_nearer_than_f32(what: &str, ours: &Tensor, want: &Tensor, f32_roun
         "{what}: the logits are no nearer to PyTorch's than its float32 ones rounded to bfloat16 are"
     );
 }
+
+/// `len` token ids below `vocab` drawn from `seed` (xorshift; no global
+/// generator, so no other test's draws interleave).
+pub fn random_tokens(len: usize, seed: u64, vocab: u64) -> Vec<i64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab) as i64
+        })
+        .collect()
+}
