@@ -267,3 +267,60 @@ fn tokenizers_llguidance_cannot_read_leave_the_server_without_grammars() {
     assert!(e.to_string().contains("grammar compiler"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A constraint that panics when advanced: the engine thread's step panics.
+struct Panicking;
+
+impl kiln::nn::serve::Constraint for Panicking {
+    fn allowed(&mut self) -> kiln::Result<Vec<u32>> {
+        Ok(vec![u32::MAX; 8])
+    }
+    fn advance(&mut self, _: i64) -> kiln::Result<()> {
+        panic!("a constraint's bug")
+    }
+    fn is_finished(&self) -> bool {
+        false
+    }
+    fn is_end(&self, _: i64) -> bool {
+        false
+    }
+}
+
+struct PanickingCompiler;
+
+impl kiln::nn::serve::GrammarCompiler for PanickingCompiler {
+    fn compile(&self, _: &Grammar) -> kiln::Result<Box<dyn kiln::nn::serve::Constraint>> {
+        Ok(Box::new(Panicking))
+    }
+}
+
+/// A panic in the engine's step ends every request with the error (never a
+/// stream that ends as if it had finished) and stops the engine: later
+/// submissions are refused.
+#[test]
+fn a_panicking_step_ends_requests_with_an_error_and_stops_the_engine() {
+    use kiln::nn::serve::{EngineHandle, SubmitError};
+    let (m, _) = setup(256, 10, None);
+    let cfg = EngineConfig { grammars: Some(Arc::new(PanickingCompiler)), ..Default::default() };
+    let handle = EngineHandle::spawn(Engine::new(m, cfg).unwrap()).unwrap();
+    let plain = handle.submit(Request::new(vec![1, 2, 3], 200)).unwrap();
+    let constrained = handle.submit(Request::new(vec![1, 2], 5).with_grammar(Grammar::JsonObject)).unwrap();
+    for (what, stream) in [("constrained", constrained), ("plain", plain)] {
+        let last = stream.last();
+        assert!(
+            matches!(&last, Some(Event::Finished(FinishReason::Error(m))) if m.contains("a constraint's bug")),
+            "{what}: {last:?}"
+        );
+    }
+    let mut refused = false;
+    for _ in 0..100 {
+        match handle.submit(Request::new(vec![1], 2)) {
+            Err(SubmitError::ShutDown) => {
+                refused = true;
+                break;
+            }
+            _ => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    }
+    assert!(refused, "the engine still takes requests after its step panicked");
+}

@@ -223,6 +223,7 @@ impl EngineHandle {
 fn run(mut engine: Engine, shared: &Shared) {
     let mut streams: HashMap<u64, UnboundedSender<Event>> = HashMap::new();
     let mut started: Option<Instant> = None;
+    let mut failure: Option<String> = None;
     loop {
         let new: Vec<(Request, UnboundedSender<Event>)> = {
             let mut inbox = lock(&shared.inbox);
@@ -251,7 +252,22 @@ fn run(mut engine: Engine, shared: &Shared) {
             engine.abort(id);
             streams.remove(&id);
         }
-        for o in engine.step() {
+        // A panic in a step (a bug, or a constraint that panics) leaves the
+        // engine in no known state: every request ends with the error and
+        // the engine stops, rather than streams that end as if finished.
+        let outputs = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step())) {
+            Ok(o) => o,
+            Err(p) => {
+                let what = p
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| p.downcast_ref::<&str>().copied())
+                    .unwrap_or("a panic");
+                failure = Some(format!("the engine failed and stopped: {what}"));
+                break;
+            }
+        };
+        for o in outputs {
             let end = matches!(o.event, Event::Finished(_));
             let sent = streams.get(&o.id).is_some_and(|tx| tx.send(o.event).is_ok());
             if end || !sent {
@@ -271,7 +287,8 @@ fn run(mut engine: Engine, shared: &Shared) {
     let mut inbox = lock(&shared.inbox);
     inbox.dead = true;
     let queued = inbox.new.drain(..).map(|(_, tx)| tx);
+    let why = failure.map_or(FinishReason::Cancelled, FinishReason::Error);
     for tx in streams.into_values().chain(queued) {
-        let _ = tx.send(Event::Finished(FinishReason::Cancelled));
+        let _ = tx.send(Event::Finished(why.clone()));
     }
 }

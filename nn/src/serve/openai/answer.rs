@@ -184,6 +184,11 @@ pub(super) async fn answer(st: Arc<ServerState>, mut job: Job) -> Response {
     if let Some(FinishReason::Error(m)) = choices.iter().map(|c| &c.end).find(|e| matches!(e, FinishReason::Error(_))) {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m.clone(), None, None);
     }
+    if choices.iter().any(|c| c.end == FinishReason::Cancelled) {
+        // The engine shut down under the request: no answer, not a short one.
+        let msg = "the engine stopped before the request finished";
+        return error(StatusCode::SERVICE_UNAVAILABLE, "server_error", msg, None, None);
+    }
     let mut body = vec![];
     let mut generated = 0;
     for (i, c) in choices.iter().enumerate() {
@@ -329,6 +334,11 @@ impl ChoiceStream {
                     out.push(Out::Error(m));
                     return out;
                 }
+                Some(Event::Finished(FinishReason::Cancelled)) | None => {
+                    self.done = true;
+                    out.push(Out::Error("the engine stopped before the request finished".into()));
+                    return out;
+                }
                 Some(Event::Finished(f)) => {
                     self.text.update(&st.codec, &self.tokens, true);
                     let d = self.visible.delta(self.text.text(), true);
@@ -339,11 +349,6 @@ impl ChoiceStream {
                     out.push(Out::Chunk(self.chunk(st, kind, empty, Some(finish_name(&f, called)))));
                     out.push(Out::Done(self.generated));
                     self.done = true;
-                    return out;
-                }
-                None => {
-                    self.done = true;
-                    out.push(Out::Done(self.generated));
                     return out;
                 }
             }
