@@ -100,9 +100,7 @@ impl LlgCompiler {
         factory.quiet();
         Ok(LlgCompiler { factory, eos: eos_ids.iter().map(|&e| e as i64).collect() })
     }
-}
 
-impl LlgCompiler {
     /// The bytes of token `id` (a special token's text; empty for an id the
     /// tokenizer does not use or one past the vocabulary).
     pub fn token_bytes(&self, id: i64) -> Vec<u8> {
@@ -116,10 +114,15 @@ impl LlgCompiler {
     }
 }
 
+/// The `x-guidance` options of Note [JSON layout].
+pub(crate) fn json_layout() -> serde_json::Value {
+    serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
+
 /// A JSON schema with the fixed layout of Note [JSON layout].
 fn with_layout(mut schema: serde_json::Value) -> Result<serde_json::Value> {
     let obj = schema.as_object_mut().ok_or_else(|| err("a JSON schema must be an object"))?;
-    let layout = serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+    let layout = json_layout();
     match obj.get_mut("x-guidance").and_then(|x| x.as_object_mut()) {
         Some(own) => {
             for (k, v) in layout.as_object().into_iter().flatten() {

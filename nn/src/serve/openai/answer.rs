@@ -206,7 +206,7 @@ pub(super) async fn answer(st: Arc<ServerState>, mut job: Job) -> Response {
                 json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish_name(&c.end, false)})
             }
             Kind::Chat => {
-                let (content, calls) = match job.tools.as_ref().filter(|t| t.parses()) {
+                let (content, calls) = match job.tools.as_ref() {
                     Some(t) => t.parse(&text),
                     None => (Some(text), vec![]),
                 };
@@ -379,7 +379,7 @@ fn sse(st: Arc<ServerState>, streams: Vec<TokenStream>, job: Job, stops: Vec<Str
             visible: Visible::new(&stops),
             first: first.clone(),
             done: false,
-            tools: job.tools.clone().filter(|t| t.parses()).map(ToolStream::new),
+            tools: job.tools.clone().map(ToolStream::new),
             hold: StopHold::default(),
         };
         let st = st.clone();

@@ -131,7 +131,7 @@ pub(super) struct Job {
     pub stop_strings: Vec<String>,
     /// Whether the answers carry log-probabilities.
     pub logprobs: bool,
-    /// Chat: the tools and what the model may do with them (Note [Tool calls]).
+    /// Chat: the tools whose calls are parsed out of the answers (Note [Tool calls]).
     pub tools: Option<std::sync::Arc<super::tools::Tools>>,
 }
 
@@ -478,7 +478,8 @@ impl Job {
                 r.grammar = Some(g.clone());
             }
         }
-        self.tools = Some(std::sync::Arc::new(tools));
+        // `tool_choice: none`: the tools were rendered; nothing is parsed.
+        self.tools = tools.parses().then(|| std::sync::Arc::new(tools));
         Ok(self)
     }
 }

@@ -93,11 +93,6 @@ fn refuse(msg: String, param: &str) -> Refusal {
     Box::new(bad_request(msg, Some(param)))
 }
 
-/// The layout of Note [JSON layout], for schemas inside a Lark grammar.
-fn layout() -> Value {
-    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
-}
-
 impl Tools {
     /// Checks `tools` and `tool_choice` against each other and the template.
     pub fn from_request(
@@ -207,7 +202,8 @@ impl Tools {
                        "required": ["name", args], "additionalProperties": false})
             })
             .collect();
-        let schema = json!({"anyOf": options, "x-guidance": layout()});
+        // A schema inside a Lark grammar takes the layout of Note [JSON layout] too.
+        let schema = json!({"anyOf": options, "x-guidance": crate::serve::structured::json_layout()});
         let call = format!("%json {schema}");
         Some(Grammar::Lark(match self.syntax {
             Syntax::Hermes => format!("start: \"<tool_call>\\n\" {call} \"\\n</tool_call>\""),
