@@ -220,6 +220,9 @@ fn json_objects_are_objects_and_bad_grammars_are_refused() {
             assert!(text.starts_with('{') && serde_json::from_str::<Value>(&text).is_err(), "{text}");
         }
     }
+    // A vocabulary past 32-bit token ids: an error, not an allocation of billions.
+    let e = LlgCompiler::new(codec.clone(), u32::MAX as usize, &[10]).err().expect("refused");
+    assert!(e.to_string().contains("32-bit"), "{e}");
     let grammars = Arc::new(LlgCompiler::new(codec, 256, &[10]).unwrap());
     let cfg = EngineConfig { grammars: Some(grammars), ..Default::default() };
     let mut engine = Engine::new(m.clone(), cfg).unwrap();

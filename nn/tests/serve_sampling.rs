@@ -197,3 +197,28 @@ fn choices_of_one_prompt_share_its_blocks() {
     }
     assert_ne!(got[0], got[1], "seeds 30 and 31 drew the same tokens");
 }
+
+#[test]
+fn process_logits_refuses_what_does_not_fit() {
+    let l = Tensor::zeros(&[1, 8], DType::F32).unwrap();
+    let r = |bias: (i64, f32)| Request::new(vec![1, 2], 4).with_logit_bias(&[bias]);
+    for (req, what) in [
+        (r((8, 1.0)), "outside the vocabulary"),
+        (r((-1, 1.0)), "outside the vocabulary"),
+        (r((3, f32::NAN)), "logit bias"),
+        (
+            Request::new(vec![1], 4).with_penalties(Penalties { repetition: f32::NAN, ..Default::default() }),
+            "repetition",
+        ),
+        (Request::new(vec![9], 4), "outside the vocabulary"),
+    ] {
+        let e = process_logits(&l, &req, &req.prompt).unwrap_err().to_string();
+        assert!(e.contains(what), "{e}");
+    }
+    for bad in [Tensor::zeros(&[2, 8], DType::F32).unwrap(), Tensor::zeros(&[8], DType::F32).unwrap()] {
+        let e = process_logits(&bad, &r((1, 1.0)), &[1, 2]).unwrap_err().to_string();
+        assert!(e.contains("[1, vocab]"), "{e}");
+    }
+    let ok = process_logits(&l, &r((3, 2.5)), &[1, 2]).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(ok, [0.0, 0.0, 0.0, 2.5, 0.0, 0.0, 0.0, 0.0]);
+}

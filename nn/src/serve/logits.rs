@@ -1,7 +1,7 @@
 //! What happens to a step's logits before a token is chosen (Note [Logit
 //! processing]), and the log-probabilities reported with it.
 use super::request::{Request, TokenLogprobs};
-use kiln_tensor::{DType, Result, Tensor};
+use kiln_tensor::{DType, Error, Result, Tensor};
 use std::collections::HashMap;
 
 // Note [Logit processing]
@@ -31,13 +31,28 @@ pub(crate) fn processes(req: &Request) -> bool {
 /// `logits` (`[1, vocab]`) after `req`'s bias and penalties (Note [Logit
 /// processing]), given the sequence's tokens so far (the request's prompt,
 /// then what it generated): what the engine samples from.
+/// An error when `logits` is not `[1, vocab]` of a floating dtype or `req`
+/// does not fit that vocabulary (a bias token outside it, a NaN penalty).
 pub fn process_logits(logits: &Tensor, req: &Request, tokens: &[i64]) -> Result<Tensor> {
+    req.check(vocab_of(logits)?, usize::MAX, true, true)?;
     process(logits, req, tokens, None)
+}
+
+/// The vocabulary of `logits`, or an error unless they are `[1, vocab]` of a floating dtype.
+fn vocab_of(logits: &Tensor) -> Result<usize> {
+    if logits.ndim() != 2 || logits.shape()[0] != 1 || !logits.dtype().is_float() {
+        return Err(Error::shape(
+            "serve",
+            format!("expected logits [1, vocab] of a floating dtype, got {:?} {}", logits.shape(), logits.dtype()),
+        ));
+    }
+    Ok(logits.shape()[1])
 }
 
 /// [`process_logits`], then every token `allowed` (a bit set over the
 /// vocabulary) leaves out set to -inf.
 pub(crate) fn process(logits: &Tensor, req: &Request, tokens: &[i64], allowed: Option<&[u32]>) -> Result<Tensor> {
+    vocab_of(logits)?;
     let device = logits.device();
     let mut x = logits.to_dtype(DType::F32)?.to_device(kiln_tensor::Device::Cpu)?.to_vec::<f32>()?;
     let v = x.len();

@@ -67,6 +67,9 @@ impl LlgCompiler {
                     .map_err(err)?
             }
         };
+        if vocab >= u32::MAX as usize {
+            return Err(err(format!("a vocabulary of {vocab} tokens does not fit llguidance's 32-bit token ids")));
+        }
         if words.len() > vocab {
             return Err(err(format!("the tokenizer has {} tokens, the model {vocab}", words.len())));
         }
