@@ -570,12 +570,13 @@ r = httpx.post(base + "/v1/completions", headers={"authorization": "Bearer sk-ki
 assert r.status_code == 413, (r.status_code, r.text)
 s = openai.OpenAI(base_url=slow + "/v1", api_key="none", max_retries=0)
 try:
-    s.completions.create(model="tiny", prompt="Hi", max_tokens=20)
+    # The end token barred: the request cannot finish before its time.
+    s.completions.create(model="tiny", prompt="Hi", max_tokens=64, logit_bias={"10": -100})
     raise SystemExit("a request past its time was answered")
 except openai.APIStatusError as e:
     assert e.status_code == 504 and e.body["code"] == "timeout", e.body
-events = [l for l in httpx.post(slow + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 20,
-          "stream": True}).text.splitlines() if l.startswith("data: ")]
+events = [l for l in httpx.post(slow + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 64,
+          "logit_bias": {"10": -100}, "stream": True}).text.splitlines() if l.startswith("data: ")]
 assert "did not finish within" in events[-2] and events[-1] == "data: [DONE]", events
 ok.completions.create(model="tiny", prompt="Hi", max_tokens=5)
 print(json.dumps({"ok": True}))
