@@ -136,7 +136,13 @@ fn float8_tensors_move_but_refuse_arithmetic() {
         assert_eq!(sel.to_vec::<f32>().unwrap(), [8.0, 9.0, 10.0, 11.0, 0.0, 1.0, 2.0, 3.0], "{dev} {mode}");
         let z = Tensor::zeros(&[2], (DType::F8E5M2, dev)).unwrap();
         assert_eq!(bits(&z), [0, 0]);
-        for r in [q.add(&q), q.exp(), q.sum(), q.matmul(&q.t().unwrap()), q.mul(2.0)] {
+        // A scatter that replaces moves values (a float8 KV cache's writes); one that adds computes.
+        let rows = Tensor::new([[1i64; 4], [0; 4]]).unwrap().to_device(dev).unwrap();
+        let src = q.narrow(0, 0, 2).unwrap().contiguous().unwrap();
+        let s = q.scatter(0, &rows, &src).unwrap().to_dtype(DType::F32).unwrap();
+        let want = [4.0, 5.0, 6.0, 7.0, 0.0, 1.0, 2.0, 3.0, 8.0, 9.0, 10.0, 11.0];
+        assert_eq!(s.to_vec::<f32>().unwrap(), want, "{dev} {mode}");
+        for r in [q.add(&q), q.exp(), q.sum(), q.matmul(&q.t().unwrap()), q.mul(2.0), q.scatter_add(0, &rows, &src)] {
             let e = assert_err(r, &["float8_e4m3fn", "to_dtype"]);
             assert!(e.contains("not implemented"), "{dev} {mode}: {e}");
         }

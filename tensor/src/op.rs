@@ -525,12 +525,15 @@ pub enum Op {
     /// Attention of packed queries over a paged KV cache (Note [Paged
     /// attention] in `paged.rs`): inputs `q [N, H, D]`, `k_cache [blocks,
     /// block_size, Hk, D]`, `v_cache [blocks, block_size, Hk, Dv]` (one
-    /// floating dtype), `block_tables [S, max_blocks]`, `context_lens [S]`,
-    /// `query_start [S + 1]` (int64); output `[N, H, Dv]`. Each query row is
-    /// computed as `Attention` computes it over its sequence's keys, read
-    /// through the block table. Inference only.
+    /// floating dtype, or a narrower one: Note [KV cache dtypes]),
+    /// `block_tables [S, max_blocks]`, `context_lens [S]`, `query_start [S +
+    /// 1]` (int64), and with `kv_scales` the float32 scales of float8 caches,
+    /// `k_scales [blocks, block_size, Hk]` and `v_scales` alike; output `[N,
+    /// H, Dv]`. Each query row is computed as `Attention` computes it over its
+    /// sequence's keys, read through the block table. Inference only.
     PagedAttention {
         scale: f64,
+        kv_scales: bool,
     },
     /// An op defined outside kiln through [`crate::CustomOp`] (Note [Custom
     /// ops] in `custom.rs`): its inputs, outputs and homes are its own.
@@ -607,7 +610,8 @@ impl Op {
             Op::Assign { .. } | Op::RmsNorm { .. } => 2,
             Op::RmsNormBackward { .. } => 4,
             Op::Attention { .. } | Op::Rotary | Op::CrossEntropyBackward { .. } => 3,
-            Op::AttentionBackward { .. } | Op::PagedAttention { .. } => 6,
+            Op::AttentionBackward { .. } | Op::PagedAttention { kv_scales: false, .. } => 6,
+            Op::PagedAttention { kv_scales: true, .. } => 8,
             Op::Cat { .. } | Op::Custom(_) | Op::LocalMap(_) => return None,
         })
     }
@@ -685,9 +689,10 @@ impl Op {
     }
 
     /// Whether the op accepts float8 inputs: casts, pure data movement
-    /// (copies, views, concatenation, selection, writes), the quantized
-    /// weight ops, which decode float8 codes and scales, and custom ops, whose
-    /// own `infer` decides. Anything else that computes with the values
+    /// (copies, views, concatenation, selection, writes, scatters that
+    /// replace), the quantized weight ops, which decode float8 codes and
+    /// scales, paged attention, which reads float8 caches with their scales
+    /// (its typing rule says when), and custom ops, whose own `infer` decides. Anything else that computes with the values
     /// refuses them, as PyTorch's float8 does.
     pub fn moves_float8(&self) -> bool {
         match self {
@@ -702,6 +707,8 @@ impl Op {
             | Op::Gather { .. }
             | Op::Dequantize(_)
             | Op::QuantMatMul(_)
+            | Op::Scatter { reduce: ScatterReduce::Replace, .. }
+            | Op::PagedAttention { .. }
             | Op::Custom(_) => true,
             Op::Full { .. }
             | Op::Arange { .. }
@@ -723,12 +730,11 @@ impl Op {
             | Op::Cumsum { .. }
             | Op::MatMul
             | Op::GroupedMatMul
-            | Op::Scatter { .. }
+            | Op::Scatter { reduce: ScatterReduce::Add, .. }
             | Op::IndexAdd { .. }
             | Op::Sort { .. }
             | Op::TopK { .. }
-            | Op::Collective(_)
-            | Op::PagedAttention { .. } => false,
+            | Op::Collective(_) => false,
         }
     }
 }

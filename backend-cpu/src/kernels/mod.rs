@@ -95,7 +95,7 @@ pub(crate) fn exec(op: &Op, ins: &[Input<'_>], outs: &[Meta]) -> Result<Vec<Host
         }
         Op::Attention { scale, causal } => attention::forward(ins, *scale, *causal)?,
         Op::AttentionBackward { scale, causal } => attention::backward(ins, *scale, *causal)?,
-        Op::PagedAttention { scale } => vec![paged::paged_attention(ins, *scale)?],
+        Op::PagedAttention { scale, .. } => vec![paged::paged_attention(ins, *scale)?],
         Op::Custom(c) => c.cpu(ins, outs)?,
         Op::Cat { dim } => vec![copy::cat(ins, *dim, out(0)?)?],
         Op::Gather { dim } => vec![index::gather(&ins[0], &ins[1], *dim)?],

@@ -35,7 +35,7 @@ use super::simd::{dispatch, Kernel};
 use super::{buf, Input};
 use half::{bf16, f16};
 use kiln_tensor::paged::PagedLayout;
-use kiln_tensor::{DType, Error, HostBuffer, Result};
+use kiln_tensor::{f8e4m3fn, f8e5m2, DType, Error, HostBuffer, Result};
 
 /// The identity from the storage type to the compute type, when they are one
 /// type (the direct way reads the cache as it is).
@@ -53,41 +53,96 @@ struct Sizes {
     scale: f64,
 }
 
-/// `Op::PagedAttention`: inputs `q, k_cache, v_cache, block_tables, context_lens, query_start`.
+/// `Op::PagedAttention`: inputs `q, k_cache, v_cache, block_tables,
+/// context_lens, query_start` and, for float8 caches, `k_scales, v_scales`
+/// (Note [KV cache dtypes] in kiln-tensor).
 pub(crate) fn paged_attention(ins: &[Input<'_>], scale: f64) -> Result<HostBuffer> {
     let (qs, ks, vs) = (ins[0].layout.shape(), ins[1].layout.shape(), ins[2].layout.shape());
     let sz = Sizes { n: qs[0], h: qs[1], d: qs[2], bs: ks[1], hk: ks[2], dv: vs[3], scale };
     let ints = |i: usize| contiguous::<i64>(&ins[i]);
     let layout = PagedLayout::new(&ints(5)?, &ints(4)?, &ints(3)?, sz.n, ks[0], sz.bs)?;
-    fn typed<T: Elem, F: AttnFloat>(
-        ins: &[Input<'_>],
-        sz: Sizes,
-        layout: &PagedLayout,
-        up: Up<T, F>,
-        down: fn(F) -> T,
-        direct: Option<SameType<T, F>>,
-    ) -> Result<HostBuffer> {
-        let (q, k, v) = (contiguous::<T>(&ins[0])?, contiguous::<T>(&ins[1])?, contiguous::<T>(&ins[2])?);
-        let mut qf = vec![<F as Elem>::of_f64(0.0); q.len()];
-        up(&q, &mut qf);
-        let out = forward::<T, F>(&qf, &k, &v, sz, layout, up, direct);
-        Ok(buf(out.into_iter().map(down).collect::<Vec<T>>()))
-    }
-    fn widen<T: Elem>(src: &[T], dst: &mut [f32]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = s.cast_f32();
-        }
-    }
-    match ins[0].dtype() {
-        DType::F32 => typed::<f32, f32>(ins, sz, &layout, |s, d| d.copy_from_slice(s), |x| x, Some(|x| x)),
-        DType::F64 => typed::<f64, f64>(ins, sz, &layout, |s, d| d.copy_from_slice(s), |x| x, Some(|x| x)),
-        DType::BF16 if gemm_bf16::available() => {
+    let scales = match ins.get(6..8) {
+        Some([k, v]) => Some((contiguous::<f32>(k)?, contiguous::<f32>(v)?)),
+        _ => None,
+    };
+    let scales = scales.as_ref().map(|(k, v)| (&k[..], &v[..]));
+    let (qt, ct) = (ins[0].dtype(), ins[1].dtype());
+    match (qt, ct) {
+        (DType::F32, DType::F32) => typed::<f32, f32, f32>(ins, sz, &layout, same, scales, |x| x, Some(|x| x)),
+        (DType::F64, DType::F64) => typed::<f64, f64, f64>(ins, sz, &layout, same, scales, |x| x, Some(|x| x)),
+        (DType::BF16, DType::BF16) if gemm_bf16::available() => {
             let (q, k, v) = (contiguous::<bf16>(&ins[0])?, contiguous::<bf16>(&ins[1])?, contiguous::<bf16>(&ins[2])?);
             Ok(buf(forward_tiles(&q, &k, &v, sz, &layout)))
         }
-        DType::BF16 => typed::<bf16, f32>(ins, sz, &layout, widen::<bf16>, bf16::from_f32, None),
-        DType::F16 => typed::<f16, f32>(ins, sz, &layout, widen::<f16>, f16::from_f32, None),
-        dt => Err(Error::unsupported_dtype("paged_attention", dt)),
+        (DType::BF16, DType::BF16) => typed::<bf16, bf16, f32>(ins, sz, &layout, widen, scales, bf16::from_f32, None),
+        (DType::F16, DType::F16) => typed::<f16, f16, f32>(ins, sz, &layout, widen, scales, f16::from_f32, None),
+        (DType::F32, DType::BF16) => typed::<f32, bf16, f32>(ins, sz, &layout, same, scales, |x| x, None),
+        (DType::F32, DType::F16) => typed::<f32, f16, f32>(ins, sz, &layout, same, scales, |x| x, None),
+        (DType::F32, DType::F8E4M3FN) => typed::<f32, f8e4m3fn, f32>(ins, sz, &layout, same, scales, |x| x, None),
+        (DType::F32, DType::F8E5M2) => typed::<f32, f8e5m2, f32>(ins, sz, &layout, same, scales, |x| x, None),
+        (DType::BF16, DType::F8E4M3FN) => {
+            typed::<bf16, f8e4m3fn, f32>(ins, sz, &layout, widen, scales, bf16::from_f32, None)
+        }
+        (DType::BF16, DType::F8E5M2) => {
+            typed::<bf16, f8e5m2, f32>(ins, sz, &layout, widen, scales, bf16::from_f32, None)
+        }
+        (DType::F16, DType::F8E4M3FN) => {
+            typed::<f16, f8e4m3fn, f32>(ins, sz, &layout, widen, scales, f16::from_f32, None)
+        }
+        (DType::F16, DType::F8E5M2) => typed::<f16, f8e5m2, f32>(ins, sz, &layout, widen, scales, f16::from_f32, None),
+        _ => Err(Error::dtype("paged_attention", format!("queries {qt} over caches {ct} are not supported"))),
+    }
+}
+
+/// The query rows of type `T` converted to the compute type `F`, the caches
+/// of type `C` read through `read` (scaled when `scales` are given), the
+/// output rounded back by `down`; `direct` when the caches are of the
+/// compute type.
+fn typed<T: Elem, C: Elem, F: AttnFloat>(
+    ins: &[Input<'_>],
+    sz: Sizes,
+    layout: &PagedLayout,
+    up: fn(&[T], &mut [F]),
+    scales: Option<(&[f32], &[f32])>,
+    down: fn(F) -> T,
+    direct: Option<SameType<C, F>>,
+) -> Result<HostBuffer> {
+    let (q, k, v) = (contiguous::<T>(&ins[0])?, contiguous::<C>(&ins[1])?, contiguous::<C>(&ins[2])?);
+    let mut qf = vec![<F as Elem>::of_f64(0.0); q.len()];
+    up(&q, &mut qf);
+    // Widening is exact: every cache type is narrower than (or) the compute type.
+    let widened: &Up<'_, C, F> = &|_, s, d| {
+        for (d, s) in d.iter_mut().zip(s) {
+            *d = <F as Elem>::of_f64(s.cast_f64());
+        }
+    };
+    let out = match scales {
+        None => forward::<C, F>(&qf, &k, &v, sz, layout, (widened, widened), direct),
+        Some((ks, vs)) => {
+            let rk: &Up<'_, C, F> = &|r, s, d| dequantize(s, ks[r], d);
+            let rv: &Up<'_, C, F> = &|r, s, d| dequantize(s, vs[r], d);
+            forward::<C, F>(&qf, &k, &v, sz, layout, (rk, rv), None)
+        }
+    };
+    Ok(buf(out.into_iter().map(down).collect::<Vec<T>>()))
+}
+
+/// A float8 row times its scale, each element one float32 product.
+fn dequantize<C: Elem, F: AttnFloat>(src: &[C], scale: f32, dst: &mut [F]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = <F as Elem>::of_f32(s.cast_f32() * scale);
+    }
+}
+
+/// Rows of the type they are.
+fn same<T: Copy>(src: &[T], dst: &mut [T]) {
+    dst.copy_from_slice(src);
+}
+
+/// bf16 / f16 rows widened (exactly) to f32.
+fn widen<T: Elem>(src: &[T], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.cast_f32();
     }
 }
 
@@ -98,7 +153,7 @@ fn forward<T: Elem, F: AttnFloat>(
     vc: &[T],
     sz: Sizes,
     layout: &PagedLayout,
-    up: Up<T, F>,
+    read: Readers<'_, T, F>,
     direct: Option<SameType<T, F>>,
 ) -> Vec<F> {
     // Rows per sequence up to which the direct way runs (when it may).
@@ -133,7 +188,7 @@ fn forward<T: Elem, F: AttnFloat>(
         }
         let zero = <F as Elem>::of_f64(0.0);
         let (mut out, mut lse) = (vec![zero; g * rows * dv], vec![zero; rows]);
-        gathered_heads(q, (kc, vc), (s, kh0), sz, layout, (up, zero), &mut out, &mut |dm, [q, k, v], out| {
+        gathered_heads(q, (kc, vc), (s, kh0), sz, layout, (read, zero), &mut out, &mut |dm, [q, k, v], out| {
             dispatch(HeadForward { dm, q, k, v, out, lse: &mut lse })
         });
         (s, kh0, out)
@@ -161,28 +216,33 @@ fn assemble<E: Copy>(parts: Vec<(usize, usize, Vec<E>)>, sz: Sizes, layout: &Pag
 
 /// The keys (or values, `width` per row) of sequence `s`'s first `len`
 /// positions in head `kh`, position by position from their blocks, each row
-/// converted by `up`.
+/// converted by `read`.
 fn gather<T, F: Copy>(
     cache: &[T],
     (s, kh, len): (usize, usize, usize),
     width: usize,
     sz: Sizes,
     layout: &PagedLayout,
-    up: Up<T, F>,
+    read: &Up<'_, T, F>,
     zero: F,
 ) -> Vec<F> {
     let Sizes { bs, hk, .. } = sz;
     let mut dst = vec![zero; len * width];
     for (p, out) in dst.chunks_exact_mut(width.max(1)).enumerate().take(len) {
         let blk = layout.tables[s * layout.max_blocks + p / bs];
-        let row = ((blk * bs + p % bs) * hk + kh) * width;
-        up(&cache[row..row + width], out);
+        let row = (blk * bs + p % bs) * hk + kh;
+        read(row, &cache[row * width..][..width], out);
     }
     dst
 }
 
-/// A row conversion of the gathered way (`up`): a cache row into compute elements.
-type Up<T, X> = fn(&[T], &mut [X]);
+/// How the gathered way reads a cache row into compute elements, given the
+/// row's index in the pool (`slot * Hk + head`, the index of its scale) and
+/// its elements.
+type Up<'a, T, X> = dyn Fn(usize, &[T], &mut [X]) + Sync + 'a;
+
+/// The readers of the key rows and of the value rows.
+type Readers<'a, T, X> = (&'a Up<'a, T, X>, &'a Up<'a, T, X>);
 
 /// One query head's kernel, given its dims, its query rows, the keys and the
 /// values, and its rows of the output.
@@ -190,7 +250,7 @@ type HeadKernel<'r, X, O> = dyn FnMut(Dims, [MatRef<'_, X>; 3], &mut [O]) + 'r;
 
 /// The gathered way's task for sequence `s` and key/value head `kh`: the
 /// sequence's keys and values of head `kh` gathered (each row converted by
-/// `up`), then `run(dims, [q, k, v], that head's rows of out)` for each query
+/// `read`), then `run(dims, [q, k, v], that head's rows of out)` for each query
 /// head of the group (`out` is `[G, rows, Dv]`).
 #[allow(clippy::too_many_arguments)]
 fn gathered_heads<T, X: Copy, O>(
@@ -199,7 +259,7 @@ fn gathered_heads<T, X: Copy, O>(
     (s, kh): (usize, usize),
     sz: Sizes,
     layout: &PagedLayout,
-    (up, zero): (Up<T, X>, X),
+    ((rk, rv), zero): (Readers<'_, T, X>, X),
     out: &mut [O],
     run: &mut HeadKernel<'_, X, O>,
 ) {
@@ -207,7 +267,7 @@ fn gathered_heads<T, X: Copy, O>(
     let g = h / hk;
     let (r0, rows, len) = (layout.starts[s], layout.starts[s + 1] - layout.starts[s], layout.lens[s]);
     let (ks, vs) =
-        (gather(kc, (s, kh, len), d, sz, layout, up, zero), gather(vc, (s, kh, len), dv, sz, layout, up, zero));
+        (gather(kc, (s, kh, len), d, sz, layout, rk, zero), gather(vc, (s, kh, len), dv, sz, layout, rv, zero));
     let dm = Dims { b: 1, h, t: rows, d, hk, s: len, dv, scale, causal: true };
     for (gi, o) in out.chunks_mut((rows * dv).max(1)).enumerate().take(g) {
         let hq = kh * g + gi;
@@ -230,11 +290,18 @@ fn forward_tiles(q: &[bf16], kc: &[bf16], vc: &[bf16], sz: Sizes, layout: &Paged
         (0..layout.lens.len()).filter(|&s| rows_of(s) > 0).flat_map(|s| (0..hk).map(move |kh| (s, kh))).collect();
     let parts: Vec<(usize, usize, Vec<bf16>)> = fork_map(tasks.len(), &|i| {
         let (s, kh) = tasks[i];
-        let copy: Up<bf16, bf16> = |s, d| d.copy_from_slice(s);
+        let copy: &Up<'_, bf16, bf16> = &|_, s, d| d.copy_from_slice(s);
         let (mut out, mut lse) = (uninit::<bf16>(g * rows_of(s) * dv), vec![0f32; rows_of(s)]);
-        gathered_heads(q, (kc, vc), (s, kh), sz, layout, (copy, bf16::ZERO), &mut out, &mut |dm, [q, k, v], out| {
-            dispatch(HeadForwardTiles { dm, q, k, v, out, lse: &mut lse })
-        });
+        gathered_heads(
+            q,
+            (kc, vc),
+            (s, kh),
+            sz,
+            layout,
+            ((copy, copy), bf16::ZERO),
+            &mut out,
+            &mut |dm, [q, k, v], out| dispatch(HeadForwardTiles { dm, q, k, v, out, lse: &mut lse }),
+        );
         // SAFETY: each of the g query heads' `rows x dv` outputs was written in
         // full by its kernel (every block of rows); with no elements there is
         // nothing to write.

@@ -179,7 +179,7 @@ pub fn lower_op(b: &mut Builder, op: &Op, x: &[Val], outs: &[Meta]) -> Result<Lo
             let (o, ok) = super::grouped::grouped_mm(b, x, &outs[0])?;
             Ok((vec![o], vec![ok]))
         }
-        Op::PagedAttention { scale } => {
+        Op::PagedAttention { scale, .. } => {
             let (o, ok) = super::paged::paged_attention(b, x, *scale, &outs[0]);
             Ok((vec![o], vec![ok]))
         }

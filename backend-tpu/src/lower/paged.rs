@@ -103,12 +103,26 @@ pub fn paged_attention(b: &mut Builder, x: &[Val], scale: f64, out: &Meta) -> (V
     let slots = b.reshape(&slots, &[n * p]);
     let kflat = b.reshape(kc, &[blocks * bs, hk, d]);
     let vflat = b.reshape(vc, &[blocks * bs, hk, dv]);
-    let kr = take(b, &kflat, &slots);
-    let kr = b.reshape(&kr, &[n, p, hk, d]);
-    let kr = b.convert_raw(&kr, ct);
-    let vr = take(b, &vflat, &slots);
-    let vr = b.reshape(&vr, &[n, p, hk, dv]);
-    let vr = b.convert_raw(&vr, ct);
+    // Each addressed row in the compute type, times its scale for float8
+    // caches (Note [KV cache dtypes] in kiln-tensor).
+    let mut rows_of = |flat: &Val, width: usize, scales: Option<&Val>| {
+        let r = take(b, flat, &slots);
+        let r = b.reshape(&r, &[n, p, hk, width]);
+        let r = b.convert_raw(&r, ct);
+        match scales {
+            None => r,
+            Some(sc) => {
+                let sf = b.reshape(sc, &[blocks * bs, hk]);
+                let sr = take(b, &sf, &slots);
+                let sr = b.reshape(&sr, &[n, p, hk]);
+                let sr = b.convert_raw(&sr, ct);
+                let sr = b.broadcast(&sr, &[n, p, hk, width], &[0, 1, 2]);
+                b.mul(&r, &sr)
+            }
+        }
+    };
+    let kr = rows_of(&kflat, d, x.get(6));
+    let vr = rows_of(&vflat, dv, x.get(7));
     let qf = b.convert_raw(q, ct);
     let qg = b.reshape(&qf, &[n, hk, g, d]);
     // [N, Hk, G, D] x [N, P, Hk, D] -> [N, Hk, G, P]

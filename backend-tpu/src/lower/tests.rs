@@ -197,7 +197,7 @@ fn ops_that_fail_on_data_are_those_whose_lowering_checks_it() {
         (Op::CrossEntropyBackward { smoothing: 0.0 }, vec![m(&[3, 5], f), m(&[3], i), m(&[3], f)]),
         (Op::GroupedMatMul, vec![m(&[4, 3], f), m(&[2, 3, 5], f), m(&[2], i)]),
         (
-            Op::PagedAttention { scale: 0.5 },
+            Op::PagedAttention { scale: 0.5, kv_scales: false },
             vec![m(&[2, 2, 4], f), m(&[3, 2, 1, 4], f), m(&[3, 2, 1, 4], f), m(&[1, 2], i), m(&[1], i), m(&[2], i)],
         ),
         (Op::Binary(BinaryOp::Div), vec![m(&[3], i), m(&[3], i)]),

@@ -172,7 +172,7 @@ pub fn attributes(op: &Op) -> Vec<(&'static str, String)> {
             }
             a
         }
-        Op::PagedAttention { scale } => vec![("scale", f(*scale))],
+        Op::PagedAttention { scale, kv_scales } => vec![("scale", f(*scale)), ("kv_scales", b(*kv_scales))],
         // The op's name is printed as the instruction's; the printer adds a
         // tag of its lowering (which needs the operands' types).
         Op::Custom(_) => vec![],

@@ -5,16 +5,31 @@ use smallvec::{smallvec, SmallVec};
 
 const OP: &str = "paged_attention";
 
-/// The typing rule of `Op::PagedAttention`.
+/// The typing rule of `Op::PagedAttention` (Note [KV cache dtypes] in
+/// `paged.rs` for the caches' dtypes).
 pub(crate) fn paged_attention_meta(inputs: &[Meta]) -> Result<SmallVec<[Meta; 2]>> {
-    let [q, k, v, tables, lens, starts] = inputs else {
-        return Err(Error::invalid(OP, format!("expects 6 inputs, got {}", inputs.len())));
+    let (q, k, v, tables, lens, starts, scales) = match inputs {
+        [q, k, v, t, l, s] => (q, k, v, t, l, s, None),
+        [q, k, v, t, l, s, ks, vs] => (q, k, v, t, l, s, Some((ks, vs))),
+        _ => return Err(Error::invalid(OP, format!("expects 6 inputs, or 8 with scales, got {}", inputs.len()))),
     };
     let bad = |what: String| Err(Error::shape(OP, what));
-    if !q.dtype.is_float() || k.dtype != q.dtype || v.dtype != q.dtype {
+    let fits = match (q.dtype, k.dtype) {
+        _ if k.dtype != v.dtype || !q.dtype.is_float() || q.dtype.is_float8() => false,
+        (DType::F32 | DType::BF16 | DType::F16, c) if c.is_float8() => scales.is_some(),
+        (DType::F32, DType::BF16 | DType::F16) => scales.is_none(),
+        (a, b) => a == b && scales.is_none(),
+    };
+    if !fits {
         return Err(Error::dtype(
             OP,
-            format!("expected queries and caches of one floating dtype, got {}, {} and {}", q.dtype, k.dtype, v.dtype),
+            format!(
+                "expected caches of the queries' floating dtype, bfloat16 or float16 caches for float32 queries, or float8 caches with scales for float32, bfloat16 or float16 queries; got queries {}, caches {} and {}, {}",
+                q.dtype,
+                k.dtype,
+                v.dtype,
+                if scales.is_some() { "with scales" } else { "without scales" }
+            ),
         ));
     }
     if q.shape.len() != 3 || k.shape.len() != 4 || v.shape.len() != 4 {
@@ -38,6 +53,21 @@ pub(crate) fn paged_attention_meta(inputs: &[Meta]) -> Result<SmallVec<[Meta; 2]
     for (what, m) in [("block_tables", tables), ("context_lens", lens), ("query_start", starts)] {
         if m.dtype != DType::I64 {
             return Err(Error::dtype(OP, format!("expected {what} of dtype int64, got {}", m.dtype)));
+        }
+    }
+    if let Some((ks, vs)) = scales {
+        for (what, m) in [("k_scales", ks), ("v_scales", vs)] {
+            if m.dtype != DType::F32 || m.shape.as_slice() != &k.shape[..3] {
+                return Err(Error::shape(
+                    OP,
+                    format!(
+                        "expected {what} float32 [blocks, block_size, Hk] = {:?} (one per cached row), got {:?} {}",
+                        &k.shape[..3],
+                        m.shape.as_slice(),
+                        m.dtype
+                    ),
+                ));
+            }
         }
     }
     let s = lens.shape.first().copied().unwrap_or(0);
