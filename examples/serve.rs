@@ -17,6 +17,7 @@
 //! accepts connections (`--port 0` picks a free port).
 #[path = "support/logging.rs"]
 mod logging;
+use kiln::nn::layers::parse_kv_cache_dtype;
 use kiln::nn::serve::openai::{router, serve, ServerLimits, ServerState};
 use kiln::nn::serve::EngineConfig;
 use kiln::prelude::*;
@@ -34,6 +35,9 @@ USAGE: cargo run --release --example serve -- [OPTIONS]
   --port N                 0 picks a free one [default: 8000]
   --dtype f32|bf16         [default: f32]
   --kv-cache-mb N          the KV cache's memory [default: 256]
+  --kv-cache-dtype T       auto|float32|bfloat16|float16|fp8|fp8_e5m2: how the KV
+                           cache stores keys and values (fp8: e4m3 with a scale
+                           per position and head) [default: auto, the model's]
   --block-size N           positions per KV block [default: 16]
   --max-num-seqs N         sequences run at once [default: 64]
   --max-batched-tokens N   tokens per model step [default: 2048]
@@ -98,6 +102,9 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
             "--port" => port = u16::try_from(num(&v)).unwrap_or_else(|_| fail("--port must be below 65536")),
             "--dtype" => dtype = DType::from_name(&v).unwrap_or_else(|| fail(&format!("unknown dtype {v:?}"))),
             "--kv-cache-mb" => kv_mb = num(&v),
+            "--kv-cache-dtype" => {
+                cfg.kv_cache_dtype = parse_kv_cache_dtype(&v).unwrap_or_else(|e| fail(&e.to_string()))
+            }
             "--block-size" => cfg.block_size = num(&v),
             "--max-num-seqs" => cfg.max_num_seqs = num(&v),
             "--max-batched-tokens" => cfg.max_batched_tokens = num(&v),

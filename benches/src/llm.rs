@@ -585,7 +585,7 @@ fn decode_compiled(a: &LlmArgs, model: &LlamaForCausalLM, prompt: &Tensor) -> Re
     const BLOCK: usize = 16;
     let total = a.prompt + a.new_tokens;
     let width = total.div_ceil(BLOCK);
-    let cache = std::sync::Arc::new(PagedKvCache::new(model, width, BLOCK)?);
+    let cache = std::sync::Arc::new(PagedKvCache::new(model, width, BLOCK, model.dtype())?);
     let rope = model.model.rotary().tables(0, width * BLOCK, model.dtype(), a.device)?;
     let (m, c) = (model.clone(), cache.clone());
     let mut step = kiln::compile(a.device, move |x: &[Tensor]| -> Result<Vec<Tensor>> {

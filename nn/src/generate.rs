@@ -37,6 +37,9 @@ pub struct Sampling {
     /// Decode incrementally with a KV cache (the default). Without it, every
     /// step recomputes the whole sequence (same result, for checking).
     pub use_cache: bool,
+    /// The dtype the KV cache stores (none: the model's; Note [KV cache
+    /// dtypes] in kiln-tensor).
+    pub kv_cache_dtype: Option<DType>,
 }
 
 impl Default for Sampling {
@@ -56,6 +59,7 @@ impl Sampling {
             seed: None,
             eos_token_ids: vec![],
             use_cache: true,
+            kv_cache_dtype: None,
         }
     }
 
@@ -97,6 +101,12 @@ impl Sampling {
     /// With or without the KV cache.
     pub fn with_cache(mut self, on: bool) -> Sampling {
         self.use_cache = on;
+        self
+    }
+
+    /// With the KV cache stored in `dtype`.
+    pub fn with_kv_cache_dtype(mut self, dtype: DType) -> Sampling {
+        self.kv_cache_dtype = Some(dtype);
         self
     }
 
@@ -176,7 +186,11 @@ pub fn generate(
     }
     // Room for the prompt and a first stretch of tokens; the cache doubles as
     // generation goes on, so memory follows the tokens actually produced.
-    let mut cache = model.new_cache(p.saturating_add(max_new_tokens.min(256)));
+    let capacity = p.saturating_add(max_new_tokens.min(256));
+    let mut cache = match sampling.kv_cache_dtype {
+        Some(dt) => model.new_cache_with_dtype(capacity, dt)?,
+        None => model.new_cache(capacity),
+    };
     let mut finished = vec![false; b];
     let mut next = prompt;
     // One op after another: on the backend's compute threads (Note [Loops

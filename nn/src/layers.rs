@@ -6,6 +6,7 @@
 mod attention;
 mod dropout;
 mod embedding;
+mod kv_dtype;
 mod linear;
 mod mlp;
 mod moe;
@@ -15,6 +16,7 @@ mod rotary;
 pub use attention::{causal_mask, mask_min, Attention, AttentionConfig, AttentionMask, LayerKvCache};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
+pub use kv_dtype::{check_kv_dtype, load_rows, parse_kv_cache_dtype, row_bytes, store_rows};
 pub use linear::Linear;
 pub use mlp::SwiGluMlp;
 pub(crate) use moe::is_stacked_expert;

@@ -271,7 +271,7 @@ fn shared_prefixes_are_computed_once() {
 fn preemption_under_a_small_pool_keeps_the_tokens() {
     let _invariant = support::batch_invariance(true);
     let m = model(3);
-    let per_block = PagedKvCache::bytes_per_block(&m, 4);
+    let per_block = PagedKvCache::bytes_per_block(&m, 4, m.dtype());
     // 40 blocks of 4 positions: each request needs up to 28 blocks alone.
     let cfg =
         EngineConfig { block_size: 4, kv_cache_bytes: 40 * per_block, max_batched_tokens: 32, ..Default::default() };
@@ -292,7 +292,7 @@ fn preemption_under_a_small_pool_keeps_the_tokens() {
 fn preemption_keeps_sampled_tokens_and_shared_prefixes() {
     let _invariant = support::batch_invariance(true);
     let m = model(6);
-    let per_block = PagedKvCache::bytes_per_block(&m, 4);
+    let per_block = PagedKvCache::bytes_per_block(&m, 4, m.dtype());
     let system = prompt(24, 61);
     let reqs: Vec<(u64, Request)> = (0..6)
         .map(|i| {
@@ -355,7 +355,7 @@ fn a_failed_step_ends_its_sequences_with_the_error() {
 #[test]
 fn bad_requests_are_refused() {
     let m = model(4);
-    let per_block = PagedKvCache::bytes_per_block(&m, 16);
+    let per_block = PagedKvCache::bytes_per_block(&m, 16, m.dtype());
     let mut engine = Engine::new(m, EngineConfig { kv_cache_bytes: 8 * per_block, ..Default::default() }).unwrap();
     let mut err = |r: Request| engine.add_request(r).unwrap_err().to_string();
     assert!(err(Request::new(vec![], 4)).contains("empty"));
@@ -407,7 +407,7 @@ fn paged_logits_equal_incremental_ones(m: &LlamaForCausalLM) {
     let mut cache = m.new_cache(64);
     let f32s = |t: Tensor| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
     let want = f32s(m.forward_cached(&ta, None, &mut cache, true).unwrap());
-    let pool = PagedKvCache::new(m, 16, 4).unwrap();
+    let pool = PagedKvCache::new(m, 16, 4, m.dtype()).unwrap();
     let blocks_a: Vec<usize> = vec![7, 2, 9, 0, 11, 3];
     let blocks_b: Vec<usize> = vec![5, 14, 1];
     // Step 1: a's first 10 tokens and all of b; step 2: the rest of a.
@@ -535,7 +535,7 @@ fn cancellation_backpressure_and_refusals() {
 #[test]
 fn forward_decode_refuses_bad_inputs() {
     let m = model(7);
-    let cache = PagedKvCache::new(&m, 4, 4).unwrap();
+    let cache = PagedKvCache::new(&m, 4, 4, m.dtype()).unwrap();
     let rope = m.model.rotary().tables(0, 16, DType::F32, Device::Cpu).unwrap();
     let t = |v: Vec<i64>, s: &[usize]| Tensor::from_vec(v, s).unwrap();
     let batch = |slot: i64, pos: i64| kiln::nn::serve::DecodeBatch {

@@ -28,11 +28,17 @@ pub struct AttentionConfig {
 
 /// The keys and values of one attention layer seen so far, for incremental
 /// decoding. Buffers `[B, kv_heads, capacity, head_dim]` grow by doubling;
-/// attention reads the filled prefix as a view.
+/// attention reads the filled prefix (as a view when the cache holds the
+/// keys' dtype, widened from a narrower cache dtype otherwise: Note [KV cache
+/// dtypes] in kiln-tensor).
 #[derive(Debug, Clone, Default)]
 pub struct LayerKvCache {
     k: Option<Tensor>,
     v: Option<Tensor>,
+    /// Float8 caches: the rows' scales, `[B, kv_heads, capacity]`.
+    scales: Option<(Tensor, Tensor)>,
+    /// The dtype stored (none: the keys' own).
+    dtype: Option<DType>,
     len: usize,
     capacity_hint: usize,
 }
@@ -41,6 +47,12 @@ impl LayerKvCache {
     /// An empty cache that allocates room for `capacity` positions on first use.
     pub fn with_capacity(capacity: usize) -> LayerKvCache {
         LayerKvCache { capacity_hint: capacity, ..Default::default() }
+    }
+
+    /// An empty cache storing keys and values in `dtype` (checked against the
+    /// keys' dtype at the first append by [`super::check_kv_dtype`]).
+    pub fn with_dtype(capacity: usize, dtype: DType) -> LayerKvCache {
+        LayerKvCache { capacity_hint: capacity, dtype: Some(dtype), ..Default::default() }
     }
 
     /// Number of cached positions.
@@ -53,46 +65,64 @@ impl LayerKvCache {
         self.len == 0
     }
 
-    /// Appends `k`, `v` (`[B, kv_heads, T, head_dim]`) and returns views of all
-    /// cached keys and values (`[B, kv_heads, len, head_dim]`).
+    /// Appends `k`, `v` (`[B, kv_heads, T, head_dim]`) and returns all cached
+    /// keys and values (`[B, kv_heads, len, head_dim]`) in the keys' dtype.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let t = k.shape()[2];
-        let need = self.len + t;
+        let dt = k.dtype();
+        let kv = self.dtype.unwrap_or(dt);
+        super::check_kv_dtype(dt, kv)?;
+        let need = self.len + k.shape()[2];
         let cap = self.k.as_ref().map_or(0, |b| b.shape()[2]);
         if let Some(kb) = &self.k {
             let (s, n) = (kb.shape(), k.shape());
-            if s[0] != n[0] || s[1] != n[1] || s[3] != n[3] || kb.dtype() != k.dtype() {
+            if s[0] != n[0] || s[1] != n[1] || s[3] != n[3] || v.dtype() != dt || v.shape() != n || kb.dtype() != kv {
                 return Err(Error::shape(
                     "LayerKvCache::append",
-                    format!(
-                        "keys of shape {:?} ({}) do not fit a cache of shape {:?} ({})",
-                        n,
-                        k.dtype(),
-                        s,
-                        kb.dtype()
-                    ),
+                    format!("keys {n:?} and values {:?} ({dt}) do not fit a cache of shape {s:?} ({kv})", v.shape()),
                 ));
             }
         }
-        if need > cap {
-            let new_cap = need.max(2 * cap).max(self.capacity_hint);
-            let grow = |old: &Option<Tensor>, like: &Tensor| -> Result<Tensor> {
-                let s = like.shape();
-                let buf = Tensor::zeros(&[s[0], s[1], new_cap, s[3]], (like.dtype(), like.device()))?;
-                if let Some(o) = old {
-                    buf.narrow(2, 0, self.len)?.copy_(&o.narrow(2, 0, self.len)?)?;
-                }
-                Ok(buf)
-            };
-            self.k = Some(grow(&self.k, k)?);
-            self.v = Some(grow(&self.v, v)?);
-        }
-        let (kb, vb) = (self.k.as_ref().expect("allocated above"), self.v.as_ref().expect("allocated above"));
-        kb.narrow(2, self.len as isize, t)?.copy_(k)?;
-        vb.narrow(2, self.len as isize, t)?.copy_(v)?;
+        let new_cap = if need > cap { need.max(2 * cap).max(self.capacity_hint) } else { cap };
+        let (ks, kscale) = super::store_rows(k, kv)?;
+        let (vs, vscale) = super::store_rows(v, kv)?;
+        let len = self.len;
+        let kb = put(&mut self.k, &ks, len, new_cap)?;
+        let vb = put(&mut self.v, &vs, len, new_cap)?;
+        let scales = match (kscale, vscale) {
+            (Some(a), Some(b)) => {
+                let (mut sk, mut sv) = self.scales.take().map_or((None, None), |(a, b)| (Some(a), Some(b)));
+                let views = (put(&mut sk, &a, len, new_cap)?, put(&mut sv, &b, len, new_cap)?);
+                self.scales = sk.zip(sv);
+                Some(views)
+            }
+            _ => None,
+        };
         self.len = need;
-        Ok((kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?))
+        if kv == dt {
+            return Ok((kb, vb));
+        }
+        let (sk, sv) = scales.map_or((None, None), |(a, b)| (Some(a), Some(b)));
+        Ok((super::load_rows(&kb, sk.as_ref(), dt)?, super::load_rows(&vb, sv.as_ref(), dt)?))
     }
+}
+
+/// Writes `x` (time along dim 2) at positions `len..` of `buf`, reallocated
+/// first with room for `cap` positions when it has less, and returns the
+/// view of positions `0 .. len + T`.
+fn put(buf: &mut Option<Tensor>, x: &Tensor, len: usize, cap: usize) -> Result<Tensor> {
+    let t = x.shape()[2];
+    if buf.as_ref().map_or(0, |b| b.shape()[2]) < cap {
+        let mut shape = x.shape().to_vec();
+        shape[2] = cap;
+        let grown = Tensor::zeros(&shape, (x.dtype(), x.device()))?;
+        if let Some(old) = buf.as_ref() {
+            grown.narrow(2, 0, len)?.copy_(&old.narrow(2, 0, len)?)?;
+        }
+        *buf = Some(grown);
+    }
+    let b = buf.as_ref().expect("allocated above");
+    b.narrow(2, len as isize, t)?.copy_(x)?;
+    b.narrow(2, 0, len + t)
 }
 
 /// The value an additive mask of `dtype` gives a hidden key: the dtype's lowest.

@@ -50,6 +50,12 @@ impl KvCache {
         KvCache { layers: (0..num_layers).map(|_| LayerKvCache::with_capacity(capacity)).collect() }
     }
 
+    /// [`KvCache::new`] storing keys and values in `dtype` (Note [KV cache
+    /// dtypes] in kiln-tensor).
+    pub fn with_dtype(num_layers: usize, capacity: usize, dtype: DType) -> KvCache {
+        KvCache { layers: (0..num_layers).map(|_| LayerKvCache::with_dtype(capacity, dtype)).collect() }
+    }
+
     /// Number of cached positions.
     pub fn len(&self) -> usize {
         self.layers.first().map_or(0, |l| l.len())
@@ -764,6 +770,14 @@ impl LlamaForCausalLM {
     /// An empty KV cache for this model with room for `capacity` positions.
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         KvCache::new(self.model.layers.len(), capacity)
+    }
+
+    /// An empty KV cache storing keys and values in `dtype`: the model's,
+    /// bfloat16 or float16 under float32, or float8 with a scale per row
+    /// (Note [KV cache dtypes] in kiln-tensor; [`crate::layers::check_kv_dtype`]).
+    pub fn new_cache_with_dtype(&self, capacity: usize, dtype: DType) -> Result<KvCache> {
+        crate::layers::check_kv_dtype(self.dtype(), dtype)?;
+        Ok(KvCache::with_dtype(self.model.layers.len(), capacity, dtype))
     }
 
     /// Writes `config.json` and `model.safetensors` into `dir` (created if

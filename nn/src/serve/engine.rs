@@ -10,7 +10,7 @@ use super::request::{Event, FinishReason, Request};
 pub use super::stats::{EngineStats, TTFT_WINDOW};
 use crate::generate::choose;
 use crate::models::LlamaForCausalLM;
-use kiln_tensor::{on_compute_threads, Error, Generator, Result, Tensor};
+use kiln_tensor::{on_compute_threads, DType, Error, Generator, Result, Tensor};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
@@ -77,6 +77,11 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// The KV pool's size in bytes (keys and values of every layer).
     pub kv_cache_bytes: usize,
+    /// The dtype the KV pool stores (none: the model's): bfloat16 or float16
+    /// under a float32 model, float8 with a scale per row (Note [KV cache
+    /// dtypes] in kiln-tensor) hold two to four times the tokens in the same
+    /// bytes.
+    pub kv_cache_dtype: Option<DType>,
     /// At most this many sequences run at once.
     pub max_num_seqs: usize,
     /// At most this many tokens go through the model per step (decoded tokens
@@ -102,6 +107,7 @@ impl Default for EngineConfig {
         EngineConfig {
             block_size: 16,
             kv_cache_bytes: 256 << 20,
+            kv_cache_dtype: None,
             max_num_seqs: 64,
             max_batched_tokens: 2048,
             prefix_sharing: true,
@@ -117,6 +123,7 @@ impl std::fmt::Debug for EngineConfig {
         f.debug_struct("EngineConfig")
             .field("block_size", &self.block_size)
             .field("kv_cache_bytes", &self.kv_cache_bytes)
+            .field("kv_cache_dtype", &self.kv_cache_dtype)
             .field("max_num_seqs", &self.max_num_seqs)
             .field("max_batched_tokens", &self.max_batched_tokens)
             .field("prefix_sharing", &self.prefix_sharing)
@@ -206,7 +213,8 @@ impl Engine {
                 ),
             ));
         }
-        let cache = Arc::new(PagedKvCache::with_budget(&model, cfg.kv_cache_bytes, cfg.block_size)?);
+        let kv_dtype = cfg.kv_cache_dtype.unwrap_or(model.dtype());
+        let cache = Arc::new(PagedKvCache::with_budget(&model, cfg.kv_cache_bytes, cfg.block_size, kv_dtype)?);
         let bs = cfg.block_size;
         // With a captured decode step, the pool's last block is the scratch
         // block of padded rows (Note [Decode programs]).

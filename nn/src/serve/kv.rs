@@ -4,26 +4,40 @@ use crate::models::LlamaForCausalLM;
 use kiln_tensor::{DType, Device, Error, Result, Tensor};
 
 /// Keys and values of every layer in blocks: `[blocks, block_size, kv_heads,
-/// head_dim]` per layer and kind, in the model's dtype on its device.
+/// head_dim]` per layer and kind, in the cache's dtype (the model's, or a
+/// narrower one: Note [KV cache dtypes] in kiln-tensor) on the model's
+/// device, with `[blocks, block_size, kv_heads]` float32 scales per layer and
+/// kind for float8.
 #[derive(Debug)]
 pub struct PagedKvCache {
-    layers: Vec<(Tensor, Tensor)>,
+    layers: Vec<LayerPool>,
     num_blocks: usize,
     block_size: usize,
+    dtype: DType,
+}
+
+/// One layer's pools.
+#[derive(Debug)]
+struct LayerPool {
+    k: Tensor,
+    v: Tensor,
+    /// Float8: the rows' scales (keys, values).
+    scales: Option<(Tensor, Tensor)>,
 }
 
 impl PagedKvCache {
-    /// The bytes one block takes over all layers, keys and values
+    /// The bytes one block takes over all layers, keys and values, in `dtype`
     /// (`usize::MAX` when that does not fit a `usize`).
-    pub fn bytes_per_block(model: &LlamaForCausalLM, block_size: usize) -> usize {
+    pub fn bytes_per_block(model: &LlamaForCausalLM, block_size: usize, dtype: DType) -> usize {
         let c = model.config();
-        [c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, model.dtype().size_in_bytes()]
-            .iter()
-            .fold(2usize, |a, &b| a.saturating_mul(b))
+        let row = crate::layers::row_bytes(dtype, c.head_dim);
+        [c.num_hidden_layers, block_size, c.num_key_value_heads, row].iter().fold(2usize, |a, &b| a.saturating_mul(b))
     }
 
-    /// A pool of `num_blocks` blocks of `block_size` positions, zeroed.
-    pub fn new(model: &LlamaForCausalLM, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
+    /// A pool of `num_blocks` blocks of `block_size` positions in `dtype`,
+    /// zeroed ([`crate::layers::check_kv_dtype`] says which dtypes serve the model).
+    pub fn new(model: &LlamaForCausalLM, num_blocks: usize, block_size: usize, dtype: DType) -> Result<PagedKvCache> {
+        crate::layers::check_kv_dtype(model.dtype(), dtype)?;
         if num_blocks == 0 || block_size == 0 {
             return Err(Error::invalid(
                 "PagedKvCache",
@@ -32,17 +46,29 @@ impl PagedKvCache {
         }
         let c = model.config();
         let shape = [num_blocks, block_size, c.num_key_value_heads, c.head_dim];
-        let (dt, dev): (DType, Device) = (model.dtype(), model.device());
+        let dev: Device = model.device();
+        let zeros = |shape: &[usize], dt: DType| Tensor::zeros(shape, (dt, dev));
         let layers = (0..c.num_hidden_layers)
-            .map(|_| Ok((Tensor::zeros(&shape, (dt, dev))?, Tensor::zeros(&shape, (dt, dev))?)))
+            .map(|_| {
+                let scales = match dtype.is_float8() {
+                    true => Some((zeros(&shape[..3], DType::F32)?, zeros(&shape[..3], DType::F32)?)),
+                    false => None,
+                };
+                Ok(LayerPool { k: zeros(&shape, dtype)?, v: zeros(&shape, dtype)?, scales })
+            })
             .collect::<Result<Vec<_>>>()?;
-        Ok(PagedKvCache { layers, num_blocks, block_size })
+        Ok(PagedKvCache { layers, num_blocks, block_size, dtype })
     }
 
     /// As many blocks as fit in `bytes`.
-    pub fn with_budget(model: &LlamaForCausalLM, bytes: usize, block_size: usize) -> Result<PagedKvCache> {
-        let per = Self::bytes_per_block(model, block_size).max(1);
-        PagedKvCache::new(model, bytes / per, block_size)
+    pub fn with_budget(
+        model: &LlamaForCausalLM,
+        bytes: usize,
+        block_size: usize,
+        dtype: DType,
+    ) -> Result<PagedKvCache> {
+        let per = Self::bytes_per_block(model, block_size, dtype).max(1);
+        PagedKvCache::new(model, bytes / per, block_size, dtype)
     }
 
     /// Blocks in the pool.
@@ -60,47 +86,108 @@ impl PagedKvCache {
         self.layers.len()
     }
 
-    /// The key and value pools of `layer`.
-    pub fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
-        let (k, v) = &self.layers[layer];
-        (k, v)
+    /// The dtype keys and values are stored in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
-    /// Writes rows `x [N, kv_heads, head_dim]` into `pool` at `runs` of
-    /// consecutive slots (`PagedBatch::write_runs`), in place: one copy per
-    /// run (a decoded token, or the part of a prompt chunk within one block),
-    /// so a step touches only the positions it adds (an indexed write copies
-    /// the whole pool on the CPU).
-    pub fn write(&self, pool: &Tensor, runs: &[(usize, usize, usize)], x: &Tensor) -> Result<()> {
-        let flat = Self::flat(pool)?;
-        let x = x.to_dtype(pool.dtype())?;
-        for &(slot, row, len) in runs {
-            flat.narrow(0, slot as isize, len)?.copy_(&x.narrow(0, row as isize, len)?)?;
+    /// Writes the rows `k`, `v` (`[N, kv_heads, head_dim]`) of `layer` at
+    /// `runs` of consecutive slots (`PagedBatch::write_runs`), in place: one
+    /// copy per run (a decoded token, or the part of a prompt chunk within
+    /// one block), so a step touches only the positions it adds (an indexed
+    /// write copies the whole pool on the CPU).
+    pub fn write(&self, layer: usize, runs: &[(usize, usize, usize)], k: &Tensor, v: &Tensor) -> Result<()> {
+        for (pool, scales, x) in self.pools(layer, k, v)? {
+            let (x, sx) = crate::layers::store_rows(x, self.dtype)?;
+            for (dst, src) in [(Some(pool), Some(x)), (scales, sx)] {
+                let (Some(dst), Some(src)) = (dst, src) else { continue };
+                let flat = Self::flat(dst)?;
+                for &(slot, row, len) in runs {
+                    flat.narrow(0, slot as isize, len)?.copy_(&src.narrow(0, row as isize, len)?)?;
+                }
+            }
         }
         Ok(())
     }
 
-    /// Writes rows `x [N, kv_heads, head_dim]` into `pool` at `slots [N]`
-    /// (int64 on the pool's device) with one scatter: what a captured program
-    /// does (the scatter checks its indices on the device, where advanced
-    /// indexing would read them on the host), writing the donated pool in place.
-    pub fn write_slots(&self, pool: &Tensor, slots: &Tensor, x: &Tensor) -> Result<()> {
-        let s = x.shape();
-        if s.len() != 3 || slots.shape() != [s[0]] {
-            return Err(Error::shape(
-                "PagedKvCache::write_slots",
-                format!("needs rows [N, kv_heads, head_dim] and slots [N], got {s:?} and {:?}", slots.shape()),
-            ));
+    /// Writes the rows `k`, `v` (`[N, kv_heads, head_dim]`) of `layer` at
+    /// `slots [N]` (int64 on the pool's device) with one scatter each: what a
+    /// captured program does (the scatter checks its indices on the device,
+    /// where advanced indexing would read them on the host), writing the
+    /// donated pools in place.
+    pub fn write_slots(&self, layer: usize, slots: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        for (pool, scales, x) in self.pools(layer, k, v)? {
+            let s = x.shape();
+            if slots.shape() != [s[0]] {
+                return Err(Error::shape(
+                    "PagedKvCache::write_slots",
+                    format!("needs slots [N] for rows {s:?}, got {:?}", slots.shape()),
+                ));
+            }
+            let (x, sx) = crate::layers::store_rows(x, self.dtype)?;
+            let idx = slots.reshape_to(&[s[0], 1, 1])?.broadcast_to(s)?;
+            Self::flat(pool)?.scatter_(0, &idx, &x)?;
+            if let (Some(sp), Some(sx)) = (scales, sx) {
+                let idx = slots.reshape_to(&[s[0], 1])?.broadcast_to(&s[..2])?;
+                Self::flat(sp)?.scatter_(0, &idx, &sx)?;
+            }
         }
-        let idx = slots.reshape_to(&[s[0], 1, 1])?.broadcast_to(s)?;
-        Self::flat(pool)?.scatter_(0, &idx, &x.to_dtype(pool.dtype())?)?;
         Ok(())
     }
 
-    /// `pool` as `[blocks * block_size, kv_heads, head_dim]`, aliasing it.
+    /// Paged attention of queries `q [N, H, D]` over `layer`'s pools
+    /// ([`Tensor::paged_attention`], or its scaled form for float8).
+    pub fn attention(
+        &self,
+        layer: usize,
+        q: &Tensor,
+        (block_tables, context_lens, query_start): (&Tensor, &Tensor, &Tensor),
+        scale: f64,
+    ) -> Result<Tensor> {
+        let p = self.layer_pool(layer)?;
+        match &p.scales {
+            None => q.paged_attention(&p.k, &p.v, block_tables, context_lens, query_start, Some(scale)),
+            Some((ks, vs)) => {
+                q.paged_attention_scaled((&p.k, ks), (&p.v, vs), block_tables, context_lens, query_start, Some(scale))
+            }
+        }
+    }
+
+    fn layer_pool(&self, layer: usize) -> Result<&LayerPool> {
+        self.layers.get(layer).ok_or_else(|| {
+            Error::index("PagedKvCache", format!("layer {layer} of a cache of {} layers", self.layers.len()))
+        })
+    }
+
+    /// `(pool, its scales, rows)` for the keys and the values of `layer`,
+    /// the rows checked to be `[N, kv_heads, head_dim]`.
+    #[allow(clippy::type_complexity)]
+    fn pools<'a>(
+        &'a self,
+        layer: usize,
+        k: &'a Tensor,
+        v: &'a Tensor,
+    ) -> Result<[(&'a Tensor, Option<&'a Tensor>, &'a Tensor); 2]> {
+        let p = self.layer_pool(layer)?;
+        for x in [k, v] {
+            let (s, ps) = (x.shape(), p.k.shape());
+            if s.len() != 3 || s[1..] != ps[2..] {
+                return Err(Error::shape(
+                    "PagedKvCache::write",
+                    format!("needs rows [N, {}, {}], got {s:?}", ps[2], ps[3]),
+                ));
+            }
+        }
+        let (sk, sv) = p.scales.as_ref().map_or((None, None), |(a, b)| (Some(a), Some(b)));
+        Ok([(&p.k, sk, k), (&p.v, sv, v)])
+    }
+
+    /// `pool` as `[blocks * block_size, ..]`, aliasing it.
     fn flat(pool: &Tensor) -> Result<Tensor> {
         let s = pool.shape();
-        pool.reshape_to(&[s[0] * s[1], s[2], s[3]])
+        let mut shape = vec![s[0] * s[1]];
+        shape.extend_from_slice(&s[2..]);
+        pool.reshape_to(&shape)
     }
 }
 

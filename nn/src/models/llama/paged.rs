@@ -124,14 +124,11 @@ fn attention_paged(
     let q = heads(&attn.q_proj, h, &attn.q_norm)?;
     let k = heads(&attn.k_proj, kv, &attn.k_norm)?;
     let v = attn.v_proj.forward(x)?.reshape_to(&[n, kv, d])?;
-    let (kc, vc) = cache.layer(layer);
-    for (pool, x) in [(kc, &k), (vc, &v)] {
-        match step.writes {
-            Writes::Runs(runs) => cache.write(pool, runs, x)?,
-            Writes::Slots(slots) => cache.write_slots(pool, slots, x)?,
-        }
+    match step.writes {
+        Writes::Runs(runs) => cache.write(layer, runs, &k, &v)?,
+        Writes::Slots(slots) => cache.write_slots(layer, slots, &k, &v)?,
     }
     let scale = 1.0 / (d as f64).sqrt();
-    let o = q.paged_attention(kc, vc, step.block_tables, step.context_lens, step.query_start, Some(scale))?;
+    let o = cache.attention(layer, &q, (step.block_tables, step.context_lens, step.query_start), scale)?;
     attn.o_proj.forward(&o.reshape_to(&[n, h * d])?)
 }
