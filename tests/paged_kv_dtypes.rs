@@ -111,6 +111,21 @@ fn narrow_caches_read_as_their_widened_values() {
                     got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{qdt} over {kv}: not bit for bit the fused kernel's rows over the widened cache (max error {err})"
                 );
+                // Batch invariance off: the decoded row reads the cache in
+                // place (the direct way), within float32 rounding.
+                kiln::tensor::set_batch_invariant(false);
+                let direct = match (&kscale, &vscale) {
+                    (Some(a), Some(b)) => {
+                        let (sa, sb) = (pool(a, dev), pool(b, dev));
+                        qd.paged_attention_scaled((&kc, &sa), (&vc, &sb), &tb, &ln, &st, None)
+                    }
+                    _ => qd.paged_attention(&kc, &vc, &tb, &ln, &st, None),
+                };
+                kiln::tensor::set_batch_invariant(true);
+                let direct = direct.unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+                let err = direct.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                let bound = if qdt == DType::BF16 { 2f32.powi(-6) } else { 1e-5 };
+                assert!(err <= bound, "{qdt} over {kv}: the direct way's rows are {err} from the reference");
             } else {
                 // PJRT computes the same float32 attention in its own order.
                 let bound = if qdt == DType::BF16 { 2f32.powi(-6) } else { 1e-5 };

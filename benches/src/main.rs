@@ -5,6 +5,7 @@
 //! (matmul, ops) and `benches/compare_torch_train.py` (train, infer, decode) run
 //! this binary and the same measurements in PyTorch, and print the ratios.
 mod finetune;
+mod kv_cache;
 mod llm;
 mod pipeline;
 mod report;
@@ -34,6 +35,7 @@ USAGE:
     kiln-bench autograd [--steps N] [--warmup W]
     kiln-bench pipeline [--preset P] [--ranks N] [--microbatches M] [--batch B] [--seq T] [--mode compiled]
     kiln-bench serve-load [--preset P] [--requests N] [--gap-ms G] [--seed S] [--kv-mb M] [--only LIST] [--repeat R]
+    kiln-bench kv-cache --checkpoint DIR [--checkpoint DIR ...] [--new-tokens N] [--seed S]
 
 BENCHMARKS:
     matmul   square n x n x n float32 matmul of random matrices: gflops (2 n^3 / median time)
@@ -82,12 +84,18 @@ BENCHMARKS:
              prefix sharing; and (adapters) the plain workload with four rank-16 LoRA adapters
              on every decoder Linear served beside the base model, each of the five taking every
              fifth request (lora_adapters_vs_base). Lines: tokens_per_s, ttft_p50_ms,
-             ttft_p99_ms; --only engine,sequential,shared,adapters,structured; each system runs R times (default 3) in turns with the
+             ttft_p99_ms; --only engine,sequential,shared,adapters,structured,kv-bf16,kv-fp8 (the
+             plain workload over a bfloat16 or float8 KV cache); each system runs R times (default 3) in turns with the
              others, and its run of median tokens/s is reported; --write-workload FILE
              saves the requests for benches/compare_serve_load.py (transformers'
              continuous batching on them)
              Presets: llama-16m (vocab 8192, hidden 384, 6 layers, 6 heads, MLP 1024, untied
              lm_head, f32; the default) and llama-tiny. Each line has peak_rss_mb.
+    kv-cache each checkpoint (in float32, then bfloat16) with a random prompt filling its context
+             but N tokens (--new-tokens, default 64), then N greedy tokens over its own dtype's KV
+             cache, fed again through each narrower cache (bfloat16, float16, float8 e4m3):
+             max_logit_diff_rel (largest logit difference over the largest logit), mean_kl,
+             top1_agreement over the decoded positions, bytes_per_token and memory_ratio
 
 OPTIONS:
     --device DEV       cpu (default), tpu, tpu:N
@@ -182,6 +190,8 @@ struct Args {
     gap_ms: f64,
     seed: u64,
     kv_mb: usize,
+    /// `kv-cache`: the checkpoints measured.
+    checkpoints: Vec<std::path::PathBuf>,
     write_workload: Option<String>,
     repeat: usize,
 }
@@ -249,6 +259,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         gap_ms: 50.0,
         seed: 0,
         kv_mb: 1024,
+        checkpoints: vec![],
         write_workload: None,
         repeat: 3,
         ranks: 4,
@@ -317,6 +328,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--gap-ms" => a.gap_ms = value()?.parse().map_err(|_| "--gap-ms needs a number".to_string())?,
             "--seed" => a.seed = value()?.parse().map_err(|_| "--seed needs an integer".to_string())?,
             "--kv-mb" => a.kv_mb = int("--kv-mb", &value()?)?,
+            "--checkpoint" => a.checkpoints.push(value()?.into()),
             "--write-workload" => a.write_workload = Some(value()?),
             "--repeat" => a.repeat = int("--repeat", &value()?)?,
             "--ranks" => a.ranks = int("--ranks", &value()?)?,
@@ -327,7 +339,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
     }
     if a.cmd.is_empty() {
         return Err(
-            "missing benchmark name (matmul, ops, all, chain, serve, serve-load, train, infer, decode, autograd or pipeline)"
+            "missing benchmark name (matmul, ops, all, chain, serve, serve-load, kv-cache, train, infer, decode, autograd or pipeline)"
                 .into(),
         );
     }
@@ -405,6 +417,20 @@ fn main() -> ExitCode {
                 Ok(()) => 0,
                 Err(e) => {
                     report::Line::new("serve-load", "float32", "cpu").set("error", e.to_string()).emit();
+                    1
+                }
+            }
+        }
+        "kv-cache" => {
+            let a = kv_cache::KvCacheArgs {
+                checkpoints: args.checkpoints.clone(),
+                new_tokens: args.new_tokens,
+                seed: args.seed,
+            };
+            match kv_cache::kv_cache(&a) {
+                Ok(()) => 0,
+                Err(e) => {
+                    report::Line::new("kv-cache", "float32", "cpu").set("error", e.to_string()).emit();
                     1
                 }
             }

@@ -258,6 +258,16 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
             let (o, _) = engine_run(&model, &plain, c, &[], Some(&g))?;
             record("engine-structured", o, vec![("workload", json!("plain")), ("grammar", json!("regex [a-z ,.]+"))]);
         }
+        // The plain workload over narrower KV caches (Note [KV cache dtypes] in kiln-tensor).
+        for (only, name, kv) in
+            [("kv-bf16", "engine-kv-bf16", DType::BF16), ("kv-fp8", "engine-kv-fp8", DType::F8E4M3FN)]
+        {
+            if want(only) {
+                let c = EngineConfig { kv_cache_dtype: Some(kv), ..ecfg(true) };
+                let (o, _) = engine_run(&model, &plain, c, &[], None)?;
+                record(name, o, vec![("workload", json!("plain")), ("kv_cache_dtype", json!(kv.to_string()))]);
+            }
+        }
         if want("adapters") {
             let (o, _) = engine_run(&model, &plain, ecfg(true), &adapter_dirs, None)?;
             let extra =
@@ -301,10 +311,13 @@ pub fn serve_load(a: &ServeLoadArgs) -> Result<()> {
     if let Some(r) = ratio("engine-structured", "engine") {
         l = l.set("structured_vs_plain", r);
     }
-    if ["engine_vs_sequential", "prefix_sharing_vs_none", "lora_adapters_vs_base", "structured_vs_plain"]
-        .iter()
-        .any(|k| l.has(k))
-    {
+    for (name, key) in [("engine-kv-bf16", "kv_bf16_vs_f32"), ("engine-kv-fp8", "kv_fp8_vs_f32")] {
+        if let Some(r) = ratio(name, "engine") {
+            l = l.set(key, r);
+        }
+    }
+    let keys = ["engine_vs_sequential", "prefix_sharing_vs_none", "lora_adapters_vs_base", "structured_vs_plain"];
+    if keys.iter().chain(&["kv_bf16_vs_f32", "kv_fp8_vs_f32"]).any(|k| l.has(k)) {
         l.emit();
     }
     Ok(())

@@ -18,11 +18,14 @@
 //!   sequences than threads to keep busy): scores, softmax and weighted sum
 //!   of values read the keys and values in place, position by position with
 //!   every head's rows at once (they are contiguous in a block), so a
-//!   decoding step streams through the cache once instead of copying it.
+//!   decoding step streams through the cache once instead of copying it. A
+//!   cache narrower than the compute type (Note [KV cache dtypes] in
+//!   kiln-tensor) is read the same way, each position's rows widened (times
+//!   their scales) into a scratch row as the pass reaches them.
 //!
 //! bf16 with the AMX tile unit takes the gathered way on tiles, each row as
 //! `Op::Attention` computes it there (Note [Attention on tiles]); otherwise
-//! bf16 and f16 compute in float32 and round once (always gathered).
+//! bf16 and f16 compute in float32 and round once.
 use super::attention::{softmax_prefix, AttnFloat, Dims, HeadForward};
 use super::attention_tiles::HeadForwardTiles;
 use super::copy::contiguous;
@@ -38,7 +41,7 @@ use kiln_tensor::paged::PagedLayout;
 use kiln_tensor::{f8e4m3fn, f8e5m2, DType, Error, HostBuffer, Result};
 
 /// The identity from the storage type to the compute type, when they are one
-/// type (the direct way reads the cache as it is).
+/// type (the direct way then reads the cache as it is, with no copy).
 type SameType<T, F> = fn(&[T]) -> &[F];
 
 /// The sizes of a call.
@@ -96,7 +99,7 @@ pub(crate) fn paged_attention(ins: &[Input<'_>], scale: f64) -> Result<HostBuffe
 
 /// The query rows of type `T` converted to the compute type `F`, the caches
 /// of type `C` read through `read` (scaled when `scales` are given), the
-/// output rounded back by `down`; `direct` when the caches are of the
+/// output rounded back by `down`; `same` when the caches are of the
 /// compute type.
 fn typed<T: Elem, C: Elem, F: AttnFloat>(
     ins: &[Input<'_>],
@@ -105,7 +108,7 @@ fn typed<T: Elem, C: Elem, F: AttnFloat>(
     up: fn(&[T], &mut [F]),
     scales: Option<(&[f32], &[f32])>,
     down: fn(F) -> T,
-    direct: Option<SameType<C, F>>,
+    same: Option<SameType<C, F>>,
 ) -> Result<HostBuffer> {
     let (q, k, v) = (contiguous::<T>(&ins[0])?, contiguous::<C>(&ins[1])?, contiguous::<C>(&ins[2])?);
     let mut qf = vec![<F as Elem>::of_f64(0.0); q.len()];
@@ -117,7 +120,7 @@ fn typed<T: Elem, C: Elem, F: AttnFloat>(
         }
     };
     let out = match scales {
-        None => forward::<C, F>(&qf, &k, &v, sz, layout, (widened, widened), direct),
+        None => forward::<C, F>(&qf, &k, &v, sz, layout, (widened, widened), same),
         Some((ks, vs)) => {
             let rk: &Up<'_, C, F> = &|r, s, d| dequantize(s, ks[r], d);
             let rv: &Up<'_, C, F> = &|r, s, d| dequantize(s, vs[r], d);
@@ -154,11 +157,11 @@ fn forward<T: Elem, F: AttnFloat>(
     sz: Sizes,
     layout: &PagedLayout,
     read: Readers<'_, T, F>,
-    direct: Option<SameType<T, F>>,
+    same: Option<SameType<T, F>>,
 ) -> Vec<F> {
     // Rows per sequence up to which the direct way runs (when it may).
     const DIRECT_ROWS: usize = 4;
-    let direct = direct.filter(|_| !kiln_tensor::is_batch_invariant());
+    let direct = !kiln_tensor::is_batch_invariant();
     let Sizes { h, hk, dv, .. } = sz;
     let g = h / hk;
     let seqs = layout.lens.len();
@@ -171,7 +174,7 @@ fn forward<T: Elem, F: AttnFloat>(
     let tasks: Vec<(usize, usize, usize)> = (0..seqs)
         .filter(|&s| rows_of(s) > 0)
         .flat_map(|s| {
-            let one = direct.is_none() || rows_of(s) > DIRECT_ROWS;
+            let one = !direct || rows_of(s) > DIRECT_ROWS;
             let step = if one { 1 } else { per };
             (0..hk).step_by(step.max(1)).map(move |k0| (s, k0, (k0 + step).min(hk)))
         })
@@ -180,9 +183,10 @@ fn forward<T: Elem, F: AttnFloat>(
     let parts: Vec<(usize, usize, Vec<F>)> = fork_map(tasks.len(), &|i| {
         let (s, kh0, kh1) = tasks[i];
         let rows = rows_of(s);
-        if let Some(same) = direct.filter(|_| rows <= DIRECT_ROWS) {
+        if direct && rows <= DIRECT_ROWS {
             let mut out = vec![<F as Elem>::of_f64(0.0); (kh1 - kh0) * g * rows * dv];
-            let task = Direct { q, kc: same(kc), vc: same(vc), sz, layout, s, heads: (kh0, kh1), out: &mut out };
+            let (caches, heads) = (Caches { kc, vc, same, read }, (kh0, kh1));
+            let task = Direct { q, caches, sz, layout, s, heads, out: &mut out };
             dispatch(task);
             return (s, kh0, out);
         }
@@ -315,10 +319,9 @@ fn forward_tiles(q: &[bf16], kc: &[bf16], vc: &[bf16], sz: Sizes, layout: &Paged
 /// Each position's rows of all heads are contiguous in a block, so both
 /// passes (scores, then weighted values) stream through the sequence's
 /// blocks once, with no index arithmetic per position beyond the block's.
-struct Direct<'a, F> {
+struct Direct<'a, C, F> {
     q: &'a [F],
-    kc: &'a [F],
-    vc: &'a [F],
+    caches: Caches<'a, C, F>,
     sz: Sizes,
     layout: &'a PagedLayout,
     s: usize,
@@ -328,11 +331,46 @@ struct Direct<'a, F> {
     out: &'a mut [F],
 }
 
-impl<F: AttnFloat> Kernel for Direct<'_, F> {
+/// The caches as the direct way reads them: in place when they are of the
+/// compute type (`same`), else each position's rows through the readers
+/// into a scratch row.
+struct Caches<'a, C, F> {
+    kc: &'a [C],
+    vc: &'a [C],
+    same: Option<SameType<C, F>>,
+    read: Readers<'a, C, F>,
+}
+
+impl<C, F: Copy> Caches<'_, C, F> {
+    /// The rows of heads `kh0..kh1` at cache slot `slot` (`width` each) of
+    /// `cache` (keys: 0, values: 1), and the offset of head `kh0` in them.
+    #[inline(always)]
+    fn rows<'s>(
+        &'s self,
+        which: usize,
+        slot: usize,
+        (kh0, kh1): (usize, usize),
+        width: usize,
+        hk: usize,
+        scratch: &'s mut [F],
+    ) -> (&'s [F], usize) {
+        let (cache, read) = if which == 0 { (self.kc, self.read.0) } else { (self.vc, self.read.1) };
+        if let Some(same) = self.same {
+            return (&same(cache)[slot * hk * width..][..hk * width], kh0 * width);
+        }
+        for (kh, dst) in (kh0..kh1).zip(scratch.chunks_exact_mut(width.max(1))) {
+            let r = slot * hk + kh;
+            read(r, &cache[r * width..][..width], dst);
+        }
+        (scratch, 0)
+    }
+}
+
+impl<C, F: AttnFloat> Kernel for Direct<'_, C, F> {
     type Out = ();
     #[inline(always)]
     fn run<const FMA: bool>(self) {
-        let Direct { q, kc, vc, sz, layout, s, heads: (kh0, kh1), out } = self;
+        let Direct { q, caches, sz, layout, s, heads: (kh0, kh1), out } = self;
         let Sizes { h, d, bs, hk, dv, scale, .. } = sz;
         let g = h / hk;
         let (r0, rows, len) = (layout.starts[s], layout.starts[s + 1] - layout.starts[s], layout.lens[s]);
@@ -342,16 +380,19 @@ impl<F: AttnFloat> Kernel for Direct<'_, F> {
         // Row i of a chunk of `rows` ending at position len - 1 sees the first vis(i) positions.
         let vis = |i: usize| len - rows + i + 1;
         // Scores `[nh, rows, len]`, then their softmax over each row's visible prefix.
-        let mut sc = vec![<F as Elem>::of_f64(0.0); nh * rows * len];
+        let zero = <F as Elem>::of_f64(0.0);
+        let mut sc = vec![zero; nh * rows * len];
+        let mut scratch = vec![zero; (kh1 - kh0) * d.max(dv)];
         for (b, &blk) in table.iter().enumerate().take(len.div_ceil(bs)) {
             for j in 0..bs.min(len - b * bs) {
                 let p = b * bs + j;
-                let keys = &kc[(blk * bs + j) * hk * d..][..hk * d];
+                let (keys, o) = caches.rows(0, blk * bs + j, (kh0, kh1), d, hk, &mut scratch);
                 for jh in 0..nh {
-                    let (hq, kh) = (kh0 * g + jh, kh0 + jh / g);
+                    let hq = kh0 * g + jh;
+                    let kr = &keys[o + (jh / g) * d..][..d];
                     for i in 0..rows {
                         let qr = &q[((r0 + i) * h + hq) * d..][..d];
-                        sc[(jh * rows + i) * len + p] = dot(qr, &keys[kh * d..][..d]) * scale;
+                        sc[(jh * rows + i) * len + p] = dot(qr, kr) * scale;
                     }
                 }
             }
@@ -362,9 +403,9 @@ impl<F: AttnFloat> Kernel for Direct<'_, F> {
         for (b, &blk) in table.iter().enumerate().take(len.div_ceil(bs)) {
             for j in 0..bs.min(len - b * bs) {
                 let p = b * bs + j;
-                let values = &vc[(blk * bs + j) * hk * dv..][..hk * dv];
+                let (values, o) = caches.rows(1, blk * bs + j, (kh0, kh1), dv, hk, &mut scratch);
                 for jh in 0..nh {
-                    let vr = &values[(kh0 + jh / g) * dv..][..dv];
+                    let vr = &values[o + (jh / g) * dv..][..dv];
                     for i in (0..rows).filter(|&i| p < vis(i)) {
                         let w = sc[(jh * rows + i) * len + p];
                         for (x, &y) in out[(jh * rows + i) * dv..][..dv].iter_mut().zip(vr) {
