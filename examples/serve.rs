@@ -18,8 +18,9 @@
 #[path = "support/logging.rs"]
 mod logging;
 use kiln::nn::layers::parse_kv_cache_dtype;
+use kiln::nn::models::LlamaForCausalLM;
 use kiln::nn::serve::openai::{router, serve, ServerLimits, ServerState};
-use kiln::nn::serve::EngineConfig;
+use kiln::nn::serve::{EngineConfig, Speculation};
 use kiln::prelude::*;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -39,6 +40,10 @@ USAGE: cargo run --release --example serve -- [OPTIONS]
                            cache stores keys and values (fp8: e4m3 with a scale
                            per position and head) [default: auto, the model's]
   --block-size N           positions per KV block [default: 16]
+  --speculative-ngram K    speculative decoding by prompt lookup: propose the K tokens that
+                           followed the latest earlier occurrence of the last 1 to 3 tokens
+  --draft-model DIR        speculative decoding with DIR's smaller model (same tokenizer)
+                           proposing --num-speculative-tokens tokens [default: 4]
   --max-num-seqs N         sequences run at once [default: 64]
   --max-batched-tokens N   tokens per model step [default: 2048]
   --max-queue N            waiting requests before 429s [default: 1024]
@@ -74,6 +79,7 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let (mut name, mut host, mut port, mut dtype) = (None, "127.0.0.1".to_string(), 8000u16, DType::F32);
     let mut cfg = EngineConfig::default();
     let mut kv_mb = 256usize;
+    let (mut draft, mut draft_k) = (None::<PathBuf>, 4usize);
     let mut adapters: Vec<(String, PathBuf)> = vec![];
     let mut limits = ServerLimits { api_key: std::env::var("KILN_API_KEY").ok(), ..Default::default() };
     let mut it = std::env::args().skip(1);
@@ -106,6 +112,9 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 cfg.kv_cache_dtype = parse_kv_cache_dtype(&v).unwrap_or_else(|e| fail(&e.to_string()))
             }
             "--block-size" => cfg.block_size = num(&v),
+            "--speculative-ngram" => cfg.speculative = Some(Speculation::NGram { k: num(&v), n_min: 1, n_max: 3 }),
+            "--draft-model" => draft = Some(PathBuf::from(v)),
+            "--num-speculative-tokens" => draft_k = num(&v),
             "--max-num-seqs" => cfg.max_num_seqs = num(&v),
             "--max-batched-tokens" => cfg.max_batched_tokens = num(&v),
             "--max-queue" => cfg.max_queue = num(&v),
@@ -130,6 +139,10 @@ fn run() -> std::result::Result<(), Box<dyn std::error::Error>> {
         ));
     }
     cfg.kv_cache_bytes = kv_mb << 20;
+    if let Some(d) = draft {
+        let model = Box::new(LlamaForCausalLM::from_pretrained(&d, dtype, Device::Cpu)?);
+        cfg.speculative = Some(Speculation::Draft { model, k: draft_k });
+    }
     let state = ServerState::from_dir_with_adapters(&dir, dtype, cfg, name, &adapters).map_err(|e| e.to_string())?;
     let stats = state.engine.metrics().engine;
     eprintln!(

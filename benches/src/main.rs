@@ -10,6 +10,7 @@ mod llm;
 mod pipeline;
 mod report;
 mod serve_load;
+mod speculative;
 mod suites;
 mod timing;
 
@@ -36,6 +37,8 @@ USAGE:
     kiln-bench pipeline [--preset P] [--ranks N] [--microbatches M] [--batch B] [--seq T] [--mode compiled]
     kiln-bench serve-load [--preset P] [--requests N] [--gap-ms G] [--seed S] [--kv-mb M] [--only LIST] [--repeat R]
     kiln-bench kv-cache --checkpoint DIR [--checkpoint DIR ...] [--new-tokens N] [--seed S]
+    kiln-bench spec-decode --checkpoint DIR [--draft DIR] --data FILE [--requests N] [--prompt P]
+                      [--new-tokens N] [--k K] [--seed S]
 
 BENCHMARKS:
     matmul   square n x n x n float32 matmul of random matrices: gflops (2 n^3 / median time)
@@ -96,6 +99,11 @@ BENCHMARKS:
              cache, fed again through each narrower cache (bfloat16, float16, float8 e4m3):
              max_logit_diff_rel (largest logit difference over the largest logit), mean_kl,
              top1_agreement over the decoded positions, bytes_per_token and memory_ratio
+    spec-decode  speculative decoding on a byte-level checkpoint: N windows of P bytes of FILE
+             continued by --new-tokens tokens, greedy then sampled (temperature 0.8), served
+             one at a time and all at once, without speculation, with prompt lookup (k = --k,
+             default 4) and with the --draft checkpoint: tokens_per_s, speedup,
+             acceptance_rate, tokens_per_verifying_step
 
 OPTIONS:
     --device DEV       cpu (default), tpu, tpu:N
@@ -190,8 +198,12 @@ struct Args {
     gap_ms: f64,
     seed: u64,
     kv_mb: usize,
-    /// `kv-cache`: the checkpoints measured.
+    /// `kv-cache`: the checkpoints measured; `spec-decode`: the target.
     checkpoints: Vec<std::path::PathBuf>,
+    /// `spec-decode`: the draft checkpoint, the text, tokens proposed per step.
+    draft: Option<std::path::PathBuf>,
+    data: Option<std::path::PathBuf>,
+    spec_k: usize,
     write_workload: Option<String>,
     repeat: usize,
 }
@@ -260,6 +272,9 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
         seed: 0,
         kv_mb: 1024,
         checkpoints: vec![],
+        draft: None,
+        data: None,
+        spec_k: 4,
         write_workload: None,
         repeat: 3,
         ranks: 4,
@@ -329,6 +344,9 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
             "--seed" => a.seed = value()?.parse().map_err(|_| "--seed needs an integer".to_string())?,
             "--kv-mb" => a.kv_mb = int("--kv-mb", &value()?)?,
             "--checkpoint" => a.checkpoints.push(value()?.into()),
+            "--draft" => a.draft = Some(value()?.into()),
+            "--data" => a.data = Some(value()?.into()),
+            "--k" => a.spec_k = int("--k", &value()?)?,
             "--write-workload" => a.write_workload = Some(value()?),
             "--repeat" => a.repeat = int("--repeat", &value()?)?,
             "--ranks" => a.ranks = int("--ranks", &value()?)?,
@@ -339,7 +357,7 @@ fn parse_args(argv: &[String]) -> std::result::Result<Option<Args>, String> {
     }
     if a.cmd.is_empty() {
         return Err(
-            "missing benchmark name (matmul, ops, all, chain, serve, serve-load, kv-cache, train, infer, decode, autograd or pipeline)"
+            "missing benchmark name (matmul, ops, all, chain, serve, serve-load, kv-cache, spec-decode, train, infer, decode, autograd or pipeline)"
                 .into(),
         );
     }
@@ -431,6 +449,29 @@ fn main() -> ExitCode {
                 Ok(()) => 0,
                 Err(e) => {
                     report::Line::new("kv-cache", "float32", "cpu").set("error", e.to_string()).emit();
+                    1
+                }
+            }
+        }
+        "spec-decode" => {
+            let (Some(target), Some(data)) = (args.checkpoints.first(), &args.data) else {
+                eprintln!("kiln-bench: spec-decode needs --checkpoint DIR and --data FILE");
+                return ExitCode::from(2);
+            };
+            let a = speculative::SpecArgs {
+                target: target.clone(),
+                draft: args.draft.clone(),
+                data: data.clone(),
+                requests: args.requests,
+                prompt: args.prompt,
+                new_tokens: args.new_tokens,
+                k: args.spec_k,
+                seed: args.seed,
+            };
+            match speculative::spec_decode(&a) {
+                Ok(()) => 0,
+                Err(e) => {
+                    report::Line::new("spec-decode", "float32", "cpu").set("error", e.to_string()).emit();
                     1
                 }
             }

@@ -372,7 +372,7 @@ fn bad_requests_are_refused() {
     // Sizes past usize or a zero block size are errors, not panics.
     assert!(Engine::new(model(4), EngineConfig { block_size: usize::MAX, ..Default::default() }).is_err());
     use kiln::nn::serve::{PagedBatch, SeqChunk};
-    let chunk = |start: usize| [SeqChunk { tokens: &[1, 2], start, blocks: &[0], logits: true }];
+    let chunk = |start: usize| [SeqChunk { tokens: &[1, 2], start, blocks: &[0], logits: 1 }];
     assert!(PagedBatch::new(&chunk(0), 0, Device::Cpu).is_err());
     assert!(PagedBatch::new(&chunk(usize::MAX), 4, Device::Cpu).is_err());
     assert!(PagedBatch::new(&chunk(0), 4, Device::Cpu).is_ok());
@@ -412,11 +412,11 @@ fn paged_logits_equal_incremental_ones(m: &LlamaForCausalLM) {
     let blocks_b: Vec<usize> = vec![5, 14, 1];
     // Step 1: a's first 10 tokens and all of b; step 2: the rest of a.
     let step1 = [
-        SeqChunk { tokens: &a[..10], start: 0, blocks: &blocks_a, logits: false },
-        SeqChunk { tokens: &b, start: 0, blocks: &blocks_b, logits: true },
+        SeqChunk { tokens: &a[..10], start: 0, blocks: &blocks_a, logits: 0 },
+        SeqChunk { tokens: &b, start: 0, blocks: &blocks_b, logits: 1 },
     ];
     m.forward_paged(&PagedBatch::new(&step1, 4, Device::Cpu).unwrap(), &pool).unwrap();
-    let step2 = [SeqChunk { tokens: &a[10..], start: 10, blocks: &blocks_a, logits: true }];
+    let step2 = [SeqChunk { tokens: &a[10..], start: 10, blocks: &blocks_a, logits: 1 }];
     let got = m.forward_paged(&PagedBatch::new(&step2, 4, Device::Cpu).unwrap(), &pool).unwrap();
     assert_eq!((got.shape(), got.dtype()), (&[1usize, 96][..], m.dtype()));
     let got = f32s(got);

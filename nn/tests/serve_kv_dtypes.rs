@@ -127,11 +127,11 @@ fn paged_and_incremental(m: &LlamaForCausalLM, kv: DType) -> (Vec<f32>, Vec<f32>
     let blocks_a: Vec<usize> = (0..38).map(|i| (i * 5 + 3) % 41).collect();
     let blocks_b: Vec<usize> = vec![44, 41, 47];
     let step1 = [
-        SeqChunk { tokens: &a[..70], start: 0, blocks: &blocks_a, logits: false },
-        SeqChunk { tokens: &b, start: 0, blocks: &blocks_b, logits: true },
+        SeqChunk { tokens: &a[..70], start: 0, blocks: &blocks_a, logits: 0 },
+        SeqChunk { tokens: &b, start: 0, blocks: &blocks_b, logits: 1 },
     ];
     m.forward_paged(&PagedBatch::new(&step1, 4, Device::Cpu).unwrap(), &pool).unwrap();
-    let step2 = [SeqChunk { tokens: &a[70..], start: 70, blocks: &blocks_a, logits: true }];
+    let step2 = [SeqChunk { tokens: &a[70..], start: 70, blocks: &blocks_a, logits: 1 }];
     let got = f32s(m.forward_paged(&PagedBatch::new(&step2, 4, Device::Cpu).unwrap(), &pool).unwrap());
     (got, want)
 }

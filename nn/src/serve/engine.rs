@@ -2,11 +2,12 @@
 //! step per iteration over every running sequence (Note [Iteration-level
 //! scheduling]). Single-threaded; `handle.rs` runs it on its own thread.
 use super::blocks::Blocks;
-use super::decode::{DecodeProgram, DecodeRow};
+use super::decode::DecodeProgram;
 use super::grammar::{self, Constraint, GrammarCompiler};
-use super::kv::{PagedBatch, PagedKvCache, SeqChunk};
+use super::kv::PagedKvCache;
 use super::logits;
-use super::request::{Event, FinishReason, Request};
+use super::request::{Event, FinishReason, Request, TokenLogprobs};
+use super::speculative::{Drafter, Proposal, Speculation};
 pub use super::stats::{EngineStats, TTFT_WINDOW};
 use crate::generate::choose;
 use crate::models::LlamaForCausalLM;
@@ -100,6 +101,9 @@ pub struct EngineConfig {
     /// Compiles requests' grammars (Note [Constrained decoding]); without
     /// one, a request with a grammar is refused.
     pub grammars: Option<Arc<dyn GrammarCompiler>>,
+    /// Proposes tokens for the model to verify, several per step (Note
+    /// [Speculative decoding]); none: one token per step.
+    pub speculative: Option<Speculation>,
 }
 
 impl Default for EngineConfig {
@@ -114,6 +118,7 @@ impl Default for EngineConfig {
             max_queue: 1024,
             detokenizer: None,
             grammars: None,
+            speculative: None,
         }
     }
 }
@@ -130,32 +135,37 @@ impl std::fmt::Debug for EngineConfig {
             .field("max_queue", &self.max_queue)
             .field("detokenizer", &self.detokenizer.is_some())
             .field("grammars", &self.grammars.is_some())
+            .field("speculative", &self.speculative)
             .finish()
     }
 }
 
 /// A sequence in the engine.
-struct Seq {
-    id: u64,
-    req: Request,
+pub(super) struct Seq {
+    pub(super) id: u64,
+    pub(super) req: Request,
     /// Prompt and generated tokens.
-    tokens: Vec<i64>,
+    pub(super) tokens: Vec<i64>,
     /// Positions whose keys and values are in the cache.
-    computed: usize,
-    blocks: Vec<usize>,
+    pub(super) computed: usize,
+    pub(super) blocks: Vec<usize>,
     /// Hashes of the registered full blocks, in order.
     hashes: Vec<u64>,
-    generator: Option<Generator>,
+    pub(super) generator: Option<Generator>,
     arrival: Instant,
     first_token: Option<Instant>,
     /// The adapter slot it is served with (Note [Serving adapters]).
-    adapter: Option<usize>,
+    pub(super) adapter: Option<usize>,
     /// Its grammar's state (Note [Constrained decoding]).
-    constraint: Option<Box<dyn Constraint>>,
+    pub(super) constraint: Option<Box<dyn Constraint>>,
+    /// Positions the draft model has cached (Note [Speculative decoding]).
+    pub(super) draft_computed: usize,
+    /// This step's proposal, appended to `tokens` until it is verified.
+    pub(super) proposal: Option<Proposal>,
 }
 
 impl Seq {
-    fn generated(&self) -> usize {
+    pub(super) fn generated(&self) -> usize {
         self.tokens.len() - self.req.prompt.len()
     }
 
@@ -186,19 +196,21 @@ pub struct StepOutput {
 
 /// The serving engine's core (see the module docs).
 pub struct Engine {
-    model: LlamaForCausalLM,
-    cache: Arc<PagedKvCache>,
+    pub(super) model: LlamaForCausalLM,
+    pub(super) cache: Arc<PagedKvCache>,
     /// The captured decode step, on backends that capture.
-    decode: Option<DecodeProgram>,
-    blocks: Blocks,
+    pub(super) decode: Option<DecodeProgram>,
+    pub(super) blocks: Blocks,
     waiting: VecDeque<Seq>,
-    running: Vec<Seq>,
-    cfg: EngineConfig,
+    pub(super) running: Vec<Seq>,
+    pub(super) cfg: EngineConfig,
     next_id: u64,
-    stats: EngineStats,
+    pub(super) stats: EngineStats,
+    /// The draft model of `Speculation::Draft`.
+    pub(super) drafter: Option<Drafter>,
     max_context: usize,
     /// The names of the served adapters, by slot.
-    adapters: Vec<String>,
+    pub(super) adapters: Vec<String>,
 }
 
 impl Engine {
@@ -233,9 +245,20 @@ impl Engine {
         let blocks = Blocks::new(usable, cfg.prefix_sharing);
         let max_context = max_pos.min(usable * bs);
         let stats = EngineStats { kv_blocks_total: usable, ..Default::default() };
+        let drafter = match &cfg.speculative {
+            None => None,
+            Some(sp) => {
+                sp.check(&model)?;
+                match sp {
+                    Speculation::Draft { model: d, .. } => Some(Drafter::new((**d).clone(), n, bs)?),
+                    Speculation::NGram { .. } => None,
+                }
+            }
+        };
         Ok(Engine {
             model,
             cache,
+            drafter,
             decode,
             blocks,
             waiting: VecDeque::new(),
@@ -342,6 +365,8 @@ impl Engine {
             first_token: None,
             adapter,
             constraint,
+            draft_computed: 0,
+            proposal: None,
         });
         Ok(id)
     }
@@ -386,12 +411,13 @@ impl Engine {
         s.blocks.clear();
         s.hashes.clear();
         s.computed = 0;
+        s.draft_computed = 0;
         self.stats.preemptions += 1;
         self.waiting.push_front(s);
     }
 
     /// Gives `s` blocks to hold `upto` positions; false if the pool is out.
-    fn grow(blocks: &mut Blocks, s: &mut Seq, upto: usize, bs: usize) -> bool {
+    pub(super) fn grow(blocks: &mut Blocks, s: &mut Seq, upto: usize, bs: usize) -> bool {
         let need = upto.div_ceil(bs).saturating_sub(s.blocks.len());
         if need > blocks.available() {
             return false;
@@ -510,13 +536,13 @@ impl Engine {
 
     fn step_here(&mut self) -> Vec<StepOutput> {
         let mut out = vec![];
-        let plan = self.schedule(&mut out);
+        let mut plan = self.schedule(&mut out);
         if plan.is_empty() {
             return out;
         }
         self.stats.steps += 1;
         let before = out.len();
-        if let Err(e) = self.run(&plan, &mut out) {
+        if let Err(e) = self.run(&mut plan, &mut out) {
             // `run` removes nothing before it has succeeded: every sequence of
             // the plan is still running (some may be half updated), and each
             // ends with the error instead of this step's tokens.
@@ -533,143 +559,17 @@ impl Engine {
         out
     }
 
-    /// Runs the model over `plan`: the logits `[1, vocab]` of each entry that
-    /// is due a token. Decoding sequences go through the captured decode step
-    /// where there is one (Note [Decode programs]), the rest in one
-    /// `forward_paged`.
-    fn logits(&mut self, plan: &[(usize, usize)]) -> Result<Vec<Option<Tensor>>> {
+    fn run(&mut self, plan: &mut [(usize, usize)], out: &mut Vec<StepOutput>) -> Result<()> {
         let bs = self.cache.block_size();
-        let mut logits: Vec<Option<Tensor>> = vec![None; plan.len()];
-        // The captured decode step serves the base model's rows; rows with an
-        // adapter run eagerly under a routing (Note [Serving adapters]).
-        let decoding = |s: &Seq, chunk: usize| chunk == 1 && s.computed + 1 == s.tokens.len() && s.adapter.is_none();
-        let mut eager: Vec<usize> = (0..plan.len()).collect();
-        if let Some(program) = &mut self.decode {
-            let (dec, rest): (Vec<usize>, Vec<usize>) =
-                eager.iter().partition(|&&k| decoding(&self.running[plan[k].0], plan[k].1));
-            if !dec.is_empty() {
-                let rows: Vec<DecodeRow<'_>> = dec
-                    .iter()
-                    .map(|&k| {
-                        let s = &self.running[plan[k].0];
-                        DecodeRow { token: s.tokens[s.computed], position: s.computed, blocks: &s.blocks }
-                    })
-                    .collect();
-                let l = program.run(&rows)?;
-                for (j, &k) in dec.iter().enumerate() {
-                    logits[k] = Some(l.narrow(0, j as isize, 1)?);
-                }
-            }
-            eager = rest;
-        }
-        if eager.is_empty() {
-            return Ok(logits);
-        }
-        let chunks: Vec<SeqChunk<'_>> = eager
-            .iter()
-            .map(|&k| {
-                let (i, chunk) = plan[k];
-                let s = &self.running[i];
-                SeqChunk {
-                    tokens: &s.tokens[s.computed..s.computed + chunk],
-                    start: s.computed,
-                    blocks: &s.blocks,
-                    logits: s.computed + chunk == s.tokens.len(),
-                }
-            })
-            .collect();
-        let batch = PagedBatch::new(&chunks, bs, self.model.device())?;
-        let routing = if self.adapters.is_empty() {
-            None
-        } else {
-            let slots: Vec<Option<usize>> = eager
-                .iter()
-                .zip(&chunks)
-                .flat_map(|(&k, c)| std::iter::repeat_n(self.running[plan[k].0].adapter, c.tokens.len()))
-                .collect();
-            crate::lora::AdapterRouting::new(&slots, self.model.device())?
-        };
-        let l = crate::lora::with_routing(routing, || self.model.forward_paged(&batch, &self.cache))?;
-        let mut row = 0;
-        for (c, &k) in chunks.iter().zip(&eager) {
-            if c.logits && !c.tokens.is_empty() {
-                logits[k] = Some(l.narrow(0, row as isize, 1)?);
-                row += 1;
-            }
-        }
-        Ok(logits)
-    }
-
-    /// [`Engine::logits`], and beside it on a thread of its own, the allowed
-    /// tokens of every constrained sequence due a token (Note [Constrained
-    /// decoding]), by position in the plan.
-    #[allow(clippy::type_complexity)]
-    fn logits_and_masks(&mut self, plan: &[(usize, usize)]) -> Result<(Vec<Option<Tensor>>, Vec<Option<Vec<u32>>>)> {
-        let mut due: Vec<(usize, usize, Box<dyn Constraint>)> = vec![];
-        for (k, &(i, chunk)) in plan.iter().enumerate() {
-            let s = &mut self.running[i];
-            if s.computed + chunk == s.tokens.len() {
-                if let Some(c) = s.constraint.take() {
-                    due.push((k, i, c));
-                }
-            }
-        }
-        if due.is_empty() {
-            return Ok((self.logits(plan)?, vec![None; plan.len()]));
-        }
-        let (logits, computed) = std::thread::scope(|scope| {
-            let masks =
-                scope.spawn(move || due.into_iter().map(|(k, i, mut c)| (k, i, c.allowed(), c)).collect::<Vec<_>>());
-            let logits = self.logits(plan);
-            (logits, masks.join())
-        });
-        let computed = computed.map_err(|_| Error::invalid("serve", "computing a grammar's mask panicked"))?;
-        let mut masks = vec![None; plan.len()];
-        let mut failed = None;
-        for (k, i, m, c) in computed {
-            // Every constraint goes back before any error is returned.
-            self.running[i].constraint = Some(c);
-            match m {
-                Ok(m) => masks[k] = Some(m),
-                Err(e) => failed = Some(e),
-            }
-        }
-        match failed {
-            Some(e) => Err(e),
-            None => Ok((logits?, masks)),
-        }
-    }
-
-    /// The next token of every greedy row with logits, by position in the
-    /// plan: one argmax over all of them (per row, as `choose` computes it)
-    /// instead of one op and one read back per row.
-    fn greedy_tokens(&self, plan: &[(usize, usize)], logits: &[Option<Tensor>]) -> Result<Vec<Option<i64>>> {
-        let (at, rows): (Vec<usize>, Vec<&Tensor>) = plan
-            .iter()
-            .zip(logits)
-            .enumerate()
-            .filter(|(_, ((i, _), _))| self.running[*i].req.sampling.is_greedy())
-            .filter_map(|(k, (_, l))| Some((k, l.as_ref()?)))
-            .unzip();
-        let mut tokens = vec![None; plan.len()];
-        if !rows.is_empty() {
-            let picked = Tensor::cat(&rows, 0)?.argmax(Some(-1), false)?.to_vec::<i64>()?;
-            for (k, t) in at.into_iter().zip(picked) {
-                tokens[k] = Some(t);
-            }
-        }
-        Ok(tokens)
-    }
-
-    fn run(&mut self, plan: &[(usize, usize)], out: &mut Vec<StepOutput>) -> Result<()> {
-        let bs = self.cache.block_size();
-        for &(i, chunk) in plan {
+        self.speculate(plan)?;
+        for &(i, chunk) in plan.iter() {
             let s = &self.running[i];
             for p in (s.computed..s.computed + chunk).step_by(bs) {
                 self.blocks.check_writable(s.blocks[p / bs])?;
             }
         }
         let (mut logits, masks) = self.logits_and_masks(plan)?;
+        let verified = self.verify(plan, &mut logits)?;
         // Note [Logit processing]: the raw logits stay for the logprobs.
         let mut raw: Vec<Option<Tensor>> = vec![None; plan.len()];
         let mut dead: Vec<Option<String>> = vec![None; plan.len()];
@@ -689,17 +589,20 @@ impl Engine {
         }
         let greedy = self.greedy_tokens(plan, &logits)?;
         let mut done = vec![];
-        for ((((&(i, chunk), l), greedy), raw), dead) in plan.iter().zip(logits).zip(greedy).zip(raw).zip(dead) {
+        let steps = plan.iter().zip(logits).zip(greedy).zip(raw).zip(dead).zip(verified);
+        for (((((&(i, chunk), l), greedy), raw), dead), verified) in steps {
             let s = &mut self.running[i];
             let prefill = chunk.min(s.req.prompt.len().saturating_sub(s.computed));
             self.stats.prefill_tokens += prefill as u64;
             s.computed += chunk;
-            while s.hashes.len() < s.computed / bs {
-                let j = s.hashes.len();
-                let parent = s.parent_hash(j);
-                let h = self.blocks.register(s.blocks[j], parent, &s.tokens[j * bs..(j + 1) * bs]);
-                s.hashes.push(h);
+            if let Some(tokens) = verified {
+                if let Some(why) = self.accept(i, tokens, out)? {
+                    done.push((i, why));
+                }
+                continue;
             }
+            self.register_blocks(i);
+            let s = &mut self.running[i];
             if let Some(msg) = dead {
                 done.push((i, FinishReason::Error(msg)));
                 continue;
@@ -719,37 +622,8 @@ impl Engine {
                 (Some(r), Some(top)) => Some(logits::logprobs(&r, tok, top)?),
                 _ => None,
             };
-            s.tokens.push(tok);
-            self.stats.generated_tokens += 1;
-            if s.first_token.is_none() {
-                let now = Instant::now();
-                s.first_token = Some(now);
-                let t = now - s.arrival;
-                self.stats.ttft_count += 1;
-                self.stats.ttft_sum += t;
-                if self.stats.ttft_recent.len() == TTFT_WINDOW {
-                    self.stats.ttft_recent.pop_front();
-                }
-                self.stats.ttft_recent.push_back(t);
-            }
-            out.push(StepOutput { id: s.id, event: Event::Token(tok, lp) });
-            // A stop token the grammar takes as text (a byte-level model whose
-            // end token is a byte) extends the output (Note [Constrained decoding]).
-            let stop_token = s.req.stop_token_ids.contains(&tok) && s.constraint.as_ref().is_none_or(|c| c.is_end(tok));
-            let stop = stop_token
-                || (!s.req.stop_strings.is_empty()
-                    && self
-                        .cfg
-                        .detokenizer
-                        .as_ref()
-                        .is_some_and(|d| ends_in_stop(d, &s.tokens[s.req.prompt.len()..], &s.req.stop_strings)));
-            if let Some(c) = s.constraint.as_mut().filter(|_| !stop_token) {
-                c.advance(tok)?;
-            }
-            if stop || s.constraint.as_ref().is_some_and(|c| c.is_finished()) {
-                done.push((i, FinishReason::Stop));
-            } else if s.generated() >= s.req.max_new_tokens {
-                done.push((i, FinishReason::Length));
+            if let Some(why) = self.emit(i, tok, lp, out)? {
+                done.push((i, why));
             }
         }
         for (i, why) in done.into_iter().rev() {
@@ -758,5 +632,65 @@ impl Engine {
             self.free(s);
         }
         Ok(())
+    }
+
+    /// Registers the full blocks of running sequence `i` that its computed
+    /// positions cover (Note [Prefix sharing]).
+    pub(super) fn register_blocks(&mut self, i: usize) {
+        let bs = self.cache.block_size();
+        let s = &mut self.running[i];
+        while s.hashes.len() < s.computed / bs {
+            let j = s.hashes.len();
+            let parent = s.parent_hash(j);
+            let h = self.blocks.register(s.blocks[j], parent, &s.tokens[j * bs..(j + 1) * bs]);
+            s.hashes.push(h);
+        }
+    }
+
+    /// Appends `tok` to running sequence `i` and streams it: counts it, and
+    /// returns how the sequence ends if it does with this token (a stop
+    /// token or string, its grammar complete, its length reached).
+    pub(super) fn emit(
+        &mut self,
+        i: usize,
+        tok: i64,
+        lp: Option<TokenLogprobs>,
+        out: &mut Vec<StepOutput>,
+    ) -> Result<Option<FinishReason>> {
+        let s = &mut self.running[i];
+        s.tokens.push(tok);
+        self.stats.generated_tokens += 1;
+        if s.first_token.is_none() {
+            let now = Instant::now();
+            s.first_token = Some(now);
+            let t = now - s.arrival;
+            self.stats.ttft_count += 1;
+            self.stats.ttft_sum += t;
+            if self.stats.ttft_recent.len() == TTFT_WINDOW {
+                self.stats.ttft_recent.pop_front();
+            }
+            self.stats.ttft_recent.push_back(t);
+        }
+        out.push(StepOutput { id: s.id, event: Event::Token(tok, lp) });
+        // A stop token the grammar takes as text (a byte-level model whose
+        // end token is a byte) extends the output (Note [Constrained decoding]).
+        let stop_token = s.req.stop_token_ids.contains(&tok) && s.constraint.as_ref().is_none_or(|c| c.is_end(tok));
+        let stop = stop_token
+            || (!s.req.stop_strings.is_empty()
+                && self
+                    .cfg
+                    .detokenizer
+                    .as_ref()
+                    .is_some_and(|d| ends_in_stop(d, &s.tokens[s.req.prompt.len()..], &s.req.stop_strings)));
+        if let Some(c) = s.constraint.as_mut().filter(|_| !stop_token) {
+            c.advance(tok)?;
+        }
+        Ok(if stop || s.constraint.as_ref().is_some_and(|c| c.is_finished()) {
+            Some(FinishReason::Stop)
+        } else if s.generated() >= s.req.max_new_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        })
     }
 }

@@ -102,6 +102,28 @@ impl Metrics {
         put("prefix_hit_tokens_total", "counter", "Prompt tokens found in shared blocks.", e.prefix_hit_tokens as f64);
         put("preemptions_total", "counter", "Sequences preempted.", e.preemptions as f64);
         put("steps_total", "counter", "Model steps run.", e.steps as f64);
+        let spec = [
+            ("spec_proposed_tokens_total", "Tokens proposed by speculative decoding.", e.spec_proposed_tokens),
+            ("spec_accepted_tokens_total", "Proposed tokens the model kept.", e.spec_accepted_tokens),
+            ("spec_verifications_total", "Sequence steps that verified a proposal.", e.spec_verifications),
+            ("spec_emitted_tokens_total", "Tokens emitted by verifying steps.", e.spec_emitted_tokens),
+        ];
+        for (name, help, v) in spec {
+            put(name, "counter", help, v as f64);
+        }
+        let nan = f64::NAN;
+        put(
+            "spec_acceptance_rate",
+            "gauge",
+            "Proposed tokens kept per proposed token.",
+            e.spec_acceptance_rate().unwrap_or(nan),
+        );
+        put(
+            "spec_tokens_per_step",
+            "gauge",
+            "Tokens per verifying step of a sequence.",
+            e.spec_tokens_per_step().unwrap_or(nan),
+        );
         put("tokens_per_second", "gauge", "Generated tokens per second since the first request.", self.tokens_per_s);
         s.push_str("# HELP kiln_time_to_first_token_seconds Time from submission to the first token.\n");
         s.push_str("# TYPE kiln_time_to_first_token_seconds summary\n");

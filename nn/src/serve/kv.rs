@@ -192,7 +192,8 @@ impl PagedKvCache {
 }
 
 /// One sequence's part of a step: its new tokens, where they start, its
-/// block table (covering them) and whether it is due a next token.
+/// block table (covering them) and how many of its last rows' logits are
+/// wanted (1 when it is due a next token; more to verify proposed tokens).
 #[derive(Debug, Clone, Copy)]
 pub struct SeqChunk<'a> {
     /// The tokens run this step.
@@ -201,8 +202,8 @@ pub struct SeqChunk<'a> {
     pub start: usize,
     /// The blocks of the sequence, in order.
     pub blocks: &'a [usize],
-    /// Whether the logits of the last token are wanted.
-    pub logits: bool,
+    /// The logits of this many of the last tokens are wanted (at most all).
+    pub logits: usize,
 }
 
 /// The packed inputs of one step (Note [Paged attention] in kiln-tensor).
@@ -221,7 +222,7 @@ pub struct PagedBatch {
     pub context_lens: Tensor,
     /// `[S + 1]` int64.
     pub query_start: Tensor,
-    /// The rows whose logits are returned, `[R]` int64.
+    /// The rows whose logits are returned, `[R]` int64, sequence by sequence.
     pub logits_rows: Tensor,
 }
 
@@ -261,9 +262,8 @@ impl PagedBatch {
             tables.extend((0..mb).map(|j| s.blocks.get(j).copied().unwrap_or(0) as i64));
             lens.push(end as i64);
             starts.push(ids.len() as i64);
-            if s.logits && !s.tokens.is_empty() {
-                rows.push(ids.len() as i64 - 1);
-            }
+            let n = ids.len() as i64;
+            rows.extend(n - s.logits.min(s.tokens.len()) as i64..n);
         }
         let t = |v: Vec<i64>, shape: &[usize]| -> Result<Tensor> { Tensor::from_vec(v, shape)?.to_device(device) };
         let (n, s, r) = (ids.len(), seqs.len(), rows.len());

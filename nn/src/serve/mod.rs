@@ -37,6 +37,7 @@
 pub mod blocks;
 mod decode;
 pub mod engine;
+mod forward;
 pub mod grammar;
 pub mod handle;
 pub mod kv;
@@ -44,6 +45,7 @@ mod logits;
 #[cfg(feature = "server")]
 pub mod openai;
 pub mod request;
+pub mod speculative;
 mod stats;
 #[cfg(feature = "server")]
 pub mod structured;
@@ -54,3 +56,4 @@ pub use handle::{EngineHandle, Metrics, SubmitError, TokenStream};
 pub use kv::{DecodeBatch, PagedBatch, PagedKvCache, SeqChunk};
 pub use logits::process_logits;
 pub use request::{Event, FinishReason, Penalties, Request, TokenLogprobs};
+pub use speculative::Speculation;

@@ -33,12 +33,30 @@ pub struct EngineStats {
     pub decode_traces: u64,
     /// Replays of the captured decode step.
     pub decode_replays: u64,
+    /// Tokens proposed for verification (Note [Speculative decoding]).
+    pub spec_proposed_tokens: u64,
+    /// Proposed tokens the target kept.
+    pub spec_accepted_tokens: u64,
+    /// Verifications: sequence steps that checked a proposal.
+    pub spec_verifications: u64,
+    /// Tokens those steps emitted (kept proposals and the target's own).
+    pub spec_emitted_tokens: u64,
 }
 
 /// How many recent times to first token [`EngineStats`] keeps.
 pub const TTFT_WINDOW: usize = 1024;
 
 impl EngineStats {
+    /// The share of proposed tokens kept (none before any proposal).
+    pub fn spec_acceptance_rate(&self) -> Option<f64> {
+        (self.spec_proposed_tokens > 0).then(|| self.spec_accepted_tokens as f64 / self.spec_proposed_tokens as f64)
+    }
+
+    /// Tokens emitted per verifying target step of a sequence (none before any).
+    pub fn spec_tokens_per_step(&self) -> Option<f64> {
+        (self.spec_verifications > 0).then(|| self.spec_emitted_tokens as f64 / self.spec_verifications as f64)
+    }
+
     /// The `q` quantile (0 to 1) of the recent times to first token.
     pub fn ttft_quantile(&self, q: f64) -> Option<Duration> {
         let mut v: Vec<Duration> = self.ttft_recent.iter().copied().collect();
