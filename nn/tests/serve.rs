@@ -149,6 +149,7 @@ fn moe_models_serve_what_generate_gives() {
 /// tokens generate() gives on the same device.
 #[test]
 fn pjrt_serves_moe_models_through_captured_programs() {
+    let _one = pjrt_lock();
     support::register_tpu();
     let mut m = moe_model();
     m.to_device(Device::Tpu(0)).unwrap();
@@ -159,6 +160,12 @@ fn pjrt_serves_moe_models_through_captured_programs() {
     check(&m, &reqs, &got);
     let st = engine.stats();
     assert!(st.decode_traces >= 1 && st.decode_replays >= 1, "{st:?}");
+}
+
+/// Held by this binary's PJRT tests, one at a time.
+fn pjrt_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A small Qwen3-MoE model: a dense first layer, then a sparse one.
@@ -176,10 +183,11 @@ fn moe_model() -> LlamaForCausalLM {
 }
 
 /// On PJRT, decoding sequences run through one captured program per
-/// batch-size bucket (Note [Decode programs]): traced twice per bucket, then
+/// batch-size bucket (Note [Step programs]): traced twice per bucket, then
 /// replayed, with the tokens `generate()` gives on the same device.
 #[test]
 fn pjrt_decodes_through_one_captured_program_per_bucket() {
+    let _one = pjrt_lock();
     support::register_tpu();
     let mut m = model(5);
     m.to_device(Device::Tpu(0)).unwrap();
@@ -193,6 +201,36 @@ fn pjrt_decodes_through_one_captured_program_per_bucket() {
     assert!(st.decode_traces >= 2 && st.decode_traces <= 6, "{st:?}");
     assert!(st.decode_replays > 20, "{st:?}");
     assert_eq!(st.kv_blocks_used, 0);
+}
+
+/// On PJRT, prompt chunks run through captured chunk programs too (Note
+/// [Step programs]): once every bucket is traced, serving the same
+/// requests again runs no model op outside a program: the PJRT executions
+/// are the programs' calls and the sampler's ops (greedy: a concatenation
+/// and an argmax per step, slicing padded rows off the decode logits);
+/// with prompt chunks run eagerly, each chunk would add one execution per op.
+#[test]
+fn pjrt_prefills_through_captured_chunk_programs() {
+    // The PJRT execution counter is the process's: no other PJRT test runs meanwhile.
+    let _one = pjrt_lock();
+    support::register_tpu();
+    let mut m = model(5);
+    m.to_device(Device::Tpu(0)).unwrap();
+    let cfg = EngineConfig { block_size: 8, max_batched_tokens: 32, max_num_seqs: 4, ..Default::default() };
+    let mut engine = Engine::new(m.clone(), cfg).unwrap();
+    let reqs: Vec<(u64, Request)> = requests().into_iter().filter(|(_, r)| r.sampling.is_greedy()).collect();
+    let got = serve(&mut engine, reqs.clone());
+    check(&m, &reqs, &got);
+    let (st0, ex0) = (engine.stats(), kiln::tpu::stats().unwrap().executions);
+    let again = serve(&mut engine, reqs.clone());
+    assert_eq!(again, got);
+    let (st, ex) = (engine.stats(), kiln::tpu::stats().unwrap().executions - ex0);
+    let calls =
+        |s: &kiln::nn::serve::EngineStats| s.decode_traces + s.decode_replays + s.chunk_traces + s.chunk_replays;
+    let (programs, steps) = (calls(&st) - calls(&st0), st.steps - st0.steps);
+    eprintln!("{steps} steps: {ex} PJRT executions, {programs} program calls");
+    assert!(st.chunk_traces >= 2 && st.chunk_replays > st0.chunk_replays, "{st:?}");
+    assert!(ex <= programs + 3 * steps, "{ex} executions for {programs} program calls in {steps} steps");
 }
 
 /// A stop string ends a request at the token that completes it, however
@@ -573,6 +611,7 @@ fn several_adapters_are_served_beside_the_base_model() {
         inject_adapter, load_adapter, merge_and_unload, save_adapter, LoraConfig, LoraInit, TargetModules,
     };
     let _invariant = support::batch_invariance(true);
+    let _one = pjrt_lock();
     support::register_tpu();
     let base = model(8);
     let dir = support::temp_dir("served-adapters");

@@ -160,7 +160,9 @@ fn forward<T: Elem, F: AttnFloat>(
     same: Option<SameType<T, F>>,
 ) -> Vec<F> {
     // Rows per sequence up to which the direct way runs (when it may).
-    const DIRECT_ROWS: usize = 4;
+    // (Eight: a decoded token and the up to seven proposed ones a
+    // speculative step verifies, Note [Speculative decoding] in kiln-nn.)
+    const DIRECT_ROWS: usize = 8;
     let direct = !kiln_tensor::is_batch_invariant();
     let Sizes { h, hk, dv, .. } = sz;
     let g = h / hk;

@@ -2,7 +2,7 @@
 //! step per iteration over every running sequence (Note [Iteration-level
 //! scheduling]). Single-threaded; `handle.rs` runs it on its own thread.
 use super::blocks::Blocks;
-use super::decode::DecodeProgram;
+use super::decode::{ChunkProgram, DecodeProgram};
 use super::grammar::{self, Constraint, GrammarCompiler};
 use super::kv::PagedKvCache;
 use super::logits;
@@ -200,6 +200,8 @@ pub struct Engine {
     pub(super) cache: Arc<PagedKvCache>,
     /// The captured decode step, on backends that capture.
     pub(super) decode: Option<DecodeProgram>,
+    /// The captured prompt-chunk step, on backends that capture.
+    pub(super) chunk: Option<ChunkProgram>,
     pub(super) blocks: Blocks,
     waiting: VecDeque<Seq>,
     pub(super) running: Vec<Seq>,
@@ -229,7 +231,7 @@ impl Engine {
         let cache = Arc::new(PagedKvCache::with_budget(&model, cfg.kv_cache_bytes, cfg.block_size, kv_dtype)?);
         let bs = cfg.block_size;
         // With a captured decode step, the pool's last block is the scratch
-        // block of padded rows (Note [Decode programs]).
+        // block of padded rows (Note [Step programs]).
         let (n, max_pos) = (cache.num_blocks(), model.config().max_position_embeddings);
         let width = max_pos.min((n - 1) * bs).div_ceil(bs);
         // Mixture-of-experts blocks with experts kept quantized read their
@@ -244,6 +246,10 @@ impl Engine {
         let usable = if decode.is_some() { n - 1 } else { n };
         let blocks = Blocks::new(usable, cfg.prefix_sharing);
         let max_context = max_pos.min(usable * bs);
+        let chunk = match decode {
+            Some(_) => ChunkProgram::new(&model, &cache, max_context, n - 1, cfg.max_batched_tokens)?,
+            None => None,
+        };
         let stats = EngineStats { kv_blocks_total: usable, ..Default::default() };
         let drafter = match &cfg.speculative {
             None => None,
@@ -260,6 +266,7 @@ impl Engine {
             cache,
             drafter,
             decode,
+            chunk,
             blocks,
             waiting: VecDeque::new(),
             running: vec![],
@@ -306,11 +313,14 @@ impl Engine {
     /// Counters and gauges.
     pub fn stats(&self) -> EngineStats {
         let (decode_traces, decode_replays) = self.decode.as_ref().map_or((0, 0), |d| d.counts());
+        let (chunk_traces, chunk_replays) = self.chunk.as_ref().map_or((0, 0), |d| d.counts());
         EngineStats {
             waiting: self.waiting.len(),
             running: self.running.len(),
             kv_blocks_used: self.blocks.used(),
             decode_traces,
+            chunk_traces,
+            chunk_replays,
             decode_replays,
             ..self.stats.clone()
         }

@@ -11,7 +11,7 @@ use kiln_tensor::{Error, Result, Tensor};
 impl Engine {
     /// Runs the model over `plan`: the logits `[1, vocab]` of each entry that
     /// is due a token (`[1 + k, vocab]` for one verifying `k` proposed tokens). Decoding sequences go through the captured decode step
-    /// where there is one (Note [Decode programs]), the rest in one
+    /// where there is one (Note [Step programs]), the rest in one
     /// `forward_paged`.
     pub(super) fn logits(&mut self, plan: &[(usize, usize)]) -> Result<Vec<Option<Tensor>>> {
         let bs = self.cache.block_size();
@@ -34,6 +34,23 @@ impl Engine {
                 let l = program.run(&rows)?;
                 for (j, &k) in dec.iter().enumerate() {
                     logits[k] = Some(l.narrow(0, j as isize, 1)?);
+                }
+            }
+            eager = rest;
+        }
+        // Prompt chunks of the base model through the captured chunk step,
+        // one call per sequence (Note [Step programs]).
+        if let Some(program) = &mut self.chunk {
+            let (chunks, rest): (Vec<usize>, Vec<usize>) = eager.iter().partition(|&&k| {
+                let s = &self.running[plan[k].0];
+                s.adapter.is_none() && s.proposal.is_none()
+            });
+            for k in chunks {
+                let (i, chunk) = plan[k];
+                let s = &self.running[i];
+                let l = program.run(&s.tokens[s.computed..s.computed + chunk], s.computed, &s.blocks)?;
+                if s.computed + chunk == s.tokens.len() {
+                    logits[k] = Some(l);
                 }
             }
             eager = rest;

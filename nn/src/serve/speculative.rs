@@ -191,13 +191,15 @@ impl Drafter {
                 .collect();
             let batch = PagedBatch::new(&chunks, bs, self.model.device())?;
             let logits = self.model.forward_paged(&batch, &self.cache)?;
+            // The greedy choices of every row at once.
+            let best = logits.argmax(Some(-1), false)?.to_vec::<i64>()?;
             for (row, (&i, f)) in active.iter().zip(&feed).enumerate() {
                 let s = &mut seqs[i];
                 *s.computed += f.len();
-                let l = logits.narrow(0, row as isize, 1)?;
                 let (tok, q) = match s.generator {
-                    None => (l.argmax(Some(-1), false)?.to_vec::<i64>()?[0], None),
+                    None => (best[row], None),
                     Some(g) => {
+                        let l = logits.narrow(0, row as isize, 1)?;
                         let q = warp_logits(&l, s.sampling)?.softmax(-1)?.to_vec::<f32>()?;
                         let u = g.rand(&[1], DType::F64)?.to_vec::<f64>()?[0];
                         (draw(&q, u) as i64, Some(q))
@@ -297,20 +299,24 @@ impl Engine {
             let Some(p) = s.proposal.take() else { continue };
             let l = logits[k].take().ok_or_else(|| Error::invalid("serve", "a proposal without its logits"))?;
             let (n, base) = (p.tokens.len(), s.tokens.len() - p.tokens.len());
-            // Row j is the distribution of the token after the first base + j tokens.
-            let mut rows = (0..=n).map(|j| l.narrow(0, j as isize, 1)).collect::<Result<Vec<_>>>()?;
-            if super::logits::processes(&s.req) {
-                for (j, r) in rows.iter_mut().enumerate() {
-                    *r = super::logits::process(r, &s.req, &s.tokens[..base + j], None)?;
+            // Row j is the distribution of the token after the first base + j
+            // tokens: processed row by row (penalties count the tokens before it).
+            let l = match super::logits::processes(&s.req) {
+                false => l,
+                true => {
+                    let rows = (0..=n)
+                        .map(|j| {
+                            super::logits::process(&l.narrow(0, j as isize, 1)?, &s.req, &s.tokens[..base + j], None)
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    Tensor::cat(&rows.iter().collect::<Vec<_>>(), 0)?
                 }
-            }
+            };
             let (kept, next) = match &s.generator {
-                None => verify_greedy(
-                    &p.tokens,
-                    &Tensor::cat(&rows.iter().collect::<Vec<_>>(), 0)?.argmax(Some(-1), false)?.to_vec::<i64>()?,
-                ),
+                None => verify_greedy(&p.tokens, &l.argmax(Some(-1), false)?.to_vec::<i64>()?),
                 Some(g) => {
-                    let probs = rows.iter().map(|r| probabilities(r, &s.req.sampling)).collect::<Result<Vec<_>>>()?;
+                    let probs = probabilities(&l, &s.req.sampling)?;
+                    let probs: Vec<Vec<f32>> = probs.chunks(probs.len() / (n + 1)).map(<[f32]>::to_vec).collect();
                     let u = g.rand(&[n + 1], DType::F64)?.to_vec::<f64>()?;
                     verify_sampled(&p.tokens, &probs, p.q.as_deref(), &u)
                 }
@@ -397,8 +403,8 @@ pub(crate) fn verify_greedy(drafts: &[i64], best: &[i64]) -> (usize, i64) {
     (kept, best[kept])
 }
 
-/// The probabilities `[vocab]` a sampled request draws its next token from,
-/// given its processed logits `[1, vocab]`.
+/// The probabilities a sampled request draws its next tokens from, row
+/// after row (`R * vocab`), given its processed logits `[R, vocab]`.
 pub(crate) fn probabilities(logits: &Tensor, s: &Sampling) -> Result<Vec<f32>> {
     warp_logits(logits, s)?.softmax(-1)?.to_vec::<f32>()
 }

@@ -29,10 +29,14 @@ pub struct EngineStats {
     pub ttft_sum: Duration,
     /// The latest times to first token (at most [`TTFT_WINDOW`]), oldest first.
     pub ttft_recent: VecDeque<Duration>,
-    /// Traces of the captured decode step (PJRT; Note [Decode programs]).
+    /// Traces of the captured decode step (PJRT; Note [Step programs]).
     pub decode_traces: u64,
     /// Replays of the captured decode step.
     pub decode_replays: u64,
+    /// Traces of the captured prompt-chunk step (PJRT; Note [Step programs]).
+    pub chunk_traces: u64,
+    /// Replays of the captured prompt-chunk step.
+    pub chunk_replays: u64,
     /// Tokens proposed for verification (Note [Speculative decoding]).
     pub spec_proposed_tokens: u64,
     /// Proposed tokens the target kept.

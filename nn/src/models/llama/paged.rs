@@ -49,7 +49,7 @@ impl LlamaForCausalLM {
     }
 
     /// One decoding token for each of the `B` sequences of `batch`, every
-    /// input a tensor (Note [Decode programs]). `rope` holds the rotary
+    /// input a tensor (Note [Step programs]). `rope` holds the rotary
     /// tables of every position (`RotaryEmbedding::tables(0, max, ..)`), read
     /// at the batch's positions. Returns the logits `[B, vocab]`: those
     /// [`Self::forward_paged`] gives these tokens, with nothing taken from the
@@ -76,6 +76,44 @@ impl LlamaForCausalLM {
         let x = self.paged_layers(input_ids, &step, cache)?;
         let _c = ConstantScope::enter();
         self.logits(&self.model.norm.forward(&x)?)
+    }
+
+    /// A prompt chunk of one sequence, every input a tensor (Note [Step
+    /// programs]): `input_ids`, `positions` and `slots` `[T]`, the block
+    /// table `[1, W]`, `context_len` `[1]` (the position after the chunk's
+    /// last row) and `logits_row` `[1]` (the row whose logits are returned).
+    /// Rows past the chunk's real tokens (padding up to a bucket) write to
+    /// slots nobody reads and are never attended to by the real ones
+    /// (causality). Returns the logits `[1, vocab]` of that row.
+    pub fn forward_chunk(&self, x: &[Tensor], rope: &RopeTables, cache: &PagedKvCache) -> Result<Tensor> {
+        let _g = kiln_autograd::no_grad();
+        let [input_ids, positions, slots, block_tables, context_lens, logits_row] = x else {
+            return Err(Error::invalid("forward_chunk", format!("6 inputs expected, got {}", x.len())));
+        };
+        let t = input_ids.shape().first().copied().unwrap_or(0);
+        if positions.shape() != [t] || slots.shape() != [t] || context_lens.shape() != [1] || logits_row.shape() != [1]
+        {
+            return Err(Error::shape(
+                "forward_chunk",
+                format!(
+                    "expected positions and slots [{t}] like input_ids, context_len and logits_row [1], got {:?}, {:?}, {:?} and {:?}",
+                    positions.shape(),
+                    slots.shape(),
+                    context_lens.shape(),
+                    logits_row.shape()
+                ),
+            ));
+        }
+        let rope = RopeTables { cos: rope.cos.index_select(0, positions)?, sin: rope.sin.index_select(0, positions)? };
+        let starts = {
+            let _c = ConstantScope::enter();
+            Tensor::arange(0.0, 2.0 * t as f64, t.max(1) as f64, (kiln_tensor::DType::I64, self.device()))?
+        };
+        let step = Step { rope, writes: Writes::Slots(slots), block_tables, context_lens, query_start: &starts };
+        let h = self.paged_layers(input_ids, &step, cache)?;
+        let _c = ConstantScope::enter();
+        let last = h.index_select(0, logits_row)?;
+        self.logits(&self.model.norm.forward(&last)?)
     }
 
     /// The embedding and decoder layers over packed tokens `[N]`: `[N, hidden]`.
