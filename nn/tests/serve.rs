@@ -9,7 +9,6 @@ use kiln::nn::quantize::{quantize_model, QuantScheme};
 use kiln::nn::serve::{Engine, EngineConfig, Event, FinishReason, PagedKvCache, Request};
 use kiln::nn::Module;
 use kiln::prelude::*;
-use std::collections::BTreeMap;
 
 mod support;
 
@@ -47,29 +46,7 @@ fn alone(m: &LlamaForCausalLM, r: &Request) -> Vec<i64> {
 /// Runs the engine, submitting `arrivals[i].1` once `arrivals[i].0` steps have
 /// run; returns each request's tokens and end by submission order.
 fn serve(engine: &mut Engine, arrivals: Vec<(u64, Request)>) -> Vec<(Vec<i64>, FinishReason)> {
-    let mut ids = vec![];
-    let mut got: BTreeMap<u64, (Vec<i64>, Option<FinishReason>)> = BTreeMap::new();
-    let mut pending: std::collections::VecDeque<(u64, Request)> = arrivals.into();
-    let mut step = 0;
-    while !pending.is_empty() || engine.has_work() {
-        while pending.front().is_some_and(|(at, _)| *at <= step) {
-            let (_, r) = pending.pop_front().unwrap();
-            let id = engine.add_request(r).unwrap();
-            ids.push(id);
-            got.insert(id, (vec![], None));
-        }
-        for o in engine.step() {
-            let e = got.get_mut(&o.id).unwrap();
-            assert!(e.1.is_none(), "request {} got an event after its end", o.id);
-            match o.event {
-                Event::Token(t, _) => e.0.push(t),
-                Event::Finished(f) => e.1 = Some(f),
-            }
-        }
-        step += 1;
-        assert!(step < 10_000, "the engine does not make progress");
-    }
-    ids.iter().map(|id| got.remove(id).map(|(t, f)| (t, f.expect("every request ends"))).unwrap()).collect()
+    support::serve_arrivals(engine, &arrivals)
 }
 
 fn requests() -> Vec<(u64, Request)> {

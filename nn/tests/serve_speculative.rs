@@ -8,7 +8,6 @@ use kiln::nn::generate::{generate, Sampling};
 use kiln::nn::models::{LlamaConfig, LlamaForCausalLM};
 use kiln::nn::serve::{Engine, EngineConfig, EngineStats, Event, FinishReason, Penalties, Request, Speculation};
 use kiln::prelude::*;
-use std::collections::BTreeMap;
 
 mod support;
 
@@ -30,33 +29,6 @@ fn repetitive(len: usize, seed: u64) -> Vec<i64> {
     (0..len).map(|i| phrase[i % 7]).collect()
 }
 
-/// Runs the engine over requests submitted at the given steps; each
-/// request's tokens and end, by submission order.
-fn serve(engine: &mut Engine, arrivals: &[(u64, Request)]) -> Vec<(Vec<i64>, FinishReason)> {
-    let mut ids = vec![];
-    let mut got: BTreeMap<u64, (Vec<i64>, Option<FinishReason>)> = BTreeMap::new();
-    let mut pending: std::collections::VecDeque<(u64, Request)> = arrivals.iter().cloned().collect();
-    let mut step = 0;
-    while !pending.is_empty() || engine.has_work() {
-        while pending.front().is_some_and(|(at, _)| *at <= step) {
-            let id = engine.add_request(pending.pop_front().unwrap().1).unwrap();
-            ids.push(id);
-            got.insert(id, (vec![], None));
-        }
-        for o in engine.step() {
-            let e = got.get_mut(&o.id).unwrap();
-            assert!(e.1.is_none(), "request {} got an event after its end", o.id);
-            match o.event {
-                Event::Token(t, _) => e.0.push(t),
-                Event::Finished(f) => e.1 = Some(f),
-            }
-        }
-        step += 1;
-        assert!(step < 10_000, "the engine does not make progress");
-    }
-    ids.iter().map(|id| got.remove(id).map(|(t, f)| (t, f.expect("every request ends"))).unwrap()).collect()
-}
-
 fn greedy_requests() -> Vec<(u64, Request)> {
     vec![
         (0, Request::new(repetitive(30, 1), 40)),
@@ -74,7 +46,7 @@ fn cfg(spec: Option<Speculation>) -> EngineConfig {
 /// The tokens the engine gives without speculation (each request's
 /// `generate()` tokens, Note [Batch invariance]).
 fn plain(m: &LlamaForCausalLM, reqs: &[(u64, Request)]) -> Vec<(Vec<i64>, FinishReason)> {
-    serve(&mut Engine::new(m.clone(), cfg(None)).unwrap(), reqs)
+    support::serve_arrivals(&mut Engine::new(m.clone(), cfg(None)).unwrap(), reqs)
 }
 
 fn report(what: &str, st: &EngineStats) {
@@ -109,7 +81,7 @@ fn greedy_speculation_gives_the_same_tokens() {
         [("prompt lookup", lookup), ("a smaller draft", draft(&model(9, 96, 1))), ("the model as draft", draft(&m))]
     {
         let mut engine = Engine::new(m.clone(), cfg(Some(spec))).unwrap();
-        let got = serve(&mut engine, &reqs);
+        let got = support::serve_arrivals(&mut engine, &reqs);
         assert_eq!(got, want, "{name}: speculative greedy tokens differ");
         let st = engine.stats();
         report(name, &st);
@@ -146,14 +118,14 @@ fn stops_penalties_sharing_and_preemption_under_speculation() {
     for blocks in [None, Some(24)] {
         let kv = |b: Option<usize>| b.map_or(EngineConfig::default().kv_cache_bytes, |n| n * per_block(&m));
         let base = EngineConfig { detokenizer: Some(d.clone()), kv_cache_bytes: kv(blocks), ..cfg(None) };
-        let want = serve(&mut Engine::new(m.clone(), base.clone()).unwrap(), &reqs);
+        let want = support::serve_arrivals(&mut Engine::new(m.clone(), base.clone()).unwrap(), &reqs);
         assert_eq!(want[0].1, FinishReason::Stop);
         for spec in
             [Speculation::NGram { k: 5, n_min: 1, n_max: 4 }, Speculation::Draft { model: Box::new(m.clone()), k: 4 }]
         {
             let mut engine =
                 Engine::new(m.clone(), EngineConfig { speculative: Some(spec.clone()), ..base.clone() }).unwrap();
-            let got = serve(&mut engine, &reqs);
+            let got = support::serve_arrivals(&mut engine, &reqs);
             assert_eq!(got, want, "{spec:?} with {blocks:?} blocks");
             let st = engine.stats();
             assert!(st.spec_accepted_tokens > 0 && st.prefix_hit_tokens > 0, "{st:?}");
@@ -293,7 +265,7 @@ fn sampled_speculation_keeps_the_models_distribution() {
         let reqs: Vec<(u64, Request)> = (0..n)
             .map(|i| (0, Request::new(prompt.clone(), 3).with_sampling(Sampling::sample(t).with_seed(1000 + i as u64))))
             .collect();
-        let got = serve(&mut engine, &reqs);
+        let got = support::serve_arrivals(&mut engine, &reqs);
         let mut counts = vec![0f64; v * v];
         for (tokens, _) in &got {
             counts[tokens[1] as usize * v + tokens[2] as usize] += 1.0;
@@ -309,4 +281,32 @@ fn sampled_speculation_keeps_the_models_distribution() {
             "{name}: the outputs do not follow the model's distribution (chi-square {chi2:.1} >= {crit:.1})"
         );
     }
+}
+
+/// `/metrics` reports speculation: proposed and kept tokens, the acceptance
+/// rate and tokens per verifying step (a draft that is the model itself:
+/// every proposal kept).
+#[test]
+fn metrics_report_the_acceptance_rate() {
+    let m = model(3, 96, 1);
+    let spec = Speculation::Draft { model: Box::new(m.clone()), k: 3 };
+    let handle = kiln::nn::serve::EngineHandle::spawn(Engine::new(m, cfg(Some(spec))).unwrap()).unwrap();
+    let events: Vec<Event> = handle.submit(Request::new(repetitive(10, 1), 21)).unwrap().collect();
+    assert_eq!(events.len(), 22);
+    // The metrics are the engine thread's snapshot after its step: wait for the last one.
+    let t0 = std::time::Instant::now();
+    while handle.metrics().engine.spec_emitted_tokens < 20 && t0.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let text = handle.metrics().to_prometheus();
+    let value = |name: &str| -> f64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("kiln_{name} ")))
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    // The prompt's step gives the first token; five steps of three kept proposals and one more the other 20.
+    assert_eq!((value("spec_proposed_tokens_total"), value("spec_accepted_tokens_total")), (15.0, 15.0));
+    assert_eq!((value("spec_acceptance_rate"), value("spec_tokens_per_step")), (1.0, 4.0));
 }

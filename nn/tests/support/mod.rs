@@ -281,3 +281,38 @@ pub fn random_tokens(len: usize, seed: u64, vocab: u64) -> Vec<i64> {
         })
         .collect()
 }
+
+/// Runs `engine`, submitting `arrivals[i].1` once `arrivals[i].0` steps have
+/// run; returns each request's tokens and end by submission order, checking
+/// that no request gets an event after its end and that the engine makes
+/// progress.
+#[allow(dead_code)]
+pub fn serve_arrivals(
+    engine: &mut kiln::nn::serve::Engine,
+    arrivals: &[(u64, kiln::nn::serve::Request)],
+) -> Vec<(Vec<i64>, kiln::nn::serve::FinishReason)> {
+    use kiln::nn::serve::{Event, FinishReason};
+    let mut ids = vec![];
+    let mut got: std::collections::BTreeMap<u64, (Vec<i64>, Option<FinishReason>)> = Default::default();
+    let mut pending: std::collections::VecDeque<_> = arrivals.iter().cloned().collect();
+    let mut step = 0;
+    while !pending.is_empty() || engine.has_work() {
+        while pending.front().is_some_and(|(at, _)| *at <= step) {
+            let (_, r) = pending.pop_front().expect("a front");
+            let id = engine.add_request(r).unwrap();
+            ids.push(id);
+            got.insert(id, (vec![], None));
+        }
+        for o in engine.step() {
+            let e = got.get_mut(&o.id).unwrap();
+            assert!(e.1.is_none(), "request {} got an event after its end", o.id);
+            match o.event {
+                Event::Token(t, _) => e.0.push(t),
+                Event::Finished(f) => e.1 = Some(f),
+            }
+        }
+        step += 1;
+        assert!(step < 10_000, "the engine does not make progress");
+    }
+    ids.iter().map(|id| got.remove(id).map(|(t, f)| (t, f.expect("every request ends"))).unwrap()).collect()
+}
